@@ -1,0 +1,577 @@
+//! The CPU backend: FlashAttention-2's tiled forward and recomputing
+//! backward, parallel over (batch·head, tile) with rayon.
+//!
+//! Every output element is produced by exactly one task, in an order that
+//! depends neither on scheduling nor on the thread count (only the query
+//! tile height follows the thread count, and no sum runs across query
+//! rows in a way that depends on it), so results are bitwise reproducible.
+
+pub mod element;
+mod kernels;
+pub mod mask;
+pub mod softmax;
+pub mod tiles;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rayon::prelude::*;
+
+use crate::{Buffer, DType, Error, ForwardOutput, Gradients, Problem, Result, Slice};
+use element::Element;
+use kernels::{matmul_acc, matmul_t_acc, transpose_into};
+use mask::{ScoreMask, TileVisibility};
+use softmax::RowState;
+use tiles::TileSizes;
+
+/// Environment variable that sets the number of CPU threads.
+pub const NUM_THREADS_ENV: &str = "FLASHPORT_NUM_THREADS";
+
+/// The thread count of the next call: `FLASHPORT_NUM_THREADS` when set,
+/// otherwise every available core. Read on every call so that it can be
+/// changed at run time.
+pub fn num_threads() -> Result<usize> {
+    match std::env::var(NUM_THREADS_ENV) {
+        Ok(text) => match text.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(Error::Value {
+                argument: NUM_THREADS_ENV.to_string(),
+                value: format!("{text:?}"),
+                reason: "expected a positive integer".to_string(),
+            }),
+        },
+        Err(_) => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+    }
+}
+
+fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
+    let mut pools = POOLS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(pool) = pools.get(&threads) {
+        return Ok(pool.clone());
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("flashport-{i}"))
+        .build()
+        .map_err(|e| Error::Value {
+            argument: NUM_THREADS_ENV.to_string(),
+            value: threads.to_string(),
+            reason: format!("could not start the thread pool: {e}"),
+        })?;
+    let pool = Arc::new(pool);
+    pools.insert(threads, pool.clone());
+    Ok(pool)
+}
+
+/// Runs `f` on the pool of the configured size, with tiles chosen for it.
+fn run_on_pool<R: Send>(
+    problem: &Problem,
+    element_bytes: usize,
+    f: impl FnOnce(TileSizes) -> R + Send,
+) -> Result<R> {
+    let threads = num_threads()?;
+    let tiles = tiles::choose(problem, threads, element_bytes);
+    Ok(thread_pool(threads)?.install(|| f(tiles)))
+}
+
+/// Forward pass on the CPU.
+pub fn forward(
+    problem: &Problem,
+    q: Slice<'_>,
+    k: Slice<'_>,
+    v: Slice<'_>,
+) -> Result<ForwardOutput> {
+    match problem.dtype {
+        DType::F64 => forward_as::<f64>(problem, q, k, v),
+        DType::F32 => forward_as::<f32>(problem, q, k, v),
+        DType::F16 => {
+            let result = forward_as::<f32>(problem, q, k, v)?;
+            Ok(ForwardOutput {
+                out: to_f16(result.out),
+                lse: result.lse,
+            })
+        }
+    }
+}
+
+/// Backward pass on the CPU.
+pub fn backward(
+    problem: &Problem,
+    d_out: Slice<'_>,
+    q: Slice<'_>,
+    k: Slice<'_>,
+    v: Slice<'_>,
+    out: Slice<'_>,
+    lse: Slice<'_>,
+) -> Result<Gradients> {
+    match problem.dtype {
+        DType::F64 => backward_as::<f64>(problem, [d_out, q, k, v, out, lse]),
+        DType::F32 => backward_as::<f32>(problem, [d_out, q, k, v, out, lse]),
+        DType::F16 => {
+            let g = backward_as::<f32>(problem, [d_out, q, k, v, out, lse])?;
+            Ok(Gradients {
+                dq: to_f16(g.dq),
+                dk: to_f16(g.dk),
+                dv: to_f16(g.dv),
+            })
+        }
+    }
+}
+
+fn to_f16(buffer: Buffer) -> Buffer {
+    match buffer {
+        Buffer::F32(v) => Buffer::F16(v.into_iter().map(half::f16::from_f32).collect()),
+        other => other,
+    }
+}
+
+fn forward_as<T: Element>(
+    problem: &Problem,
+    q: Slice<'_>,
+    k: Slice<'_>,
+    v: Slice<'_>,
+) -> Result<ForwardOutput> {
+    let (q, k, v) = (T::view(q), T::view(k), T::view(v));
+    let (out, lse) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
+        forward_typed(problem, tiles, &q, &k, &v)
+    })?;
+    Ok(ForwardOutput {
+        out: T::into_buffer(out),
+        lse: T::into_buffer(lse),
+    })
+}
+
+fn backward_as<T: Element>(problem: &Problem, arrays: [Slice<'_>; 6]) -> Result<Gradients> {
+    let [d_out, q, k, v, out, lse] = arrays.map(T::view);
+    let inputs = BackwardInputs {
+        d_out: &d_out,
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        lse: &lse,
+    };
+    let (dq, dk, dv) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
+        backward_typed(problem, tiles, &inputs)
+    })?;
+    Ok(Gradients {
+        dq: T::into_buffer(dq),
+        dk: T::into_buffer(dk),
+        dv: T::into_buffer(dv),
+    })
+}
+
+/// One unit of parallel work: a tile of rows of one (batch, head) and the
+/// disjoint output rows it owns.
+struct RowTile<'a, T> {
+    /// Flat (batch, head) index: `batch * heads + head`.
+    head: usize,
+    rows: Range<usize>,
+    outputs: [&'a mut [T]; 2],
+}
+
+/// Cuts two outputs of `heads × seq × widths[i]` elements into row tiles.
+fn row_tiles<'a, T>(
+    heads: usize,
+    seq: usize,
+    tile_rows: usize,
+    outputs: [&'a mut [T]; 2],
+    widths: [usize; 2],
+) -> Vec<RowTile<'a, T>> {
+    let mut rest = outputs;
+    let mut tiles = Vec::with_capacity(heads * seq.div_ceil(tile_rows));
+    for head in 0..heads {
+        for start in (0..seq).step_by(tile_rows) {
+            let rows = start..(start + tile_rows).min(seq);
+            let outputs = [0, 1].map(|i| {
+                let (tile, tail) =
+                    std::mem::take(&mut rest[i]).split_at_mut(rows.len() * widths[i]);
+                rest[i] = tail;
+                tile
+            });
+            tiles.push(RowTile {
+                head,
+                rows,
+                outputs,
+            });
+        }
+    }
+    tiles
+}
+
+/// Per-thread working memory, reused across tasks.
+struct Scratch<T> {
+    q_scaled: Vec<T>,
+    k_t: Vec<T>,
+    v_t: Vec<T>,
+    scores: Vec<T>,
+    d_scores: Vec<T>,
+    acc: Vec<T>,
+    acc2: Vec<T>,
+    states: Vec<RowState<T>>,
+}
+
+impl<T: Element> Scratch<T> {
+    fn new(problem: &Problem, tiles: TileSizes) -> Self {
+        let (d, dv) = (problem.head_dim, problem.value_dim);
+        let (bq, bk) = (tiles.q_rows, tiles.k_rows);
+        let widest = d.max(dv);
+        Scratch {
+            q_scaled: vec![T::ZERO; bq * d],
+            k_t: vec![T::ZERO; d * bk],
+            v_t: vec![T::ZERO; dv * bk],
+            scores: vec![T::ZERO; bq * bk],
+            d_scores: vec![T::ZERO; bq * bk],
+            acc: vec![T::ZERO; bq.max(bk) * widest],
+            acc2: vec![T::ZERO; bk * dv],
+            states: vec![RowState::EMPTY; bq],
+        }
+    }
+}
+
+/// Index helpers of one problem in canonical layout.
+struct Layout<'p> {
+    p: &'p Problem,
+}
+
+impl Layout<'_> {
+    /// The key/value head a flat (batch, query head) index reads.
+    fn kv_head(&self, head: usize) -> usize {
+        let (batch, h) = (head / self.p.heads_q, head % self.p.heads_q);
+        batch * self.p.heads_kv + h / self.p.group_size()
+    }
+    fn q_rows<'a, T>(&self, q: &'a [T], head: usize, rows: &Range<usize>) -> &'a [T] {
+        let d = self.p.head_dim;
+        &q[(head * self.p.seq_q + rows.start) * d..(head * self.p.seq_q + rows.end) * d]
+    }
+    fn o_rows<'a, T>(&self, o: &'a [T], head: usize, rows: &Range<usize>) -> &'a [T] {
+        let dv = self.p.value_dim;
+        &o[(head * self.p.seq_q + rows.start) * dv..(head * self.p.seq_q + rows.end) * dv]
+    }
+    fn k_rows<'a, T>(&self, k: &'a [T], kv_head: usize, keys: &Range<usize>) -> &'a [T] {
+        let d = self.p.head_dim;
+        &k[(kv_head * self.p.seq_k + keys.start) * d..(kv_head * self.p.seq_k + keys.end) * d]
+    }
+    fn v_rows<'a, T>(&self, v: &'a [T], kv_head: usize, keys: &Range<usize>) -> &'a [T] {
+        let dv = self.p.value_dim;
+        &v[(kv_head * self.p.seq_k + keys.start) * dv..(kv_head * self.p.seq_k + keys.end) * dv]
+    }
+    fn row_scalars<'a, T>(&self, x: &'a [T], head: usize, rows: &Range<usize>) -> &'a [T] {
+        &x[head * self.p.seq_q + rows.start..head * self.p.seq_q + rows.end]
+    }
+}
+
+fn scale_into<T: Element>(src: &[T], scale: T, dst: &mut [T]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = s * scale;
+    }
+}
+
+fn key_tiles(end: usize, tile: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..end).step_by(tile).map(move |s| s..(s + tile).min(end))
+}
+
+fn forward_typed<T: Element>(
+    problem: &Problem,
+    tiles: TileSizes,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> (Vec<T>, Vec<T>) {
+    let (d, dv) = (problem.head_dim, problem.value_dim);
+    let mut out = vec![T::ZERO; problem.out_len()];
+    let mut lse = vec![T::ZERO; problem.lse_len()];
+    let heads = problem.batch * problem.heads_q;
+    let tasks = row_tiles(
+        heads,
+        problem.seq_q,
+        tiles.q_rows,
+        [&mut out, &mut lse],
+        [dv, 1],
+    );
+    let mask = ScoreMask::new(problem);
+    let layout = Layout { p: problem };
+    let scale = T::from_f64(problem.scale);
+
+    tasks.into_par_iter().for_each_init(
+        || Scratch::<T>::new(problem, tiles),
+        |s,
+         RowTile {
+             head,
+             rows,
+             outputs: [out, lse],
+         }| {
+            let m = rows.len();
+            let kv_head = layout.kv_head(head);
+            let q_scaled = &mut s.q_scaled[..m * d];
+            scale_into(layout.q_rows(q, head, &rows), scale, q_scaled);
+            let states = &mut s.states[..m];
+            states.fill(RowState::EMPTY);
+            let acc = &mut s.acc[..m * dv];
+            acc.fill(T::ZERO);
+
+            for keys in key_tiles(mask.key_end(&rows), tiles.k_rows) {
+                let visibility = mask.classify(&rows, &keys);
+                if visibility == TileVisibility::Hidden {
+                    continue;
+                }
+                let n = keys.len();
+                let k_t = &mut s.k_t[..d * n];
+                transpose_into(layout.k_rows(k, kv_head, &keys), n, d, k_t);
+                let scores = &mut s.scores[..m * n];
+                scores.fill(T::ZERO);
+                matmul_acc(q_scaled, k_t, scores, m, d, n);
+                if visibility == TileVisibility::Partial {
+                    mask.apply(&rows, &keys, scores, n);
+                }
+                for (i, (state, row)) in states
+                    .iter_mut()
+                    .zip(scores.chunks_exact_mut(n))
+                    .enumerate()
+                {
+                    let correction = state.absorb(row);
+                    if correction != T::ONE {
+                        acc[i * dv..(i + 1) * dv]
+                            .iter_mut()
+                            .for_each(|x| *x *= correction);
+                    }
+                }
+                matmul_acc(scores, layout.v_rows(v, kv_head, &keys), acc, m, n, dv);
+            }
+
+            for (i, state) in states.iter().enumerate() {
+                let (normaliser, row_lse) = state.finish();
+                for (o, &a) in out[i * dv..(i + 1) * dv]
+                    .iter_mut()
+                    .zip(&acc[i * dv..(i + 1) * dv])
+                {
+                    *o = a * normaliser;
+                }
+                lse[i] = row_lse;
+            }
+        },
+    );
+    (out, lse)
+}
+
+struct BackwardInputs<'a, T> {
+    d_out: &'a [T],
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    out: &'a [T],
+    lse: &'a [T],
+}
+
+/// Recomputes one tile of probabilities and their score gradients:
+/// `P = exp(S - lse)` into `scores` and `dS = P ∘ (dO·Vᵀ - D)` into
+/// `d_scores`. Expects `s.k_t` and `s.v_t` to hold the key tile and the
+/// value tile transposed, and `q_scaled` the scaled query rows.
+#[allow(clippy::too_many_arguments)]
+fn recompute_tile<T: Element>(
+    problem: &Problem,
+    mask: &ScoreMask<'_>,
+    visibility: TileVisibility,
+    rows: &Range<usize>,
+    keys: &Range<usize>,
+    q_scaled: &[T],
+    d_out_rows: &[T],
+    lse_rows: &[T],
+    delta_rows: &[T],
+    k_t: &[T],
+    v_t: &[T],
+    scores: &mut [T],
+    d_scores: &mut [T],
+) {
+    let (d, dv) = (problem.head_dim, problem.value_dim);
+    let (m, n) = (rows.len(), keys.len());
+    scores.fill(T::ZERO);
+    matmul_acc(q_scaled, k_t, scores, m, d, n);
+    if visibility == TileVisibility::Partial {
+        mask.apply(rows, keys, scores, n);
+    }
+    for (row, &l) in scores.chunks_exact_mut(n).zip(lse_rows) {
+        if l == T::NEG_INFINITY {
+            // The row saw no key in the forward: its probabilities are 0,
+            // and exp(s - lse) would be exp(-inf + inf) = NaN.
+            row.fill(T::ZERO);
+        } else {
+            row.iter_mut().for_each(|s| *s = (*s - l).exp());
+        }
+    }
+    d_scores.fill(T::ZERO);
+    matmul_acc(d_out_rows, v_t, d_scores, m, dv, n);
+    for ((ds_row, p_row), &delta) in d_scores
+        .chunks_exact_mut(n)
+        .zip(scores.chunks_exact(n))
+        .zip(delta_rows)
+    {
+        for (ds, &p) in ds_row.iter_mut().zip(p_row) {
+            *ds = p * (*ds - delta);
+        }
+    }
+}
+
+fn backward_typed<T: Element>(
+    problem: &Problem,
+    tiles: TileSizes,
+    x: &BackwardInputs<'_, T>,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (d, dv) = (problem.head_dim, problem.value_dim);
+    let layout = Layout { p: problem };
+    let mask = ScoreMask::new(problem);
+    let scale = T::from_f64(problem.scale);
+
+    // D = rowsum(dO ∘ O): the term of dS that comes from the softmax
+    // normaliser, computed once instead of in every tile.
+    let delta: Vec<T> = (0..problem.lse_len())
+        .into_par_iter()
+        .map(|r| {
+            let (o, g) = (&x.out[r * dv..(r + 1) * dv], &x.d_out[r * dv..(r + 1) * dv]);
+            o.iter().zip(g).fold(T::ZERO, |a, (&o, &g)| a + o * g)
+        })
+        .collect();
+
+    // dK and dV: one task per key tile, looping over every query row that
+    // reads it (all heads of its GQA group), so no two tasks write the
+    // same gradient and no atomics are needed.
+    let mut dk = vec![T::ZERO; problem.k_len()];
+    let mut dvv = vec![T::ZERO; problem.v_len()];
+    let kv_heads = problem.batch * problem.heads_kv;
+    let key_tasks = row_tiles(
+        kv_heads,
+        problem.seq_k,
+        tiles.k_rows,
+        [&mut dk, &mut dvv],
+        [d, dv],
+    );
+    key_tasks.into_par_iter().for_each_init(
+        || Scratch::<T>::new(problem, tiles),
+        |s,
+         RowTile {
+             head: kv_head,
+             rows: keys,
+             outputs: [dk_out, dv_out],
+         }| {
+            let n = keys.len();
+            transpose_into(
+                layout.k_rows(x.k, kv_head, &keys),
+                n,
+                d,
+                &mut s.k_t[..d * n],
+            );
+            transpose_into(
+                layout.v_rows(x.v, kv_head, &keys),
+                n,
+                dv,
+                &mut s.v_t[..dv * n],
+            );
+            let dk_acc = &mut s.acc[..n * d];
+            dk_acc.fill(T::ZERO);
+            let dv_acc = &mut s.acc2[..n * dv];
+            dv_acc.fill(T::ZERO);
+            let group = problem.group_size();
+            let (batch, kv) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
+            for head in (0..group).map(|g| batch * problem.heads_q + kv * group + g) {
+                for rows in key_tiles(problem.seq_q, tiles.q_rows) {
+                    let visibility = mask.classify(&rows, &keys);
+                    if visibility == TileVisibility::Hidden {
+                        continue;
+                    }
+                    let m = rows.len();
+                    let q_scaled = &mut s.q_scaled[..m * d];
+                    scale_into(layout.q_rows(x.q, head, &rows), scale, q_scaled);
+                    let d_out_rows = layout.o_rows(x.d_out, head, &rows);
+                    let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
+                    recompute_tile(
+                        problem,
+                        &mask,
+                        visibility,
+                        &rows,
+                        &keys,
+                        q_scaled,
+                        d_out_rows,
+                        layout.row_scalars(x.lse, head, &rows),
+                        layout.row_scalars(&delta, head, &rows),
+                        &s.k_t[..d * n],
+                        &s.v_t[..dv * n],
+                        scores,
+                        d_scores,
+                    );
+                    matmul_t_acc(scores, d_out_rows, dv_acc, m, n, dv);
+                    // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
+                    matmul_t_acc(d_scores, q_scaled, dk_acc, m, n, d);
+                }
+            }
+            dk_out.copy_from_slice(dk_acc);
+            dv_out.copy_from_slice(dv_acc);
+        },
+    );
+
+    // dQ: one task per query tile, looping over its visible key tiles.
+    let mut dq = vec![T::ZERO; problem.q_len()];
+    let mut unused: Vec<T> = Vec::new();
+    let heads = problem.batch * problem.heads_q;
+    let query_tasks = row_tiles(
+        heads,
+        problem.seq_q,
+        tiles.q_rows,
+        [&mut dq, &mut unused],
+        [d, 0],
+    );
+    query_tasks.into_par_iter().for_each_init(
+        || Scratch::<T>::new(problem, tiles),
+        |s,
+         RowTile {
+             head,
+             rows,
+             outputs: [dq_out, _],
+         }| {
+            let m = rows.len();
+            let kv_head = layout.kv_head(head);
+            let q_scaled = &mut s.q_scaled[..m * d];
+            scale_into(layout.q_rows(x.q, head, &rows), scale, q_scaled);
+            let dq_acc = &mut s.acc[..m * d];
+            dq_acc.fill(T::ZERO);
+            for keys in key_tiles(mask.key_end(&rows), tiles.k_rows) {
+                let visibility = mask.classify(&rows, &keys);
+                if visibility == TileVisibility::Hidden {
+                    continue;
+                }
+                let n = keys.len();
+                let k_tile = layout.k_rows(x.k, kv_head, &keys);
+                transpose_into(k_tile, n, d, &mut s.k_t[..d * n]);
+                transpose_into(
+                    layout.v_rows(x.v, kv_head, &keys),
+                    n,
+                    dv,
+                    &mut s.v_t[..dv * n],
+                );
+                let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
+                recompute_tile(
+                    problem,
+                    &mask,
+                    visibility,
+                    &rows,
+                    &keys,
+                    q_scaled,
+                    layout.o_rows(x.d_out, head, &rows),
+                    layout.row_scalars(x.lse, head, &rows),
+                    layout.row_scalars(&delta, head, &rows),
+                    &s.k_t[..d * n],
+                    &s.v_t[..dv * n],
+                    scores,
+                    d_scores,
+                );
+                matmul_acc(d_scores, k_tile, dq_acc, m, n, d);
+            }
+            scale_into(dq_acc, scale, dq_out);
+        },
+    );
+    (dq, dk, dvv)
+}

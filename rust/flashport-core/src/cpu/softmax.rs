@@ -1,0 +1,90 @@
+//! The online-softmax step of FlashAttention-2, written once for the CPU.
+//!
+//! A query row keeps a running maximum `m`, a running sum `l` of
+//! `exp(s - m)` and an unnormalised output accumulator. When a new tile of
+//! scores arrives, the maximum may grow; everything accumulated so far was
+//! computed relative to the old maximum and is rescaled by
+//! `exp(m_old - m_new)` so that the final `acc / l` is exact.
+
+use super::element::Element;
+
+/// Running state of one query row.
+#[derive(Debug, Clone, Copy)]
+pub struct RowState<T> {
+    pub max: T,
+    pub sum: T,
+}
+
+impl<T: Element> RowState<T> {
+    pub const EMPTY: Self = RowState {
+        max: T::NEG_INFINITY,
+        sum: T::ZERO,
+    };
+
+    /// Folds one tile of scaled scores into the row. `scores` is
+    /// overwritten with the unnormalised probabilities `exp(s - m_new)`
+    /// (0 where a score is `-inf`), and the factor the caller must apply
+    /// to its output accumulator is returned.
+    #[inline]
+    pub fn absorb(&mut self, scores: &mut [T]) -> T {
+        let tile_max = scores.iter().fold(T::NEG_INFINITY, |a, &b| a.max(b));
+        let new_max = self.max.max(tile_max);
+        if new_max == T::NEG_INFINITY {
+            // Every key seen so far is masked. Subtracting the maximum would
+            // compute -inf - -inf = NaN, so the row stays empty instead.
+            scores.iter_mut().for_each(|s| *s = T::ZERO);
+            return T::ONE;
+        }
+        // The old maximum may be -inf (nothing visible yet); exp(-inf) = 0
+        // then discards the (empty) accumulator, which is what we want.
+        let correction = (self.max - new_max).exp();
+        let mut tile_sum = T::ZERO;
+        for s in scores.iter_mut() {
+            *s = (*s - new_max).exp();
+            tile_sum += *s;
+        }
+        self.sum = self.sum * correction + tile_sum;
+        self.max = new_max;
+        correction
+    }
+
+    /// The normaliser of the accumulator and the row's log-sum-exp. A row
+    /// that saw no key has output 0 and lse `-inf`.
+    #[inline]
+    pub fn finish(&self) -> (T, T) {
+        if self.sum == T::ZERO {
+            (T::ZERO, T::NEG_INFINITY)
+        } else {
+            (T::ONE / self.sum, self.max + self.sum.ln())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_tiles_equal_one_softmax() {
+        let scores = [0.3f64, -1.2, 2.5, 0.0, 4.0, -3.0];
+        let mut whole = RowState::EMPTY;
+        let mut s = scores;
+        whole.absorb(&mut s);
+        let mut split = RowState::EMPTY;
+        let (mut a, mut b) = ([0.3f64, -1.2, 2.5], [0.0f64, 4.0, -3.0]);
+        split.absorb(&mut a);
+        split.absorb(&mut b);
+        assert!((whole.finish().1 - split.finish().1).abs() < 1e-12);
+        let direct = scores.iter().map(|x| x.exp()).sum::<f64>().ln();
+        assert!((whole.finish().1 - direct).abs() < 1e-12);
+    }
+
+    #[test]
+    fn fully_masked_row_stays_finite() {
+        let mut state = RowState::<f32>::EMPTY;
+        let mut s = [f32::NEG_INFINITY; 4];
+        assert_eq!(state.absorb(&mut s), 1.0);
+        assert_eq!(s, [0.0; 4]);
+        assert_eq!(state.finish(), (0.0, f32::NEG_INFINITY));
+    }
+}

@@ -1,0 +1,133 @@
+//! The one place where CPU tile sizes are chosen.
+//!
+//! FlashAttention sizes its key tiles so that the working set of a tile
+//! step fits the fast memory: `B_c = M / (4 d)` with `M` the cache of one
+//! core. On the CPU the cache in question is the core's private L2, read at
+//! run time; the query tile is then shrunk if the problem would otherwise
+//! give some threads no work.
+
+use std::sync::OnceLock;
+
+use crate::Problem;
+
+/// Rows of a query tile and of a key/value tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileSizes {
+    pub q_rows: usize,
+    pub k_rows: usize,
+}
+
+const FALLBACK_CACHE_BYTES: usize = 512 * 1024;
+const MIN_KEY_ROWS: usize = 16;
+const MAX_KEY_ROWS: usize = 256;
+const MAX_QUERY_ROWS: usize = 64;
+const MIN_QUERY_ROWS: usize = 8;
+/// Tasks per thread below which query tiles are shrunk, so that rayon's
+/// work stealing can even out causal tiles of unequal cost.
+const TASKS_PER_THREAD: usize = 4;
+
+/// Size in bytes of the largest cache private to one core (L2 on current
+/// x86 and Arm parts), read once from sysfs; a conservative default where
+/// it cannot be read.
+pub fn per_core_cache_bytes() -> usize {
+    static CACHE: OnceLock<usize> = OnceLock::new();
+    *CACHE.get_or_init(|| read_per_core_cache().unwrap_or(FALLBACK_CACHE_BYTES))
+}
+
+fn read_per_core_cache() -> Option<usize> {
+    let base = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    let mut best = None;
+    for entry in std::fs::read_dir(base).ok()? {
+        let dir = entry.ok()?.path();
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+        let Some(shared) = read("shared_cpu_list") else {
+            continue;
+        };
+        let kind = read("type").unwrap_or_default();
+        // A cache listed for one CPU (or its SMT sibling pair) is private.
+        let private = !shared.contains(',') && shared.trim().split('-').count() <= 2;
+        if kind.trim() == "Instruction" || !private {
+            continue;
+        }
+        let size = parse_size(read("size")?.trim())?;
+        best = Some(best.map_or(size, |b: usize| b.max(size)));
+    }
+    best
+}
+
+fn parse_size(text: &str) -> Option<usize> {
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit())?);
+    let n: usize = digits.parse().ok()?;
+    match unit {
+        "K" => Some(n * 1024),
+        "M" => Some(n * 1024 * 1024),
+        _ => None,
+    }
+}
+
+/// Tile sizes for a problem run on `threads` threads.
+pub fn choose(problem: &Problem, threads: usize, element_bytes: usize) -> TileSizes {
+    choose_for_cache(problem, threads, element_bytes, per_core_cache_bytes())
+}
+
+fn choose_for_cache(
+    problem: &Problem,
+    threads: usize,
+    element_bytes: usize,
+    cache_bytes: usize,
+) -> TileSizes {
+    let widest = problem.head_dim.max(problem.value_dim).max(1);
+    let k_rows = (cache_bytes / (4 * widest * element_bytes))
+        .clamp(MIN_KEY_ROWS, MAX_KEY_ROWS)
+        .next_multiple_of(8);
+    let rows_per_head = problem.batch * problem.heads_q;
+    let wanted_tasks = threads * TASKS_PER_THREAD;
+    let tiles_per_head = wanted_tasks.div_ceil(rows_per_head.max(1));
+    let q_rows = problem
+        .seq_q
+        .div_ceil(tiles_per_head)
+        .next_multiple_of(MIN_QUERY_ROWS)
+        .clamp(MIN_QUERY_ROWS, MAX_QUERY_ROWS);
+    TileSizes { q_rows, k_rows }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{validate_forward, ArrayInfo, Options};
+
+    fn problem(heads: usize, seq: usize, d: usize) -> Problem {
+        let q = [1, heads, seq, d];
+        validate_forward(
+            ArrayInfo::new(&q, "float32"),
+            ArrayInfo::new(&q, "float32"),
+            ArrayInfo::new(&q, "float32"),
+            &Options::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn key_tiles_follow_the_cache() {
+        let small = choose_for_cache(&problem(8, 4096, 64), 2, 4, 256 * 1024);
+        let large = choose_for_cache(&problem(8, 4096, 64), 2, 4, 1024 * 1024);
+        assert_eq!(small.k_rows, 256 * 1024 / (4 * 64 * 4));
+        assert!(large.k_rows >= small.k_rows);
+        assert!(large.k_rows <= MAX_KEY_ROWS);
+        let wide = choose_for_cache(&problem(8, 4096, 256), 2, 4, 256 * 1024);
+        assert_eq!(wide.k_rows, 64);
+    }
+
+    #[test]
+    fn one_head_is_split_across_threads() {
+        let t = choose_for_cache(&problem(1, 1000, 64), 8, 4, 512 * 1024);
+        assert!(1000usize.div_ceil(t.q_rows) >= 8);
+    }
+
+    #[test]
+    fn parses_sysfs_sizes() {
+        assert_eq!(parse_size("512K"), Some(512 * 1024));
+        assert_eq!(parse_size("32M"), Some(32 * 1024 * 1024));
+        assert_eq!(parse_size("abc"), None);
+    }
+}
