@@ -1,1 +1,312 @@
+//! Thin Python bindings of flashport-core: NumPy arrays in and out, the GIL
+//! released while the core computes, core errors mapped to flashport's
+//! Python exceptions. No attention logic lives here.
 
+use std::borrow::Cow;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use flashport_core as core;
+use flashport_core::{f16, ArrayInfo, Buffer, DType, Device, Options, Problem, Slice};
+use numpy::{
+    Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+/// Raises the flashport exception class (defined in `flashport._errors`)
+/// that corresponds to a core error.
+fn to_py_err(py: Python<'_>, err: core::Error) -> PyErr {
+    let class = match &err {
+        core::Error::Shape(_) => "ShapeError",
+        core::Error::DType { .. } => "DTypeError",
+        core::Error::Value { .. } => "InvalidArgumentError",
+        core::Error::BackendUnavailable(_) => "BackendUnavailableError",
+        core::Error::TooLarge(_) => "ProblemTooLargeError",
+        core::Error::Gpu(_) => "GpuError",
+    };
+    raise(py, class, err.to_string())
+}
+
+fn raise(py: Python<'_>, class: &str, message: String) -> PyErr {
+    let class = py
+        .import("flashport._errors")
+        .and_then(|module| module.getattr(class));
+    match class {
+        Ok(class) => match class.call1((message,)) {
+            Ok(instance) => PyErr::from_value(instance),
+            Err(e) => e,
+        },
+        Err(e) => e,
+    }
+}
+
+/// Runs the core outside the GIL. A panic (a bug) becomes
+/// `flashport.InternalError` instead of crossing into Python.
+fn run_detached<R: Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> core::Result<R> + Send,
+) -> PyResult<R> {
+    match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(to_py_err(py, err)),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(raise(
+                py,
+                "InternalError",
+                format!("flashport hit an internal error (please report it): {what}"),
+            ))
+        }
+    }
+}
+
+/// Shape and dtype name of an argument, for validation.
+struct ArgMeta {
+    shape: Vec<usize>,
+    dtype: String,
+}
+
+impl ArgMeta {
+    fn read(name: &str, array: &Bound<'_, PyAny>) -> PyResult<ArgMeta> {
+        let untyped = array.cast::<PyUntypedArray>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{name} must be a numpy.ndarray, got {}",
+                array
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".to_string(), |n| n.to_string())
+            ))
+        })?;
+        let dtype = untyped.dtype().getattr("name")?.extract::<String>()?;
+        Ok(ArgMeta {
+            shape: untyped.shape().to_vec(),
+            dtype,
+        })
+    }
+    fn info(&self) -> ArrayInfo<'_> {
+        ArrayInfo::new(&self.shape, &self.dtype)
+    }
+}
+
+/// An input array held for the duration of a call: the NumPy borrow, and
+/// its data as one contiguous row-major slice (copied only when the array
+/// is not C-contiguous).
+enum Held<'py> {
+    F16(PyReadonlyArrayDyn<'py, f16>),
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    F64(PyReadonlyArrayDyn<'py, f64>),
+}
+
+enum Contiguous<'a> {
+    F16(Cow<'a, [f16]>),
+    F32(Cow<'a, [f32]>),
+    F64(Cow<'a, [f64]>),
+}
+
+fn contiguous<'a, T: Element + Clone>(array: &'a PyReadonlyArrayDyn<'_, T>) -> Cow<'a, [T]> {
+    let view = array.as_array();
+    match view.to_slice() {
+        Some(slice) => Cow::Borrowed(slice),
+        None => Cow::Owned(view.iter().cloned().collect()),
+    }
+}
+
+impl<'py> Held<'py> {
+    fn new(array: &Bound<'py, PyAny>, dtype: DType) -> PyResult<Held<'py>> {
+        Ok(match dtype {
+            DType::F16 => Held::F16(array.extract()?),
+            DType::F32 => Held::F32(array.extract()?),
+            DType::F64 => Held::F64(array.extract()?),
+        })
+    }
+    fn contiguous(&self) -> Contiguous<'_> {
+        match self {
+            Held::F16(a) => Contiguous::F16(contiguous(a)),
+            Held::F32(a) => Contiguous::F32(contiguous(a)),
+            Held::F64(a) => Contiguous::F64(contiguous(a)),
+        }
+    }
+}
+
+impl Contiguous<'_> {
+    fn slice(&self) -> Slice<'_> {
+        match self {
+            Contiguous::F16(c) => Slice::F16(c),
+            Contiguous::F32(c) => Slice::F32(c),
+            Contiguous::F64(c) => Slice::F64(c),
+        }
+    }
+}
+
+fn lse_dtype(meta: &ArgMeta) -> DType {
+    // validate_backward has accepted only float32 and float64 here.
+    DType::from_numpy_name(&meta.dtype).unwrap_or(DType::F32)
+}
+
+fn to_numpy<'py>(py: Python<'py>, buffer: Buffer, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+    let array = match buffer {
+        Buffer::F16(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
+        Buffer::F32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
+        Buffer::F64(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
+    };
+    Ok(array)
+}
+
+fn parse_device(py: Python<'_>, device: Option<&str>) -> PyResult<Device> {
+    Device::parse(device).map_err(|e| to_py_err(py, e))
+}
+
+fn validated<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
+    result.map_err(|e| to_py_err(py, e))
+}
+
+/// attention(q, k, v, causal, scale, device) -> (o, lse)
+///
+/// The private entry point behind `flashport.attention`; see its docstring
+/// for the contract.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, causal, scale, device))]
+fn attention<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    causal: bool,
+    scale: Option<f64>,
+    device: Option<&str>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let metas = [
+        ArgMeta::read("q", q)?,
+        ArgMeta::read("k", k)?,
+        ArgMeta::read("v", v)?,
+    ];
+    let options = Options { causal, scale };
+    let problem = validated(
+        py,
+        core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
+    )?;
+    let device = parse_device(py, device)?;
+    let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
+    let [q, k, v] = held;
+    let (q, k, v) = (q?, k?, v?);
+    let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
+    let (qs, ks, vs) = (qc.slice(), kc.slice(), vc.slice());
+    let result = run_detached(py, || core::attention(device, &problem, qs, ks, vs))?;
+    Ok((
+        to_numpy(py, result.out, &problem.out_shape())?,
+        to_numpy(py, result.lse, &problem.lse_shape())?,
+    ))
+}
+
+/// attention_backward(do, q, k, v, o, lse, causal, scale, device) -> (dq, dk, dv)
+///
+/// The private entry point behind `flashport.attention_backward`.
+#[pyfunction]
+#[pyo3(signature = (d_out, q, k, v, out, lse, causal, scale, device))]
+#[allow(clippy::too_many_arguments)]
+fn attention_backward<'py>(
+    py: Python<'py>,
+    d_out: &Bound<'py, PyAny>,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    lse: &Bound<'py, PyAny>,
+    causal: bool,
+    scale: Option<f64>,
+    device: Option<&str>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let names = ["do", "q", "k", "v", "o", "lse"];
+    let arrays = [d_out, q, k, v, out, lse];
+    let metas = names
+        .iter()
+        .zip(arrays)
+        .map(|(name, a)| ArgMeta::read(name, a))
+        .collect::<PyResult<Vec<_>>>()?;
+    let options = Options { causal, scale };
+    let problem: Problem = validated(
+        py,
+        core::validate_backward(
+            metas[0].info(),
+            metas[1].info(),
+            metas[2].info(),
+            metas[3].info(),
+            metas[4].info(),
+            metas[5].info(),
+            &options,
+        ),
+    )?;
+    let device = parse_device(py, device)?;
+    let held = arrays
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let dtype = if i == 5 {
+                lse_dtype(&metas[5])
+            } else {
+                problem.dtype
+            };
+            Held::new(a, dtype)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let contiguous: Vec<Contiguous<'_>> = held.iter().map(Held::contiguous).collect();
+    let s: Vec<Slice<'_>> = contiguous.iter().map(Contiguous::slice).collect();
+    let grads = run_detached(py, || {
+        core::attention_backward(device, &problem, s[0], s[1], s[2], s[3], s[4], s[5])
+    })?;
+    Ok((
+        to_numpy(py, grads.dq, &problem.q_shape())?,
+        to_numpy(py, grads.dk, &problem.k_shape())?,
+        to_numpy(py, grads.dv, &problem.v_shape())?,
+    ))
+}
+
+/// devices() -> list[dict]: the CPU and every GPU adapter flashport can use.
+#[pyfunction]
+fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    let cpu = PyDict::new(py);
+    cpu.set_item("device", "cpu")?;
+    cpu.set_item("backend", "cpu")?;
+    cpu.set_item("name", std::env::consts::ARCH)?;
+    cpu.set_item("type", "cpu")?;
+    cpu.set_item("threads", validated(py, core::cpu::num_threads())?)?;
+    cpu.set_item(
+        "cache_bytes_per_core",
+        core::cpu::tiles::per_core_cache_bytes(),
+    )?;
+    list.append(cpu)?;
+    let adapters = py
+        .detach(|| catch_unwind(core::gpu::adapters))
+        .unwrap_or_default();
+    for adapter in adapters {
+        let entry = PyDict::new(py);
+        entry.set_item("device", "gpu")?;
+        entry.set_item("backend", adapter.backend)?;
+        entry.set_item("name", adapter.name)?;
+        entry.set_item("type", adapter.device_type)?;
+        entry.set_item("driver", adapter.driver)?;
+        let limits = PyDict::new(py);
+        for (name, value) in adapter.limits {
+            limits.set_item(name, value)?;
+        }
+        entry.set_item("limits", limits)?;
+        entry.set_item("features", adapter.features)?;
+        list.append(entry)?;
+    }
+    Ok(list)
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(attention, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(devices, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

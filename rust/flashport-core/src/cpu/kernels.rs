@@ -14,16 +14,51 @@ pub fn axpy<T: Element>(y: &mut [T], a: T, x: &[T]) {
     }
 }
 
-/// Copies the `rows × cols` matrix `src` into `dst` transposed
-/// (`cols × rows`), so that a later product can stream over rows of `src`
-/// with unit stride.
-pub fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
-    if cols == 0 {
+/// Number of independent partial sums of a dot product. Splitting the sum
+/// keeps its rounding error close to that of a BLAS dot kernel (sequential
+/// accumulation over a head dimension of 256 loses several bits in
+/// float32, and a peaked softmax turns score errors into output errors), and
+/// the lanes map onto SIMD registers.
+const DOT_LANES: usize = 8;
+
+/// `a · b` over `DOT_LANES` partial sums, added pairwise at the end: the
+/// same order on every call, so the result is reproducible.
+#[inline(always)]
+pub fn dot<T: Element>(a: &[T], b: &[T]) -> T {
+    let mut lanes = [T::ZERO; DOT_LANES];
+    let (a_chunks, b_chunks) = (a.chunks_exact(DOT_LANES), b.chunks_exact(DOT_LANES));
+    let (a_tail, b_tail) = (a_chunks.remainder(), b_chunks.remainder());
+    for (x, y) in a_chunks.zip(b_chunks) {
+        for l in 0..DOT_LANES {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    for (l, (&x, &y)) in a_tail.iter().zip(b_tail).enumerate() {
+        lanes[l] += x * y;
+    }
+    let mut width = DOT_LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            lanes[l] = lanes[l] + lanes[l + width];
+        }
+    }
+    lanes[0]
+}
+
+/// `c = a · bᵀ` with `a` `m × k`, `b` `n × k`, `c` `m × n`: every element
+/// a [`dot`] of two contiguous rows.
+pub fn matmul_nt<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usize, n: usize) {
+    if n == 0 {
         return;
     }
-    for (r, row) in src.chunks_exact(cols).take(rows).enumerate() {
-        for (c, &x) in row.iter().enumerate() {
-            dst[c * rows + r] = x;
+    if k == 0 {
+        c[..m * n].fill(T::ZERO);
+        return;
+    }
+    for (a_row, c_row) in a.chunks_exact(k).zip(c.chunks_exact_mut(n)).take(m) {
+        for (c, b_row) in c_row.iter_mut().zip(b.chunks_exact(k)) {
+            *c = dot(a_row, b_row);
         }
     }
 }
@@ -55,6 +90,20 @@ pub fn matmul_t_acc<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Copies the `rows × cols` matrix `src` into `dst` transposed
+    /// (`cols × rows`), so that a later product can stream over rows of `src`
+    /// with unit stride.
+    fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
+        if cols == 0 {
+            return;
+        }
+        for (r, row) in src.chunks_exact(cols).take(rows).enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                dst[c * rows + r] = x;
+            }
+        }
+    }
 
     fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
         let mut c = vec![0.0; m * n];
@@ -95,6 +144,12 @@ mod tests {
 
         let mut c = vec![0.0; m * n];
         matmul_acc(&a, &b, &mut c, m, k, n);
+        assert!(c.iter().zip(&want).all(|(x, y)| (x - y).abs() < 1e-12));
+
+        let mut b_t = vec![0.0; n * k];
+        transpose_into(&b, k, n, &mut b_t);
+        let mut c = vec![5.0; m * n];
+        matmul_nt(&a, &b_t, &mut c, m, k, n);
         assert!(c.iter().zip(&want).all(|(x, y)| (x - y).abs() < 1e-12));
 
         let mut a_t = vec![0.0; k * m];

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use crate::{Buffer, DType, Error, ForwardOutput, Gradients, Problem, Result, Slice};
 use element::Element;
-use kernels::{matmul_acc, matmul_t_acc, transpose_into};
+use kernels::{matmul_acc, matmul_nt, matmul_t_acc};
 use mask::{ScoreMask, TileVisibility};
 use softmax::RowState;
 use tiles::TileSizes;
@@ -207,8 +207,6 @@ fn row_tiles<'a, T>(
 /// Per-thread working memory, reused across tasks.
 struct Scratch<T> {
     q_scaled: Vec<T>,
-    k_t: Vec<T>,
-    v_t: Vec<T>,
     scores: Vec<T>,
     d_scores: Vec<T>,
     acc: Vec<T>,
@@ -223,8 +221,6 @@ impl<T: Element> Scratch<T> {
         let widest = d.max(dv);
         Scratch {
             q_scaled: vec![T::ZERO; bq * d],
-            k_t: vec![T::ZERO; d * bk],
-            v_t: vec![T::ZERO; dv * bk],
             scores: vec![T::ZERO; bq * bk],
             d_scores: vec![T::ZERO; bq * bk],
             acc: vec![T::ZERO; bq.max(bk) * widest],
@@ -321,11 +317,8 @@ fn forward_typed<T: Element>(
                     continue;
                 }
                 let n = keys.len();
-                let k_t = &mut s.k_t[..d * n];
-                transpose_into(layout.k_rows(k, kv_head, &keys), n, d, k_t);
                 let scores = &mut s.scores[..m * n];
-                scores.fill(T::ZERO);
-                matmul_acc(q_scaled, k_t, scores, m, d, n);
+                matmul_nt(q_scaled, layout.k_rows(k, kv_head, &keys), scores, m, d, n);
                 if visibility == TileVisibility::Partial {
                     mask.apply(&rows, &keys, scores, n);
                 }
@@ -370,8 +363,7 @@ struct BackwardInputs<'a, T> {
 
 /// Recomputes one tile of probabilities and their score gradients:
 /// `P = exp(S - lse)` into `scores` and `dS = P ∘ (dO·Vᵀ - D)` into
-/// `d_scores`. Expects `s.k_t` and `s.v_t` to hold the key tile and the
-/// value tile transposed, and `q_scaled` the scaled query rows.
+/// `d_scores`, from the scaled query rows and the key and value rows.
 #[allow(clippy::too_many_arguments)]
 fn recompute_tile<T: Element>(
     problem: &Problem,
@@ -383,15 +375,14 @@ fn recompute_tile<T: Element>(
     d_out_rows: &[T],
     lse_rows: &[T],
     delta_rows: &[T],
-    k_t: &[T],
-    v_t: &[T],
+    k_rows: &[T],
+    v_rows: &[T],
     scores: &mut [T],
     d_scores: &mut [T],
 ) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (m, n) = (rows.len(), keys.len());
-    scores.fill(T::ZERO);
-    matmul_acc(q_scaled, k_t, scores, m, d, n);
+    matmul_nt(q_scaled, k_rows, scores, m, d, n);
     if visibility == TileVisibility::Partial {
         mask.apply(rows, keys, scores, n);
     }
@@ -404,8 +395,7 @@ fn recompute_tile<T: Element>(
             row.iter_mut().for_each(|s| *s = (*s - l).exp());
         }
     }
-    d_scores.fill(T::ZERO);
-    matmul_acc(d_out_rows, v_t, d_scores, m, dv, n);
+    matmul_nt(d_out_rows, v_rows, d_scores, m, dv, n);
     for ((ds_row, p_row), &delta) in d_scores
         .chunks_exact_mut(n)
         .zip(scores.chunks_exact(n))
@@ -459,18 +449,8 @@ fn backward_typed<T: Element>(
              outputs: [dk_out, dv_out],
          }| {
             let n = keys.len();
-            transpose_into(
-                layout.k_rows(x.k, kv_head, &keys),
-                n,
-                d,
-                &mut s.k_t[..d * n],
-            );
-            transpose_into(
-                layout.v_rows(x.v, kv_head, &keys),
-                n,
-                dv,
-                &mut s.v_t[..dv * n],
-            );
+            let k_rows = layout.k_rows(x.k, kv_head, &keys);
+            let v_rows = layout.v_rows(x.v, kv_head, &keys);
             let dk_acc = &mut s.acc[..n * d];
             dk_acc.fill(T::ZERO);
             let dv_acc = &mut s.acc2[..n * dv];
@@ -498,8 +478,8 @@ fn backward_typed<T: Element>(
                         d_out_rows,
                         layout.row_scalars(x.lse, head, &rows),
                         layout.row_scalars(&delta, head, &rows),
-                        &s.k_t[..d * n],
-                        &s.v_t[..dv * n],
+                        k_rows,
+                        v_rows,
                         scores,
                         d_scores,
                     );
@@ -545,13 +525,6 @@ fn backward_typed<T: Element>(
                 }
                 let n = keys.len();
                 let k_tile = layout.k_rows(x.k, kv_head, &keys);
-                transpose_into(k_tile, n, d, &mut s.k_t[..d * n]);
-                transpose_into(
-                    layout.v_rows(x.v, kv_head, &keys),
-                    n,
-                    dv,
-                    &mut s.v_t[..dv * n],
-                );
                 let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
                 recompute_tile(
                     problem,
@@ -563,8 +536,8 @@ fn backward_typed<T: Element>(
                     layout.o_rows(x.d_out, head, &rows),
                     layout.row_scalars(x.lse, head, &rows),
                     layout.row_scalars(&delta, head, &rows),
-                    &s.k_t[..d * n],
-                    &s.v_t[..dv * n],
+                    k_tile,
+                    layout.v_rows(x.v, kv_head, &keys),
                     scores,
                     d_scores,
                 );

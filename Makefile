@@ -1,0 +1,36 @@
+# The command surface of flashport: CI, pre-commit habits and the README
+# all go through these targets.
+.PHONY: setup run test lint test-rust test-python bench-gpu clean
+
+# Mesa's WSI layer warns on every instance creation when this is unset.
+export XDG_RUNTIME_DIR ?= /tmp/flashport-xdg-runtime
+PY := .venv/bin/python
+
+setup:
+	@mkdir -p -m 700 $(XDG_RUNTIME_DIR)
+	@scripts/setup.sh
+
+## Sets everything up and runs the main job.
+run: setup
+	$(PY) -m flashport
+
+## Sets everything up and runs every test: lints, Rust tests (the shaders
+## validated by naga, the GPU kernels on the Vulkan adapter), and the Python
+## suites on the CPU and on the GPU. A missing GPU adapter is a failure here.
+test: setup lint test-rust test-python
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	.venv/bin/ruff check python tests
+	.venv/bin/ruff format --check python tests
+
+test-rust:
+	FLASHPORT_REQUIRE_GPU=1 cargo test --workspace --quiet
+
+test-python:
+	FLASHPORT_REQUIRE_GPU=1 $(PY) -m pytest
+
+clean:
+	cargo clean
+	rm -rf .venv .pytest_cache .hypothesis .ruff_cache

@@ -1,0 +1,41 @@
+"""flashport: exact FlashAttention-2, forward and backward, for NumPy arrays,
+on the CPU (multi-threaded, tiled) and on any GPU that wgpu reaches.
+
+>>> import numpy as np, flashport
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = (rng.standard_normal((2, 8, 128, 64), dtype=np.float32) for _ in range(3))
+>>> o, lse = flashport.attention(q, k, v, causal=True, return_lse=True)
+>>> dq, dk, dv = flashport.attention_backward(np.ones_like(o), q, k, v, o, lse, causal=True)
+"""
+
+from __future__ import annotations
+
+from . import reference
+from ._attention import attention, attention_backward, devices
+from ._core import __version__
+from ._errors import (
+    BackendUnavailableError,
+    DTypeError,
+    FlashportError,
+    GpuError,
+    InternalError,
+    InvalidArgumentError,
+    ProblemTooLargeError,
+    ShapeError,
+)
+
+__all__ = [
+    "BackendUnavailableError",
+    "DTypeError",
+    "FlashportError",
+    "GpuError",
+    "InternalError",
+    "InvalidArgumentError",
+    "ProblemTooLargeError",
+    "ShapeError",
+    "__version__",
+    "attention",
+    "attention_backward",
+    "devices",
+    "reference",
+]

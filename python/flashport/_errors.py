@@ -1,0 +1,55 @@
+"""Exceptions raised by flashport.
+
+Each error of the Rust core maps to one class here, and each class also
+derives from the built-in exception a NumPy user would expect, so
+``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "DTypeError",
+    "FlashportError",
+    "GpuError",
+    "InternalError",
+    "InvalidArgumentError",
+    "ProblemTooLargeError",
+    "ShapeError",
+]
+
+
+class FlashportError(Exception):
+    """Base class of every error flashport raises."""
+
+
+class ShapeError(FlashportError, ValueError):
+    """An array has the wrong number of dimensions, or sizes that disagree
+    with the other arguments. The message names the argument and the shapes."""
+
+
+class DTypeError(FlashportError, TypeError):
+    """An array has a dtype flashport cannot compute in, the arrays' dtypes
+    differ, or the device cannot compute in that dtype."""
+
+
+class InvalidArgumentError(FlashportError, ValueError):
+    """A scalar or string argument (``scale``, ``device``, an environment
+    variable) has an invalid value."""
+
+
+class BackendUnavailableError(FlashportError, RuntimeError):
+    """The requested device cannot be used on this machine; the message says why."""
+
+
+class ProblemTooLargeError(FlashportError, ValueError):
+    """The problem exceeds what the device can address, even when split."""
+
+
+class GpuError(FlashportError, RuntimeError):
+    """The GPU failed while running (lost device, failed submission). The CPU
+    path keeps working, and a later GPU call starts afresh."""
+
+
+class InternalError(FlashportError, RuntimeError):
+    """A bug in flashport. Please report it with the message."""

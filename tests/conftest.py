@@ -1,0 +1,59 @@
+"""Shared test setup: hypothesis profiles and the one backend fixture that
+runs every property on every device."""
+
+from __future__ import annotations
+
+import os
+
+import flashport
+import pytest
+from hypothesis import HealthCheck, settings
+
+# "ci" keeps the default suite to a few minutes on two cores; "slow" is for
+# a long hunt (HYPOTHESIS_PROFILE=slow pytest).
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        # The backend fixture is an immutable device name.
+        HealthCheck.function_scoped_fixture,
+    ],
+    derandomize=True,
+)
+settings.register_profile(
+    "slow",
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        # The backend fixture is an immutable device name.
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def gpu_adapters() -> list[dict]:
+    return [d for d in flashport.devices() if d["device"] == "gpu"]
+
+
+def _gpu_param():
+    # CI sets FLASHPORT_REQUIRE_GPU=1 and installs lavapipe: there a missing
+    # adapter is a failure, never a skip.
+    if gpu_adapters() or os.environ.get("FLASHPORT_REQUIRE_GPU") == "1":
+        return pytest.param("gpu", id="gpu")
+    return pytest.param(
+        "gpu", id="gpu", marks=pytest.mark.skip(reason="no GPU adapter (install lavapipe)")
+    )
+
+
+@pytest.fixture(params=["cpu", _gpu_param()])
+def backend(request) -> str:
+    """The device string every property runs on: "cpu" and "gpu"."""
+    if request.param == "gpu" and not gpu_adapters():
+        pytest.fail("FLASHPORT_REQUIRE_GPU=1 but flashport.devices() lists no GPU adapter")
+    return request.param

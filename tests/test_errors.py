@@ -1,0 +1,122 @@
+"""Bad input gets a specific exception whose message names the argument and
+the values seen; nothing crashes, and the library keeps working afterwards."""
+
+from __future__ import annotations
+
+import flashport
+import numpy as np
+import pytest
+from flashport import DTypeError, InvalidArgumentError, ShapeError
+
+rng = np.random.default_rng(2)
+
+
+def arr(*shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+Q, K, V = arr(2, 4, 10, 8), arr(2, 2, 12, 8), arr(2, 2, 12, 6)
+
+FORWARD_SHAPE_ERRORS = [
+    ((arr(10), K, V), ["q", "(10,)", "1 dimensions"]),
+    ((arr(1, 2, 2, 10, 8), K, V), ["q", "5 dimensions"]),
+    ((Q, arr(3, 2, 12, 8), arr(3, 2, 12, 6)), ["batch", "q: 2", "k: 3"]),
+    ((Q, K, arr(2, 1, 12, 6)), ["k and v", "heads", "k: 2", "v: 1"]),
+    ((arr(2, 6, 10, 8), arr(2, 4, 12, 8), arr(2, 4, 12, 6)), ["(4)", "(6)", "divide"]),
+    ((Q, K, arr(2, 2, 11, 6)), ["sequence length", "k: 12", "v: 11"]),
+    ((Q, arr(2, 2, 12, 9), V), ["head dimension", "q: 8", "k: 9"]),
+    ((arr(4, 10, 8), K, V), ["same number of dimensions"]),
+    ((arr(2, 4, 10, 0), arr(2, 2, 12, 0), V), ["at least 1"]),
+]
+
+
+@pytest.mark.parametrize("args,fragments", FORWARD_SHAPE_ERRORS)
+def test_forward_shape_errors_name_the_problem(backend, args, fragments):
+    with pytest.raises(ShapeError) as info:
+        flashport.attention(*args, device=backend)
+    assert isinstance(info.value, ValueError)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, np.complex64, np.bool_, object])
+def test_unsupported_dtype_is_a_type_error_naming_it(backend, dtype):
+    bad = Q.astype(dtype)
+    with pytest.raises(TypeError) as info:
+        flashport.attention(bad, bad, bad, device=backend)
+    assert isinstance(info.value, DTypeError)
+    assert np.dtype(dtype).name in str(info.value)
+
+
+def test_mixed_dtypes_are_rejected(backend):
+    with pytest.raises(DTypeError, match=r"k has dtype float64.*q has dtype float32"):
+        flashport.attention(Q, K.astype(np.float64), V, device=backend)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scale(backend, scale):
+    with pytest.raises(InvalidArgumentError, match="scale"):
+        flashport.attention(Q, K, V, scale=scale, device=backend)
+
+
+def test_unknown_device():
+    with pytest.raises(InvalidArgumentError, match=r"device=\"tpu\""):
+        flashport.attention(Q, K, V, device="tpu")
+
+
+def test_bad_environment_variables(monkeypatch):
+    monkeypatch.setenv("FLASHPORT_DEVICE", "quantum")
+    with pytest.raises(InvalidArgumentError, match="FLASHPORT_DEVICE"):
+        flashport.attention(Q, K, V)
+    monkeypatch.delenv("FLASHPORT_DEVICE")
+    monkeypatch.setenv("FLASHPORT_NUM_THREADS", "0")
+    with pytest.raises(InvalidArgumentError, match="FLASHPORT_NUM_THREADS"):
+        flashport.attention(Q, K, V, device="cpu")
+    monkeypatch.setenv("FLASHPORT_NUM_THREADS", "two")
+    with pytest.raises(InvalidArgumentError, match="two"):
+        flashport.attention(Q, K, V, device="cpu")
+
+
+def test_not_an_array():
+    with pytest.raises((TypeError, ValueError)):
+        flashport.attention("not an array", K, V)
+
+
+def _forward(backend):
+    out, lse = flashport.attention(Q, K, V, return_lse=True, device=backend)
+    return out, lse, np.cos(out)
+
+
+def test_backward_shape_and_dtype_errors(backend):
+    out, lse, do = _forward(backend)
+    with pytest.raises(ShapeError, match=r"do has shape \(2, 4, 10, 5\).*\(2, 4, 10, 6\)"):
+        flashport.attention_backward(do[..., :5], Q, K, V, out, lse, device=backend)
+    with pytest.raises(ShapeError, match=r"o has shape"):
+        flashport.attention_backward(do, Q, K, V, out[:, :2], lse, device=backend)
+    with pytest.raises(ShapeError, match=r"lse has shape \(2, 4, 9\).*\(2, 4, 10\)"):
+        flashport.attention_backward(do, Q, K, V, out, lse[..., :9], device=backend)
+    with pytest.raises(DTypeError, match="o has dtype float64"):
+        flashport.attention_backward(do, Q, K, V, out.astype(np.float64), lse, device=backend)
+    with pytest.raises(DTypeError, match="lse has dtype float16"):
+        flashport.attention_backward(do, Q, K, V, out, lse.astype(np.float16), device=backend)
+    with pytest.raises(ShapeError, match="divide"):
+        flashport.attention_backward(
+            do, Q, arr(2, 3, 12, 8), arr(2, 3, 12, 6), out, lse, device=backend
+        )
+
+
+def test_library_keeps_working_after_errors(backend):
+    for args, _ in FORWARD_SHAPE_ERRORS:
+        with pytest.raises(ShapeError):
+            flashport.attention(*args, device=backend)
+    out = flashport.attention(Q, K, V, device=backend)
+    assert np.isfinite(out).all() and out.shape == (2, 4, 10, 6)
+
+
+def test_exception_hierarchy():
+    assert issubclass(flashport.ShapeError, ValueError)
+    assert issubclass(flashport.DTypeError, TypeError)
+    assert issubclass(flashport.BackendUnavailableError, RuntimeError)
+    assert issubclass(flashport.GpuError, RuntimeError)
+    for cls in (flashport.ShapeError, flashport.DTypeError, flashport.GpuError):
+        assert issubclass(cls, flashport.FlashportError)

@@ -1,0 +1,68 @@
+"""The main job and the extension's stubs, as a user would run them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import gpu_adapters
+
+
+def test_main_job_runs_and_checks_every_device(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashport",
+            "--seq",
+            "96",
+            "--heads",
+            "2",
+            "--dim",
+            "32",
+            "--repeat",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    devices = {row["device"].split(" ")[0].rstrip(":") for row in rows}
+    assert "cpu" in devices
+    if gpu_adapters():
+        assert "gpu" in devices
+    for row in rows:
+        assert row["ok"] and row["forward_rel_err"] < 1e-4 and row["backward_rel_err"] < 1e-3
+        assert row["forward_gflops"] > 0 and row["naive_matrices_bytes"] == 2 * 2 * 96 * 96 * 4
+    assert "GFLOP/s" in proc.stdout
+
+
+def test_devices_command_lists_the_cpu():
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashport", "devices"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert '"device": "cpu"' in proc.stdout
+
+
+def test_stubs_match_the_extension():
+    pytest.importorskip("mypy")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "flashport._core", "--ignore-missing-stub"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
