@@ -105,7 +105,7 @@ def score_magnitude(case: Case, q, k) -> float:
 def term_magnitudes(case: Case, do, q, k, v) -> dict[str, float]:
     """For each result, the largest sum of the absolute values of the terms
     that add up to one of its elements, in float64: ``Σ_j P_ij |v_j|`` for
-    ``o``, ``scale · Σ_j P_ij |dP_ij - D_i| |k_j|`` for ``dq``, and so on.
+    ``o``, ``scale · Σ_j P_ij (|dP_ij| + |D_i|) |k_j|`` for ``dq``, and so on.
 
     Rounding errors scale with these sums, not with the result: dq is 0 when
     a row sees one key, while its terms are not."""
@@ -118,7 +118,9 @@ def term_magnitudes(case: Case, do, q, k, v) -> dict[str, float]:
     p, lse = reference._probabilities(s, visible)
     k_rep, v_rep = np.repeat(k4, group, axis=1), np.repeat(v4, group, axis=1)
     out = p @ v_rep
-    ds_abs = p * np.abs(do4 @ v_rep.swapaxes(-1, -2) - (do4 * out).sum(-1, keepdims=True))
+    # dS = P ∘ (dP - D): the subtraction's terms count, not its difference
+    # (which is exactly 0 when a row sees one key).
+    ds_abs = p * (np.abs(do4 @ v_rep.swapaxes(-1, -2)) + np.abs((do4 * out).sum(-1, keepdims=True)))
     a = np.abs
     sums = {
         "o": p @ a(v_rep),

@@ -102,7 +102,10 @@ def _edge_ids():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
 def test_edge_shapes(backend, case, dtype):
     if dtype not in _gpu_dtypes(backend):
-        pytest.skip("float64 is CPU-only")
+        q, k, v, _ = case.arrays(dtype)
+        with pytest.raises(flashport.DTypeError, match=r"float64.*device=\"cpu\""):
+            flashport.attention(q, k, v, causal=case.causal, device=backend)
+        return
     check_forward(case, dtype, backend)
     check_backward(case, dtype, backend)
 

@@ -4,6 +4,9 @@ use std::borrow::Cow;
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
+use super::kernels;
+#[cfg(target_arch = "x86_64")]
+use super::simd;
 use crate::{Buffer, Slice};
 
 /// float32 or float64: the types the tile kernels are generic over.
@@ -32,6 +35,46 @@ pub trait Element:
     /// lse in a float64 problem) only when the stored type differs.
     fn view(s: Slice<'_>) -> Cow<'_, [Self]>;
     fn into_buffer(v: Vec<Self>) -> Buffer;
+
+    // The tile products and the exponential, portable by default; a type
+    // overrides them with SIMD kernels where the CPU has them. Shapes are
+    // rows × columns of row-major contiguous matrices.
+
+    /// `c = a · bᵀ`, `a` `m × k`, `b` `n × k`, `c` `m × n`; `pack` is
+    /// scratch of at least `k × n` elements.
+    fn matmul_nt(
+        a: &[Self],
+        b: &[Self],
+        c: &mut [Self],
+        m: usize,
+        k: usize,
+        n: usize,
+        pack: &mut [Self],
+    ) {
+        let _ = pack;
+        kernels::matmul_nt(a, b, c, m, k, n)
+    }
+    /// `c += a · b`, `a` `m × k`, `b` `k × n`, `c` `m × n`.
+    fn matmul_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
+        kernels::matmul_acc(a, b, c, m, k, n)
+    }
+    /// `c += aᵀ · b`, `a` `m × k`, `b` `m × n`, `c` `k × n`.
+    fn matmul_t_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
+        kernels::matmul_t_acc(a, b, c, m, k, n)
+    }
+    /// The largest element; `-inf` for an empty or fully masked row.
+    fn row_max(x: &[Self]) -> Self {
+        x.iter().fold(Self::NEG_INFINITY, |a, &b| a.max(b))
+    }
+    /// `x = exp(x - shift)` elementwise (`shift` finite); returns the sum.
+    fn exp_shifted_sum(x: &mut [Self], shift: Self) -> Self {
+        let mut sum = Self::ZERO;
+        for v in x.iter_mut() {
+            *v = (*v - shift).exp();
+            sum += *v;
+        }
+        sum
+    }
 }
 
 impl Element for f32 {
@@ -63,6 +106,80 @@ impl Element for f32 {
     }
     fn into_buffer(v: Vec<Self>) -> Buffer {
         Buffer::F32(v)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_nt(
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        m: usize,
+        k: usize,
+        n: usize,
+        pack: &mut [f32],
+    ) {
+        if !simd::available() {
+            return kernels::matmul_nt(a, b, c, m, k, n);
+        }
+        // bᵀ packed k × n so that the kernel streams contiguous rows of it.
+        let packed = &mut pack[..k * n];
+        for (j, b_row) in b.chunks_exact(k).take(n).enumerate() {
+            for (p, &x) in b_row.iter().enumerate() {
+                packed[p * n + j] = x;
+            }
+        }
+        c[..m * n].fill(0.0);
+        let lhs = simd::Lhs {
+            data: a,
+            row_stride: k,
+            depth_stride: 1,
+        };
+        simd::gemm_acc(m, n, k, lhs, packed, n, c, n);
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
+        if !simd::available() {
+            return kernels::matmul_acc(a, b, c, m, k, n);
+        }
+        let lhs = simd::Lhs {
+            data: a,
+            row_stride: k,
+            depth_stride: 1,
+        };
+        simd::gemm_acc(m, n, k, lhs, b, n, c, n);
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_t_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
+        if !simd::available() {
+            return kernels::matmul_t_acc(a, b, c, m, k, n);
+        }
+        // Row r of aᵀ is column r of a: unit stride across rows, k along depth.
+        let lhs = simd::Lhs {
+            data: a,
+            row_stride: 1,
+            depth_stride: k,
+        };
+        simd::gemm_acc(k, n, m, lhs, b, n, c, n);
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn row_max(x: &[f32]) -> f32 {
+        if simd::available() {
+            simd::row_max(x)
+        } else {
+            x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
+        if simd::available() {
+            return simd::exp_shifted_sum(x, shift);
+        }
+        let mut sum = 0.0;
+        for v in x.iter_mut() {
+            *v = (*v - shift).exp();
+            sum += *v;
+        }
+        sum
     }
 }
 

@@ -40,7 +40,7 @@ pub fn dot<T: Element>(a: &[T], b: &[T]) -> T {
     while width > 1 {
         width /= 2;
         for l in 0..width {
-            lanes[l] = lanes[l] + lanes[l + width];
+            lanes[l] += lanes[l + width];
         }
     }
     lanes[0]

@@ -9,6 +9,8 @@
 pub mod element;
 mod kernels;
 pub mod mask;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 pub mod softmax;
 pub mod tiles;
 
@@ -20,7 +22,6 @@ use rayon::prelude::*;
 
 use crate::{Buffer, DType, Error, ForwardOutput, Gradients, Problem, Result, Slice};
 use element::Element;
-use kernels::{matmul_acc, matmul_nt, matmul_t_acc};
 use mask::{ScoreMask, TileVisibility};
 use softmax::RowState;
 use tiles::TileSizes;
@@ -207,6 +208,8 @@ fn row_tiles<'a, T>(
 /// Per-thread working memory, reused across tasks.
 struct Scratch<T> {
     q_scaled: Vec<T>,
+    /// Transposed key or value tile for the SIMD products.
+    pack: Vec<T>,
     scores: Vec<T>,
     d_scores: Vec<T>,
     acc: Vec<T>,
@@ -217,10 +220,11 @@ struct Scratch<T> {
 impl<T: Element> Scratch<T> {
     fn new(problem: &Problem, tiles: TileSizes) -> Self {
         let (d, dv) = (problem.head_dim, problem.value_dim);
-        let (bq, bk) = (tiles.q_rows, tiles.k_rows);
+        let (bq, bk) = (tiles.q_rows.max(tiles.q_block), tiles.k_rows);
         let widest = d.max(dv);
         Scratch {
             q_scaled: vec![T::ZERO; bq * d],
+            pack: vec![T::ZERO; widest * bk],
             scores: vec![T::ZERO; bq * bk],
             d_scores: vec![T::ZERO; bq * bk],
             acc: vec![T::ZERO; bq.max(bk) * widest],
@@ -318,7 +322,8 @@ fn forward_typed<T: Element>(
                 }
                 let n = keys.len();
                 let scores = &mut s.scores[..m * n];
-                matmul_nt(q_scaled, layout.k_rows(k, kv_head, &keys), scores, m, d, n);
+                let k_rows = layout.k_rows(k, kv_head, &keys);
+                T::matmul_nt(q_scaled, k_rows, scores, m, d, n, &mut s.pack);
                 if visibility == TileVisibility::Partial {
                     mask.apply(&rows, &keys, scores, n);
                 }
@@ -334,7 +339,7 @@ fn forward_typed<T: Element>(
                             .for_each(|x| *x *= correction);
                     }
                 }
-                matmul_acc(scores, layout.v_rows(v, kv_head, &keys), acc, m, n, dv);
+                T::matmul_acc(scores, layout.v_rows(v, kv_head, &keys), acc, m, n, dv);
             }
 
             for (i, state) in states.iter().enumerate() {
@@ -379,10 +384,11 @@ fn recompute_tile<T: Element>(
     v_rows: &[T],
     scores: &mut [T],
     d_scores: &mut [T],
+    pack: &mut [T],
 ) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (m, n) = (rows.len(), keys.len());
-    matmul_nt(q_scaled, k_rows, scores, m, d, n);
+    T::matmul_nt(q_scaled, k_rows, scores, m, d, n, pack);
     if visibility == TileVisibility::Partial {
         mask.apply(rows, keys, scores, n);
     }
@@ -395,7 +401,7 @@ fn recompute_tile<T: Element>(
             row.iter_mut().for_each(|s| *s = (*s - l).exp());
         }
     }
-    matmul_nt(d_out_rows, v_rows, d_scores, m, dv, n);
+    T::matmul_nt(d_out_rows, v_rows, d_scores, m, dv, n, pack);
     for ((ds_row, p_row), &delta) in d_scores
         .chunks_exact_mut(n)
         .zip(scores.chunks_exact(n))
@@ -458,7 +464,7 @@ fn backward_typed<T: Element>(
             let group = problem.group_size();
             let (batch, kv) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
             for head in (0..group).map(|g| batch * problem.heads_q + kv * group + g) {
-                for rows in key_tiles(problem.seq_q, tiles.q_rows) {
+                for rows in key_tiles(problem.seq_q, tiles.q_block) {
                     let visibility = mask.classify(&rows, &keys);
                     if visibility == TileVisibility::Hidden {
                         continue;
@@ -482,10 +488,11 @@ fn backward_typed<T: Element>(
                         v_rows,
                         scores,
                         d_scores,
+                        &mut s.pack,
                     );
-                    matmul_t_acc(scores, d_out_rows, dv_acc, m, n, dv);
+                    T::matmul_t_acc(scores, d_out_rows, dv_acc, m, n, dv);
                     // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
-                    matmul_t_acc(d_scores, q_scaled, dk_acc, m, n, d);
+                    T::matmul_t_acc(d_scores, q_scaled, dk_acc, m, n, d);
                 }
             }
             dk_out.copy_from_slice(dk_acc);
@@ -540,8 +547,9 @@ fn backward_typed<T: Element>(
                     layout.v_rows(x.v, kv_head, &keys),
                     scores,
                     d_scores,
+                    &mut s.pack,
                 );
-                matmul_acc(d_scores, k_tile, dq_acc, m, n, d);
+                T::matmul_acc(d_scores, k_tile, dq_acc, m, n, d);
             }
             scale_into(dq_acc, scale, dq_out);
         },

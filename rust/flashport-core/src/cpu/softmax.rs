@@ -27,7 +27,7 @@ impl<T: Element> RowState<T> {
     /// to its output accumulator is returned.
     #[inline]
     pub fn absorb(&mut self, scores: &mut [T]) -> T {
-        let tile_max = scores.iter().fold(T::NEG_INFINITY, |a, &b| a.max(b));
+        let tile_max = T::row_max(scores);
         let new_max = self.max.max(tile_max);
         if new_max == T::NEG_INFINITY {
             // Every key seen so far is masked. Subtracting the maximum would
@@ -38,11 +38,7 @@ impl<T: Element> RowState<T> {
         // The old maximum may be -inf (nothing visible yet); exp(-inf) = 0
         // then discards the (empty) accumulator, which is what we want.
         let correction = (self.max - new_max).exp();
-        let mut tile_sum = T::ZERO;
-        for s in scores.iter_mut() {
-            *s = (*s - new_max).exp();
-            tile_sum += *s;
-        }
+        let tile_sum = T::exp_shifted_sum(scores, new_max);
         self.sum = self.sum * correction + tile_sum;
         self.max = new_max;
         correction

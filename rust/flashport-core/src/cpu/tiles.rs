@@ -13,7 +13,13 @@ use crate::Problem;
 /// Rows of a query tile and of a key/value tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TileSizes {
+    /// Query rows of one parallel task (forward, dQ). Follows the thread
+    /// count, which is harmless: no sum runs across query rows there.
     pub q_rows: usize,
+    /// Query rows per step of a dK/dV task. These steps are summed into
+    /// dK and dV in registers, so their size must not follow the thread
+    /// count, or the summation order (and the bits) would.
+    pub q_block: usize,
     pub k_rows: usize,
 }
 
@@ -88,7 +94,11 @@ fn choose_for_cache(
         .div_ceil(tiles_per_head)
         .next_multiple_of(MIN_QUERY_ROWS)
         .clamp(MIN_QUERY_ROWS, MAX_QUERY_ROWS);
-    TileSizes { q_rows, k_rows }
+    TileSizes {
+        q_rows,
+        q_block: MAX_QUERY_ROWS,
+        k_rows,
+    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,32 @@
-//! The GPU backend (WGSL through wgpu). Work in progress: this placeholder
-//! reports the backend as unavailable until the kernels land.
+//! The GPU backend: FlashAttention-2 forward and backward as WGSL compute
+//! shaders (`shaders/` at the repository root) run through wgpu on Vulkan,
+//! Metal or DX12.
+//!
+//! One context (device, queue, compiled pipelines) is created lazily per
+//! process and shared by all threads; a lost device is dropped so that the
+//! next call opens a new one. Every call uploads its inputs, runs one
+//! submission per chunk of heads (one in all unless the arrays exceed the
+//! adapter's binding size) and reads the outputs back.
+//!
+//! Inputs are read on the GPU in their own dtype (float16 as packed pairs,
+//! which needs no shader-f16 support); all arithmetic and every output is
+//! float32 on the GPU, and float16 outputs are rounded on the host exactly
+//! as the CPU backend rounds them.
 
-use crate::{Error, ForwardOutput, Gradients, Problem, Result, Slice};
+mod context;
+mod plan;
+mod shaders;
+pub mod tiles;
+
+use std::cell::Cell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock};
+
+use crate::{Buffer, DType, Error, ForwardOutput, Gradients, Problem, Result, Slice};
+use context::{Context, PipelineKey};
+use plan::Chunk;
+use tiles::Kernel;
 
 /// What `flashport.devices()` reports about one adapter.
 #[derive(Debug, Clone, PartialEq)]
@@ -14,41 +39,589 @@ pub struct AdapterInfo {
     pub driver: String,
     /// Limits the backend uses, as (name, value).
     pub limits: Vec<(String, u64)>,
-    /// Optional features the backend uses, e.g. "shader-f16", "subgroups".
+    /// Optional features the adapter offers that matter to flashport, e.g.
+    /// "shader-f16", "subgroups" (the kernels currently require neither).
     pub features: Vec<String>,
 }
 
-fn unavailable() -> Error {
-    Error::BackendUnavailable("the GPU backend is not built yet".to_string())
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    // wgpu reports misuse by panicking in a few places; no panic may cross
+    // into Python, so one becomes an error.
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            Err(Error::Gpu(format!(
+                "the GPU backend failed while {what}: {msg}"
+            )))
+        }
+    }
 }
 
-/// Adapters flashport can use, without creating a device.
+/// Adapters flashport can use, best first, without creating a device.
 pub fn adapters() -> Vec<AdapterInfo> {
-    Vec::new()
+    guarded("listing adapters", || {
+        Ok(context::enumerate().iter().map(context::describe).collect())
+    })
+    .unwrap_or_default()
 }
 
 /// Whether a non-software adapter exists (what `device="auto"` needs).
+/// Enumerated once per process.
 pub fn hardware_adapter_available() -> bool {
-    false
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        guarded("listing adapters", || {
+            Ok(context::enumerate()
+                .iter()
+                .any(|a| a.get_info().device_type != wgpu::DeviceType::Cpu))
+        })
+        .unwrap_or(false)
+    })
+}
+
+thread_local! {
+    static BINDING_LIMIT_OVERRIDE: Cell<Option<u64>> = const { Cell::new(None) };
+    static WORKGROUP_STORAGE_OVERRIDE: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// Caps the workgroup memory the calling thread chooses tiles for
+/// (`None`: the adapter's), so tests can run the tiles of a 16 KiB
+/// adapter on a larger one.
+#[doc(hidden)]
+pub fn set_workgroup_storage_for_this_thread(bytes: Option<u32>) {
+    WORKGROUP_STORAGE_OVERRIDE.with(|c| c.set(bytes));
+}
+
+fn caps(ctx: &Context) -> tiles::DeviceCaps {
+    let mut caps = ctx.caps();
+    if let Some(bytes) = WORKGROUP_STORAGE_OVERRIDE.with(Cell::get) {
+        caps.workgroup_storage_bytes = caps.workgroup_storage_bytes.min(bytes);
+    }
+    caps
+}
+
+/// Caps the binding size the calling thread plans with (`None`: the
+/// adapter's), so tests can exercise the split into chunks on small data.
+#[doc(hidden)]
+pub fn set_binding_limit_for_this_thread(limit: Option<u64>) {
+    BINDING_LIMIT_OVERRIDE.with(|c| c.set(limit));
+}
+
+fn binding_limit(ctx: &Context) -> u64 {
+    let adapter = ctx
+        .limits
+        .max_storage_buffer_binding_size
+        .min(ctx.limits.max_buffer_size);
+    let limit = match BINDING_LIMIT_OVERRIDE.with(Cell::get) {
+        Some(cap) => cap.min(adapter),
+        None => adapter,
+    };
+    limit & !3
+}
+
+fn check_dtype(problem: &Problem) -> Result<()> {
+    if problem.dtype == DType::F64 {
+        return Err(Error::DType {
+            argument: "q".to_string(),
+            dtype: "float64".to_string(),
+            reason: "the GPU backend computes in float32 or float16; float64 runs on \
+                     device=\"cpu\" (or cast the inputs to float32)"
+                .to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// An input array as the bytes the shaders read (float16 or float32).
+fn input_bytes<'a>(name: &str, s: &Slice<'a>) -> Result<&'a [u8]> {
+    match *s {
+        Slice::F32(x) => Ok(bytemuck::cast_slice(x)),
+        Slice::F16(x) => Ok(bytemuck::cast_slice(x)),
+        Slice::F64(_) => Err(Error::DType {
+            argument: name.to_string(),
+            dtype: "float64".to_string(),
+            reason: "the GPU backend computes in float32 or float16; use device=\"cpu\""
+                .to_string(),
+        }),
+    }
+}
+
+/// The bytes of heads `first..first + count` of an array with `per_head` elements of
+/// `elem` bytes each.
+fn heads_of(bytes: &[u8], per_head: usize, elem: usize, first: usize, count: usize) -> &[u8] {
+    &bytes[first * per_head * elem..(first + count) * per_head * elem]
+}
+
+fn padded(bytes: u64) -> u64 {
+    bytes.max(4).next_multiple_of(4)
+}
+
+fn upload(ctx: &Context, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer> {
+    upload_as(ctx, label, bytes, wgpu::BufferUsages::STORAGE)
+}
+
+fn upload_as(
+    ctx: &Context,
+    label: &str,
+    bytes: &[u8],
+    usage: wgpu::BufferUsages,
+) -> Result<wgpu::Buffer> {
+    let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: padded(bytes.len() as u64),
+        usage,
+        mapped_at_creation: true,
+    });
+    {
+        let mut view = buffer
+            .get_mapped_range_mut(..)
+            .map_err(|e| Error::Gpu(format!("could not map the upload buffer {label}: {e}")))?;
+        view.slice(..bytes.len()).copy_from_slice(bytes);
+    }
+    buffer.unmap();
+    Ok(buffer)
+}
+
+fn output(ctx: &Context, label: &str, floats: usize) -> wgpu::Buffer {
+    let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: padded(4 * floats as u64),
+        usage: wgpu::BufferUsages::STORAGE
+            | wgpu::BufferUsages::COPY_SRC
+            | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    if cfg!(debug_assertions) && floats > 0 {
+        // Poison: an element a kernel forgets to write reads back as NaN.
+        let nan = vec![f32::NAN; floats];
+        ctx.queue
+            .write_buffer(&buffer, 0, bytemuck::cast_slice(&nan));
+    }
+    buffer
+}
+
+/// The uniform block every kernel reads; mirrors `struct Params` in the
+/// shaders.
+fn params(ctx: &Context, problem: &Problem, chunk: &Chunk) -> Result<wgpu::Buffer> {
+    let words = [
+        problem.seq_q as u32,
+        problem.seq_k as u32,
+        problem.group_size() as u32,
+        chunk.g0 as u32,
+        problem.causal as u32,
+        (problem.causal_offset() as i32) as u32,
+        (problem.scale as f32).to_bits(),
+        chunk.g_count as u32,
+    ];
+    upload_as(
+        ctx,
+        "params",
+        bytemuck::cast_slice(&words),
+        wgpu::BufferUsages::UNIFORM,
+    )
+}
+
+fn bind(
+    ctx: &Context,
+    pipeline: &wgpu::ComputePipeline,
+    buffers: &[&wgpu::Buffer],
+) -> wgpu::BindGroup {
+    let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: b.as_entire_binding(),
+        })
+        .collect();
+    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &entries,
+    })
+}
+
+fn dispatch(
+    encoder: &mut wgpu::CommandEncoder,
+    pipeline: &wgpu::ComputePipeline,
+    group: &wgpu::BindGroup,
+    x: u32,
+    y: u32,
+) {
+    if x == 0 || y == 0 {
+        return;
+    }
+    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+    pass.set_pipeline(pipeline);
+    pass.set_bind_group(0, group, &[]);
+    pass.dispatch_workgroups(x, y, 1);
+}
+
+/// Copies `outputs` into one mappable buffer, submits, waits and returns
+/// each output's floats.
+fn submit_and_read(
+    ctx: &Context,
+    mut encoder: wgpu::CommandEncoder,
+    outputs: &[(&wgpu::Buffer, usize)],
+) -> Result<Vec<Vec<f32>>> {
+    let mut offsets = Vec::with_capacity(outputs.len());
+    let mut total = 0u64;
+    for (buffer, _) in outputs {
+        offsets.push(total);
+        total += buffer.size();
+    }
+    let staging = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("flashport readback"),
+        size: total.max(4),
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    for ((buffer, _), &offset) in outputs.iter().zip(&offsets) {
+        encoder.copy_buffer_to_buffer(buffer, 0, &staging, offset, buffer.size());
+    }
+    let index = ctx.queue.submit([encoder.finish()]);
+    let (tx, rx) = mpsc::channel();
+    staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+        let _ = tx.send(r);
+    });
+    let wait = ctx.device.poll(wgpu::PollType::Wait {
+        submission_index: Some(index),
+        timeout: None,
+    });
+    if let Err(e) = wait {
+        return Err(Error::Gpu(format!(
+            "waiting for the GPU failed on {}: {e}",
+            ctx.adapter.name
+        )));
+    }
+    // The wait above runs the callbacks of finished work; the loop only
+    // covers a map that another thread's poll has not delivered yet.
+    let mapped = loop {
+        match rx.try_recv() {
+            Ok(r) => break r,
+            Err(mpsc::TryRecvError::Empty) => {
+                if ctx.is_lost() {
+                    return Err(Error::Gpu(format!(
+                        "the GPU device {} was lost",
+                        ctx.adapter.name
+                    )));
+                }
+                ctx.device
+                    .poll(wgpu::PollType::wait_indefinitely())
+                    .map_err(|e| Error::Gpu(format!("waiting for the GPU failed: {e}")))?;
+                std::thread::yield_now();
+            }
+            Err(mpsc::TryRecvError::Disconnected) => {
+                return Err(Error::Gpu(
+                    "the readback buffer was never mapped".to_string(),
+                ))
+            }
+        }
+    };
+    mapped.map_err(|e| {
+        Error::Gpu(format!(
+            "could not read the results back from {}: {e}",
+            ctx.adapter.name
+        ))
+    })?;
+    let view = staging
+        .slice(..)
+        .get_mapped_range()
+        .map_err(|e| Error::Gpu(format!("could not read the results back: {e}")))?;
+    let results = outputs
+        .iter()
+        .zip(&offsets)
+        .map(|((_, floats), &offset)| {
+            let start = offset as usize;
+            bytemuck::pod_collect_to_vec::<u8, f32>(&view[start..start + 4 * floats])
+        })
+        .collect();
+    drop(view);
+    staging.unmap();
+    Ok(results)
+}
+
+fn grid(count: usize, tile: u32, ctx: &Context, what: &str) -> Result<u32> {
+    let n = count.div_ceil(tile.max(1) as usize);
+    let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    if n > max {
+        return Err(Error::TooLarge(format!(
+            "{what} of {count} rows needs {n} workgroups, more than this adapter's \
+             {max} per dimension; use device=\"cpu\""
+        )));
+    }
+    Ok(n as u32)
+}
+
+fn check_f16(ctx: &Context, problem: &Problem) -> Result<()> {
+    if problem.dtype == DType::F16 && !ctx.f16_inputs {
+        return Err(Error::DType {
+            argument: "q".to_string(),
+            dtype: "float16".to_string(),
+            reason: format!(
+                "the GPU adapter {} cannot unpack float16 in shaders; cast the inputs to \
+                 float32 or use device=\"cpu\"",
+                ctx.adapter.name
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn check_sizes(problem: &Problem) -> Result<()> {
+    let limit = i32::MAX as usize / 2;
+    if problem.seq_q > limit || problem.seq_k > limit {
+        return Err(Error::TooLarge(format!(
+            "sequences longer than {limit} are not supported on the GPU; use device=\"cpu\""
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `f` on the shared context; a device that failed is dropped so that
+/// the next call creates a new one.
+fn with_context<T>(what: &str, f: impl FnOnce(&Arc<Context>) -> Result<T>) -> Result<T> {
+    guarded(what, || {
+        let ctx = context::get()?;
+        let result = f(&ctx);
+        if let Err(Error::Gpu(_)) = &result {
+            context::discard(&ctx);
+        }
+        result
+    })
+}
+
+fn to_buffer(values: Vec<f32>, dtype: DType) -> Buffer {
+    match dtype {
+        DType::F16 => Buffer::F16(values.into_iter().map(half::f16::from_f32).collect()),
+        _ => Buffer::F32(values),
+    }
 }
 
 pub fn forward(
-    _problem: &Problem,
-    _q: Slice<'_>,
-    _k: Slice<'_>,
-    _v: Slice<'_>,
+    problem: &Problem,
+    q: Slice<'_>,
+    k: Slice<'_>,
+    v: Slice<'_>,
 ) -> Result<ForwardOutput> {
-    Err(unavailable())
+    check_dtype(problem)?;
+    check_sizes(problem)?;
+    let (q, k, v) = (
+        input_bytes("q", &q)?,
+        input_bytes("k", &k)?,
+        input_bytes("v", &v)?,
+    );
+    with_context("running the forward pass", |ctx| {
+        forward_on(ctx, problem, q, k, v)
+    })
+}
+
+fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Result<ForwardOutput> {
+    check_f16(ctx, p)?;
+    let mut out = vec![0.0f32; p.out_len()];
+    let mut lse = vec![f32::NEG_INFINITY; p.lse_len()];
+    if (p.out_len() == 0 && p.lse_len() == 0) || p.seq_k == 0 {
+        return Ok(ForwardOutput {
+            out: to_buffer(out, p.dtype),
+            lse: Buffer::F32(lse),
+        });
+    }
+    let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
+    let f16 = p.dtype == DType::F16;
+    let eb = if f16 { 2 } else { 4 };
+    let key = PipelineKey {
+        kernel: Kernel::Forward,
+        f16_inputs: f16,
+        d: d as u32,
+        dv: dv as u32,
+        tiles: tiles::choose(Kernel::Forward, d as u32, dv as u32, caps(ctx)),
+    };
+    let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
+    let chunks = plan::plan(
+        p,
+        binding_limit(ctx),
+        ctx.limits.max_compute_workgroups_per_dimension,
+    )?;
+    let pipeline = ctx.pipeline(key)?;
+    let g = p.group_size();
+    for chunk in &chunks {
+        let (q0, nq) = (chunk.q0(g), chunk.q_count());
+        let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
+        let [o, l] = ctx.scoped("running the forward pass", || {
+            let uniform = params(ctx, p, chunk)?;
+            let qb = upload(ctx, "q", heads_of(q, sq * d, eb, q0, nq))?;
+            let kb = upload(ctx, "k", heads_of(k, sk * d, eb, kv0, nkv))?;
+            let vb = upload(ctx, "v", heads_of(v, sk * dv, eb, kv0, nkv))?;
+            let ob = output(ctx, "out", nq * sq * dv);
+            let lb = output(ctx, "lse", nq * sq);
+            let group = bind(ctx, &pipeline, &[&uniform, &qb, &kb, &vb, &ob, &lb]);
+            let mut encoder = ctx.device.create_command_encoder(&Default::default());
+            dispatch(&mut encoder, &pipeline, &group, x, nq as u32);
+            let mut r = submit_and_read(ctx, encoder, &[(&ob, nq * sq * dv), (&lb, nq * sq)])?;
+            let l = r.pop().unwrap_or_default();
+            let o = r.pop().unwrap_or_default();
+            Ok([o, l])
+        })?;
+        out[q0 * sq * dv..(q0 + nq) * sq * dv].copy_from_slice(&o);
+        lse[q0 * sq..(q0 + nq) * sq].copy_from_slice(&l);
+    }
+    Ok(ForwardOutput {
+        out: to_buffer(out, p.dtype),
+        lse: Buffer::F32(lse),
+    })
 }
 
 pub fn backward(
-    _problem: &Problem,
-    _d_out: Slice<'_>,
-    _q: Slice<'_>,
-    _k: Slice<'_>,
-    _v: Slice<'_>,
-    _out: Slice<'_>,
-    _lse: Slice<'_>,
+    problem: &Problem,
+    d_out: Slice<'_>,
+    q: Slice<'_>,
+    k: Slice<'_>,
+    v: Slice<'_>,
+    out: Slice<'_>,
+    lse: Slice<'_>,
 ) -> Result<Gradients> {
-    Err(unavailable())
+    check_dtype(problem)?;
+    check_sizes(problem)?;
+    let d_out = input_bytes("do", &d_out)?;
+    let (q, k, v) = (
+        input_bytes("q", &q)?,
+        input_bytes("k", &k)?,
+        input_bytes("v", &v)?,
+    );
+    let out = input_bytes("o", &out)?;
+    let lse: std::borrow::Cow<'_, [f32]> = match lse {
+        Slice::F32(x) => x.into(),
+        Slice::F64(x) => x.iter().map(|&l| l as f32).collect::<Vec<_>>().into(),
+        Slice::F16(_) => {
+            return Err(Error::DType {
+                argument: "lse".to_string(),
+                dtype: "float16".to_string(),
+                reason: "lse must be float32 or float64 (as returned by attention)".to_string(),
+            })
+        }
+    };
+    let inputs = BackwardInputs {
+        d_out,
+        q,
+        k,
+        v,
+        out,
+        lse: bytemuck::cast_slice(&lse),
+    };
+    with_context("running the backward pass", |ctx| {
+        backward_on(ctx, problem, &inputs)
+    })
+}
+
+struct BackwardInputs<'a> {
+    d_out: &'a [u8],
+    q: &'a [u8],
+    k: &'a [u8],
+    v: &'a [u8],
+    out: &'a [u8],
+    lse: &'a [u8],
+}
+
+fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gradients> {
+    check_f16(ctx, p)?;
+    let mut dq = vec![0.0f32; p.q_len()];
+    let mut dk = vec![0.0f32; p.k_len()];
+    let mut dv_all = vec![0.0f32; p.v_len()];
+    let done = |dq, dk, dv| Gradients {
+        dq: to_buffer(dq, p.dtype),
+        dk: to_buffer(dk, p.dtype),
+        dv: to_buffer(dv, p.dtype),
+    };
+    if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
+        return Ok(done(dq, dk, dv_all));
+    }
+    let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
+    let f16 = p.dtype == DType::F16;
+    let eb = if f16 { 2 } else { 4 };
+    let caps = caps(ctx);
+    let key = |kernel| PipelineKey {
+        kernel,
+        f16_inputs: f16,
+        d: d as u32,
+        dv: dv as u32,
+        tiles: tiles::choose(kernel, d as u32, dv as u32, caps),
+    };
+    let (kp, kq, kkv) = (
+        key(Kernel::BackwardPreprocess),
+        key(Kernel::BackwardDq),
+        key(Kernel::BackwardDkDv),
+    );
+    let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
+    let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
+    let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;
+    let chunks = plan::plan(
+        p,
+        binding_limit(ctx),
+        ctx.limits.max_compute_workgroups_per_dimension,
+    )?;
+    let (pre, dq_pipe, dkdv_pipe) = (ctx.pipeline(kp)?, ctx.pipeline(kq)?, ctx.pipeline(kkv)?);
+    let g = p.group_size();
+    for chunk in &chunks {
+        let (q0, nq) = (chunk.q0(g), chunk.q_count());
+        let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
+        let [cdq, cdk, cdv] = ctx.scoped("running the backward pass", || {
+            let uniform = params(ctx, p, chunk)?;
+            let dob = upload(ctx, "do", heads_of(x.d_out, sq * dv, eb, q0, nq))?;
+            let ob = upload(ctx, "o", heads_of(x.out, sq * dv, eb, q0, nq))?;
+            let qb = upload(ctx, "q", heads_of(x.q, sq * d, eb, q0, nq))?;
+            let kb = upload(ctx, "k", heads_of(x.k, sk * d, eb, kv0, nkv))?;
+            let vb = upload(ctx, "v", heads_of(x.v, sk * dv, eb, kv0, nkv))?;
+            let lb = upload(ctx, "lse", heads_of(x.lse, sq, 4, q0, nq))?;
+            let delta = output(ctx, "delta", nq * sq);
+            let dqb = output(ctx, "dq", nq * sq * d);
+            let dkb = output(ctx, "dk", nkv * sk * d);
+            let dvb = output(ctx, "dv", nkv * sk * dv);
+            let g_pre = bind(ctx, &pre, &[&uniform, &dob, &ob, &delta]);
+            let g_dq = bind(
+                ctx,
+                &dq_pipe,
+                &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dqb],
+            );
+            let g_kv = bind(
+                ctx,
+                &dkdv_pipe,
+                &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dkb, &dvb],
+            );
+            let mut encoder = ctx.device.create_command_encoder(&Default::default());
+            dispatch(&mut encoder, &pre, &g_pre, xp, nq as u32);
+            dispatch(&mut encoder, &dq_pipe, &g_dq, xq, nq as u32);
+            dispatch(&mut encoder, &dkdv_pipe, &g_kv, xkv, nkv as u32);
+            let mut r = submit_and_read(
+                ctx,
+                encoder,
+                &[
+                    (&dqb, nq * sq * d),
+                    (&dkb, nkv * sk * d),
+                    (&dvb, nkv * sk * dv),
+                ],
+            )?;
+            let cdv = r.pop().unwrap_or_default();
+            let cdk = r.pop().unwrap_or_default();
+            let cdq = r.pop().unwrap_or_default();
+            Ok([cdq, cdk, cdv])
+        })?;
+        dq[q0 * sq * d..(q0 + nq) * sq * d].copy_from_slice(&cdq);
+        let dk_rows = &mut dk[kv0 * sk * d..(kv0 + nkv) * sk * d];
+        let dv_rows = &mut dv_all[kv0 * sk * dv..(kv0 + nkv) * sk * dv];
+        if chunk.g0 == 0 {
+            dk_rows.copy_from_slice(&cdk);
+            dv_rows.copy_from_slice(&cdv);
+        } else {
+            // A group cut into pieces: its pieces are summed in order, so
+            // the result is still reproducible.
+            dk_rows.iter_mut().zip(&cdk).for_each(|(a, b)| *a += b);
+            dv_rows.iter_mut().zip(&cdv).for_each(|(a, b)| *a += b);
+        }
+    }
+    Ok(done(dq, dk, dv_all))
 }

@@ -1,0 +1,316 @@
+//! The process-wide GPU context: instance, adapter, device, queue and the
+//! pipeline cache, created lazily and shared by every thread.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use super::tiles::{DeviceCaps, Kernel, Tiles};
+use super::AdapterInfo;
+use crate::{Error, Result};
+
+/// Native backends only: an OpenGL adapter would be a silent correctness
+/// and performance trap, and the browser backend does not apply here.
+pub(crate) const BACKENDS: wgpu::Backends = wgpu::Backends::VULKAN
+    .union(wgpu::Backends::METAL)
+    .union(wgpu::Backends::DX12);
+
+/// One instance per process: loading the Vulkan driver is slow (and some
+/// drivers log on every load).
+pub(crate) fn instance() -> &'static wgpu::Instance {
+    static INSTANCE: OnceLock<wgpu::Instance> = OnceLock::new();
+    INSTANCE.get_or_init(|| {
+        // Environment overrides (WGPU_BACKEND, ...) are ignored on purpose:
+        // only the backends above are ever sound for flashport.
+        wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: BACKENDS,
+            flags: wgpu::InstanceFlags::empty(),
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        })
+    })
+}
+
+/// The adapters, best first.
+pub(crate) fn enumerate() -> Vec<wgpu::Adapter> {
+    let mut adapters = pollster::block_on(instance().enumerate_adapters(BACKENDS));
+    adapters.sort_by_key(|a| rank(a.get_info().device_type));
+    adapters
+}
+
+/// Lower is better: a hardware GPU beats a software rasteriser.
+pub(crate) fn rank(kind: wgpu::DeviceType) -> u8 {
+    match kind {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    }
+}
+
+pub(crate) fn type_name(kind: wgpu::DeviceType) -> &'static str {
+    match kind {
+        wgpu::DeviceType::DiscreteGpu => "discrete",
+        wgpu::DeviceType::IntegratedGpu => "integrated",
+        wgpu::DeviceType::VirtualGpu => "virtual",
+        wgpu::DeviceType::Cpu => "software",
+        wgpu::DeviceType::Other => "other",
+    }
+}
+
+pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
+    let info = adapter.get_info();
+    let limits = adapter.limits();
+    let features = adapter.features();
+    let driver = match (info.driver.is_empty(), info.driver_info.is_empty()) {
+        (false, false) => format!("{} ({})", info.driver, info.driver_info),
+        (false, true) => info.driver.clone(),
+        _ => info.driver_info.clone(),
+    };
+    let mut feature_names = Vec::new();
+    if features.contains(wgpu::Features::SHADER_F16) {
+        feature_names.push("shader-f16".to_string());
+    }
+    if features.contains(wgpu::Features::SUBGROUP) {
+        feature_names.push("subgroups".to_string());
+    }
+    AdapterInfo {
+        backend: info.backend.to_string(),
+        name: info.name.clone(),
+        device_type: type_name(info.device_type).to_string(),
+        driver,
+        limits: vec![
+            (
+                "max_compute_workgroup_storage_size".to_string(),
+                limits.max_compute_workgroup_storage_size as u64,
+            ),
+            (
+                "max_compute_invocations_per_workgroup".to_string(),
+                limits.max_compute_invocations_per_workgroup as u64,
+            ),
+            (
+                "max_compute_workgroups_per_dimension".to_string(),
+                limits.max_compute_workgroups_per_dimension as u64,
+            ),
+            (
+                "max_storage_buffer_binding_size".to_string(),
+                limits.max_storage_buffer_binding_size,
+            ),
+            ("max_buffer_size".to_string(), limits.max_buffer_size),
+        ],
+        features: feature_names,
+    }
+}
+
+/// Which compiled pipeline a dispatch needs; everything that is a WGSL
+/// override is part of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct PipelineKey {
+    pub kernel: Kernel,
+    pub f16_inputs: bool,
+    pub d: u32,
+    pub dv: u32,
+    pub tiles: Tiles,
+}
+
+pub(crate) struct Context {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub limits: wgpu::Limits,
+    pub adapter: AdapterInfo,
+    /// Whether WGSL's unpack2x16float works, which float16 inputs need.
+    pub f16_inputs: bool,
+    lost: Arc<AtomicBool>,
+    /// Errors outside any error scope (there should be none): kept for the
+    /// next message instead of wgpu's default handler, which panics.
+    uncaptured: Arc<Mutex<Vec<String>>>,
+    modules: Mutex<HashMap<Kernel, wgpu::ShaderModule>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The guarded maps stay consistent even if a holder panicked.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+static CONTEXT: OnceLock<Mutex<Option<Arc<Context>>>> = OnceLock::new();
+
+/// The shared context, created on first use and recreated after the device
+/// was lost.
+pub(crate) fn get() -> Result<Arc<Context>> {
+    let mut slot = lock(CONTEXT.get_or_init(Default::default));
+    if let Some(ctx) = slot.as_ref() {
+        if !ctx.is_lost() {
+            return Ok(ctx.clone());
+        }
+    }
+    *slot = None;
+    let ctx = Arc::new(Context::create()?);
+    *slot = Some(ctx.clone());
+    Ok(ctx)
+}
+
+/// Forgets a context that failed, so the next call starts afresh.
+pub(crate) fn discard(ctx: &Arc<Context>) {
+    ctx.lost.store(true, Ordering::SeqCst);
+    let mut slot = lock(CONTEXT.get_or_init(Default::default));
+    if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, ctx)) {
+        *slot = None;
+    }
+}
+
+impl Context {
+    fn create() -> Result<Context> {
+        let adapters = enumerate();
+        if adapters.is_empty() {
+            return Err(Error::BackendUnavailable(
+                "no GPU adapter found: flashport needs a Vulkan, Metal or DX12 driver \
+                 (on Linux without a GPU, Mesa's lavapipe provides one); use device=\"cpu\""
+                    .to_string(),
+            ));
+        }
+        // The best adapter that opens; a broken driver should not hide a
+        // working one behind it.
+        let mut failures = Vec::new();
+        for adapter in adapters {
+            match Self::open(&adapter) {
+                Ok(ctx) => return Ok(ctx),
+                Err(e) => failures.push(e),
+            }
+        }
+        Err(Error::BackendUnavailable(format!(
+            "no GPU adapter could be opened: {}; use device=\"cpu\"",
+            failures.join("; ")
+        )))
+    }
+
+    fn open(adapter: &wgpu::Adapter) -> std::result::Result<Context, String> {
+        let described = describe(adapter);
+        let f16_inputs = adapter
+            .get_downlevel_capabilities()
+            .flags
+            .contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32);
+        // The defaults cap workgroup memory at 16 KiB and bindings at
+        // 128 MiB; the kernels size their tiles from what the adapter has.
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("flashport"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| format!("{} ({}): {e}", described.name, described.backend))?;
+        let lost = Arc::new(AtomicBool::new(false));
+        let flag = lost.clone();
+        device.set_device_lost_callback(move |_, _| flag.store(true, Ordering::SeqCst));
+        let uncaptured: Arc<Mutex<Vec<String>>> = Default::default();
+        let sink = uncaptured.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut errors = lock(&sink);
+            if errors.len() < 16 {
+                errors.push(e.to_string());
+            }
+        }));
+        Ok(Context {
+            device,
+            queue,
+            limits,
+            adapter: described,
+            f16_inputs,
+            lost,
+            uncaptured,
+            modules: Default::default(),
+            pipelines: Default::default(),
+        })
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    pub fn caps(&self) -> DeviceCaps {
+        DeviceCaps {
+            workgroup_storage_bytes: self.limits.max_compute_workgroup_storage_size,
+            max_invocations: self.limits.max_compute_invocations_per_workgroup,
+            max_workgroup_size_x: self.limits.max_compute_workgroup_size_x,
+        }
+    }
+
+    pub fn take_uncaptured(&self) -> Vec<String> {
+        std::mem::take(&mut *lock(&self.uncaptured))
+    }
+
+    /// Runs `f` with wgpu's errors captured: validation, out-of-memory and
+    /// internal errors become `Error::Gpu` instead of reaching the
+    /// uncaptured-error handler.
+    pub fn scoped<T>(&self, what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let internal = self.device.push_error_scope(wgpu::ErrorFilter::Internal);
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let result = f();
+        let errors = [
+            pollster::block_on(validation.pop()),
+            pollster::block_on(internal.pop()),
+            pollster::block_on(oom.pop()),
+        ];
+        let mut messages: Vec<String> = errors
+            .into_iter()
+            .flatten()
+            .map(|e| e.to_string())
+            .collect();
+        messages.extend(self.take_uncaptured());
+        if !messages.is_empty() {
+            return Err(Error::Gpu(format!(
+                "GPU error while {what} on {}: {}",
+                self.adapter.name,
+                messages.join("; ")
+            )));
+        }
+        result
+    }
+
+    fn module(&self, kernel: Kernel) -> Result<wgpu::ShaderModule> {
+        if let Some(m) = lock(&self.modules).get(&kernel) {
+            return Ok(m.clone());
+        }
+        let module = self.scoped("compiling a shader", || {
+            Ok(self
+                .device
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(kernel.name()),
+                    source: wgpu::ShaderSource::Wgsl(super::shaders::source(kernel).into()),
+                }))
+        })?;
+        lock(&self.modules).insert(kernel, module.clone());
+        Ok(module)
+    }
+
+    /// The pipeline for `key`, compiled once per process. Only pipelines
+    /// that compiled without error are cached.
+    pub fn pipeline(&self, key: PipelineKey) -> Result<wgpu::ComputePipeline> {
+        if let Some(p) = lock(&self.pipelines).get(&key) {
+            return Ok(p.clone());
+        }
+        let module = self.module(key.kernel)?;
+        let constants = super::shaders::overrides(&key);
+        let pipeline = self.scoped("building a pipeline", || {
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(key.kernel.name()),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants: &constants,
+                        // Every kernel writes its workgroup arrays before it
+                        // reads them; zeroing them first is wasted work.
+                        zero_initialize_workgroup_memory: false,
+                    },
+                    cache: None,
+                }))
+        })?;
+        lock(&self.pipelines).insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+}

@@ -1,0 +1,519 @@
+//! The GPU backend against a float64 reference (the CPU backend in
+//! float64 on upcast inputs), on whatever adapter wgpu finds: Mesa's
+//! lavapipe in CI. Having no adapter at all fails the suite unless
+//! FLASHPORT_ALLOW_NO_GPU=1, so a broken driver install cannot pass as
+//! "skipped".
+
+use flashport_core::{
+    cpu, f16, gpu, validate_forward, ArrayInfo, Buffer, DType, Error, Options, Problem, Slice,
+};
+
+fn gpu_present() -> bool {
+    if !gpu::adapters().is_empty() {
+        return true;
+    }
+    if std::env::var("FLASHPORT_ALLOW_NO_GPU").as_deref() == Ok("1") {
+        eprintln!("no GPU adapter; skipped because FLASHPORT_ALLOW_NO_GPU=1");
+        return false;
+    }
+    panic!(
+        "no GPU adapter found (install Mesa's lavapipe: mesa-vulkan-drivers), \
+         or set FLASHPORT_ALLOW_NO_GPU=1 to skip the GPU tests"
+    );
+}
+
+/// Deterministic values in [-1, 1), never exactly 0.
+fn random(n: usize, seed: u64) -> Vec<f64> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let x = ((state >> 11) as f64) / ((1u64 << 53) as f64) * 2.0 - 1.0;
+            if x == 0.0 {
+                0.5
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+type Shape = (usize, usize, usize, usize, usize, usize, usize);
+
+const SHAPES: [Shape; 5] = [
+    (1, 1, 1, 1, 1, 1, 1),
+    (2, 4, 2, 37, 53, 16, 24),
+    (1, 2, 1, 65, 17, 64, 32),
+    (1, 1, 1, 130, 130, 128, 128),
+    (1, 2, 2, 20, 33, 256, 8),
+];
+
+fn problem(s: Shape, causal: bool, dtype: &str) -> Problem {
+    let (b, hq, hkv, sq, sk, d, dv) = s;
+    validate_forward(
+        ArrayInfo::new(&[b, hq, sq, d], dtype),
+        ArrayInfo::new(&[b, hkv, sk, d], dtype),
+        ArrayInfo::new(&[b, hkv, sk, dv], dtype),
+        &Options {
+            causal,
+            scale: None,
+        },
+    )
+    .unwrap()
+}
+
+fn f64_problem(p: &Problem) -> Problem {
+    Problem {
+        dtype: DType::F64,
+        ..*p
+    }
+}
+
+fn as_f64(b: &Buffer) -> Vec<f64> {
+    match b {
+        Buffer::F16(x) => x.iter().map(|v| v.to_f64()).collect(),
+        Buffer::F32(x) => x.iter().map(|&v| v as f64).collect(),
+        Buffer::F64(x) => x.clone(),
+    }
+}
+
+/// Values rounded to the dtype under test, kept as f64 for the reference.
+struct Inputs {
+    f64: Vec<f64>,
+    f32: Vec<f32>,
+    f16: Vec<f16>,
+}
+
+impl Inputs {
+    fn new(values: Vec<f64>, dtype: DType) -> Inputs {
+        let f16: Vec<f16> = values.iter().map(|&x| f16::from_f64(x)).collect();
+        let f32: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+        let f64 = match dtype {
+            DType::F16 => f16.iter().map(|x| x.to_f64()).collect(),
+            _ => f32.iter().map(|&x| x as f64).collect(),
+        };
+        Inputs { f64, f32, f16 }
+    }
+    fn slice(&self, dtype: DType) -> Slice<'_> {
+        match dtype {
+            DType::F16 => Slice::F16(&self.f16),
+            DType::F32 => Slice::F32(&self.f32),
+            DType::F64 => Slice::F64(&self.f64),
+        }
+    }
+}
+
+/// max |got − want| / max |want| (with a floor for all-zero references),
+/// and the number of non-finite values in `got`.
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            if w.is_infinite() {
+                if g == w {
+                    0.0
+                } else {
+                    f64::INFINITY
+                }
+            } else if g.is_finite() {
+                (g - w).abs() / scale
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+struct Case {
+    p: Problem,
+    q: Inputs,
+    k: Inputs,
+    v: Inputs,
+}
+
+fn case(s: Shape, causal: bool, dtype: DType, seed: u64) -> Case {
+    let p = problem(s, causal, dtype.numpy_name());
+    Case {
+        q: Inputs::new(random(p.q_len(), seed), dtype),
+        k: Inputs::new(random(p.k_len(), seed + 1), dtype),
+        v: Inputs::new(random(p.v_len(), seed + 2), dtype),
+        p,
+    }
+}
+
+/// Checks forward and backward of one case; returns (forward, backward)
+/// relative errors.
+fn check(c: &Case, fwd_tol: f64, bwd_tol: f64) -> (f64, f64) {
+    let dt = c.p.dtype;
+    let p64 = f64_problem(&c.p);
+    let reference = cpu::forward(
+        &p64,
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+    )
+    .unwrap();
+    let got = gpu::forward(&c.p, c.q.slice(dt), c.k.slice(dt), c.v.slice(dt)).unwrap();
+    assert_eq!(got.out.len(), c.p.out_len());
+    assert!(matches!(got.lse, Buffer::F32(_)), "lse must be float32");
+    let ref_out = as_f64(&reference.out);
+    let ref_lse = as_f64(&reference.lse);
+    let e_out = rel_err(&as_f64(&got.out), &ref_out);
+    let e_lse = rel_err(&as_f64(&got.lse), &ref_lse);
+    let fwd = e_out.max(e_lse);
+    assert!(
+        fwd <= fwd_tol,
+        "forward {:?}: out error {e_out:e}, lse error {e_lse:e}",
+        c.p
+    );
+    // Rows that see no key: exactly 0 and -inf.
+    let dv = c.p.value_dim;
+    for (row, &l) in ref_lse.iter().enumerate() {
+        if l == f64::NEG_INFINITY {
+            assert_eq!(as_f64(&got.lse)[row], f64::NEG_INFINITY);
+            assert!(as_f64(&got.out)[row * dv..(row + 1) * dv]
+                .iter()
+                .all(|&x| x == 0.0));
+        }
+    }
+
+    // The backward gets the reference O and lse, rounded to the dtype
+    // under test, so both sides see the same inputs.
+    let o = Inputs::new(ref_out, dt);
+    let lse32: Vec<f32> = ref_lse.iter().map(|&x| x as f32).collect();
+    let lse64: Vec<f64> = lse32.iter().map(|&x| x as f64).collect();
+    let d_out = Inputs::new(random(c.p.out_len(), 99), dt);
+    let ref_g = cpu::backward(
+        &p64,
+        d_out.slice(DType::F64),
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+        o.slice(DType::F64),
+        Slice::F64(&lse64),
+    )
+    .unwrap();
+    let g = gpu::backward(
+        &c.p,
+        d_out.slice(dt),
+        c.q.slice(dt),
+        c.k.slice(dt),
+        c.v.slice(dt),
+        o.slice(dt),
+        Slice::F32(&lse32),
+    )
+    .unwrap();
+    let errs = [
+        rel_err(&as_f64(&g.dq), &as_f64(&ref_g.dq)),
+        rel_err(&as_f64(&g.dk), &as_f64(&ref_g.dk)),
+        rel_err(&as_f64(&g.dv), &as_f64(&ref_g.dv)),
+    ];
+    let bwd = errs.iter().cloned().fold(0.0, f64::max);
+    assert!(
+        bwd <= bwd_tol,
+        "backward {:?}: dq/dk/dv errors {errs:?}",
+        c.p
+    );
+    (fwd, bwd)
+}
+
+#[test]
+fn float32_matches_float64_reference() {
+    if !gpu_present() {
+        return;
+    }
+    let mut worst = (0.0f64, 0.0f64);
+    for (i, &s) in SHAPES.iter().enumerate() {
+        for causal in [false, true] {
+            let (f, b) = check(&case(s, causal, DType::F32, 10 * i as u64), 1e-4, 4e-4);
+            worst = (worst.0.max(f), worst.1.max(b));
+        }
+    }
+    eprintln!(
+        "float32 worst relative error: forward {:e}, backward {:e}",
+        worst.0, worst.1
+    );
+}
+
+#[test]
+fn float16_matches_float64_reference() {
+    if !gpu_present() {
+        return;
+    }
+    let mut worst = (0.0f64, 0.0f64);
+    for (i, &s) in SHAPES.iter().enumerate().skip(1).step_by(2) {
+        for causal in [false, true] {
+            let (f, b) = check(&case(s, causal, DType::F16, 7 + i as u64), 1e-2, 1e-2);
+            worst = (worst.0.max(f), worst.1.max(b));
+        }
+    }
+    eprintln!(
+        "float16 worst relative error: forward {:e}, backward {:e}",
+        worst.0, worst.1
+    );
+}
+
+#[test]
+fn tiles_of_a_16_kib_adapter() {
+    if !gpu_present() {
+        return;
+    }
+    // WebGPU's minimum workgroup memory forces the smallest tiles at
+    // d = 256 and ragged ones elsewhere.
+    gpu::set_workgroup_storage_for_this_thread(Some(16 * 1024));
+    for (i, s) in [SHAPES[1], SHAPES[4], (1, 2, 1, 9, 14, 200, 256)]
+        .into_iter()
+        .enumerate()
+    {
+        for causal in [false, true] {
+            check(&case(s, causal, DType::F32, 40 + i as u64), 1e-4, 4e-4);
+        }
+    }
+    gpu::set_workgroup_storage_for_this_thread(None);
+}
+
+#[test]
+fn causal_with_more_queries_than_keys_and_gqa_mqa() {
+    if !gpu_present() {
+        return;
+    }
+    // seq_q > seq_k under causal: the first rows see no key.
+    for s in [
+        (1, 3, 1, 40, 9, 8, 5),
+        (2, 6, 3, 19, 4, 32, 16),
+        (1, 4, 1, 5, 70, 12, 12),
+    ] {
+        check(&case(s, true, DType::F32, 3), 1e-4, 4e-4);
+    }
+}
+
+#[test]
+fn results_are_bitwise_reproducible() {
+    if !gpu_present() {
+        return;
+    }
+    let c = case((2, 4, 2, 37, 53, 16, 24), true, DType::F32, 5);
+    let run = || {
+        gpu::forward(
+            &c.p,
+            c.q.slice(DType::F32),
+            c.k.slice(DType::F32),
+            c.v.slice(DType::F32),
+        )
+        .unwrap()
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(a, b);
+    let Buffer::F32(lse) = &a.lse else { panic!() };
+    let d_out = Inputs::new(random(c.p.out_len(), 8), DType::F32);
+    let o = Inputs::new(as_f64(&a.out), DType::F32);
+    let grad = || {
+        gpu::backward(
+            &c.p,
+            d_out.slice(DType::F32),
+            c.q.slice(DType::F32),
+            c.k.slice(DType::F32),
+            c.v.slice(DType::F32),
+            o.slice(DType::F32),
+            Slice::F32(lse),
+        )
+        .unwrap()
+    };
+    assert_eq!(grad(), grad());
+
+    // Concurrent callers share the context and still get the same bits.
+    let threads: Vec<_> = (0..3)
+        .map(|_| {
+            let (q, k, v) = (c.q.f32.clone(), c.k.f32.clone(), c.v.f32.clone());
+            let p = c.p;
+            std::thread::spawn(move || {
+                gpu::forward(&p, Slice::F32(&q), Slice::F32(&k), Slice::F32(&v)).unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), a);
+    }
+}
+
+#[test]
+fn split_bindings_give_the_same_results() {
+    if !gpu_present() {
+        return;
+    }
+    // MQA with a group too large for one binding: heads are cut within the
+    // group and dK/dV are summed over the pieces.
+    let c = case((2, 4, 1, 33, 21, 16, 8), true, DType::F32, 11);
+    let whole = check(&c, 1e-4, 4e-4);
+    for limit in [4 * 33 * 16 * 2, 4 * 33 * 16 * 4, 4 * 33 * 16] {
+        gpu::set_binding_limit_for_this_thread(Some(limit as u64));
+        let split = check(&c, 1e-4, 4e-4);
+        gpu::set_binding_limit_for_this_thread(None);
+        assert!(split.0 <= 1e-4 && split.1 <= 4e-4, "{whole:?} vs {split:?}");
+    }
+    gpu::set_binding_limit_for_this_thread(Some(100));
+    let err = gpu::forward(
+        &c.p,
+        c.q.slice(DType::F32),
+        c.k.slice(DType::F32),
+        c.v.slice(DType::F32),
+    );
+    gpu::set_binding_limit_for_this_thread(None);
+    assert!(matches!(err, Err(Error::TooLarge(_))), "{err:?}");
+}
+
+#[test]
+fn empty_sequences() {
+    if !gpu_present() {
+        return;
+    }
+    for (s, causal) in [
+        ((1, 2, 1, 0, 5, 8, 8), false),
+        ((1, 2, 1, 4, 0, 8, 8), true),
+        ((2, 2, 2, 3, 0, 8, 3), false),
+        ((0, 2, 1, 3, 4, 8, 8), false),
+        ((1, 1, 1, 0, 0, 4, 4), true),
+    ] {
+        let c = case(s, causal, DType::F32, 1);
+        let f = gpu::forward(
+            &c.p,
+            c.q.slice(DType::F32),
+            c.k.slice(DType::F32),
+            c.v.slice(DType::F32),
+        )
+        .unwrap();
+        assert_eq!(f.out, Buffer::F32(vec![0.0; c.p.out_len()]));
+        assert_eq!(f.lse, Buffer::F32(vec![f32::NEG_INFINITY; c.p.lse_len()]));
+        let d_out = vec![1.0f32; c.p.out_len()];
+        let lse = vec![f32::NEG_INFINITY; c.p.lse_len()];
+        let o = vec![0.0f32; c.p.out_len()];
+        let g = gpu::backward(
+            &c.p,
+            Slice::F32(&d_out),
+            c.q.slice(DType::F32),
+            c.k.slice(DType::F32),
+            c.v.slice(DType::F32),
+            Slice::F32(&o),
+            Slice::F32(&lse),
+        )
+        .unwrap();
+        assert_eq!(g.dq, Buffer::F32(vec![0.0; c.p.q_len()]));
+        assert_eq!(g.dk, Buffer::F32(vec![0.0; c.p.k_len()]));
+        assert_eq!(g.dv, Buffer::F32(vec![0.0; c.p.v_len()]));
+    }
+    // An empty value dimension still has a log-sum-exp.
+    check(
+        &case((1, 2, 1, 7, 9, 8, 0), true, DType::F32, 2),
+        1e-4,
+        4e-4,
+    );
+}
+
+#[test]
+fn float64_is_refused_with_a_pointer_to_the_cpu() {
+    let c = case((1, 1, 1, 4, 4, 8, 8), false, DType::F64, 1);
+    let err = gpu::forward(
+        &c.p,
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+    )
+    .unwrap_err();
+    match &err {
+        Error::DType { dtype, reason, .. } => {
+            assert_eq!(dtype, "float64");
+            assert!(reason.contains("cpu"), "{reason}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let lse = vec![0.0f64; c.p.lse_len()];
+    let o = vec![0.0f64; c.p.out_len()];
+    let err = gpu::backward(
+        &c.p,
+        Slice::F64(&o),
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+        Slice::F64(&o),
+        Slice::F64(&lse),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::DType { .. }));
+}
+
+#[test]
+fn adapters_are_listed_consistently() {
+    if !gpu_present() {
+        return;
+    }
+    let adapters = gpu::adapters();
+    for a in &adapters {
+        assert!(
+            ["discrete", "integrated", "virtual", "software", "other"]
+                .contains(&a.device_type.as_str()),
+            "{a:?}"
+        );
+        assert!(!a.backend.to_lowercase().contains("gl"), "{a:?}");
+        assert!(a
+            .limits
+            .iter()
+            .any(|(n, v)| n == "max_compute_workgroup_storage_size" && *v >= 16 * 1024));
+    }
+    let hardware = adapters.iter().any(|a| a.device_type != "software");
+    assert_eq!(gpu::hardware_adapter_available(), hardware);
+}
+
+/// Not a test: `cargo test --test gpu -- --ignored --nocapture` prints the
+/// adapter and rough timings (the first call includes pipeline builds).
+#[test]
+#[ignore]
+fn timing_report() {
+    if !gpu_present() {
+        return;
+    }
+    for a in gpu::adapters() {
+        eprintln!("adapter: {a:?}");
+    }
+    let sizes: usize = std::env::var("FLASHPORT_BENCH_SEQ")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(512);
+    for dtype in [DType::F32, DType::F16] {
+        let c = case((1, 8, 8, sizes, sizes, 64, 64), false, dtype, 1);
+        let flops = c.p.forward_flops();
+        for round in 0..2 {
+            let t = std::time::Instant::now();
+            let f =
+                gpu::forward(&c.p, c.q.slice(dtype), c.k.slice(dtype), c.v.slice(dtype)).unwrap();
+            let tf = t.elapsed().as_secs_f64();
+            let Buffer::F32(lse) = &f.lse else { panic!() };
+            let o = Inputs::new(as_f64(&f.out), dtype);
+            let t = std::time::Instant::now();
+            gpu::backward(
+                &c.p,
+                o.slice(dtype),
+                c.q.slice(dtype),
+                c.k.slice(dtype),
+                c.v.slice(dtype),
+                o.slice(dtype),
+                Slice::F32(lse),
+            )
+            .unwrap();
+            let tb = t.elapsed().as_secs_f64();
+            eprintln!(
+                "{} seq={sizes} round {round}: forward {:.3} s ({:.2} GFLOP/s), backward {:.3} s ({:.2} GFLOP/s)",
+                dtype.numpy_name(),
+                tf,
+                flops / tf / 1e9,
+                tb,
+                2.5 * flops / tb / 1e9
+            );
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! Every WGSL file in `shaders/` parses and validates with naga (the
+//! compiler wgpu uses), with no GPU: a broken shader fails here with a
+//! readable message instead of at pipeline creation on some user's machine.
+//! The kernels are also specialised with the override values the host
+//! passes for a few head dimensions, as pipeline creation does.
+
+use std::path::PathBuf;
+
+use flashport_core::gpu::tiles::{choose, DeviceCaps, Kernel};
+use wgpu::naga;
+
+fn shader_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shaders")
+}
+
+fn validator() -> naga::valid::Validator {
+    // What the kernels need beyond WebGPU's core: only unpack2x16float
+    // (float16 inputs), which every WebGPU-compliant adapter has.
+    naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+    )
+}
+
+fn parse(path: &std::path::Path) -> naga::Module {
+    let source = std::fs::read_to_string(path).unwrap();
+    naga::front::wgsl::parse_str(&source).unwrap_or_else(|e| {
+        panic!(
+            "{} does not parse:\n{}",
+            path.display(),
+            e.emit_to_string(&source)
+        )
+    })
+}
+
+#[test]
+fn every_shader_parses_and_validates() {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(shader_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "wgsl"))
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 4,
+        "expected the kernels in {:?}",
+        shader_dir()
+    );
+    for path in &files {
+        let module = parse(path);
+        if let Err(e) = validator().validate(&module) {
+            let source = std::fs::read_to_string(path).unwrap();
+            panic!(
+                "{} does not validate:\n{}",
+                path.display(),
+                e.emit_to_string(&source)
+            );
+        }
+    }
+}
+
+fn overrides(kernel: Kernel, d: u32, dv: u32, f16: bool) -> naga::back::PipelineConstants {
+    let t = choose(kernel, d, dv, DeviceCaps::WEBGPU_DEFAULT);
+    let (bq, bk) = (t.q_rows, t.k_rows);
+    let n = |x: u32| x.max(1) as f64;
+    let mut c: naga::back::PipelineConstants = Default::default();
+    let mut set = |name: &str, value: f64| {
+        c.insert(name.to_string(), value);
+    };
+    set("WG", t.workgroup as f64);
+    set("DV", dv as f64);
+    set("IN_F16", if f16 { 1.0 } else { 0.0 });
+    if kernel != Kernel::BackwardPreprocess {
+        set("BQ", bq as f64);
+        set("BK", bk as f64);
+        set("D", d as f64);
+        set("Q_ELEMS", n(bq * d));
+        set("K_ELEMS", n(bk * (d + 1)));
+        set("V_ELEMS", n(bk * (dv + 1)));
+        set("S_ELEMS", n(bq * bk));
+        set("ROW_ELEMS", n(bq));
+        if kernel == Kernel::Forward {
+            set("O_ELEMS", n(bq * dv));
+        } else {
+            set("DO_ELEMS", n(bq * dv));
+        }
+    }
+    c
+}
+
+#[test]
+fn kernels_specialise_for_the_host_tiles() {
+    for kernel in Kernel::ALL {
+        let path = shader_dir().join(format!("{}.wgsl", kernel.name()));
+        let module = parse(&path);
+        let info = validator().validate(&module).unwrap();
+        for (d, dv, f16) in [
+            (1, 0, false),
+            (64, 64, true),
+            (256, 256, false),
+            (48, 7, true),
+        ] {
+            let constants = overrides(kernel, d, dv, f16);
+            let result = naga::back::pipeline_constants::process_overrides(
+                &module,
+                &info,
+                Some((naga::ShaderStage::Compute, "main")),
+                &constants,
+            );
+            if let Err(e) = result {
+                panic!("{kernel:?} d={d} dv={dv} f16={f16}: {e:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,229 @@
+// FlashAttention-2 backward, dK and dV: one workgroup per (key/value head,
+// tile of BK keys). It owns its rows of dK and dV, accumulates them in
+// workgroup memory over every query row of every query head of its GQA
+// group (recomputing P from lse), and writes them once: no atomics, a
+// fixed summation order, bitwise reproducible results.
+
+override WG: u32 = 64u;
+override BQ: u32 = 16u;
+override BK: u32 = 16u;
+override D: u32 = 64u;
+override DV: u32 = 64u;
+// DV may be 0 (an empty value dimension); divisions use this instead.
+override DVN: u32 = max(DV, 1u);
+// Row strides of the staged K and V tiles. One word of padding puts
+// consecutive rows in different memory banks, so threads that read one
+// column of different rows (the score loops) do not conflict.
+override KS: u32 = D + 1u;
+override VS: u32 = DV + 1u;
+// Inputs hold IEEE binary16 pairs packed in u32 words instead of f32.
+override IN_F16: bool = false;
+override Q_ELEMS: u32 = 1024u;
+override DO_ELEMS: u32 = 1024u;
+override K_ELEMS: u32 = 1024u;
+override V_ELEMS: u32 = 1024u;
+override S_ELEMS: u32 = 256u;
+override ROW_ELEMS: u32 = 16u;
+
+struct Params {
+    seq_q: u32,
+    seq_k: u32,
+    group: u32,
+    q_head0: u32,
+    causal: u32,
+    causal_offset: i32,
+    scale: f32,
+    // Query heads of each key/value head bound in this dispatch (the whole
+    // group, or a slice of it when one group is too large to bind at once).
+    g_count: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> d_out: array<u32>;
+@group(0) @binding(2) var<storage, read> q: array<u32>;
+@group(0) @binding(3) var<storage, read> k: array<u32>;
+@group(0) @binding(4) var<storage, read> v: array<u32>;
+@group(0) @binding(5) var<storage, read> lse: array<f32>;
+@group(0) @binding(6) var<storage, read> delta: array<f32>;
+@group(0) @binding(7) var<storage, read_write> dk: array<f32>;
+@group(0) @binding(8) var<storage, read_write> dv: array<f32>;
+
+var<workgroup> sk: array<f32, K_ELEMS>;
+var<workgroup> sv: array<f32, V_ELEMS>;
+var<workgroup> sdk: array<f32, K_ELEMS>;
+var<workgroup> sdv: array<f32, V_ELEMS>;
+var<workgroup> sq: array<f32, Q_ELEMS>;
+var<workgroup> sdo: array<f32, DO_ELEMS>;
+var<workgroup> sp: array<f32, S_ELEMS>;
+var<workgroup> sds: array<f32, S_ELEMS>;
+var<workgroup> slse: array<f32, ROW_ELEMS>;
+var<workgroup> sdelta: array<f32, ROW_ELEMS>;
+// 1 where the row's lse is finite: a row that saw no key has P = 0.
+var<workgroup> sok: array<u32, ROW_ELEMS>;
+
+fn half_of(w: u32, i: u32) -> f32 {
+    let h = unpack2x16float(w);
+    return select(h.x, h.y, (i & 1u) == 1u);
+}
+
+fn ld_do(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(d_out[i >> 1u], i);
+    }
+    return bitcast<f32>(d_out[i]);
+}
+
+fn ld_q(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(q[i >> 1u], i);
+    }
+    return bitcast<f32>(q[i]);
+}
+
+fn ld_k(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(k[i >> 1u], i);
+    }
+    return bitcast<f32>(k[i]);
+}
+
+fn ld_v(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(v[i >> 1u], i);
+    }
+    return bitcast<f32>(v[i]);
+}
+
+fn visible_end(row: u32) -> u32 {
+    if p.causal == 0u {
+        return p.seq_k;
+    }
+    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
+}
+
+// Checked on the bits: WGSL does not promise IEEE infinities.
+fn is_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let kv = wid.y;
+    let k0 = wid.x * BK;
+    let nk = min(BK, p.seq_k - k0);
+    let k_base = (kv * p.seq_k + k0) * D;
+    let v_base = (kv * p.seq_k + k0) * DV;
+
+    for (var e = lid; e < BK * D; e += WG) {
+        var x = 0.0;
+        if e / D < nk {
+            x = ld_k(k_base + e);
+        }
+        sk[(e / D) * KS + e % D] = x;
+        sdk[e] = 0.0;
+    }
+    for (var e = lid; e < BK * DV; e += WG) {
+        var x = 0.0;
+        if e / DVN < nk {
+            x = ld_v(v_base + e);
+        }
+        sv[(e / DVN) * VS + e % DVN] = x;
+        sdv[e] = 0.0;
+    }
+
+    // Query rows above `first_row` see none of these keys (causal).
+    var first_row = 0u;
+    if p.causal != 0u {
+        first_row = u32(max(i32(k0) - p.causal_offset, 0));
+    }
+    for (var t = 0u; t < p.g_count; t++) {
+        let head = kv * p.g_count + t;
+        for (var r0 = first_row; r0 < p.seq_q; r0 += BQ) {
+            let nr = min(BQ, p.seq_q - r0);
+            let q_base = (head * p.seq_q + r0) * D;
+            let o_base = (head * p.seq_q + r0) * DV;
+            let l_base = head * p.seq_q + r0;
+            workgroupBarrier();
+            for (var e = lid; e < BQ * D; e += WG) {
+                var x = 0.0;
+                if e / D < nr {
+                    x = ld_q(q_base + e);
+                }
+                sq[e] = x;
+            }
+            for (var e = lid; e < BQ * DV; e += WG) {
+                var x = 0.0;
+                if e / DVN < nr {
+                    x = ld_do(o_base + e);
+                }
+                sdo[e] = x;
+            }
+            for (var i = lid; i < BQ; i += WG) {
+                var l = 0.0;
+                var dl = 0.0;
+                var ok = 0u;
+                if i < nr {
+                    l = lse[l_base + i];
+                    dl = delta[l_base + i];
+                    ok = select(0u, 1u, is_finite(l));
+                }
+                slse[i] = select(0.0, l, ok == 1u);
+                sdelta[i] = dl;
+                sok[i] = ok;
+            }
+            workgroupBarrier();
+
+            for (var e = lid; e < BQ * BK; e += WG) {
+                let i = e / BK;
+                let j = e % BK;
+                var pij = 0.0;
+                var ds = 0.0;
+                if i < nr && j < nk && sok[i] == 1u && k0 + j < visible_end(r0 + i) {
+                    var s = 0.0;
+                    for (var c = 0u; c < D; c++) {
+                        s += sq[i * D + c] * sk[j * KS + c];
+                    }
+                    pij = exp(s * p.scale - slse[i]);
+                    var dp = 0.0;
+                    for (var c = 0u; c < DV; c++) {
+                        dp += sdo[i * DV + c] * sv[j * VS + c];
+                    }
+                    ds = pij * (dp - sdelta[i]);
+                }
+                sp[e] = pij;
+                sds[e] = ds;
+            }
+            workgroupBarrier();
+
+            for (var e = lid; e < BK * DV; e += WG) {
+                let j = e / DVN;
+                let c = e % DVN;
+                var acc = sdv[e];
+                for (var i = 0u; i < nr; i++) {
+                    acc += sp[i * BK + j] * sdo[i * DV + c];
+                }
+                sdv[e] = acc;
+            }
+            for (var e = lid; e < BK * D; e += WG) {
+                let j = e / D;
+                let c = e % D;
+                var acc = sdk[e];
+                for (var i = 0u; i < nr; i++) {
+                    acc += sds[i * BK + j] * sq[i * D + c];
+                }
+                sdk[e] = acc;
+            }
+        }
+    }
+    workgroupBarrier();
+
+    for (var e = lid; e < nk * D; e += WG) {
+        dk[k_base + e] = sdk[e] * p.scale;
+    }
+    for (var e = lid; e < nk * DV; e += WG) {
+        dv[v_base + e] = sdv[e];
+    }
+}

@@ -1,0 +1,203 @@
+// FlashAttention-2 backward, dQ: one workgroup per (query head, tile of BQ
+// query rows), looping over the key tiles the rows can see and
+// recomputing P and dS (the dK/dV kernel recomputes them too: that is the
+// price of owning every output row and needing no atomics).
+
+override WG: u32 = 64u;
+override BQ: u32 = 16u;
+override BK: u32 = 16u;
+override D: u32 = 64u;
+override DV: u32 = 64u;
+// DV may be 0 (an empty value dimension); divisions use this instead.
+override DVN: u32 = max(DV, 1u);
+// Row strides of the staged K and V tiles. One word of padding puts
+// consecutive rows in different memory banks, so threads that read one
+// column of different rows (the score loops) do not conflict.
+override KS: u32 = D + 1u;
+override VS: u32 = DV + 1u;
+// Inputs hold IEEE binary16 pairs packed in u32 words instead of f32.
+override IN_F16: bool = false;
+override Q_ELEMS: u32 = 1024u;
+override DO_ELEMS: u32 = 1024u;
+override K_ELEMS: u32 = 1024u;
+override V_ELEMS: u32 = 1024u;
+override S_ELEMS: u32 = 256u;
+override ROW_ELEMS: u32 = 16u;
+
+struct Params {
+    seq_q: u32,
+    seq_k: u32,
+    group: u32,
+    q_head0: u32,
+    causal: u32,
+    causal_offset: i32,
+    scale: f32,
+    g_count: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> d_out: array<u32>;
+@group(0) @binding(2) var<storage, read> q: array<u32>;
+@group(0) @binding(3) var<storage, read> k: array<u32>;
+@group(0) @binding(4) var<storage, read> v: array<u32>;
+@group(0) @binding(5) var<storage, read> lse: array<f32>;
+@group(0) @binding(6) var<storage, read> delta: array<f32>;
+@group(0) @binding(7) var<storage, read_write> dq: array<f32>;
+
+var<workgroup> sq: array<f32, Q_ELEMS>;
+var<workgroup> sdq: array<f32, Q_ELEMS>;
+var<workgroup> sdo: array<f32, DO_ELEMS>;
+var<workgroup> sk: array<f32, K_ELEMS>;
+var<workgroup> sv: array<f32, V_ELEMS>;
+var<workgroup> sds: array<f32, S_ELEMS>;
+var<workgroup> slse: array<f32, ROW_ELEMS>;
+var<workgroup> sdelta: array<f32, ROW_ELEMS>;
+// 1 where the row's lse is finite: a row that saw no key has P = 0.
+var<workgroup> sok: array<u32, ROW_ELEMS>;
+
+fn half_of(w: u32, i: u32) -> f32 {
+    let h = unpack2x16float(w);
+    return select(h.x, h.y, (i & 1u) == 1u);
+}
+
+fn ld_do(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(d_out[i >> 1u], i);
+    }
+    return bitcast<f32>(d_out[i]);
+}
+
+fn ld_q(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(q[i >> 1u], i);
+    }
+    return bitcast<f32>(q[i]);
+}
+
+fn ld_k(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(k[i >> 1u], i);
+    }
+    return bitcast<f32>(k[i]);
+}
+
+fn ld_v(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(v[i >> 1u], i);
+    }
+    return bitcast<f32>(v[i]);
+}
+
+fn visible_end(row: u32) -> u32 {
+    if p.causal == 0u {
+        return p.seq_k;
+    }
+    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
+}
+
+// Checked on the bits: WGSL does not promise IEEE infinities.
+fn is_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let head = wid.y;
+    let row0 = wid.x * BQ;
+    let rows = min(BQ, p.seq_q - row0);
+    let kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
+    let q_base = (head * p.seq_q + row0) * D;
+    let o_base = (head * p.seq_q + row0) * DV;
+    let l_base = head * p.seq_q + row0;
+
+    for (var e = lid; e < BQ * D; e += WG) {
+        var x = 0.0;
+        if e / D < rows {
+            x = ld_q(q_base + e);
+        }
+        sq[e] = x;
+        sdq[e] = 0.0;
+    }
+    for (var e = lid; e < BQ * DV; e += WG) {
+        var x = 0.0;
+        if e / DVN < rows {
+            x = ld_do(o_base + e);
+        }
+        sdo[e] = x;
+    }
+    for (var i = lid; i < BQ; i += WG) {
+        var l = 0.0;
+        var dl = 0.0;
+        var ok = 0u;
+        if i < rows {
+            l = lse[l_base + i];
+            dl = delta[l_base + i];
+            ok = select(0u, 1u, is_finite(l));
+        }
+        slse[i] = select(0.0, l, ok == 1u);
+        sdelta[i] = dl;
+        sok[i] = ok;
+    }
+
+    let key_end = visible_end(row0 + rows - 1u);
+    for (var k0 = 0u; k0 < key_end; k0 += BK) {
+        let nk = min(BK, key_end - k0);
+        let k_base = (kv * p.seq_k + k0) * D;
+        let v_base = (kv * p.seq_k + k0) * DV;
+        // Also orders the previous tile's reads of sk/sds before these writes.
+        workgroupBarrier();
+        for (var e = lid; e < BK * D; e += WG) {
+            var x = 0.0;
+            if e / D < nk {
+                x = ld_k(k_base + e);
+            }
+            sk[(e / D) * KS + e % D] = x;
+        }
+        for (var e = lid; e < BK * DV; e += WG) {
+            var x = 0.0;
+            if e / DVN < nk {
+                x = ld_v(v_base + e);
+            }
+            sv[(e / DVN) * VS + e % DVN] = x;
+        }
+        workgroupBarrier();
+
+        for (var e = lid; e < BQ * BK; e += WG) {
+            let i = e / BK;
+            let j = e % BK;
+            var ds = 0.0;
+            if i < rows && j < nk && sok[i] == 1u && k0 + j < visible_end(row0 + i) {
+                var s = 0.0;
+                for (var c = 0u; c < D; c++) {
+                    s += sq[i * D + c] * sk[j * KS + c];
+                }
+                let pij = exp(s * p.scale - slse[i]);
+                var dp = 0.0;
+                for (var c = 0u; c < DV; c++) {
+                    dp += sdo[i * DV + c] * sv[j * VS + c];
+                }
+                ds = pij * (dp - sdelta[i]);
+            }
+            sds[e] = ds;
+        }
+        workgroupBarrier();
+
+        for (var e = lid; e < BQ * D; e += WG) {
+            let i = e / D;
+            let c = e % D;
+            var acc = sdq[e];
+            for (var j = 0u; j < nk; j++) {
+                acc += sds[i * BK + j] * sk[j * KS + c];
+            }
+            sdq[e] = acc;
+        }
+    }
+    workgroupBarrier();
+
+    for (var e = lid; e < rows * D; e += WG) {
+        dq[q_base + e] = sdq[e] * p.scale;
+    }
+}

@@ -1,0 +1,60 @@
+// Backward pre-pass: D = rowsum(dO ∘ O), the per-row term of
+// dS = P ∘ (dP − D). One thread per query row; the sum runs in column
+// order, so it is reproducible.
+
+override WG: u32 = 64u;
+override DV: u32 = 64u;
+// Inputs hold IEEE binary16 pairs packed in u32 words instead of f32.
+override IN_F16: bool = false;
+
+struct Params {
+    seq_q: u32,
+    seq_k: u32,
+    group: u32,
+    q_head0: u32,
+    causal: u32,
+    causal_offset: i32,
+    scale: f32,
+    g_count: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> d_out: array<u32>;
+@group(0) @binding(2) var<storage, read> o: array<u32>;
+@group(0) @binding(3) var<storage, read_write> delta: array<f32>;
+
+fn half_of(w: u32, i: u32) -> f32 {
+    let h = unpack2x16float(w);
+    return select(h.x, h.y, (i & 1u) == 1u);
+}
+
+fn ld_do(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(d_out[i >> 1u], i);
+    }
+    return bitcast<f32>(d_out[i]);
+}
+
+fn ld_o(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(o[i >> 1u], i);
+    }
+    return bitcast<f32>(o[i]);
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let row = wid.x * WG + lid;
+    if row >= p.seq_q {
+        return;
+    }
+    let r = wid.y * p.seq_q + row;
+    var acc = 0.0;
+    for (var c = 0u; c < DV; c++) {
+        acc += ld_do(r * DV + c) * ld_o(r * DV + c);
+    }
+    delta[r] = acc;
+}

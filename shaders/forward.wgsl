@@ -1,0 +1,229 @@
+// FlashAttention-2 forward: one workgroup per (query head, tile of BQ
+// query rows). K/V tiles are staged in workgroup memory and folded into
+// the rows with the online softmax, so the score matrix never exists in
+// full. Every sum runs in a fixed order: results are bitwise reproducible.
+//
+// Tile sizes, head dimensions and the input encoding are pipeline
+// overrides chosen by the host (src/gpu/tiles.rs); the *_ELEMS overrides
+// are the products the host computed, because an array size must be a
+// plain override identifier.
+
+override WG: u32 = 64u;
+override BQ: u32 = 16u;
+override BK: u32 = 16u;
+override D: u32 = 64u;
+override DV: u32 = 64u;
+// DV may be 0 (an empty value dimension); divisions use this instead.
+override DVN: u32 = max(DV, 1u);
+// Row strides of the staged K and V tiles. One word of padding puts
+// consecutive rows in different memory banks, so threads that read one
+// column of different rows (the score loops) do not conflict.
+override KS: u32 = D + 1u;
+override VS: u32 = DV + 1u;
+// Inputs hold IEEE binary16 pairs packed in u32 words instead of f32.
+// Reading them with unpack2x16float needs no shader-f16 support.
+override IN_F16: bool = false;
+override Q_ELEMS: u32 = 1024u;
+override K_ELEMS: u32 = 1024u;
+override V_ELEMS: u32 = 1024u;
+override S_ELEMS: u32 = 256u;
+override O_ELEMS: u32 = 1024u;
+override ROW_ELEMS: u32 = 16u;
+
+struct Params {
+    seq_q: u32,
+    seq_k: u32,
+    // Query heads per key/value head.
+    group: u32,
+    // Flat index of the first query head bound in this dispatch; with
+    // `group` it locates the key/value head of every query head.
+    q_head0: u32,
+    causal: u32,
+    causal_offset: i32,
+    scale: f32,
+    g_count: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<u32>;
+@group(0) @binding(2) var<storage, read> k: array<u32>;
+@group(0) @binding(3) var<storage, read> v: array<u32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read_write> lse: array<f32>;
+
+var<workgroup> sq: array<f32, Q_ELEMS>;
+var<workgroup> sk: array<f32, K_ELEMS>;
+var<workgroup> sv: array<f32, V_ELEMS>;
+var<workgroup> ss: array<f32, S_ELEMS>;
+var<workgroup> so: array<f32, O_ELEMS>;
+var<workgroup> row_max: array<f32, ROW_ELEMS>;
+var<workgroup> row_sum: array<f32, ROW_ELEMS>;
+var<workgroup> row_corr: array<f32, ROW_ELEMS>;
+
+// A finite stand-in for -inf: WGSL does not promise IEEE infinities in
+// arithmetic, so no -inf ever enters a subtraction here.
+const NEG_BIG: f32 = -3.0e38;
+
+fn half_of(w: u32, i: u32) -> f32 {
+    let h = unpack2x16float(w);
+    return select(h.x, h.y, (i & 1u) == 1u);
+}
+
+fn ld_q(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(q[i >> 1u], i);
+    }
+    return bitcast<f32>(q[i]);
+}
+
+fn ld_k(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(k[i >> 1u], i);
+    }
+    return bitcast<f32>(k[i]);
+}
+
+fn ld_v(i: u32) -> f32 {
+    if IN_F16 {
+        return half_of(v[i >> 1u], i);
+    }
+    return bitcast<f32>(v[i]);
+}
+
+// Bottom-right causal alignment: query `row` sees keys `0..visible_end`.
+fn visible_end(row: u32) -> u32 {
+    if p.causal == 0u {
+        return p.seq_k;
+    }
+    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let head = wid.y;
+    let row0 = wid.x * BQ;
+    let rows = min(BQ, p.seq_q - row0);
+    let kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
+    let q_base = (head * p.seq_q + row0) * D;
+    let kv_row0 = kv * p.seq_k;
+
+    for (var e = lid; e < BQ * D; e += WG) {
+        var x = 0.0;
+        if e / D < rows {
+            x = ld_q(q_base + e);
+        }
+        sq[e] = x;
+    }
+    for (var e = lid; e < BQ * DV; e += WG) {
+        so[e] = 0.0;
+    }
+    for (var i = lid; i < BQ; i += WG) {
+        row_max[i] = NEG_BIG;
+        row_sum[i] = 0.0;
+    }
+
+    // Rows grow downwards, so the last row of the tile sees the most keys.
+    let key_end = visible_end(row0 + rows - 1u);
+    for (var k0 = 0u; k0 < key_end; k0 += BK) {
+        let nk = min(BK, key_end - k0);
+        // Also orders the previous tile's reads of sk/sv/ss before these writes.
+        workgroupBarrier();
+        for (var e = lid; e < BK * D; e += WG) {
+            var x = 0.0;
+            if e / D < nk {
+                x = ld_k((kv_row0 + k0) * D + e);
+            }
+            sk[(e / D) * KS + e % D] = x;
+        }
+        for (var e = lid; e < BK * DV; e += WG) {
+            var x = 0.0;
+            if e / DVN < nk {
+                x = ld_v((kv_row0 + k0) * DV + e);
+            }
+            sv[(e / DVN) * VS + e % DVN] = x;
+        }
+        workgroupBarrier();
+
+        for (var e = lid; e < BQ * BK; e += WG) {
+            let i = e / BK;
+            let j = e % BK;
+            var s = 0.0;
+            if i < rows && j < nk {
+                var acc = 0.0;
+                for (var c = 0u; c < D; c++) {
+                    acc += sq[i * D + c] * sk[j * KS + c];
+                }
+                s = acc * p.scale;
+            }
+            ss[e] = s;
+        }
+        workgroupBarrier();
+
+        // The online-softmax step, one thread per row; masked keys are the
+        // tail of the row (causal masks cut rows at `visible_end`).
+        for (var i = lid; i < BQ; i += WG) {
+            var n = 0u;
+            if i < rows {
+                let end = visible_end(row0 + i);
+                if end > k0 {
+                    n = min(nk, end - k0);
+                }
+            }
+            let old_max = row_max[i];
+            var new_max = old_max;
+            for (var j = 0u; j < n; j++) {
+                new_max = max(new_max, ss[i * BK + j]);
+            }
+            // exp(NEG_BIG - finite) underflows to 0 and discards the empty
+            // accumulator, which is what a first visible key needs.
+            let corr = exp(old_max - new_max);
+            var sum = 0.0;
+            for (var j = 0u; j < BK; j++) {
+                var pj = 0.0;
+                if j < n {
+                    pj = exp(ss[i * BK + j] - new_max);
+                }
+                ss[i * BK + j] = pj;
+                sum += pj;
+            }
+            row_sum[i] = row_sum[i] * corr + sum;
+            row_max[i] = new_max;
+            row_corr[i] = corr;
+        }
+        workgroupBarrier();
+
+        for (var e = lid; e < BQ * DV; e += WG) {
+            let i = e / DVN;
+            let c = e % DVN;
+            var acc = so[e] * row_corr[i];
+            for (var j = 0u; j < nk; j++) {
+                acc += ss[i * BK + j] * sv[j * VS + c];
+            }
+            so[e] = acc;
+        }
+    }
+    workgroupBarrier();
+
+    let o_base = (head * p.seq_q + row0) * DV;
+    for (var e = lid; e < rows * DV; e += WG) {
+        let l = row_sum[e / DVN];
+        var x = 0.0;
+        if l > 0.0 {
+            x = so[e] / l;
+        }
+        out[o_base + e] = x;
+    }
+    let l_base = head * p.seq_q + row0;
+    for (var i = lid; i < rows; i += WG) {
+        let l = row_sum[i];
+        // A row that saw no key: lse = -inf, written as bits.
+        var x = bitcast<f32>(0xff800000u);
+        if l > 0.0 {
+            x = row_max[i] + log(l);
+        }
+        lse[l_base + i] = x;
+    }
+}
