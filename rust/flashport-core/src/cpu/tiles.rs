@@ -24,6 +24,8 @@ pub struct TileSizes {
 }
 
 const FALLBACK_CACHE_BYTES: usize = 512 * 1024;
+const MIN_CACHE_BYTES: usize = 64 * 1024;
+const MAX_CACHE_BYTES: usize = 4 * 1024 * 1024;
 const MIN_KEY_ROWS: usize = 16;
 const MAX_KEY_ROWS: usize = 256;
 const MAX_QUERY_ROWS: usize = 64;
@@ -37,7 +39,13 @@ const TASKS_PER_THREAD: usize = 4;
 /// it cannot be read.
 pub fn per_core_cache_bytes() -> usize {
     static CACHE: OnceLock<usize> = OnceLock::new();
-    *CACHE.get_or_init(|| read_per_core_cache().unwrap_or(FALLBACK_CACHE_BYTES))
+    // Virtual machines sometimes report a host-wide figure as the L2 of one
+    // vCPU (300 MiB was seen on a cloud VM): clamp to what any core has.
+    *CACHE.get_or_init(|| {
+        read_per_core_cache()
+            .unwrap_or(FALLBACK_CACHE_BYTES)
+            .clamp(MIN_CACHE_BYTES, MAX_CACHE_BYTES)
+    })
 }
 
 fn read_per_core_cache() -> Option<usize> {
