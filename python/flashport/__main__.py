@@ -6,7 +6,8 @@ checks each result against the float64 reference on a slice, and prints the
 time, the GFLOP/s and the peak extra memory next to what naive attention would
 need for its ``seq × seq`` matrices.
 
-``python -m flashport devices`` lists the devices.
+``python -m flashport devices`` lists the devices; ``python -m flashport bench``
+compares the CPU path with PyTorch and naive NumPy.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ def run_devices(_: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from . import _bench
+
+        return _bench.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m flashport", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     parser.add_argument("--batch", type=int, default=1)
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per row (median)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     sub.add_parser("devices", help="list the devices flashport can use")
+    sub.add_parser("bench", help="CPU benchmark against PyTorch and NumPy (see bench --help)")
     args = parser.parse_args(argv)
     if args.command == "devices":
         return run_devices(args)

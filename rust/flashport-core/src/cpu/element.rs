@@ -40,18 +40,35 @@ pub trait Element:
     // overrides them with SIMD kernels where the CPU has them. Shapes are
     // rows × columns of row-major contiguous matrices.
 
-    /// `c = a · bᵀ`, `a` `m × k`, `b` `n × k`, `c` `m × n`; `pack` is
-    /// scratch of at least `k × n` elements.
+    /// Packs each of `heads` blocks of `rows × cols` (key or value rows)
+    /// for [`Element::matmul_nt`]'s `b_packed`, or `None` when the kernels
+    /// read the rows directly. Done once per call instead of once per tile.
+    fn pack_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Vec<Self>> {
+        let _ = (x, heads, rows, cols);
+        None
+    }
+    /// Elements one head takes in [`Element::pack_heads`]' result; the
+    /// tile of a head that starts at row `start` (a multiple of 16) starts
+    /// `start * cols` elements into it.
+    fn packed_head_len(rows: usize, cols: usize) -> usize {
+        rows * cols
+    }
+    /// `c = a · bᵀ`, `a` `m × k`, `b` `n × k`, `c` `m × n`. `b_packed`,
+    /// when given, is the same tile as packed by [`Element::pack_heads`];
+    /// otherwise `pack` (scratch of `k × n` rounded up to 16 columns) may
+    /// be used to pack it here.
+    #[allow(clippy::too_many_arguments)]
     fn matmul_nt(
         a: &[Self],
         b: &[Self],
+        b_packed: Option<&[Self]>,
         c: &mut [Self],
         m: usize,
         k: usize,
         n: usize,
         pack: &mut [Self],
     ) {
-        let _ = pack;
+        let _ = (b_packed, pack);
         kernels::matmul_nt(a, b, c, m, k, n)
     }
     /// `c += a · b`, `a` `m × k`, `b` `k × n`, `c` `m × n`.
@@ -109,9 +126,29 @@ impl Element for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
+    fn pack_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
+        use rayon::prelude::*;
+        if !simd::available() {
+            return None;
+        }
+        let head_len = simd::panels_len(cols, rows);
+        let mut out = vec![0.0; heads * head_len];
+        if head_len > 0 && rows * cols > 0 {
+            out.par_chunks_mut(head_len)
+                .zip(x.par_chunks(rows * cols))
+                .for_each(|(dst, src)| simd::pack_transposed_panels(src, rows, cols, dst));
+        }
+        Some(out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn packed_head_len(rows: usize, cols: usize) -> usize {
+        simd::panels_len(cols, rows)
+    }
+    #[cfg(target_arch = "x86_64")]
     fn matmul_nt(
         a: &[f32],
         b: &[f32],
+        b_packed: Option<&[f32]>,
         c: &mut [f32],
         m: usize,
         k: usize,
@@ -121,20 +158,28 @@ impl Element for f32 {
         if !simd::available() {
             return kernels::matmul_nt(a, b, c, m, k, n);
         }
-        // bᵀ packed k × n so that the kernel streams contiguous rows of it.
-        let packed = &mut pack[..k * n];
-        for (j, b_row) in b.chunks_exact(k).take(n).enumerate() {
-            for (p, &x) in b_row.iter().enumerate() {
-                packed[p * n + j] = x;
+        let packed = match b_packed {
+            Some(packed) => packed,
+            None => {
+                simd::pack_transposed_panels(b, n, k, pack);
+                &*pack
             }
-        }
-        c[..m * n].fill(0.0);
+        };
         let lhs = simd::Lhs {
             data: a,
             row_stride: k,
             depth_stride: 1,
         };
-        simd::gemm_acc(m, n, k, lhs, packed, n, c, n);
+        simd::gemm(
+            m,
+            n,
+            k,
+            lhs,
+            simd::Rhs::Panels { data: packed },
+            c,
+            n,
+            false,
+        );
     }
     #[cfg(target_arch = "x86_64")]
     fn matmul_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
@@ -146,7 +191,16 @@ impl Element for f32 {
             row_stride: k,
             depth_stride: 1,
         };
-        simd::gemm_acc(m, n, k, lhs, b, n, c, n);
+        simd::gemm(
+            m,
+            n,
+            k,
+            lhs,
+            simd::Rhs::RowMajor { data: b, ld: n },
+            c,
+            n,
+            true,
+        );
     }
     #[cfg(target_arch = "x86_64")]
     fn matmul_t_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
@@ -159,7 +213,16 @@ impl Element for f32 {
             row_stride: 1,
             depth_stride: k,
         };
-        simd::gemm_acc(k, n, m, lhs, b, n, c, n);
+        simd::gemm(
+            k,
+            n,
+            m,
+            lhs,
+            simd::Rhs::RowMajor { data: b, ld: n },
+            c,
+            n,
+            true,
+        );
     }
     #[cfg(target_arch = "x86_64")]
     fn row_max(x: &[f32]) -> f32 {

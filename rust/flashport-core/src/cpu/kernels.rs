@@ -63,6 +63,21 @@ pub fn matmul_nt<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usize, 
     }
 }
 
+/// Copies the `rows × cols` matrix `src` into `dst` transposed
+/// (`cols × rows`), so that a later product can stream over rows of `src`
+/// with unit stride.
+#[cfg(test)]
+pub fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
+    if cols == 0 {
+        return;
+    }
+    for (r, row) in src.chunks_exact(cols).take(rows).enumerate() {
+        for (c, &x) in row.iter().enumerate() {
+            dst[c * rows + r] = x;
+        }
+    }
+}
+
 /// `c += a · b` with `a` `m × k`, `b` `k × n`, `c` `m × n`.
 pub fn matmul_acc<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usize, n: usize) {
     if k == 0 || n == 0 {
@@ -90,20 +105,6 @@ pub fn matmul_t_acc<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Copies the `rows × cols` matrix `src` into `dst` transposed
-    /// (`cols × rows`), so that a later product can stream over rows of `src`
-    /// with unit stride.
-    fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
-        if cols == 0 {
-            return;
-        }
-        for (r, row) in src.chunks_exact(cols).take(rows).enumerate() {
-            for (c, &x) in row.iter().enumerate() {
-                dst[c * rows + r] = x;
-            }
-        }
-    }
 
     fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
         let mut c = vec![0.0; m * n];

@@ -149,15 +149,21 @@ fn forward_as<T: Element>(
 
 fn backward_as<T: Element>(problem: &Problem, arrays: [Slice<'_>; 6]) -> Result<Gradients> {
     let [d_out, q, k, v, out, lse] = arrays.map(T::view);
-    let inputs = BackwardInputs {
-        d_out: &d_out,
-        q: &q,
-        k: &k,
-        v: &v,
-        out: &out,
-        lse: &lse,
-    };
     let (dq, dk, dv) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
+        let kv_heads = problem.batch * problem.heads_kv;
+        let (seq_k, d, dv) = (problem.seq_k, problem.head_dim, problem.value_dim);
+        let k_packed = T::pack_heads(&k, kv_heads, seq_k, d);
+        let v_packed = T::pack_heads(&v, kv_heads, seq_k, dv);
+        let inputs = BackwardInputs {
+            d_out: &d_out,
+            q: &q,
+            k: &k,
+            k_packed: k_packed.as_deref(),
+            v_packed: v_packed.as_deref(),
+            v: &v,
+            out: &out,
+            lse: &lse,
+        };
         backward_typed(problem, tiles, &inputs)
     })?;
     Ok(Gradients {
@@ -224,7 +230,7 @@ impl<T: Element> Scratch<T> {
         let widest = d.max(dv);
         Scratch {
             q_scaled: vec![T::ZERO; bq * d],
-            pack: vec![T::ZERO; widest * bk],
+            pack: vec![T::ZERO; widest * bk.next_multiple_of(16)],
             scores: vec![T::ZERO; bq * bk],
             d_scores: vec![T::ZERO; bq * bk],
             acc: vec![T::ZERO; bq.max(bk) * widest],
@@ -261,6 +267,32 @@ impl Layout<'_> {
         let dv = self.p.value_dim;
         &v[(kv_head * self.p.seq_k + keys.start) * dv..(kv_head * self.p.seq_k + keys.end) * dv]
     }
+    /// The tile `keys` of one head of an `Element::pack_heads` result.
+    fn packed_tile<'a, T: Element>(
+        &self,
+        packed: Option<&'a [T]>,
+        kv_head: usize,
+        width: usize,
+        keys: &Range<usize>,
+    ) -> Option<&'a [T]> {
+        let head_len = T::packed_head_len(self.p.seq_k, width);
+        let base = kv_head * head_len;
+        packed.map(|p| &p[base + keys.start * width..base + head_len])
+    }
+    fn kv_tile<'a, T: Element>(
+        &self,
+        x: &BackwardInputs<'a, T>,
+        kv_head: usize,
+        keys: &Range<usize>,
+    ) -> KvTile<'a, T> {
+        let (d, dv) = (self.p.head_dim, self.p.value_dim);
+        KvTile {
+            k_rows: self.k_rows(x.k, kv_head, keys),
+            v_rows: self.v_rows(x.v, kv_head, keys),
+            k_t: self.packed_tile(x.k_packed, kv_head, d, keys),
+            v_t: self.packed_tile(x.v_packed, kv_head, dv, keys),
+        }
+    }
     fn row_scalars<'a, T>(&self, x: &'a [T], head: usize, rows: &Range<usize>) -> &'a [T] {
         &x[head * self.p.seq_q + rows.start..head * self.p.seq_q + rows.end]
     }
@@ -296,6 +328,7 @@ fn forward_typed<T: Element>(
     );
     let mask = ScoreMask::new(problem);
     let layout = Layout { p: problem };
+    let k_packed = T::pack_heads(k, problem.batch * problem.heads_kv, problem.seq_k, d);
     let scale = T::from_f64(problem.scale);
 
     tasks.into_par_iter().for_each_init(
@@ -323,7 +356,8 @@ fn forward_typed<T: Element>(
                 let n = keys.len();
                 let scores = &mut s.scores[..m * n];
                 let k_rows = layout.k_rows(k, kv_head, &keys);
-                T::matmul_nt(q_scaled, k_rows, scores, m, d, n, &mut s.pack);
+                let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
+                T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
                 if visibility == TileVisibility::Partial {
                     mask.apply(&rows, &keys, scores, n);
                 }
@@ -357,10 +391,22 @@ fn forward_typed<T: Element>(
     (out, lse)
 }
 
+/// One key/value tile as the tile products read it: rows, and the same
+/// transposed (with its row stride) when the kernels prefer that.
+struct KvTile<'a, T> {
+    k_rows: &'a [T],
+    v_rows: &'a [T],
+    k_t: Option<&'a [T]>,
+    v_t: Option<&'a [T]>,
+}
+
 struct BackwardInputs<'a, T> {
     d_out: &'a [T],
     q: &'a [T],
     k: &'a [T],
+    /// `k` and `v` transposed per head, when the kernels want them.
+    k_packed: Option<&'a [T]>,
+    v_packed: Option<&'a [T]>,
     v: &'a [T],
     out: &'a [T],
     lse: &'a [T],
@@ -380,15 +426,14 @@ fn recompute_tile<T: Element>(
     d_out_rows: &[T],
     lse_rows: &[T],
     delta_rows: &[T],
-    k_rows: &[T],
-    v_rows: &[T],
+    kv: &KvTile<'_, T>,
     scores: &mut [T],
     d_scores: &mut [T],
     pack: &mut [T],
 ) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (m, n) = (rows.len(), keys.len());
-    T::matmul_nt(q_scaled, k_rows, scores, m, d, n, pack);
+    T::matmul_nt(q_scaled, kv.k_rows, kv.k_t, scores, m, d, n, pack);
     if visibility == TileVisibility::Partial {
         mask.apply(rows, keys, scores, n);
     }
@@ -401,7 +446,7 @@ fn recompute_tile<T: Element>(
             row.iter_mut().for_each(|s| *s = (*s - l).exp());
         }
     }
-    T::matmul_nt(d_out_rows, v_rows, d_scores, m, dv, n, pack);
+    T::matmul_nt(d_out_rows, kv.v_rows, kv.v_t, d_scores, m, dv, n, pack);
     for ((ds_row, p_row), &delta) in d_scores
         .chunks_exact_mut(n)
         .zip(scores.chunks_exact(n))
@@ -410,6 +455,81 @@ fn recompute_tile<T: Element>(
         for (ds, &p) in ds_row.iter_mut().zip(p_row) {
             *ds = p * (*ds - delta);
         }
+    }
+}
+
+/// One key tile of one key/value head in the backward: recomputes P and
+/// dS against every query row that reads the tile and accumulates dK and dV
+/// (and, when given the head group's dQ, dQ too).
+struct KeyTileStep<'a, T> {
+    problem: &'a Problem,
+    tiles: TileSizes,
+    x: &'a BackwardInputs<'a, T>,
+    delta: &'a [T],
+}
+
+impl<T: Element> KeyTileStep<'_, T> {
+    fn run(
+        &self,
+        s: &mut Scratch<T>,
+        kv_head: usize,
+        keys: &Range<usize>,
+        dk_out: &mut [T],
+        dv_out: &mut [T],
+        mut dq_group: Option<&mut [T]>,
+    ) {
+        let (problem, x) = (self.problem, self.x);
+        let (d, dv) = (problem.head_dim, problem.value_dim);
+        let layout = Layout { p: problem };
+        let mask = ScoreMask::new(problem);
+        let scale = T::from_f64(problem.scale);
+        let n = keys.len();
+        let kv = layout.kv_tile(x, kv_head, keys);
+        let dk_acc = &mut s.acc[..n * d];
+        dk_acc.fill(T::ZERO);
+        let dv_acc = &mut s.acc2[..n * dv];
+        dv_acc.fill(T::ZERO);
+        let group = problem.group_size();
+        let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
+        for g in 0..group {
+            let head = batch * problem.heads_q + kv_index * group + g;
+            for rows in key_tiles(problem.seq_q, self.tiles.q_block) {
+                let visibility = mask.classify(&rows, keys);
+                if visibility == TileVisibility::Hidden {
+                    continue;
+                }
+                let m = rows.len();
+                let q_scaled = &mut s.q_scaled[..m * d];
+                scale_into(layout.q_rows(x.q, head, &rows), scale, q_scaled);
+                let d_out_rows = layout.o_rows(x.d_out, head, &rows);
+                let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
+                recompute_tile(
+                    problem,
+                    &mask,
+                    visibility,
+                    &rows,
+                    keys,
+                    q_scaled,
+                    d_out_rows,
+                    layout.row_scalars(x.lse, head, &rows),
+                    layout.row_scalars(self.delta, head, &rows),
+                    &kv,
+                    scores,
+                    d_scores,
+                    &mut s.pack,
+                );
+                T::matmul_t_acc(scores, d_out_rows, dv_acc, m, n, dv);
+                // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
+                T::matmul_t_acc(d_scores, q_scaled, dk_acc, m, n, d);
+                if let Some(dq) = dq_group.as_deref_mut() {
+                    let first = g * problem.seq_q;
+                    let dq_rows = &mut dq[(first + rows.start) * d..(first + rows.end) * d];
+                    T::matmul_acc(d_scores, kv.k_rows, dq_rows, m, n, d);
+                }
+            }
+        }
+        dk_out.copy_from_slice(dk_acc);
+        dv_out.copy_from_slice(dv_acc);
     }
 }
 
@@ -438,7 +558,59 @@ fn backward_typed<T: Element>(
     // same gradient and no atomics are needed.
     let mut dk = vec![T::ZERO; problem.k_len()];
     let mut dvv = vec![T::ZERO; problem.v_len()];
+    let step = KeyTileStep {
+        problem,
+        tiles,
+        x,
+        delta: &delta,
+    };
     let kv_heads = problem.batch * problem.heads_kv;
+    if kv_heads >= rayon::current_num_threads() {
+        // Enough heads to keep every thread busy: one task per key/value
+        // head also accumulates dQ (its query heads are its own), so P and
+        // dS are recomputed once instead of twice. The sums run in the
+        // same order as in the split passes below, so the bits do not
+        // depend on which of the two the thread count selects.
+        let mut dq = vec![T::ZERO; problem.q_len()];
+        let group_len = problem.group_size() * problem.seq_q * d;
+        let head_tasks = row_tiles(
+            kv_heads,
+            1,
+            1,
+            [&mut dk, &mut dvv],
+            [problem.seq_k * d, problem.seq_k * dv],
+        );
+        let dq_chunks: Vec<&mut [T]> = if group_len == 0 {
+            (0..kv_heads).map(|_| Default::default()).collect()
+        } else {
+            dq.chunks_mut(group_len).collect()
+        };
+        head_tasks.into_par_iter().zip(dq_chunks).for_each_init(
+            || Scratch::<T>::new(problem, tiles),
+            |s,
+             (
+                RowTile {
+                    head: kv_head,
+                    outputs: [dk_head, dv_head],
+                    ..
+                },
+                dq_group,
+            )| {
+                for keys in key_tiles(problem.seq_k, tiles.k_rows) {
+                    let (dk_out, dv_out) = (
+                        &mut dk_head[keys.start * d..keys.end * d],
+                        &mut dv_head[keys.start * dv..keys.end * dv],
+                    );
+                    step.run(s, kv_head, &keys, dk_out, dv_out, Some(&mut *dq_group));
+                }
+                dq_group.iter_mut().for_each(|x| *x *= scale);
+            },
+        );
+        return (dq, dk, dvv);
+    }
+    // Otherwise dK and dV first: one task per key tile, looping over every
+    // query row that reads it (all heads of its GQA group), so no two tasks
+    // write the same gradient and no atomics are needed.
     let key_tasks = row_tiles(
         kv_heads,
         problem.seq_k,
@@ -453,51 +625,7 @@ fn backward_typed<T: Element>(
              head: kv_head,
              rows: keys,
              outputs: [dk_out, dv_out],
-         }| {
-            let n = keys.len();
-            let k_rows = layout.k_rows(x.k, kv_head, &keys);
-            let v_rows = layout.v_rows(x.v, kv_head, &keys);
-            let dk_acc = &mut s.acc[..n * d];
-            dk_acc.fill(T::ZERO);
-            let dv_acc = &mut s.acc2[..n * dv];
-            dv_acc.fill(T::ZERO);
-            let group = problem.group_size();
-            let (batch, kv) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
-            for head in (0..group).map(|g| batch * problem.heads_q + kv * group + g) {
-                for rows in key_tiles(problem.seq_q, tiles.q_block) {
-                    let visibility = mask.classify(&rows, &keys);
-                    if visibility == TileVisibility::Hidden {
-                        continue;
-                    }
-                    let m = rows.len();
-                    let q_scaled = &mut s.q_scaled[..m * d];
-                    scale_into(layout.q_rows(x.q, head, &rows), scale, q_scaled);
-                    let d_out_rows = layout.o_rows(x.d_out, head, &rows);
-                    let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
-                    recompute_tile(
-                        problem,
-                        &mask,
-                        visibility,
-                        &rows,
-                        &keys,
-                        q_scaled,
-                        d_out_rows,
-                        layout.row_scalars(x.lse, head, &rows),
-                        layout.row_scalars(&delta, head, &rows),
-                        k_rows,
-                        v_rows,
-                        scores,
-                        d_scores,
-                        &mut s.pack,
-                    );
-                    T::matmul_t_acc(scores, d_out_rows, dv_acc, m, n, dv);
-                    // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
-                    T::matmul_t_acc(d_scores, q_scaled, dk_acc, m, n, d);
-                }
-            }
-            dk_out.copy_from_slice(dk_acc);
-            dv_out.copy_from_slice(dv_acc);
-        },
+         }| step.run(s, kv_head, &keys, dk_out, dv_out, None),
     );
 
     // dQ: one task per query tile, looping over its visible key tiles.
@@ -531,7 +659,7 @@ fn backward_typed<T: Element>(
                     continue;
                 }
                 let n = keys.len();
-                let k_tile = layout.k_rows(x.k, kv_head, &keys);
+                let kv = layout.kv_tile(x, kv_head, &keys);
                 let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
                 recompute_tile(
                     problem,
@@ -543,13 +671,12 @@ fn backward_typed<T: Element>(
                     layout.o_rows(x.d_out, head, &rows),
                     layout.row_scalars(x.lse, head, &rows),
                     layout.row_scalars(&delta, head, &rows),
-                    k_tile,
-                    layout.v_rows(x.v, kv_head, &keys),
+                    &kv,
                     scores,
                     d_scores,
                     &mut s.pack,
                 );
-                T::matmul_acc(d_scores, k_tile, dq_acc, m, n, d);
+                T::matmul_acc(d_scores, kv.k_rows, dq_acc, m, n, d);
             }
             scale_into(dq_acc, scale, dq_out);
         },

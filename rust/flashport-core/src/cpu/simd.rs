@@ -4,8 +4,8 @@
 //!
 //! The products of a tile step are all `C += A·B` with B row-major (its rows
 //! contiguous along the output columns): A's elements are broadcast and B's
-//! rows streamed, a register block of 4 rows × 16 columns of C held in eight
-//! ymm registers across the whole depth loop, FLAME/BLIS style.
+//! rows streamed, a register block of 6 rows × 16 columns of C held in twelve
+//! ymm registers across the whole depth loop, BLIS style.
 
 #![allow(unsafe_code)]
 
@@ -28,125 +28,253 @@ pub struct Lhs<'a> {
     pub depth_stride: usize,
 }
 
-const MR: usize = 4;
+/// Rows of C per micro-kernel call.
+const MR: usize = 6;
+/// Columns of a packed panel of B: two ymm registers.
+pub const PANEL: usize = 16;
 
-/// `c[i*ldc + j] += Σ_p a(i, p) · b[p*ldb + j]` for `i < m`, `j < n`,
-/// `p < k`.
+/// The right operand of [`gemm`].
+#[derive(Clone, Copy)]
+pub enum Rhs<'a> {
+    /// Element `(p, j)` at `data[p * ld + j]`.
+    RowMajor { data: &'a [f32], ld: usize },
+    /// Packed in panels of [`PANEL`] columns: element `(p, j)` at
+    /// `data[(j / PANEL) * k * PANEL + p * PANEL + j % PANEL]`, the last
+    /// panel padded with zeros. One panel is a contiguous `k × 16` block,
+    /// so it sits in L1 without the set conflicts that a large row stride
+    /// (a transposed key matrix has a stride of seq_k) would cause.
+    Panels { data: &'a [f32] },
+}
+
+/// Size of `cols` columns of depth `k` packed as [`Rhs::Panels`].
+pub fn panels_len(k: usize, cols: usize) -> usize {
+    cols.div_ceil(PANEL) * PANEL * k
+}
+
+/// Packs the transpose of `src` (`rows × k`, row-major) as [`Rhs::Panels`]
+/// of depth `k` and `rows` columns into `dst` (`panels_len(k, rows)`).
+pub fn pack_transposed_panels(src: &[f32], rows: usize, k: usize, dst: &mut [f32]) {
+    let dst = &mut dst[..panels_len(k, rows)];
+    for (panel, block) in dst.chunks_exact_mut(PANEL * k).enumerate() {
+        let first = panel * PANEL;
+        let width = PANEL.min(rows - first);
+        for p in 0..k {
+            let out = &mut block[p * PANEL..(p + 1) * PANEL];
+            for (c, slot) in out.iter_mut().enumerate() {
+                *slot = if c < width {
+                    src[(first + c) * k + p]
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+/// `C (+)= A·B` for `m × n` C with row stride `ldc`, depth `k`: added to C
+/// when `accumulate`, else written over it.
 ///
 /// # Panics
 /// If a slice is too short for the shape (checked once, up front, so the
-/// unchecked accesses inside are in bounds).
+/// unchecked accesses inside are in bounds), or for panels that do not
+/// start at a panel boundary.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_acc(
+pub fn gemm(
     m: usize,
     n: usize,
     k: usize,
     a: Lhs<'_>,
-    b: &[f32],
-    ldb: usize,
+    b: Rhs<'_>,
     c: &mut [f32],
     ldc: usize,
+    accumulate: bool,
 ) {
-    if m == 0 || n == 0 || k == 0 {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!((m - 1) * ldc + n <= c.len(), "output too short");
+    if k == 0 {
+        if !accumulate {
+            for row in 0..m {
+                c[row * ldc..row * ldc + n].fill(0.0);
+            }
+        }
         return;
     }
     let a_last = (m - 1) * a.row_stride + (k - 1) * a.depth_stride;
     assert!(a_last < a.data.len(), "lhs too short");
-    assert!((k - 1) * ldb + n <= b.len(), "rhs too short");
-    assert!((m - 1) * ldc + n <= c.len(), "output too short");
+    match b {
+        Rhs::RowMajor { data, ld } => assert!((k - 1) * ld + n <= data.len(), "rhs too short"),
+        Rhs::Panels { data } => assert!(panels_len(k, n) <= data.len(), "rhs too short"),
+    }
     assert!(available(), "AVX2/FMA kernel called on a CPU without them");
     // SAFETY: the CPU has AVX2 and FMA (asserted), and every access below
     // stays within the bounds asserted above.
-    unsafe { gemm_acc_avx2(m, n, k, a, b.as_ptr(), ldb, c.as_mut_ptr(), ldc) }
+    unsafe { gemm_avx2(m, n, k, a, b, c.as_mut_ptr(), ldc, accumulate) }
 }
 
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_acc_avx2(
+unsafe fn gemm_avx2(
     m: usize,
     n: usize,
     k: usize,
     a: Lhs<'_>,
-    b: *const f32,
-    ldb: usize,
+    b: Rhs<'_>,
     c: *mut f32,
     ldc: usize,
+    accumulate: bool,
 ) {
-    let mut i = 0;
-    while i + MR <= m {
-        block_rows::<MR>(i, n, k, a, b, ldb, c, ldc);
-        i += MR;
-    }
-    while i < m {
-        block_rows::<1>(i, n, k, a, b, ldb, c, ldc);
-        i += 1;
+    let op = Operands {
+        a,
+        c,
+        ldc,
+        k,
+        accumulate,
+    };
+    // Column panels outside, row blocks inside: a panel of B (k × 16) stays
+    // in L1 while every row block of A streams past it.
+    let (b_ptr, b_step, panel_stride) = match b {
+        Rhs::RowMajor { data, ld } => (data.as_ptr(), ld, PANEL),
+        Rhs::Panels { data } => (data.as_ptr(), PANEL, PANEL * k),
+    };
+    let row_major = matches!(b, Rhs::RowMajor { .. });
+    let mut j = 0;
+    let mut panel_index = 0;
+    while j < n {
+        let width = PANEL.min(n - j);
+        let b_panel = b_ptr.add(panel_index * panel_stride);
+        if width == PANEL || !row_major {
+            // A padded last panel still computes 16 columns (its padding is
+            // zeros) and stores only `width` of them.
+            for_row_blocks(m, |i, rows| match rows {
+                6 => panel::<6, 2>(&op, i, j, b_panel, b_step, width),
+                5 => panel::<5, 2>(&op, i, j, b_panel, b_step, width),
+                4 => panel::<4, 2>(&op, i, j, b_panel, b_step, width),
+                3 => panel::<3, 2>(&op, i, j, b_panel, b_step, width),
+                2 => panel::<2, 2>(&op, i, j, b_panel, b_step, width),
+                _ => panel::<1, 2>(&op, i, j, b_panel, b_step, width),
+            });
+        } else {
+            // A row-major tail cannot be read 16 wide: 8 wide, then scalars.
+            let mut col = j;
+            if width >= 8 {
+                for_row_blocks(m, |i, rows| match rows {
+                    6 => panel::<6, 1>(&op, i, col, b_panel, b_step, 8),
+                    5 => panel::<5, 1>(&op, i, col, b_panel, b_step, 8),
+                    4 => panel::<4, 1>(&op, i, col, b_panel, b_step, 8),
+                    3 => panel::<3, 1>(&op, i, col, b_panel, b_step, 8),
+                    2 => panel::<2, 1>(&op, i, col, b_panel, b_step, 8),
+                    _ => panel::<1, 1>(&op, i, col, b_panel, b_step, 8),
+                });
+                col += 8;
+            }
+            for col in col..n {
+                for i in 0..m {
+                    let mut sum = 0.0f32;
+                    for p in 0..k {
+                        sum = op.a_at(i, p).mul_add(*b_ptr.add(p * b_step + col), sum);
+                    }
+                    let out = c.add(i * ldc + col);
+                    *out = if accumulate { *out + sum } else { sum };
+                }
+            }
+        }
+        j += width;
+        panel_index += 1;
     }
 }
 
-/// Rows `i0 .. i0 + R` of C, all columns: 16-wide blocks, then an 8-wide
-/// block, then scalar columns.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn block_rows<const R: usize>(
-    i0: usize,
-    n: usize,
-    k: usize,
-    a: Lhs<'_>,
-    b: *const f32,
-    ldb: usize,
+struct Operands<'a> {
+    a: Lhs<'a>,
     c: *mut f32,
     ldc: usize,
+    k: usize,
+    accumulate: bool,
+}
+
+impl Operands<'_> {
+    #[inline(always)]
+    unsafe fn a_at(&self, i: usize, p: usize) -> f32 {
+        *self
+            .a
+            .data
+            .as_ptr()
+            .add(i * self.a.row_stride + p * self.a.depth_stride)
+    }
+}
+
+/// Calls `f(first_row, rows)` for blocks of `MR` rows, then the remainder.
+#[inline(always)]
+fn for_row_blocks(m: usize, mut f: impl FnMut(usize, usize)) {
+    let mut i = 0;
+    while i < m {
+        let rows = MR.min(m - i);
+        f(i, rows);
+        i += rows;
+    }
+}
+
+/// The micro-kernel: rows `i0 .. i0 + R` × columns `j0 .. j0 + 8·V` of C
+/// (of which the first `width` are stored), accumulated over the whole
+/// depth in `R·V` ymm registers — 12 of the 16 at R = 6, V = 2: enough
+/// independent FMA chains to cover their latency on two FMA ports. Row `p`
+/// of the B panel starts at `b + p * b_step`.
+#[target_feature(enable = "avx2,fma")]
+// Kept out of line: inlined into the column loop, LLVM spilled the twelve
+// accumulators to the stack inside the depth loop (half the speed).
+#[inline(never)]
+unsafe fn panel<const R: usize, const V: usize>(
+    op: &Operands<'_>,
+    i0: usize,
+    j0: usize,
+    b: *const f32,
+    b_step: usize,
+    width: usize,
 ) {
-    let a_ptr = a.data.as_ptr();
-    let row = |r: usize| a_ptr.add((i0 + r) * a.row_stride);
-    let mut j = 0;
-    while j + 16 <= n {
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        for p in 0..k {
-            let b_row = b.add(p * ldb + j);
-            let b0 = _mm256_loadu_ps(b_row);
-            let b1 = _mm256_loadu_ps(b_row.add(8));
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let x = _mm256_broadcast_ss(&*row(r).add(p * a.depth_stride));
-                acc_r[0] = _mm256_fmadd_ps(x, b0, acc_r[0]);
-                acc_r[1] = _mm256_fmadd_ps(x, b1, acc_r[1]);
+    let mut acc = [[_mm256_setzero_ps(); V]; R];
+    let base = op.a.data.as_ptr().add(i0 * op.a.row_stride);
+    let rows: [*const f32; R] = std::array::from_fn(|r| base.add(r * op.a.row_stride));
+    let mut b_row = b;
+    // Contiguous rows of A (the common case) get unit-stride addressing, so
+    // the loop body is loads and FMAs, not index arithmetic.
+    let step = op.a.depth_stride;
+    for p in 0..op.k {
+        let mut b = [_mm256_setzero_ps(); V];
+        for (v, b_v) in b.iter_mut().enumerate() {
+            *b_v = _mm256_loadu_ps(b_row.add(8 * v));
+        }
+        let offset = if step == 1 { p } else { p * step };
+        for (row, acc_r) in rows.iter().zip(acc.iter_mut()) {
+            let x = _mm256_broadcast_ss(&*row.add(offset));
+            for v in 0..V {
+                acc_r[v] = _mm256_fmadd_ps(x, b[v], acc_r[v]);
             }
         }
-        for (r, acc_r) in acc.iter().enumerate() {
-            let out = c.add((i0 + r) * ldc + j);
-            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), acc_r[0]));
-            _mm256_storeu_ps(
-                out.add(8),
-                _mm256_add_ps(_mm256_loadu_ps(out.add(8)), acc_r[1]),
-            );
-        }
-        j += 16;
+        b_row = b_row.add(b_step);
     }
-    if j + 8 <= n {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for p in 0..k {
-            let b0 = _mm256_loadu_ps(b.add(p * ldb + j));
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let x = _mm256_broadcast_ss(&*row(r).add(p * a.depth_stride));
-                *acc_r = _mm256_fmadd_ps(x, b0, *acc_r);
+    for (r, acc_r) in acc.iter().enumerate() {
+        let out = op.c.add((i0 + r) * op.ldc + j0);
+        if width == 8 * V {
+            for (v, acc_v) in acc_r.iter().enumerate() {
+                let dst = out.add(8 * v);
+                let value = if op.accumulate {
+                    _mm256_add_ps(_mm256_loadu_ps(dst), *acc_v)
+                } else {
+                    *acc_v
+                };
+                _mm256_storeu_ps(dst, value);
+            }
+        } else {
+            let mut spill = [0.0f32; 16];
+            for (v, acc_v) in acc_r.iter().enumerate() {
+                _mm256_storeu_ps(spill.as_mut_ptr().add(8 * v), *acc_v);
+            }
+            for (col, &value) in spill.iter().take(width).enumerate() {
+                let dst = out.add(col);
+                *dst = if op.accumulate { *dst + value } else { value };
             }
         }
-        for (r, acc_r) in acc.iter().enumerate() {
-            let out = c.add((i0 + r) * ldc + j);
-            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), *acc_r));
-        }
-        j += 8;
-    }
-    while j < n {
-        for r in 0..R {
-            let mut sum = 0.0f32;
-            for p in 0..k {
-                sum = (*row(r).add(p * a.depth_stride)).mul_add(*b.add(p * ldb + j), sum);
-            }
-            *c.add((i0 + r) * ldc + j) += sum;
-        }
-        j += 1;
     }
 }
 
@@ -279,20 +407,13 @@ mod tests {
             let b = filled(k * n, 2);
             let c0 = filled(m * n, 3);
             let mut c = c0.clone();
-            gemm_acc(
-                m,
-                n,
-                k,
-                Lhs {
-                    data: &a,
-                    row_stride: k,
-                    depth_stride: 1,
-                },
-                &b,
-                n,
-                &mut c,
-                n,
-            );
+            let lhs = Lhs {
+                data: &a,
+                row_stride: k,
+                depth_stride: 1,
+            };
+            let rhs = Rhs::RowMajor { data: &b, ld: n };
+            gemm(m, n, k, lhs, rhs, &mut c, n, true);
             // Transposed view of the same data: rows of Aᵀ are columns of A.
             let mut a_t = vec![0.0; k * m];
             for i in 0..m {
@@ -301,19 +422,31 @@ mod tests {
                 }
             }
             let mut c_t = c0.clone();
-            gemm_acc(
+            let lhs_t = Lhs {
+                data: &a_t,
+                row_stride: 1,
+                depth_stride: m,
+            };
+            gemm(m, n, k, lhs_t, rhs, &mut c_t, n, true);
+            // The same product from B packed in panels, written over C.
+            let mut b_rows = vec![0.0; n * k];
+            for p in 0..k {
+                for j in 0..n {
+                    b_rows[j * k + p] = b[p * n + j];
+                }
+            }
+            let mut packed = vec![f32::NAN; panels_len(k, n)];
+            pack_transposed_panels(&b_rows, n, k, &mut packed);
+            let mut c_p = vec![f32::NAN; m * n];
+            gemm(
                 m,
                 n,
                 k,
-                Lhs {
-                    data: &a_t,
-                    row_stride: 1,
-                    depth_stride: m,
-                },
-                &b,
+                lhs,
+                Rhs::Panels { data: &packed },
+                &mut c_p,
                 n,
-                &mut c_t,
-                n,
+                false,
             );
             for i in 0..m {
                 for j in 0..n {
@@ -326,6 +459,7 @@ mod tests {
                         "{m}x{n}x{k} at {i},{j}"
                     );
                     assert_eq!(c[i * n + j], c_t[i * n + j]);
+                    assert!((c_p[i * n + j] + c0[i * n + j] - c[i * n + j]).abs() < 1e-5);
                 }
             }
         }

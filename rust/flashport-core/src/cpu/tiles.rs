@@ -93,7 +93,8 @@ fn choose_for_cache(
     let widest = problem.head_dim.max(problem.value_dim).max(1);
     let k_rows = (cache_bytes / (4 * widest * element_bytes))
         .clamp(MIN_KEY_ROWS, MAX_KEY_ROWS)
-        .next_multiple_of(8);
+        // Packed key panels are 16 columns wide: tiles start on a panel.
+        .next_multiple_of(16);
     let rows_per_head = problem.batch * problem.heads_q;
     let wanted_tasks = threads * TASKS_PER_THREAD;
     let tiles_per_head = wanted_tasks.div_ceil(rows_per_head.max(1));

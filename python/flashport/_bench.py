@@ -1,0 +1,255 @@
+"""``python -m flashport bench``: flashport's CPU attention against its
+competitors, measured side by side in one process.
+
+Rows: forward, backward and forward+backward of flashport, PyTorch's
+``scaled_dot_product_attention`` on the CPU (when torch is importable) and
+naive NumPy attention (forward, where its ``seq × seq`` matrices fit), each the
+median of several runs after a warm-up, next to the machine's own ceiling
+(NumPy float32 matmul at 2048³). FLOPs follow the FlashAttention papers:
+forward ``4·B·H·N²·d`` (causal: half), backward 2.5×, forward+backward 3.5×.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import flashport
+
+from ._memory import peak_extra_bytes
+
+SHAPES = [
+    (1, 8, 1024, 64),
+    (1, 8, 4096, 64),
+    (1, 4, 8192, 128),
+    (1, 2, 16384, 64),
+    (1, 1, 8192, 64),
+]
+# Naive attention holds S and P (float32): skip it above this many bytes.
+NAIVE_MAX_BYTES = 3 << 30
+MEMORY_SEQ = 65536
+
+
+def median_seconds(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up: thread pools, page faults, torch's first-call setup
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def sgemm_ceiling(repeat: int) -> float:
+    n = 2048
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    return 2 * n**3 / median_seconds(lambda: a @ b, max(repeat, 5)) / 1e9
+
+
+def naive_attention(q, k, v, causal):
+    s = q @ k.swapaxes(-1, -2) * np.float32(1 / np.sqrt(q.shape[-1]))
+    if causal:
+        n = s.shape[-1]
+        s = np.where(np.tril(np.ones((n, n), bool)), s, np.float32(-np.inf))
+    s -= s.max(-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(-1, keepdims=True)
+    return p @ v
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(flashport.devices()[0]["threads"])
+    return torch
+
+
+def bench_shape(shape, causal, repeat, torch) -> dict:
+    batch, heads, seq, d = shape
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
+    row: dict = {"shape": list(shape), "causal": causal, "forward_gflop": flops / 1e9}
+
+    def fp_forward():
+        return flashport.attention(q, k, v, causal=causal, return_lse=True, device="cpu")
+
+    out, lse = fp_forward()
+    t_fwd = median_seconds(fp_forward, repeat)
+    t_bwd = median_seconds(
+        lambda: flashport.attention_backward(do, q, k, v, out, lse, causal=causal, device="cpu"),
+        repeat,
+    )
+    row["flashport"] = {"forward_s": t_fwd, "backward_s": t_bwd, "fwd_bwd_s": t_fwd + t_bwd}
+
+    if torch is not None:
+        import torch.nn.functional as F
+
+        tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
+        tqg, tkg, tvg = (x.clone().requires_grad_() for x in (tq, tk, tv))
+
+        def torch_forward():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+        def torch_fwd_bwd():
+            for x in (tqg, tkg, tvg):
+                x.grad = None
+            F.scaled_dot_product_attention(tqg, tkg, tvg, is_causal=causal).backward(tdo)
+
+        t_tf = median_seconds(torch_forward, repeat)
+        t_tfb = median_seconds(torch_fwd_bwd, repeat)
+        row["torch"] = {
+            "forward_s": t_tf,
+            "fwd_bwd_s": t_tfb,
+            "backward_s": max(t_tfb - t_tf, 1e-9),
+            "version": torch.__version__,
+        }
+        check = torch_forward().numpy()
+        row["max_abs_diff_vs_torch"] = float(np.abs(check - out).max())
+
+    if 2 * batch * heads * seq * seq * 4 <= NAIVE_MAX_BYTES:
+        row["naive_numpy"] = {
+            "forward_s": median_seconds(lambda: naive_attention(q, k, v, causal), repeat)
+        }
+    return row
+
+
+def memory_check() -> dict:
+    """Peak memory of a forward at seq 65536, one head, d 64, beyond its
+    inputs and outputs (the issue's target: within 64 MiB)."""
+    rng = np.random.default_rng(2)
+    shape = (1, 1, MEMORY_SEQ, 64)
+    q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
+    (out, lse), peak = peak_extra_bytes(
+        lambda: flashport.attention(q, k, v, return_lse=True, device="cpu")
+    )
+    outputs = out.nbytes + lse.nbytes
+    return {
+        "shape": list(shape),
+        "peak_extra_bytes": peak,
+        "outputs_bytes": outputs,
+        "beyond_outputs_bytes": None if peak is None else max(0, peak - outputs),
+        "naive_matrices_bytes": 2 * MEMORY_SEQ * MEMORY_SEQ * 4,
+    }
+
+
+def format_table(rows: list[dict], ceiling: float) -> str:
+    head = (
+        f"{'shape (B,H,N,d)':<20}{'causal':<7}{'pass':<9}"
+        f"{'flashport':>17}{'torch':>17}{'naive np':>17}{'fp/torch':>9}{'% ceil':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        fwd_gflop = row["forward_gflop"]
+        passes = [("forward", 1.0), ("backward", 2.5), ("fwd+bwd", 3.5)]
+        for name, factor in passes:
+            key = {"forward": "forward_s", "backward": "backward_s", "fwd+bwd": "fwd_bwd_s"}[name]
+            flop = fwd_gflop * factor
+            fp_s = row["flashport"][key]
+            th_s = row.get("torch", {}).get(key)
+            nv_s = row.get("naive_numpy", {}).get(key)
+
+            def cell(s, flop=flop):
+                return f"{flop / s:7.1f} ({s * 1e3:6.0f}ms)" if s else f"{'-':>16}"
+
+            ratio = f"{th_s / fp_s:8.2f}x" if th_s else f"{'-':>9}"
+            pct = f"{100 * flop / fp_s / ceiling:7.0f}%"
+            shape = str(tuple(row["shape"])) if name == "forward" else ""
+            causal = str(row["causal"]) if name == "forward" else ""
+            cells = f"{cell(fp_s)} {cell(th_s)} {cell(nv_s)}"
+            lines.append(f"{shape:<20}{causal:<7}{name:<9} {cells}{ratio}{pct}")
+    lines.append("cells: GFLOP/s (median ms); fp/torch > 1 means flashport is faster")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{tuple(r['shape'])}{' c' if r['causal'] else ''}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=False)
+    for ax, (key, factor, title) in zip(
+        axes, [("forward_s", 1.0, "forward"), ("fwd_bwd_s", 3.5, "forward + backward")], strict=True
+    ):
+        width = 0.27
+        xs = np.arange(len(rows))
+        for i, who in enumerate(("flashport", "torch", "naive_numpy")):
+            vals = [
+                r["forward_gflop"] * factor / r[who][key] if key in r.get(who, {}) else 0.0
+                for r in rows
+            ]
+            ax.bar(xs + (i - 1) * width, vals, width, label=who)
+        ax.set_xticks(xs, labels, rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashport bench", description=__doc__)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per cell (median)")
+    parser.add_argument("--quick", action="store_true", help="only the first two shapes")
+    parser.add_argument("--json", help="write the raw numbers to this file")
+    parser.add_argument("--plot", help="draw a chart to this PNG (needs matplotlib)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the seq-65536 memory check")
+    args = parser.parse_args(argv)
+
+    torch = _torch()
+    cpu = flashport.devices()[0]
+    print(
+        f"flashport {flashport.__version__} bench on {os.cpu_count()} CPUs, "
+        f"{cpu['threads']} threads; torch {torch.__version__ if torch else 'not installed'}",
+        flush=True,
+    )
+    ceiling = sgemm_ceiling(args.repeat)
+    print(f"ceiling: numpy float32 matmul 2048³ = {ceiling:.1f} GFLOP/s", flush=True)
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    rows = []
+    total = 2 * len(shapes)
+    for i, shape in enumerate(shapes):
+        for causal in (False, True):
+            print(f"[{len(rows) + 1}/{total}] {shape} causal={causal} ...", end=" ", flush=True)
+            start = time.perf_counter()
+            rows.append(bench_shape(shape, causal, args.repeat, torch))
+            print(f"{time.perf_counter() - start:.0f} s", flush=True)
+        del i
+    memory = None if args.no_memory else memory_check()
+    print()
+    print(format_table(rows, ceiling))
+    if memory is not None:
+        extra = memory["beyond_outputs_bytes"]
+        shown = "n/a (not Linux)" if extra is None else f"{extra / (1 << 20):.1f} MiB"
+        print(
+            f"memory: forward at (1,1,{MEMORY_SEQ},64) peaked {shown} above its inputs and "
+            f"outputs; naive attention's S and P would need "
+            f"{memory['naive_matrices_bytes'] / (1 << 30):.0f} GiB"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"ceiling_gflops": ceiling, "rows": rows, "memory": memory, "cpu": cpu}, f, indent=2
+            )
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"chart: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
