@@ -1,6 +1,6 @@
 # The command surface of flashport: CI, pre-commit habits and the README
 # all go through these targets.
-.PHONY: setup run test lint test-rust test-python bench-gpu clean
+.PHONY: setup run test lint test-rust test-python bench clean
 
 # Mesa's WSI layer warns on every instance creation when this is unset.
 export XDG_RUNTIME_DIR ?= /tmp/flashport-xdg-runtime
@@ -30,6 +30,11 @@ test-rust:
 
 test-python:
 	FLASHPORT_REQUIRE_GPU=1 $(PY) -m pytest
+
+## Opt-in: installs PyTorch (several GB) and compares the CPU path with it.
+bench: setup
+	.venv/bin/python -m pip install -q -r requirements-bench.txt
+	$(PY) -m flashport bench --json bench.json --plot bench.png
 
 clean:
 	cargo clean

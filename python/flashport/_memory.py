@@ -1,34 +1,49 @@
-"""Peak memory of one call, for the demo and the benchmark."""
+"""Peak memory of one attention call, for the demo and the benchmark."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+import json
+import subprocess
+import sys
 
-T = TypeVar("T")
+# Run in a fresh interpreter: in a process that already computed something,
+# the allocator reuses freed pages and a call's temporaries do not raise the
+# resident set at all, so the measure would read low.
+_PROBE = r"""
+import json, sys
+import numpy as np
+import flashport
 
-
-def _status_kib(field: str) -> int:
+def kib(field):
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
 
+shape, causal, device = json.loads(sys.argv[1])
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current resident set
+before = kib("VmRSS")
+out, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, device=device)
+peak = kib("VmHWM")
+print(json.dumps({"peak_extra": (peak - before) * 1024, "outputs": out.nbytes + lse.nbytes}))
+"""
 
-def peak_extra_bytes(fn: Callable[[], T]) -> tuple[T, int | None]:
-    """Runs ``fn`` and returns its result and how far the process's resident
-    memory peaked above its level before the call (outputs included), in bytes.
 
-    Linux only (it resets the kernel's high-water mark through
-    ``/proc/self/clear_refs``); elsewhere the second value is ``None``. Memory
-    allocated by Rust threads is counted, which tracemalloc would miss."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _status_kib("VmRSS")
-    except (OSError, KeyError):
-        return fn(), None
-    result = fn()
-    peak = _status_kib("VmHWM")
-    return result, max(0, peak - before) * 1024
+def forward_peak_bytes(shape, causal: bool, device: str) -> dict | None:
+    """How far a float32 forward of ``shape`` raised the peak resident memory
+    of a fresh process above its level with the inputs allocated
+    (``peak_extra``, outputs included; ``outputs`` is their size), or ``None``
+    where ``/proc/self/clear_refs`` is unavailable (not Linux)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps([list(shape), causal, device])],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
