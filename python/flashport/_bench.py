@@ -37,7 +37,14 @@ NAIVE_MAX_BYTES = 3 << 30
 MEMORY_SEQ = 65536
 
 
+# OpenBLAS (NumPy) and OpenMP (PyTorch) worker threads keep spinning for a
+# while after a call; pausing before each measurement keeps one competitor's
+# idle threads from stealing cores from the next.
+SETTLE_SECONDS = 0.5
+
+
 def median_seconds(fn: Callable[[], object], repeat: int) -> float:
+    time.sleep(SETTLE_SECONDS)
     fn()  # warm-up: thread pools, page faults, torch's first-call setup
     times = []
     for _ in range(repeat):

@@ -75,6 +75,31 @@ pub trait Element:
     fn matmul_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
         kernels::matmul_acc(a, b, c, m, k, n)
     }
+    /// Packs each of `heads` blocks of `rows × cols` (value rows) for
+    /// [`Element::matmul_acc_packed`], or `None` when the kernels read the
+    /// rows directly; a tile starting at row `start` of a head starts
+    /// `start * 16` elements into the head, whose panels lie
+    /// [`Element::row_panel_stride`] apart.
+    fn pack_rows_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Vec<Self>> {
+        let _ = (x, heads, rows, cols);
+        None
+    }
+    /// Elements one head takes in [`Element::pack_rows_heads`]' result.
+    fn rows_head_len(rows: usize, cols: usize) -> usize {
+        rows * cols
+    }
+    /// `c += a · b` like [`Element::matmul_acc`], with `b` optionally given as
+    /// packed by [`Element::pack_rows_heads`]: `(tile start, panel stride)`.
+    fn matmul_acc_packed(
+        a: &[Self],
+        b: &[Self],
+        b_packed: Option<(&[Self], usize)>,
+        c: &mut [Self],
+        (m, k, n): (usize, usize, usize),
+    ) {
+        let _ = b_packed;
+        Self::matmul_acc(a, b, c, m, k, n)
+    }
     /// `c += aᵀ · b`, `a` `m × k`, `b` `m × n`, `c` `k × n`.
     fn matmul_t_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
         kernels::matmul_t_acc(a, b, c, m, k, n)
@@ -145,6 +170,46 @@ impl Element for f32 {
         simd::panels_len(cols, rows)
     }
     #[cfg(target_arch = "x86_64")]
+    fn pack_rows_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
+        use rayon::prelude::*;
+        if !simd::available() {
+            return None;
+        }
+        let head_len = simd::panels_len(rows, cols);
+        let mut out = vec![0.0; heads * head_len];
+        if head_len > 0 && rows * cols > 0 {
+            out.par_chunks_mut(head_len)
+                .zip(x.par_chunks(rows * cols))
+                .for_each(|(dst, src)| simd::pack_panels(src, rows, cols, dst));
+        }
+        Some(out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn rows_head_len(rows: usize, cols: usize) -> usize {
+        simd::panels_len(rows, cols)
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_acc_packed(
+        a: &[f32],
+        b: &[f32],
+        b_packed: Option<(&[f32], usize)>,
+        c: &mut [f32],
+        (m, k, n): (usize, usize, usize),
+    ) {
+        match b_packed {
+            Some((data, panel_stride)) if simd::available() => {
+                let lhs = simd::Lhs {
+                    data: a,
+                    row_stride: k,
+                    depth_stride: 1,
+                };
+                let rhs = simd::Rhs::Panels { data, panel_stride };
+                simd::gemm(m, n, k, lhs, rhs, c, n, true);
+            }
+            _ => Self::matmul_acc(a, b, c, m, k, n),
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
     fn matmul_nt(
         a: &[f32],
         b: &[f32],
@@ -175,7 +240,10 @@ impl Element for f32 {
             n,
             k,
             lhs,
-            simd::Rhs::Panels { data: packed },
+            simd::Rhs::Panels {
+                data: packed,
+                panel_stride: simd::PANEL * k,
+            },
             c,
             n,
             false,

@@ -154,12 +154,14 @@ fn backward_as<T: Element>(problem: &Problem, arrays: [Slice<'_>; 6]) -> Result<
         let (seq_k, d, dv) = (problem.seq_k, problem.head_dim, problem.value_dim);
         let k_packed = T::pack_heads(&k, kv_heads, seq_k, d);
         let v_packed = T::pack_heads(&v, kv_heads, seq_k, dv);
+        let k_row_panels = T::pack_rows_heads(&k, kv_heads, seq_k, d);
         let inputs = BackwardInputs {
             d_out: &d_out,
             q: &q,
             k: &k,
             k_packed: k_packed.as_deref(),
             v_packed: v_packed.as_deref(),
+            k_row_panels: k_row_panels.as_deref(),
             v: &v,
             out: &out,
             lse: &lse,
@@ -279,6 +281,20 @@ impl Layout<'_> {
         let base = kv_head * head_len;
         packed.map(|p| &p[base + keys.start * width..base + head_len])
     }
+    /// The tile `keys` of one head of an `Element::pack_rows_heads`
+    /// result, with its panel stride.
+    fn row_panels<'a, T: Element>(
+        &self,
+        packed: Option<&'a [T]>,
+        kv_head: usize,
+        width: usize,
+        keys: &Range<usize>,
+    ) -> Option<(&'a [T], usize)> {
+        let seq = self.p.seq_k;
+        let head_len = T::rows_head_len(seq, width);
+        let base = kv_head * head_len;
+        packed.map(|p| (&p[base + keys.start * 16..base + head_len], seq * 16))
+    }
     fn kv_tile<'a, T: Element>(
         &self,
         x: &BackwardInputs<'a, T>,
@@ -291,6 +307,7 @@ impl Layout<'_> {
             v_rows: self.v_rows(x.v, kv_head, keys),
             k_t: self.packed_tile(x.k_packed, kv_head, d, keys),
             v_t: self.packed_tile(x.v_packed, kv_head, dv, keys),
+            k_panels: self.row_panels(x.k_row_panels, kv_head, d, keys),
         }
     }
     fn row_scalars<'a, T>(&self, x: &'a [T], head: usize, rows: &Range<usize>) -> &'a [T] {
@@ -328,7 +345,9 @@ fn forward_typed<T: Element>(
     );
     let mask = ScoreMask::new(problem);
     let layout = Layout { p: problem };
-    let k_packed = T::pack_heads(k, problem.batch * problem.heads_kv, problem.seq_k, d);
+    let kv_heads = problem.batch * problem.heads_kv;
+    let k_packed = T::pack_heads(k, kv_heads, problem.seq_k, d);
+    let v_packed = T::pack_rows_heads(v, kv_heads, problem.seq_k, dv);
     let scale = T::from_f64(problem.scale);
 
     tasks.into_par_iter().for_each_init(
@@ -373,7 +392,9 @@ fn forward_typed<T: Element>(
                             .for_each(|x| *x *= correction);
                     }
                 }
-                T::matmul_acc(scores, layout.v_rows(v, kv_head, &keys), acc, m, n, dv);
+                let v_rows = layout.v_rows(v, kv_head, &keys);
+                let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
+                T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
             }
 
             for (i, state) in states.iter().enumerate() {
@@ -398,6 +419,8 @@ struct KvTile<'a, T> {
     v_rows: &'a [T],
     k_t: Option<&'a [T]>,
     v_t: Option<&'a [T]>,
+    /// Key rows packed for `dQ += dS·K`.
+    k_panels: Option<(&'a [T], usize)>,
 }
 
 struct BackwardInputs<'a, T> {
@@ -407,6 +430,7 @@ struct BackwardInputs<'a, T> {
     /// `k` and `v` transposed per head, when the kernels want them.
     k_packed: Option<&'a [T]>,
     v_packed: Option<&'a [T]>,
+    k_row_panels: Option<&'a [T]>,
     v: &'a [T],
     out: &'a [T],
     lse: &'a [T],
@@ -443,7 +467,7 @@ fn recompute_tile<T: Element>(
             // and exp(s - lse) would be exp(-inf + inf) = NaN.
             row.fill(T::ZERO);
         } else {
-            row.iter_mut().for_each(|s| *s = (*s - l).exp());
+            T::exp_shifted_sum(row, l);
         }
     }
     T::matmul_nt(d_out_rows, kv.v_rows, kv.v_t, d_scores, m, dv, n, pack);
@@ -524,7 +548,7 @@ impl<T: Element> KeyTileStep<'_, T> {
                 if let Some(dq) = dq_group.as_deref_mut() {
                     let first = g * problem.seq_q;
                     let dq_rows = &mut dq[(first + rows.start) * d..(first + rows.end) * d];
-                    T::matmul_acc(d_scores, kv.k_rows, dq_rows, m, n, d);
+                    T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
                 }
             }
         }
@@ -676,7 +700,7 @@ fn backward_typed<T: Element>(
                     d_scores,
                     &mut s.pack,
                 );
-                T::matmul_acc(d_scores, kv.k_rows, dq_acc, m, n, d);
+                T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_acc, (m, n, d));
             }
             scale_into(dq_acc, scale, dq_out);
         },

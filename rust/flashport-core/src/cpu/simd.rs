@@ -39,11 +39,15 @@ pub enum Rhs<'a> {
     /// Element `(p, j)` at `data[p * ld + j]`.
     RowMajor { data: &'a [f32], ld: usize },
     /// Packed in panels of [`PANEL`] columns: element `(p, j)` at
-    /// `data[(j / PANEL) * k * PANEL + p * PANEL + j % PANEL]`, the last
-    /// panel padded with zeros. One panel is a contiguous `k × 16` block,
-    /// so it sits in L1 without the set conflicts that a large row stride
-    /// (a transposed key matrix has a stride of seq_k) would cause.
-    Panels { data: &'a [f32] },
+    /// `data[(j / PANEL) * panel_stride + p * PANEL + j % PANEL]`, the last
+    /// panel padded with zeros. The rows of one panel are contiguous, so
+    /// it sits in L1 without the set conflicts that a large row stride (a
+    /// transposed key matrix has a stride of seq_k; a value matrix one of
+    /// 256 or 512 bytes) would cause.
+    Panels {
+        data: &'a [f32],
+        panel_stride: usize,
+    },
 }
 
 /// Size of `cols` columns of depth `k` packed as [`Rhs::Panels`].
@@ -67,6 +71,21 @@ pub fn pack_transposed_panels(src: &[f32], rows: usize, k: usize, dst: &mut [f32
                     0.0
                 };
             }
+        }
+    }
+}
+
+/// Packs `src` (`rows × cols`, row-major) as [`Rhs::Panels`] of depth
+/// `rows` and `cols` columns, with a panel stride of `rows * PANEL`, into
+/// `dst` (`panels_len(rows, cols)`).
+pub fn pack_panels(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    let dst = &mut dst[..panels_len(rows, cols)];
+    for (panel, block) in dst.chunks_exact_mut(PANEL * rows).enumerate() {
+        let first = panel * PANEL;
+        let width = PANEL.min(cols - first);
+        for (r, out) in block.chunks_exact_mut(PANEL).enumerate() {
+            out[..width].copy_from_slice(&src[r * cols + first..r * cols + first + width]);
+            out[width..].fill(0.0);
         }
     }
 }
@@ -105,7 +124,10 @@ pub fn gemm(
     assert!(a_last < a.data.len(), "lhs too short");
     match b {
         Rhs::RowMajor { data, ld } => assert!((k - 1) * ld + n <= data.len(), "rhs too short"),
-        Rhs::Panels { data } => assert!(panels_len(k, n) <= data.len(), "rhs too short"),
+        Rhs::Panels { data, panel_stride } => assert!(
+            (n - 1) / PANEL * panel_stride + k * PANEL <= data.len(),
+            "rhs too short"
+        ),
     }
     assert!(available(), "AVX2/FMA kernel called on a CPU without them");
     // SAFETY: the CPU has AVX2 and FMA (asserted), and every access below
@@ -136,7 +158,7 @@ unsafe fn gemm_avx2(
     // in L1 while every row block of A streams past it.
     let (b_ptr, b_step, panel_stride) = match b {
         Rhs::RowMajor { data, ld } => (data.as_ptr(), ld, PANEL),
-        Rhs::Panels { data } => (data.as_ptr(), PANEL, PANEL * k),
+        Rhs::Panels { data, panel_stride } => (data.as_ptr(), PANEL, panel_stride),
     };
     let row_major = matches!(b, Rhs::RowMajor { .. });
     let mut j = 0;
@@ -443,7 +465,10 @@ mod tests {
                 n,
                 k,
                 lhs,
-                Rhs::Panels { data: &packed },
+                Rhs::Panels {
+                    data: &packed,
+                    panel_stride: PANEL * k,
+                },
                 &mut c_p,
                 n,
                 false,
