@@ -321,8 +321,10 @@ fn scale_into<T: Element>(src: &[T], scale: T, dst: &mut [T]) {
     }
 }
 
-fn key_tiles(end: usize, tile: usize) -> impl Iterator<Item = Range<usize>> {
-    (0..end).step_by(tile).map(move |s| s..(s + tile).min(end))
+/// Consecutive tiles of `tile` rows covering `rows` (the last may be short).
+fn key_tiles(rows: Range<usize>, tile: usize) -> impl Iterator<Item = Range<usize>> {
+    let end = rows.end;
+    rows.step_by(tile).map(move |s| s..(s + tile).min(end))
 }
 
 fn forward_typed<T: Element>(
@@ -367,7 +369,7 @@ fn forward_typed<T: Element>(
             let acc = &mut s.acc[..m * dv];
             acc.fill(T::ZERO);
 
-            for keys in key_tiles(mask.key_end(&rows), tiles.k_rows) {
+            for keys in key_tiles(0..mask.key_end(&rows), tiles.k_rows) {
                 let visibility = mask.classify(&rows, &keys);
                 if visibility == TileVisibility::Hidden {
                     continue;
@@ -483,8 +485,8 @@ fn recompute_tile<T: Element>(
 }
 
 /// One key tile of one key/value head in the backward: recomputes P and
-/// dS against every query row that reads the tile and accumulates dK and dV
-/// (and, when given the head group's dQ, dQ too).
+/// dS against every query row that reads the tile, writes the tile's dK and
+/// dV, and adds its contribution to the head group's dQ (unscaled).
 struct KeyTileStep<'a, T> {
     problem: &'a Problem,
     tiles: TileSizes,
@@ -500,7 +502,7 @@ impl<T: Element> KeyTileStep<'_, T> {
         keys: &Range<usize>,
         dk_out: &mut [T],
         dv_out: &mut [T],
-        mut dq_group: Option<&mut [T]>,
+        dq_group: &mut [T],
     ) {
         let (problem, x) = (self.problem, self.x);
         let (d, dv) = (problem.head_dim, problem.value_dim);
@@ -517,7 +519,7 @@ impl<T: Element> KeyTileStep<'_, T> {
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
         for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
-            for rows in key_tiles(problem.seq_q, self.tiles.q_block) {
+            for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
                 let visibility = mask.classify(&rows, keys);
                 if visibility == TileVisibility::Hidden {
                     continue;
@@ -545,11 +547,9 @@ impl<T: Element> KeyTileStep<'_, T> {
                 T::matmul_t_acc(scores, d_out_rows, dv_acc, m, n, dv);
                 // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
                 T::matmul_t_acc(d_scores, q_scaled, dk_acc, m, n, d);
-                if let Some(dq) = dq_group.as_deref_mut() {
-                    let first = g * problem.seq_q;
-                    let dq_rows = &mut dq[(first + rows.start) * d..(first + rows.end) * d];
-                    T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
-                }
+                let first = g * problem.seq_q;
+                let dq_rows = &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
+                T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
             }
         }
         dk_out.copy_from_slice(dk_acc);
@@ -563,8 +563,6 @@ fn backward_typed<T: Element>(
     x: &BackwardInputs<'_, T>,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
-    let layout = Layout { p: problem };
-    let mask = ScoreMask::new(problem);
     let scale = T::from_f64(problem.scale);
 
     // D = rowsum(dO ∘ O): the term of dS that comes from the softmax
@@ -577,133 +575,97 @@ fn backward_typed<T: Element>(
         })
         .collect();
 
-    // dK and dV: one task per key tile, looping over every query row that
-    // reads it (all heads of its GQA group), so no two tasks write the
-    // same gradient and no atomics are needed.
+    // One task per (key/value head, chunk of its key tiles): it owns dK and
+    // dV of those keys, and loops over every query row that reads them (all
+    // heads of its GQA group), so no two tasks write the same gradient and
+    // no atomics are needed. It also accumulates those keys' contribution
+    // to dQ into a partial of its own, so P and dS are recomputed once; the
+    // partials are summed in chunk order afterwards. The chunk count
+    // depends on the problem only, so the bits do not depend on threads.
+    let kv_heads = problem.batch * problem.heads_kv;
+    let key_tile_count = problem.seq_k.div_ceil(tiles.k_rows);
+    let chunks = tiles::backward_key_chunks(kv_heads, key_tile_count);
+    let group_len = problem.group_size() * problem.seq_q * d;
     let mut dk = vec![T::ZERO; problem.k_len()];
     let mut dvv = vec![T::ZERO; problem.v_len()];
+    let mut partials = vec![T::ZERO; kv_heads * chunks * group_len];
+    let tasks = chunk_tasks(problem, tiles, chunks, [&mut dk, &mut dvv, &mut partials]);
     let step = KeyTileStep {
         problem,
         tiles,
         x,
         delta: &delta,
     };
-    let kv_heads = problem.batch * problem.heads_kv;
-    if kv_heads >= rayon::current_num_threads() {
-        // Enough heads to keep every thread busy: one task per key/value
-        // head also accumulates dQ (its query heads are its own), so P and
-        // dS are recomputed once instead of twice. The sums run in the
-        // same order as in the split passes below, so the bits do not
-        // depend on which of the two the thread count selects.
-        let mut dq = vec![T::ZERO; problem.q_len()];
-        let group_len = problem.group_size() * problem.seq_q * d;
-        let head_tasks = row_tiles(
-            kv_heads,
-            1,
-            1,
-            [&mut dk, &mut dvv],
-            [problem.seq_k * d, problem.seq_k * dv],
-        );
-        let dq_chunks: Vec<&mut [T]> = if group_len == 0 {
-            (0..kv_heads).map(|_| Default::default()).collect()
-        } else {
-            dq.chunks_mut(group_len).collect()
-        };
-        head_tasks.into_par_iter().zip(dq_chunks).for_each_init(
-            || Scratch::<T>::new(problem, tiles),
-            |s,
-             (
-                RowTile {
-                    head: kv_head,
-                    outputs: [dk_head, dv_head],
-                    ..
-                },
-                dq_group,
-            )| {
-                for keys in key_tiles(problem.seq_k, tiles.k_rows) {
-                    let (dk_out, dv_out) = (
-                        &mut dk_head[keys.start * d..keys.end * d],
-                        &mut dv_head[keys.start * dv..keys.end * dv],
-                    );
-                    step.run(s, kv_head, &keys, dk_out, dv_out, Some(&mut *dq_group));
-                }
-                dq_group.iter_mut().for_each(|x| *x *= scale);
-            },
-        );
-        return (dq, dk, dvv);
-    }
-    // Otherwise dK and dV first: one task per key tile, looping over every
-    // query row that reads it (all heads of its GQA group), so no two tasks
-    // write the same gradient and no atomics are needed.
-    let key_tasks = row_tiles(
-        kv_heads,
-        problem.seq_k,
-        tiles.k_rows,
-        [&mut dk, &mut dvv],
-        [d, dv],
-    );
-    key_tasks.into_par_iter().for_each_init(
+    tasks.into_par_iter().for_each_init(
         || Scratch::<T>::new(problem, tiles),
-        |s,
-         RowTile {
-             head: kv_head,
-             rows: keys,
-             outputs: [dk_out, dv_out],
-         }| step.run(s, kv_head, &keys, dk_out, dv_out, None),
-    );
-
-    // dQ: one task per query tile, looping over its visible key tiles.
-    let mut dq = vec![T::ZERO; problem.q_len()];
-    let mut unused: Vec<T> = Vec::new();
-    let heads = problem.batch * problem.heads_q;
-    let query_tasks = row_tiles(
-        heads,
-        problem.seq_q,
-        tiles.q_rows,
-        [&mut dq, &mut unused],
-        [d, 0],
-    );
-    query_tasks.into_par_iter().for_each_init(
-        || Scratch::<T>::new(problem, tiles),
-        |s,
-         RowTile {
-             head,
-             rows,
-             outputs: [dq_out, _],
-         }| {
-            let m = rows.len();
-            let kv_head = layout.kv_head(head);
-            let q_scaled = &mut s.q_scaled[..m * d];
-            scale_into(layout.q_rows(x.q, head, &rows), scale, q_scaled);
-            let dq_acc = &mut s.acc[..m * d];
-            dq_acc.fill(T::ZERO);
-            for keys in key_tiles(mask.key_end(&rows), tiles.k_rows) {
-                let visibility = mask.classify(&rows, &keys);
-                if visibility == TileVisibility::Hidden {
-                    continue;
-                }
-                let n = keys.len();
-                let kv = layout.kv_tile(x, kv_head, &keys);
-                let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
-                recompute_tile(
-                    problem,
-                    &mask,
-                    visibility,
-                    &rows,
+        |s, task| {
+            let [dk_chunk, dv_chunk, partial] = task.outputs;
+            for keys in key_tiles(task.keys.clone(), tiles.k_rows) {
+                let local = keys.start - task.keys.start..keys.end - task.keys.start;
+                step.run(
+                    s,
+                    task.kv_head,
                     &keys,
-                    q_scaled,
-                    layout.o_rows(x.d_out, head, &rows),
-                    layout.row_scalars(x.lse, head, &rows),
-                    layout.row_scalars(&delta, head, &rows),
-                    &kv,
-                    scores,
-                    d_scores,
-                    &mut s.pack,
+                    &mut dk_chunk[local.start * d..local.end * d],
+                    &mut dv_chunk[local.start * dv..local.end * dv],
+                    partial,
                 );
-                T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_acc, (m, n, d));
             }
-            scale_into(dq_acc, scale, dq_out);
         },
     );
+
+    let mut dq = vec![T::ZERO; problem.q_len()];
+    if group_len > 0 {
+        dq.par_chunks_mut(group_len)
+            .zip(partials.par_chunks(chunks * group_len))
+            .for_each(|(dq_group, head_partials)| {
+                for partial in head_partials.chunks_exact(group_len) {
+                    dq_group.iter_mut().zip(partial).for_each(|(q, &p)| *q += p);
+                }
+                dq_group.iter_mut().for_each(|q| *q *= scale);
+            });
+    }
     (dq, dk, dvv)
+}
+
+/// A backward task: one key/value head, the keys of a chunk of its key
+/// tiles, and the outputs it owns: those keys' rows of dK and dV, and a dQ
+/// partial for the head's query group.
+struct ChunkTask<'a, T> {
+    kv_head: usize,
+    keys: Range<usize>,
+    outputs: [&'a mut [T]; 3],
+}
+
+fn chunk_tasks<'a, T>(
+    problem: &Problem,
+    tiles: TileSizes,
+    chunks: usize,
+    outputs: [&'a mut [T]; 3],
+) -> Vec<ChunkTask<'a, T>> {
+    let (d, dv) = (problem.head_dim, problem.value_dim);
+    let group_len = problem.group_size() * problem.seq_q * d;
+    let key_tile_count = problem.seq_k.div_ceil(tiles.k_rows);
+    let mut rest = outputs;
+    let mut tasks = Vec::new();
+    for kv_head in 0..problem.batch * problem.heads_kv {
+        for chunk in 0..chunks {
+            let first_tile = chunk * key_tile_count / chunks;
+            let end_tile = (chunk + 1) * key_tile_count / chunks;
+            let keys = (first_tile * tiles.k_rows).min(problem.seq_k)
+                ..(end_tile * tiles.k_rows).min(problem.seq_k);
+            let sizes = [keys.len() * d, keys.len() * dv, group_len];
+            let outputs = [0, 1, 2].map(|i| {
+                let (mine, tail) = std::mem::take(&mut rest[i]).split_at_mut(sizes[i]);
+                rest[i] = tail;
+                mine
+            });
+            tasks.push(ChunkTask {
+                kv_head,
+                keys,
+                outputs,
+            });
+        }
+    }
+    tasks
 }

@@ -79,6 +79,22 @@ fn parse_size(text: &str) -> Option<usize> {
     }
 }
 
+/// Backward tasks wanted in all: enough to occupy a many-core machine.
+const BACKWARD_TASKS: usize = 16;
+/// Each chunk costs a dQ partial as large as the head group's dQ.
+const MAX_BACKWARD_CHUNKS: usize = 8;
+
+/// Chunks of key tiles per key/value head in the backward. A function of
+/// the problem alone, never of the thread count: the dQ partials are summed
+/// per chunk, so the chunking fixes the bits.
+pub fn backward_key_chunks(kv_heads: usize, key_tiles: usize) -> usize {
+    BACKWARD_TASKS
+        .div_ceil(kv_heads.max(1))
+        .min(MAX_BACKWARD_CHUNKS)
+        .min(key_tiles)
+        .max(1)
+}
+
 /// Tile sizes for a problem run on `threads` threads.
 pub fn choose(problem: &Problem, threads: usize, element_bytes: usize) -> TileSizes {
     choose_for_cache(problem, threads, element_bytes, per_core_cache_bytes())
