@@ -160,6 +160,15 @@ mod tests {
     }
 
     #[test]
+    fn backward_chunks_follow_the_heads_and_stay_bounded() {
+        assert_eq!(backward_key_chunks(1, 32), MAX_BACKWARD_CHUNKS);
+        assert_eq!(backward_key_chunks(1, 3), 3);
+        assert_eq!(backward_key_chunks(4, 32), BACKWARD_TASKS / 4);
+        assert_eq!(backward_key_chunks(64, 32), 1);
+        assert_eq!(backward_key_chunks(2, 0), 1);
+    }
+
+    #[test]
     fn parses_sysfs_sizes() {
         assert_eq!(parse_size("512K"), Some(512 * 1024));
         assert_eq!(parse_size("32M"), Some(32 * 1024 * 1024));
