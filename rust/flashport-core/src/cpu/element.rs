@@ -106,16 +106,11 @@ pub trait Element:
     }
     /// The largest element; `-inf` for an empty or fully masked row.
     fn row_max(x: &[Self]) -> Self {
-        x.iter().fold(Self::NEG_INFINITY, |a, &b| a.max(b))
+        kernels::row_max(x)
     }
     /// `x = exp(x - shift)` elementwise (`shift` finite); returns the sum.
     fn exp_shifted_sum(x: &mut [Self], shift: Self) -> Self {
-        let mut sum = Self::ZERO;
-        for v in x.iter_mut() {
-            *v = (*v - shift).exp();
-            sum += *v;
-        }
-        sum
+        kernels::exp_shifted_sum(x, shift)
     }
 }
 
@@ -152,18 +147,10 @@ impl Element for f32 {
 
     #[cfg(target_arch = "x86_64")]
     fn pack_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
-        use rayon::prelude::*;
-        if !simd::available() {
-            return None;
-        }
         let head_len = simd::panels_len(cols, rows);
-        let mut out = vec![0.0; heads * head_len];
-        if head_len > 0 && rows * cols > 0 {
-            out.par_chunks_mut(head_len)
-                .zip(x.par_chunks(rows * cols))
-                .for_each(|(dst, src)| simd::pack_transposed_panels(src, rows, cols, dst));
-        }
-        Some(out)
+        pack_each_head(x, heads, rows * cols, head_len, |src, dst| {
+            simd::pack_transposed_panels(src, rows, cols, dst)
+        })
     }
     #[cfg(target_arch = "x86_64")]
     fn packed_head_len(rows: usize, cols: usize) -> usize {
@@ -171,18 +158,10 @@ impl Element for f32 {
     }
     #[cfg(target_arch = "x86_64")]
     fn pack_rows_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
-        use rayon::prelude::*;
-        if !simd::available() {
-            return None;
-        }
         let head_len = simd::panels_len(rows, cols);
-        let mut out = vec![0.0; heads * head_len];
-        if head_len > 0 && rows * cols > 0 {
-            out.par_chunks_mut(head_len)
-                .zip(x.par_chunks(rows * cols))
-                .for_each(|(dst, src)| simd::pack_panels(src, rows, cols, dst));
-        }
-        Some(out)
+        pack_each_head(x, heads, rows * cols, head_len, |src, dst| {
+            simd::pack_panels(src, rows, cols, dst)
+        })
     }
     #[cfg(target_arch = "x86_64")]
     fn rows_head_len(rows: usize, cols: usize) -> usize {
@@ -297,21 +276,40 @@ impl Element for f32 {
         if simd::available() {
             simd::row_max(x)
         } else {
-            x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+            kernels::row_max(x)
         }
     }
     #[cfg(target_arch = "x86_64")]
     fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
         if simd::available() {
-            return simd::exp_shifted_sum(x, shift);
+            simd::exp_shifted_sum(x, shift)
+        } else {
+            kernels::exp_shifted_sum(x, shift)
         }
-        let mut sum = 0.0;
-        for v in x.iter_mut() {
-            *v = (*v - shift).exp();
-            sum += *v;
-        }
-        sum
     }
+}
+
+/// Packs each head of `x` (`src_len` elements a head) into `dst_len`
+/// elements with `pack`, heads in parallel; `None` without AVX2 kernels.
+#[cfg(target_arch = "x86_64")]
+fn pack_each_head(
+    x: &[f32],
+    heads: usize,
+    src_len: usize,
+    dst_len: usize,
+    pack: impl Fn(&[f32], &mut [f32]) + Sync,
+) -> Option<Vec<f32>> {
+    use rayon::prelude::*;
+    if !simd::available() {
+        return None;
+    }
+    let mut out = vec![0.0; heads * dst_len];
+    if src_len > 0 && dst_len > 0 {
+        out.par_chunks_mut(dst_len)
+            .zip(x.par_chunks(src_len))
+            .for_each(|(dst, src)| pack(src, dst));
+    }
+    Some(out)
 }
 
 impl Element for f64 {

@@ -78,6 +78,21 @@ pub fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut
     }
 }
 
+/// The largest element; `-inf` for an empty row.
+pub fn row_max<T: Element>(x: &[T]) -> T {
+    x.iter().fold(T::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// `x = exp(x - shift)` elementwise; returns the sum.
+pub fn exp_shifted_sum<T: Element>(x: &mut [T], shift: T) -> T {
+    let mut sum = T::ZERO;
+    for v in x.iter_mut() {
+        *v = (*v - shift).exp();
+        sum += *v;
+    }
+    sum
+}
+
 /// `c += a · b` with `a` `m × k`, `b` `k × n`, `c` `m × n`.
 pub fn matmul_acc<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usize, n: usize) {
     if k == 0 || n == 0 {
