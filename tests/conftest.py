@@ -57,3 +57,14 @@ def backend(request) -> str:
     if request.param == "gpu" and not gpu_adapters():
         pytest.fail("FLASHPORT_REQUIRE_GPU=1 but flashport.devices() lists no GPU adapter")
     return request.param
+
+
+@pytest.fixture
+def gpu() -> str:
+    """For tests that need the GPU itself (CPU-vs-GPU comparisons): fails
+    where FLASHPORT_REQUIRE_GPU=1 and no adapter exists, skips elsewhere."""
+    if not gpu_adapters():
+        if os.environ.get("FLASHPORT_REQUIRE_GPU") == "1":
+            pytest.fail("FLASHPORT_REQUIRE_GPU=1 but flashport.devices() lists no GPU adapter")
+        pytest.skip("no GPU adapter (install lavapipe)")
+    return "gpu"

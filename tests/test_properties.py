@@ -168,3 +168,36 @@ def test_zero_length_sequences_give_empty_results(backend):
     do = rng.standard_normal(out.shape).astype(np.float32)
     dq, dk, dv = flashport.attention_backward(do, q, k, v, out, lse, device=backend)
     assert np.all(dq == 0) and dk.shape == k.shape and dv.shape == v.shape
+
+
+@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float16]))
+def test_cpu_and_gpu_agree(gpu, data, dtype):
+    """The two backends compute the same function: their float32 results
+    differ by at most what each may differ from the oracle (twice a naive
+    float32 implementation's error, plus the floor), added up."""
+    case = data.draw(cases(gpu), label="case")
+    q, k, v, do = case.arrays(dtype)
+    results = {}
+    for device in ("cpu", gpu):
+        out, lse = flashport.attention(
+            q, k, v, causal=case.causal, scale=case.scale, return_lse=True, device=device
+        )
+        grads = flashport.attention_backward(
+            do, q, k, v, out, lse, causal=case.causal, scale=case.scale, device=device
+        )
+        results[device] = (out, *grads)
+    want = (oracle(case, q, k, v, dtype)[0], *oracle_backward(case, do, q, k, v, dtype))
+    naive_out = naive(case, q, k, v, dtype)[0]
+    baseline = (naive_out, *naive_backward(case, do, q, k, v, dtype))
+    scores = score_magnitude(case, q, k)
+    terms = term_magnitudes(case, do, q, k, v)
+    for i, name in enumerate(("o", "dq", "dk", "dv")):
+        on_cpu, on_gpu = (np.asarray(results[d][i], np.float64) for d in ("cpu", gpu))
+        ref, base = np.asarray(want[i], np.float64), np.asarray(baseline[i], np.float64)
+        if ref.size == 0:
+            continue
+        naive_err = np.abs(base - ref).max()
+        magnitude = max(np.abs(ref).max(), terms[name], 1e-30)
+        floor = 8 * np.finfo(dtype).eps * magnitude * max(1.0, scores)
+        gap = np.abs(on_cpu - on_gpu).max()
+        assert gap <= 2 * (2 * naive_err + floor), f"{name}: cpu and gpu differ by {gap:.3g}"
