@@ -11,7 +11,7 @@
 // distinct banks.
 //
 // Needs, prepended by the host (src/gpu/shaders.rs), one of
-// shaders/parts/row_reduce_*.wgsl: row_max4/row_sum4 reduce a vec4 of four
+// shaders/row_reduce_*.wgsl: row_max4/row_sum4 reduce a vec4 of four
 // rows' values over the CG invocations of a row group.
 //
 // Every sum runs in a fixed order (the reduction fragments too): results

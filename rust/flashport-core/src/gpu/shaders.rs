@@ -10,10 +10,8 @@ pub(crate) const BACKWARD_PREPROCESS: &str =
 pub(crate) const BACKWARD_DKDV: &str = include_str!("../../../../shaders/backward_dkdv.wgsl");
 pub(crate) const BACKWARD_DQ: &str = include_str!("../../../../shaders/backward_dq.wgsl");
 pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
-const ROW_REDUCE_SUBGROUP: &str =
-    include_str!("../../../../shaders/parts/row_reduce_subgroup.wgsl");
-const ROW_REDUCE_WORKGROUP: &str =
-    include_str!("../../../../shaders/parts/row_reduce_workgroup.wgsl");
+const ROW_REDUCE_SUBGROUP: &str = include_str!("../../../../shaders/row_reduce_subgroup.wgsl");
+const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_workgroup.wgsl");
 
 /// The WGSL of `kernel`. The tiled forward takes its row reductions from a
 /// fragment: a module that names subgroup operations does not validate on

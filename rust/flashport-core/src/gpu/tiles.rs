@@ -25,6 +25,11 @@ impl Kernel {
         Kernel::BackwardDq,
     ];
 
+    /// The register-tiled kernels (run without naga's index clamps).
+    pub fn is_tiled(self) -> bool {
+        matches!(self, Kernel::ForwardTiled)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Forward => "forward",
