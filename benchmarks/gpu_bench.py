@@ -160,9 +160,9 @@ def main():
                 kb, eb, resb = time_flashport(q, k, v, causal, max(2, args.reps // 2), backward=True)
                 rec["fp_fwdbwd_kernel_s"], rec["fp_fwdbwd_e2e_s"] = kb, eb
             if not args.no_simple:
-                os.environ["FLASHPORT_GPU_FORWARD"] = "simple"
+                os.environ["FLASHPORT_GPU_KERNELS"] = "simple"
                 ks, es, ress = time_flashport(q, k, v, causal, 2, backward=False)
-                del os.environ["FLASHPORT_GPU_FORWARD"]
+                del os.environ["FLASHPORT_GPU_KERNELS"]
                 rec["fp_simple_fwd_kernel_s"], rec["fp_simple_fwd_e2e_s"] = ks, es
                 rec["simple_vs_tiled_out_rel"] = rel(ress[0], res[0])
             if torch is not None:

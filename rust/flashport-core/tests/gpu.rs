@@ -323,6 +323,24 @@ fn tiled_forward_with_and_without_subgroups() {
         assert!(times
             .iter()
             .all(|(name, t)| name == "forward_tiled" && *t >= 0.0));
+        let o = vec![0.5f32; p.out_len()];
+        let lse = vec![1.0f32; p.lse_len()];
+        gpu::backward(
+            &p,
+            Slice::F32(&o),
+            Slice::F32(&x),
+            Slice::F32(&x[..p.k_len()]),
+            Slice::F32(&x[..p.v_len()]),
+            Slice::F32(&o),
+            Slice::F32(&lse),
+        )
+        .unwrap();
+        let names: Vec<String> = gpu::last_kernel_times()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        eprintln!("backward kernels: {names:?}");
+        assert!(names.is_empty() || names[1..] == ["backward_dq_tiled", "backward_dkdv_tiled"]);
     }
     gpu::set_no_subgroups_for_this_thread(false);
 }

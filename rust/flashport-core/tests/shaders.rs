@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use flashport_core::gpu::shaders::{source, tile_overrides};
-use flashport_core::gpu::tiles::{choose, forward_kernel, DeviceCaps, Kernel};
+use flashport_core::gpu::tiles::{backward_kernels, choose, forward_kernel, DeviceCaps, Kernel};
 use wgpu::naga;
 
 fn shader_dir() -> PathBuf {
@@ -176,6 +176,49 @@ fn kernels_specialise_for_the_host_tiles() {
             );
             if let Err(e) = result {
                 panic!("{kernel:?} d={d} dv={dv} f16={f16}: {e:?}");
+            }
+        }
+    }
+}
+
+/// The tiled backward kernels specialise for the tiles the host picks.
+#[test]
+fn tiled_backward_kernels_validate_and_specialise() {
+    for kernel in [Kernel::BackwardDqTiled, Kernel::BackwardDkDvTiled] {
+        let text = source(kernel, false);
+        let name = kernel.name();
+        let module = parse_text(name, &text);
+        let info = validator()
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
+        for kib in [16, 32, 48] {
+            let caps = DeviceCaps {
+                workgroup_storage_bytes: kib * 1024,
+                max_invocations: 1024,
+                max_workgroup_size_x: 1024,
+                subgroups: false,
+            };
+            for (d, dv) in [(64, 64), (128, 128), (4, 4), (16, 24), (60, 36), (128, 8)] {
+                let Some((tq, tkv)) = backward_kernels(d, dv, false, caps) else {
+                    continue;
+                };
+                let t = if kernel == Kernel::BackwardDqTiled {
+                    tq
+                } else {
+                    tkv
+                };
+                let mut constants: naga::back::PipelineConstants = Default::default();
+                for (k, v) in tile_overrides(kernel, false, d, dv, t, false) {
+                    constants.insert(k.to_string(), v);
+                }
+                if let Err(e) = naga::back::pipeline_constants::process_overrides(
+                    &module,
+                    &info,
+                    Some((naga::ShaderStage::Compute, "main")),
+                    &constants,
+                ) {
+                    panic!("{name} d={d} dv={dv} {t:?}: {e:?}");
+                }
             }
         }
     }

@@ -200,7 +200,7 @@ impl Timer {
 
 fn forced_simple() -> bool {
     // Compares the kernels on one adapter (benchmarks/gpu_bench.py).
-    std::env::var("FLASHPORT_GPU_FORWARD").as_deref() == Ok("simple")
+    std::env::var("FLASHPORT_GPU_KERNELS").as_deref() == Ok("simple")
 }
 
 /// Caps the binding size the calling thread plans with (`None`: the
@@ -690,20 +690,29 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
     let f16 = p.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
     let caps = caps(ctx);
-    let key = |kernel| PipelineKey {
+    let tiled = if forced_simple() {
+        None
+    } else {
+        tiles::backward_kernels(d as u32, dv as u32, f16, caps)
+    };
+    let key = |kernel, tiles| PipelineKey {
         kernel,
         f16_inputs: f16,
         d: d as u32,
         dv: dv as u32,
-        tiles: tiles::choose(kernel, d as u32, dv as u32, caps),
+        tiles,
         subgroups: caps.subgroups,
     };
+    let simple = |kernel| key(kernel, tiles::choose(kernel, d as u32, dv as u32, caps));
+    let kp = simple(Kernel::BackwardPreprocess);
+    let (kq, kkv) = match tiled {
+        Some((tq, tkv)) => (
+            key(Kernel::BackwardDqTiled, tq),
+            key(Kernel::BackwardDkDvTiled, tkv),
+        ),
+        None => (simple(Kernel::BackwardDq), simple(Kernel::BackwardDkDv)),
+    };
     lock_times().clear();
-    let (kp, kq, kkv) = (
-        key(Kernel::BackwardPreprocess),
-        key(Kernel::BackwardDq),
-        key(Kernel::BackwardDkDv),
-    );
     let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
     let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
     let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;
@@ -756,7 +765,7 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
                 &g_dq,
                 xq,
                 nq as u32,
-                timer.as_mut().map(|t| (t, "backward_dq")),
+                timer.as_mut().map(|t| (t, kq.kernel.name())),
             );
             dispatch(
                 &mut encoder,
@@ -764,7 +773,7 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
                 &g_kv,
                 xkv,
                 nkv as u32,
-                timer.as_mut().map(|t| (t, "backward_dkdv")),
+                timer.as_mut().map(|t| (t, kkv.kernel.name())),
             );
             let mut r = submit_and_read(
                 ctx,

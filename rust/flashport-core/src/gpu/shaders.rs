@@ -9,6 +9,10 @@ pub(crate) const BACKWARD_PREPROCESS: &str =
     include_str!("../../../../shaders/backward_preprocess.wgsl");
 pub(crate) const BACKWARD_DKDV: &str = include_str!("../../../../shaders/backward_dkdv.wgsl");
 pub(crate) const BACKWARD_DQ: &str = include_str!("../../../../shaders/backward_dq.wgsl");
+pub(crate) const BACKWARD_DQ_TILED: &str =
+    include_str!("../../../../shaders/backward_dq_tiled.wgsl");
+pub(crate) const BACKWARD_DKDV_TILED: &str =
+    include_str!("../../../../shaders/backward_dkdv_tiled.wgsl");
 pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
 const ROW_REDUCE_SUBGROUP: &str = include_str!("../../../../shaders/row_reduce_subgroup.wgsl");
 const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_workgroup.wgsl");
@@ -23,6 +27,8 @@ pub fn source(kernel: Kernel, subgroups: bool) -> String {
         Kernel::BackwardPreprocess => BACKWARD_PREPROCESS.into(),
         Kernel::BackwardDkDv => BACKWARD_DKDV.into(),
         Kernel::BackwardDq => BACKWARD_DQ.into(),
+        Kernel::BackwardDqTiled => BACKWARD_DQ_TILED.into(),
+        Kernel::BackwardDkDvTiled => BACKWARD_DKDV_TILED.into(),
         Kernel::ForwardTiled => {
             let reduce = if subgroups {
                 ROW_REDUCE_SUBGROUP
@@ -88,6 +94,26 @@ pub fn tile_overrides(
                 c.push(("RED_ELEMS", red.max(1) as f64));
             }
             c
+        }
+        Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled => {
+            let [a0, a1, b0, b1, w] = super::tiles::backward_tiled_vec4s(kernel, d, dv, t);
+            let w = if kernel == Kernel::BackwardDkDvTiled {
+                w / 2
+            } else {
+                w
+            };
+            vec![
+                ("RG", (t.workgroup / super::tiles::TILED_CG) as f64),
+                ("D", d as f64),
+                ("DV", dv as f64),
+                ("ND", super::tiles::tiled_nv(d) as f64),
+                ("NV", super::tiles::tiled_nv(dv) as f64),
+                ("A0_ELEMS", a0.max(1) as f64),
+                ("A1_ELEMS", a1.max(1) as f64),
+                ("B0_ELEMS", b0.max(1) as f64),
+                ("B1_ELEMS", b1.max(1) as f64),
+                ("W_ELEMS", w.max(1) as f64),
+            ]
         }
         Kernel::BackwardPreprocess => vec![
             ("WG", t.workgroup as f64),

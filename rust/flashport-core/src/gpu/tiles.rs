@@ -15,6 +15,10 @@ pub enum Kernel {
     /// The register-tiled float32 forward (shaders/forward_tiled.wgsl);
     /// `forward_kernel` chooses it over `Forward` where it fits.
     ForwardTiled,
+    /// The register-tiled float32 backward (shaders/backward_*_tiled.wgsl);
+    /// `backward_kernels` chooses them where they fit.
+    BackwardDqTiled,
+    BackwardDkDvTiled,
 }
 
 impl Kernel {
@@ -27,7 +31,10 @@ impl Kernel {
 
     /// The register-tiled kernels (run without naga's index clamps).
     pub fn is_tiled(self) -> bool {
-        matches!(self, Kernel::ForwardTiled)
+        matches!(
+            self,
+            Kernel::ForwardTiled | Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled
+        )
     }
 
     pub fn name(self) -> &'static str {
@@ -37,6 +44,8 @@ impl Kernel {
             Kernel::BackwardDkDv => "backward_dkdv",
             Kernel::BackwardDq => "backward_dq",
             Kernel::ForwardTiled => "forward_tiled",
+            Kernel::BackwardDqTiled => "backward_dq_tiled",
+            Kernel::BackwardDkDvTiled => "backward_dkdv_tiled",
         }
     }
 }
@@ -147,8 +156,93 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
             // vec4s of four words each.
             4 * (q + kv + p + red)
         }
+        Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled => {
+            4 * backward_tiled_vec4s(kernel, d as u32, dv as u32, t)
+                .iter()
+                .sum::<u64>()
+        }
     };
     4 * words
+}
+
+/// Workgroup arrays of a tiled backward kernel in vec4s, mirroring
+/// shaders/backward_*_tiled.wgsl: [A0, A1, B0, B1, W] (the dK/dV kernel has
+/// two W arrays, counted in the last entry). Owned rows are `q_rows` for dQ
+/// and `k_rows` for dK/dV; the streamed side is TILED_BK rows.
+pub fn backward_tiled_vec4s(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> [u64; 5] {
+    let (d4, dv4) = (d as u64 / 4, dv as u64 / 4);
+    let (nd, nv) = (tiled_nv(d) as u64, tiled_nv(dv) as u64);
+    let bc = TILED_BK as u64;
+    match kernel {
+        Kernel::BackwardDqTiled => {
+            let br = t.q_rows as u64;
+            [
+                br * (d4 + 1),
+                br * (dv4 + 1),
+                bc * (8 * nd + 1),
+                bc * (dv4 + 1),
+                br * 9,
+            ]
+        }
+        _ => {
+            let br = t.k_rows as u64;
+            [
+                br * (d4 + 1),
+                br * (dv4 + 1),
+                bc * (8 * nd + 1),
+                bc * (8 * nv + 1),
+                2 * br * 9,
+            ]
+        }
+    }
+}
+
+/// The tiles of the tiled dQ and dK/dV kernels, or None where the simple
+/// backward kernels must run (float16, head dims not multiples of 4 or
+/// above 128, or tiles that do not fit the workgroup memory).
+pub fn backward_kernels(
+    d: u32,
+    dv: u32,
+    f16_inputs: bool,
+    caps: DeviceCaps,
+) -> Option<(Tiles, Tiles)> {
+    let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(256);
+    let shape_ok = !f16_inputs
+        && d % 4 == 0
+        && dv % 4 == 0
+        && (4..=128).contains(&d)
+        && (4..=128).contains(&dv);
+    if !shape_ok {
+        return None;
+    }
+    let pick = |kernel: Kernel| {
+        [16u32, 8, 4].into_iter().find_map(|rg| {
+            let (own, streamed) = (4 * rg, TILED_BK);
+            let t = match kernel {
+                Kernel::BackwardDqTiled => Tiles {
+                    q_rows: own,
+                    k_rows: streamed,
+                    workgroup: TILED_CG * rg,
+                    kv_shared: false,
+                },
+                _ => Tiles {
+                    q_rows: streamed,
+                    k_rows: own,
+                    workgroup: TILED_CG * rg,
+                    kv_shared: false,
+                },
+            };
+            let bytes = 16 * backward_tiled_vec4s(kernel, d, dv, t).iter().sum::<u64>();
+            (bytes <= budget
+                && t.workgroup <= caps.max_invocations
+                && t.workgroup <= caps.max_workgroup_size_x)
+                .then_some(t)
+        })
+    };
+    Some((
+        pick(Kernel::BackwardDqTiled)?,
+        pick(Kernel::BackwardDkDvTiled)?,
+    ))
 }
 
 /// The forward kernel and its tiles for head dimensions `d`, `dv` on an
