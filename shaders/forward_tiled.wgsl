@@ -29,6 +29,10 @@ override V_OFF: u32 = 0u;
 override Q_ELEMS: u32 = 1088u;
 override KV_ELEMS: u32 = 1088u;
 override P_ELEMS: u32 = 576u;
+// vec4s of the K (and of the V) tile each invocation loads, when the next
+// tile is prefetched into registers while this one is computed (0: no
+// prefetch; at most 8; only with K and V side by side).
+override PF_N: u32 = 0u;
 
 const CG: u32 = 8u;
 const BK: u32 = 32u;
@@ -146,22 +150,227 @@ fn main(
     // Rows grow downwards, so the last row of the tile sees the most keys.
     let key_end = visible_end(row0 + rows - 1u);
     let kv_row0 = kv * p.seq_k;
+    var pk0 = vec4(0.0); var pv0 = vec4(0.0);
+    var pk1 = vec4(0.0); var pv1 = vec4(0.0);
+    var pk2 = vec4(0.0); var pv2 = vec4(0.0);
+    var pk3 = vec4(0.0); var pv3 = vec4(0.0);
+    var pk4 = vec4(0.0); var pv4 = vec4(0.0);
+    var pk5 = vec4(0.0); var pv5 = vec4(0.0);
+    var pk6 = vec4(0.0); var pv6 = vec4(0.0);
+    var pk7 = vec4(0.0); var pv7 = vec4(0.0);
+    if PF_N > 0u {
+        if PF_N > 0u {
+            let e = lid + 0u * RG * CG;
+            pk0 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk0 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv0 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv0 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+        if PF_N > 1u {
+            let e = lid + 1u * RG * CG;
+            pk1 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk1 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv1 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv1 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+        if PF_N > 2u {
+            let e = lid + 2u * RG * CG;
+            pk2 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk2 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv2 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv2 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+        if PF_N > 3u {
+            let e = lid + 3u * RG * CG;
+            pk3 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk3 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv3 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv3 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+        if PF_N > 4u {
+            let e = lid + 4u * RG * CG;
+            pk4 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk4 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv4 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv4 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+        if PF_N > 5u {
+            let e = lid + 5u * RG * CG;
+            pk5 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk5 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv5 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv5 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+        if PF_N > 6u {
+            let e = lid + 6u * RG * CG;
+            pk6 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk6 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv6 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv6 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+        if PF_N > 7u {
+            let e = lid + 7u * RG * CG;
+            pk7 = vec4(0.0);
+            if e < BK * D4 && e / D4 < min(BK, key_end) { pk7 = k[(kv_row0 + 0u) * D4 + e]; }
+            pv7 = vec4(0.0);
+            let j = e / (8u * NV);
+            let c = e % (8u * NV);
+            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv7 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+        }
+    }
     for (var k0 = 0u; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
         // Also orders the previous tile's reads of kvs/ps before these writes.
         workgroupBarrier();
-        for (var e = lid; e < BK * D4; e += RG * CG) {
-            let j = e / D4;
-            var x = vec4(0.0);
-            if j < nk {
-                x = k[(kv_row0 + k0) * D4 + e];
+        if PF_N > 0u {
+            // This tile's K and V were loaded into registers while the
+            // previous tile was computed.
+            if PF_N > 0u {
+                let e = lid + 0u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk0; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv0; }
             }
-            kvs[j * QS4 + e % D4] = x;
-        }
-        if V_OFF != 0u {
-            load_v(kv_row0 + k0, nk, lid);
+            if PF_N > 1u {
+                let e = lid + 1u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk1; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv1; }
+            }
+            if PF_N > 2u {
+                let e = lid + 2u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk2; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv2; }
+            }
+            if PF_N > 3u {
+                let e = lid + 3u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk3; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv3; }
+            }
+            if PF_N > 4u {
+                let e = lid + 4u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk4; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv4; }
+            }
+            if PF_N > 5u {
+                let e = lid + 5u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk5; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv5; }
+            }
+            if PF_N > 6u {
+                let e = lid + 6u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk6; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv6; }
+            }
+            if PF_N > 7u {
+                let e = lid + 7u * RG * CG;
+                if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk7; }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv7; }
+            }
+        } else {
+            for (var e = lid; e < BK * D4; e += RG * CG) {
+                let j = e / D4;
+                var x = vec4(0.0);
+                if j < nk {
+                    x = k[(kv_row0 + k0) * D4 + e];
+                }
+                kvs[j * QS4 + e % D4] = x;
+            }
+            if V_OFF != 0u {
+                load_v(kv_row0 + k0, nk, lid);
+            }
         }
         workgroupBarrier();
+        if PF_N > 0u {
+            // The next tile's loads, in flight during this tile's arithmetic.
+            let next = k0 + BK;
+            if next < key_end {
+                if PF_N > 0u {
+                    let e = lid + 0u * RG * CG;
+                    pk0 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk0 = k[(kv_row0 + next) * D4 + e]; }
+                    pv0 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv0 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+                if PF_N > 1u {
+                    let e = lid + 1u * RG * CG;
+                    pk1 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk1 = k[(kv_row0 + next) * D4 + e]; }
+                    pv1 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv1 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+                if PF_N > 2u {
+                    let e = lid + 2u * RG * CG;
+                    pk2 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk2 = k[(kv_row0 + next) * D4 + e]; }
+                    pv2 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv2 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+                if PF_N > 3u {
+                    let e = lid + 3u * RG * CG;
+                    pk3 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk3 = k[(kv_row0 + next) * D4 + e]; }
+                    pv3 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv3 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+                if PF_N > 4u {
+                    let e = lid + 4u * RG * CG;
+                    pk4 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk4 = k[(kv_row0 + next) * D4 + e]; }
+                    pv4 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv4 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+                if PF_N > 5u {
+                    let e = lid + 5u * RG * CG;
+                    pk5 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk5 = k[(kv_row0 + next) * D4 + e]; }
+                    pv5 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv5 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+                if PF_N > 6u {
+                    let e = lid + 6u * RG * CG;
+                    pk6 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk6 = k[(kv_row0 + next) * D4 + e]; }
+                    pv6 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv6 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+                if PF_N > 7u {
+                    let e = lid + 7u * RG * CG;
+                    pk7 = vec4(0.0);
+                    if e < BK * D4 && e / D4 < min(BK, key_end - next) { pk7 = k[(kv_row0 + next) * D4 + e]; }
+                    pv7 = vec4(0.0);
+                    let j = e / (8u * NV);
+                    let c = e % (8u * NV);
+                    if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv7 = v[(kv_row0 + next + j) * DV4 + c]; }
+                }
+            }
+        }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
         var s10 = 0.0; var s11 = 0.0; var s12 = 0.0; var s13 = 0.0;

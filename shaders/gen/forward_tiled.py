@@ -71,8 +71,43 @@ def store():
     return "\n".join(out)
 
 
+PF = range(8)
+
+
+def prefetch_load(t0, n, pad):
+    """Issues the loads of the K and V tile at key `t0` (n rows valid) into
+    the named registers pk*/pv*; PF_N (an override) of them are live."""
+    out = []
+    for u in PF:
+        out.append(f"{pad}if PF_N > {u}u {{")
+        out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
+        out.append(f"{pad}    pk{u} = vec4(0.0);")
+        out.append(f"{pad}    if e < BK * D4 && e / D4 < {n} {{ pk{u} = k[(kv_row0 + {t0}) * D4 + e]; }}")
+        out.append(f"{pad}    pv{u} = vec4(0.0);")
+        out.append(f"{pad}    let j = e / (8u * NV);")
+        out.append(f"{pad}    let c = e % (8u * NV);")
+        out.append(f"{pad}    if e < BK * 8u * NV && j < {n} && c < DV4 {{ pv{u} = v[(kv_row0 + {t0} + j) * DV4 + c]; }}")
+        out.append(f"{pad}}}")
+    return "\n".join(out)
+
+
+def prefetch_store(pad):
+    out = []
+    for u in PF:
+        out.append(f"{pad}if PF_N > {u}u {{")
+        out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
+        out.append(f"{pad}    if e < BK * D4 {{ kvs[(e / D4) * QS4 + e % D4] = pk{u}; }}")
+        out.append(f"{pad}    if e < BK * 8u * NV {{ kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv{u}; }}")
+        out.append(f"{pad}}}")
+    return "\n".join(out)
+
+
 TEMPLATE = Path(__file__).with_name("forward_tiled.wgsl.in").read_text()
 text = (TEMPLATE.replace("{{SCORES}}", scores()).replace("{{PV}}", pv())
         .replace("{{DECL_S}}", decl("s")).replace("{{DECL_O}}", decl("o"))
-        .replace("{{RESCALE}}", rescale()).replace("{{STORE}}", store()))
+        .replace("{{RESCALE}}", rescale()).replace("{{STORE}}", store())
+        .replace("{{PF_DECL}}", "\n".join("    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF))
+        .replace("{{PF_FIRST}}", prefetch_load("0u", "min(BK, key_end)", "        "))
+        .replace("{{PF_NEXT}}", prefetch_load("next", "min(BK, key_end - next)", "                "))
+        .replace("{{PF_STORE}}", prefetch_store("            ")))
 Path(__file__).parents[1].joinpath("forward_tiled.wgsl").write_text(text)

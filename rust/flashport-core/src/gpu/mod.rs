@@ -563,7 +563,12 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
             tiles::choose(Kernel::Forward, d as u32, dv as u32, caps),
         )
     } else {
-        tiles::forward_kernel(d as u32, dv as u32, f16, caps)
+        let (kernel, mut tiles) = tiles::forward_kernel(d as u32, dv as u32, f16, caps);
+        if std::env::var("FLASHPORT_GPU_PREFETCH").as_deref() == Ok("0") {
+            // Measures what the register prefetch gains (benchmarks).
+            tiles.prefetch = 0;
+        }
+        (kernel, tiles)
     };
     let key = PipelineKey {
         kernel,

@@ -89,6 +89,7 @@ pub fn tile_overrides(
                 ("Q_ELEMS", q.max(1) as f64),
                 ("KV_ELEMS", kv.max(1) as f64),
                 ("P_ELEMS", p.max(1) as f64),
+                ("PF_N", t.prefetch as f64),
             ];
             if !subgroups {
                 c.push(("RED_ELEMS", red.max(1) as f64));

@@ -81,6 +81,9 @@ pub struct Tiles {
     /// Tiled forward only: V is staged into K's workgroup memory after the
     /// scores instead of beside it (for head dimensions that do not fit).
     pub kv_shared: bool,
+    /// Tiled forward only: vec4s of the next K (and V) tile each invocation
+    /// prefetches into registers during the current tile (0: none).
+    pub prefetch: u32,
 }
 
 /// Threads per workgroup: enough to keep a GPU's SIMD lanes busy on the
@@ -216,7 +219,8 @@ pub fn backward_kernels(
         return None;
     }
     let pick = |kernel: Kernel| {
-        [16u32, 8, 4].into_iter().find_map(|rg| {
+        // 2: d = 128 fits 48 KiB only as 8-row blocks.
+        [16u32, 8, 4, 2].into_iter().find_map(|rg| {
             let (own, streamed) = (4 * rg, TILED_BK);
             let t = match kernel {
                 Kernel::BackwardDqTiled => Tiles {
@@ -224,12 +228,14 @@ pub fn backward_kernels(
                     k_rows: streamed,
                     workgroup: TILED_CG * rg,
                     kv_shared: false,
+                    prefetch: 0,
                 },
                 _ => Tiles {
                     q_rows: streamed,
                     k_rows: own,
                     workgroup: TILED_CG * rg,
                     kv_shared: false,
+                    prefetch: 0,
                 },
             };
             let bytes = 16 * backward_tiled_vec4s(kernel, d, dv, t).iter().sum::<u64>();
@@ -262,11 +268,18 @@ pub fn forward_kernel(d: u32, dv: u32, f16_inputs: bool, caps: DeviceCaps) -> (K
         // V side by side before sharing (one barrier and load phase less).
         for rg in [16u32, 8, 4] {
             for kv_shared in [false, true] {
+                let wg = TILED_CG * rg;
+                // Prefetch where the tiles split into at most 8 vec4s per
+                // invocation (the named registers pk0..pk7, pv0..pv7).
+                let per = (TILED_BK * (d / 4))
+                    .max(TILED_BK * 8 * tiled_nv(dv))
+                    .div_ceil(wg);
                 let t = Tiles {
                     q_rows: 4 * rg,
                     k_rows: TILED_BK,
-                    workgroup: TILED_CG * rg,
+                    workgroup: wg,
                     kv_shared,
+                    prefetch: if !kv_shared && per <= 8 { per } else { 0 },
                 };
                 let (q, kv, p, red) = tiled_workgroup_vec4s(d, dv, t, caps.subgroups);
                 let fits = 16 * (q + kv + p + red) <= budget
@@ -298,12 +311,14 @@ pub fn choose(kernel: Kernel, d: u32, dv: u32, caps: DeviceCaps) -> Tiles {
                 k_rows: primary,
                 workgroup,
                 kv_shared: false,
+                prefetch: 0,
             },
             _ => Tiles {
                 q_rows: primary,
                 k_rows: secondary,
                 workgroup,
                 kv_shared: false,
+                prefetch: 0,
             },
         };
         if workgroup_bytes(kernel, d, dv, tiles) <= budget {
@@ -315,6 +330,7 @@ pub fn choose(kernel: Kernel, d: u32, dv: u32, caps: DeviceCaps) -> Tiles {
         k_rows: 1,
         workgroup,
         kv_shared: false,
+        prefetch: 0,
     }
 }
 
