@@ -42,7 +42,15 @@ def flops(B, H, N, d, causal, bwd=False):
 
 
 def kernel_seconds():
-    return sum(t for _, t in _core._gpu_kernel_times())
+    return sum(t for name, t in _core._gpu_kernel_times() if not name.startswith("host:"))
+
+
+def breakdown():
+    """Per kernel and host phase of the last call, seconds (summed by name)."""
+    out = {}
+    for name, t in _core._gpu_kernel_times():
+        out[name] = out.get(name, 0.0) + t
+    return out
 
 
 def time_flashport(q, k, v, causal, reps, backward):
@@ -55,15 +63,18 @@ def time_flashport(q, k, v, causal, reps, backward):
         t0 = time.perf_counter()
         o, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, device="gpu")
         kt = kernel_seconds()
+        parts = {"fwd " + n: t for n, t in breakdown().items()}
         grads = None
         if backward:
             grads = flashport.attention_backward(do, q, k, v, o, lse, causal=causal, device="gpu")
             kt += kernel_seconds()
+            parts.update({"bwd " + n: t for n, t in breakdown().items()})
         t1 = time.perf_counter()
         if i > 0:  # the first call compiles pipelines
             ks.append(kt)
             es.append(t1 - t0)
         res = (o, lse, do, grads)
+    time_flashport.last_parts = parts
     return statistics.median(ks), statistics.median(es), res
 
 
@@ -155,10 +166,12 @@ def main():
             rec = {"shape": [B, H, N, d], "causal": causal}
             kf, ef, res = time_flashport(q, k, v, causal, args.reps, backward=False)
             rec["fp_fwd_kernel_s"], rec["fp_fwd_e2e_s"] = kf, ef
+            rec["fp_fwd_parts_s"] = time_flashport.last_parts
             resb = res
             if not args.fwd_only:
                 kb, eb, resb = time_flashport(q, k, v, causal, max(2, args.reps // 2), backward=True)
                 rec["fp_fwdbwd_kernel_s"], rec["fp_fwdbwd_e2e_s"] = kb, eb
+                rec["fp_fwdbwd_parts_s"] = time_flashport.last_parts
             if not args.no_simple:
                 os.environ["FLASHPORT_GPU_KERNELS"] = "simple"
                 ks, es, ress = time_flashport(q, k, v, causal, 2, backward=False)
@@ -210,6 +223,10 @@ def main():
             print(f"{B}x{H}x{N}x{d:<4} {int(r['causal']):>1} {pas:>7} | {kern * 1e3:8.3f} {tf:9.2f} {e2e * 1e3:8.1f} | "
                   + " | ".join(cols) + f" | {simple * 1e3 if simple else float('nan'):9.3f}")
     print("x <backend> = torch time / flashport kernel time (>1: flashport faster).")
+    for r in records:
+        parts = r.get("fp_fwdbwd_parts_s") or r.get("fp_fwd_parts_s") or {}
+        print(f"parts {r['shape']} causal={int(r['causal'])} (last call, ms): "
+              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
     for r in records:
         if "check" in r:
             print(f"check {r['shape']} causal={int(r['causal'])}: rel err vs float64 "

@@ -111,6 +111,13 @@ fn caps(ctx: &Context) -> tiles::DeviceCaps {
     if let Some(bytes) = WORKGROUP_STORAGE_OVERRIDE.with(Cell::get) {
         caps.workgroup_storage_bytes = caps.workgroup_storage_bytes.min(bytes);
     }
+    // Benchmarks: smaller tiles (more workgroups per SM) on the same adapter.
+    if let Some(bytes) = std::env::var("FLASHPORT_GPU_WORKGROUP_BYTES")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        caps.workgroup_storage_bytes = caps.workgroup_storage_bytes.min(bytes);
+    }
     if NO_SUBGROUPS.with(Cell::get) {
         caps.subgroups = false;
     }
@@ -119,7 +126,9 @@ fn caps(ctx: &Context) -> tiles::DeviceCaps {
 
 /// GPU time of each kernel of the calling process's last forward or
 /// backward call, in seconds, in dispatch order (one entry per kernel and
-/// chunk), from timestamp queries; empty where the adapter has none.
+/// chunk), from timestamp queries (none where the adapter has none); and
+/// wall time of the call's host phases, named "host:upload",
+/// "host:submit_and_wait", "host:readback_copy".
 pub fn last_kernel_times() -> Vec<(String, f64)> {
     lock_times().clone()
 }
@@ -130,6 +139,12 @@ fn lock_times() -> std::sync::MutexGuard<'static, Vec<(String, f64)>> {
     KERNEL_TIMES
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Records a host-side phase of the current call (wall seconds, named
+/// "host:..."), beside the kernels' GPU times: where end-to-end time goes.
+fn record_host(name: &str, since: std::time::Instant) {
+    lock_times().push((format!("host:{name}"), since.elapsed().as_secs_f64()));
 }
 
 /// Timestamp queries around each dispatch of one submission.
@@ -406,6 +421,7 @@ fn read_back(
     for ((buffer, _), &offset) in outputs.iter().zip(&offsets) {
         encoder.copy_buffer_to_buffer(buffer, 0, &staging, offset, buffer.size());
     }
+    let t_submit = std::time::Instant::now();
     let index = ctx.queue.submit([encoder.finish()]);
     let (tx, rx) = mpsc::channel();
     staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
@@ -451,6 +467,8 @@ fn read_back(
             ctx.adapter.name
         ))
     })?;
+    record_host("submit_and_wait", t_submit);
+    let t_copy = std::time::Instant::now();
     let view = staging
         .slice(..)
         .get_mapped_range()
@@ -465,6 +483,7 @@ fn read_back(
         .collect();
     drop(view);
     staging.unmap();
+    record_host("readback_copy", t_copy);
     Ok(results)
 }
 
@@ -592,9 +611,11 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
         let [o, l] = ctx.scoped("running the forward pass", || {
             let uniform = params(ctx, p, chunk)?;
+            let t_up = std::time::Instant::now();
             let qb = upload(ctx, "q", heads_of(q, sq * d, eb, q0, nq))?;
             let kb = upload(ctx, "k", heads_of(k, sk * d, eb, kv0, nkv))?;
             let vb = upload(ctx, "v", heads_of(v, sk * dv, eb, kv0, nkv))?;
+            record_host("upload", t_up);
             let ob = output(ctx, "out", nq * sq * dv);
             let lb = output(ctx, "lse", nq * sq);
             let group = bind(ctx, &pipeline, &[&uniform, &qb, &kb, &vb, &ob, &lb]);
@@ -733,12 +754,14 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
         let [cdq, cdk, cdv] = ctx.scoped("running the backward pass", || {
             let uniform = params(ctx, p, chunk)?;
+            let t_up = std::time::Instant::now();
             let dob = upload(ctx, "do", heads_of(x.d_out, sq * dv, eb, q0, nq))?;
             let ob = upload(ctx, "o", heads_of(x.out, sq * dv, eb, q0, nq))?;
             let qb = upload(ctx, "q", heads_of(x.q, sq * d, eb, q0, nq))?;
             let kb = upload(ctx, "k", heads_of(x.k, sk * d, eb, kv0, nkv))?;
             let vb = upload(ctx, "v", heads_of(x.v, sk * dv, eb, kv0, nkv))?;
             let lb = upload(ctx, "lse", heads_of(x.lse, sq, 4, q0, nq))?;
+            record_host("upload", t_up);
             let delta = output(ctx, "delta", nq * sq);
             let dqb = output(ctx, "dq", nq * sq * d);
             let dkb = output(ctx, "dk", nkv * sk * d);
