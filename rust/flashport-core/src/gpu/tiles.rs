@@ -222,29 +222,20 @@ pub fn backward_kernels(
         // 2: d = 128 fits 48 KiB only as 8-row blocks.
         [16u32, 8, 4, 2].into_iter().find_map(|rg| {
             let (own, streamed) = (4 * rg, TILED_BK);
-            let wg = TILED_CG * rg;
-            // vec4s of the streamed tiles per invocation: prefetched into
-            // the named registers pa0..pa15 / pb0..pb15 where they fit.
-            let (w0, w1) = match kernel {
-                Kernel::BackwardDqTiled => (8 * tiled_nv(d), dv / 4),
-                _ => (8 * tiled_nv(d), 8 * tiled_nv(dv)),
-            };
-            let per = (streamed * w0.max(w1)).div_ceil(wg);
-            let prefetch = if per <= 16 { per } else { 0 };
             let t = match kernel {
                 Kernel::BackwardDqTiled => Tiles {
                     q_rows: own,
                     k_rows: streamed,
-                    workgroup: wg,
+                    workgroup: TILED_CG * rg,
                     kv_shared: false,
-                    prefetch,
+                    prefetch: 0,
                 },
                 _ => Tiles {
                     q_rows: streamed,
                     k_rows: own,
-                    workgroup: wg,
+                    workgroup: TILED_CG * rg,
                     kv_shared: false,
-                    prefetch,
+                    prefetch: 0,
                 },
             };
             let bytes = 16 * backward_tiled_vec4s(kernel, d, dv, t).iter().sum::<u64>();
