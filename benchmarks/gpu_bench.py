@@ -16,6 +16,7 @@ output (and gradients) against a float64 torch reference on head 0.
 Run on the lent GPU (see benchmarks/GPU_NOTES.md for the exact command):
     python3 benchmarks/gpu_bench.py --json $OUT/gpu_bench.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 import flashport
+import numpy as np
 from flashport import _core
 
 SHAPES = [(4, 16, 1024, 64), (4, 16, 4096, 64), (1, 16, 16384, 64), (4, 16, 4096, 128)]
@@ -56,7 +56,7 @@ def breakdown():
 def time_flashport(q, k, v, causal, reps, backward):
     """(median kernel s, median end-to-end s, outputs of the last call)."""
     rng = np.random.default_rng(7)
-    do = rng.standard_normal(q.shape[:3] + (v.shape[3],), dtype=np.float32) if backward else None
+    do = rng.standard_normal((*q.shape[:3], v.shape[3]), dtype=np.float32) if backward else None
     ks, es = [], []
     res = None
     for i in range(reps + 1):
@@ -88,7 +88,10 @@ def check_head0(torch, q, k, v, causal, res):
     """Relative errors of head (0, 0) against float64 torch on the GPU."""
     o, _, do, grads = res
     dev = "cuda"
-    tq, tk, tv = (torch.tensor(x[0, 0], dtype=torch.float64, device=dev, requires_grad=True) for x in (q, k, v))
+    tq, tk, tv = (
+        torch.tensor(x[0, 0], dtype=torch.float64, device=dev, requires_grad=True)
+        for x in (q, k, v)
+    )
     n = tq.shape[0]
     s = (tq @ tk.T) / np.sqrt(q.shape[-1])
     if causal:
@@ -97,8 +100,10 @@ def check_head0(torch, q, k, v, causal, res):
     ref = torch.softmax(s, -1) @ tv
     out = {"out": rel(o[0, 0], ref.detach().cpu().numpy())}
     if grads is not None:
-        g = torch.autograd.grad(ref, (tq, tk, tv), torch.tensor(do[0, 0], dtype=torch.float64, device=dev))
-        for name, mine, want in zip(("dq", "dk", "dv"), grads, g):
+        g = torch.autograd.grad(
+            ref, (tq, tk, tv), torch.tensor(do[0, 0], dtype=torch.float64, device=dev)
+        )
+        for name, mine, want in zip(("dq", "dk", "dv"), grads, g, strict=True):
             out[name] = rel(mine[0, 0], want.cpu().numpy())
     del tq, tk, tv, s, ref
     torch.cuda.empty_cache()
@@ -106,19 +111,23 @@ def check_head0(torch, q, k, v, causal, res):
 
 
 def time_torch(torch, F, tt, backend, dtype, B, H, N, d, causal):
-    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(B, H, N, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
+    )
     from torch.nn.attention import sdpa_kernel
 
     with sdpa_kernel([backend]):
-        fwd = tt.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), return_mode="median")
+        fwd = tt.do_bench(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), return_mode="median"
+        )
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         g = torch.randn_like(o)
         both = tt.do_bench(
-            lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), g),
+            lambda: torch.autograd.grad(
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), g
+            ),
             return_mode="median",
         )
-    del q, k, v, o, g
-    torch.cuda.empty_cache()
     return fwd / 1e3, both / 1e3
 
 
@@ -127,7 +136,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--no-simple", action="store_true", help="skip the simple forward kernel for comparison")
+    ap.add_argument(
+        "--no-simple", action="store_true", help="skip the simple forward kernel for comparison"
+    )
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--shapes", default=None, help="e.g. 4x16x4096x64,1x16x16384x64")
     args = ap.parse_args()
@@ -144,9 +155,16 @@ def main():
     }
     try:
         info["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw",
-             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception as e:  # noqa: BLE001
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except Exception as e:
         info["nvidia_smi"] = f"unavailable: {e}"
     torch = F = tt = None
     if not args.no_torch:
@@ -160,7 +178,7 @@ def main():
 
     records = []
     rng = np.random.default_rng(0)
-    for (B, H, N, d) in shapes:
+    for B, H, N, d in shapes:
         q, k, v = (rng.standard_normal((B, H, N, d), dtype=np.float32) for _ in range(3))
         for causal in (False, True):
             rec = {"shape": [B, H, N, d], "causal": causal}
@@ -169,7 +187,9 @@ def main():
             rec["fp_fwd_parts_s"] = time_flashport.last_parts
             resb = res
             if not args.fwd_only:
-                kb, eb, resb = time_flashport(q, k, v, causal, max(2, args.reps // 2), backward=True)
+                kb, eb, resb = time_flashport(
+                    q, k, v, causal, max(2, args.reps // 2), backward=True
+                )
                 rec["fp_fwdbwd_kernel_s"], rec["fp_fwdbwd_e2e_s"] = kb, eb
                 rec["fp_fwdbwd_parts_s"] = time_flashport.last_parts
             if not args.no_simple:
@@ -182,13 +202,18 @@ def main():
                 rec["check"] = check_head0(torch, q, k, v, causal, resb)
                 from torch.nn.attention import SDPBackend
 
-                for name, be, dt in (("t32", SDPBackend.EFFICIENT_ATTENTION, torch.float32),
-                                     ("bf16", SDPBackend.FLASH_ATTENTION, torch.bfloat16),
-                                     ("f16", SDPBackend.FLASH_ATTENTION, torch.float16)):
+                for name, be, dt in (
+                    ("t32", SDPBackend.EFFICIENT_ATTENTION, torch.float32),
+                    ("bf16", SDPBackend.FLASH_ATTENTION, torch.bfloat16),
+                    ("f16", SDPBackend.FLASH_ATTENTION, torch.float16),
+                ):
                     try:
-                        rec[f"{name}_fwd_s"], rec[f"{name}_fwdbwd_s"] = time_torch(torch, F, tt, be, dt, B, H, N, d, causal)
-                    except Exception as e:  # noqa: BLE001
+                        rec[f"{name}_fwd_s"], rec[f"{name}_fwdbwd_s"] = time_torch(
+                            torch, F, tt, be, dt, B, H, N, d, causal
+                        )
+                    except Exception as e:
                         rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    torch.cuda.empty_cache()
             records.append(rec)
             print(json.dumps(rec), flush=True)
         del q, k, v
@@ -199,11 +224,15 @@ def main():
 
     # The table, last.
     print()
-    print(f"flashport GPU (float32) vs PyTorch SDPA, {info.get('cuda_device', '?')}, "
-          f"driver {info['flashport_gpu'] and info['flashport_gpu'].get('driver')}, {info['date']}")
-    hdr = (f"{'shape':>16} {'c':>1} {'pass':>7} | {'kern ms':>8} {'kern TF/s':>9} {'e2e ms':>8} | "
-           f"{'t32 ms':>7} {'x t32':>6} | {'bf16 ms':>7} {'x bf16':>6} | {'f16 ms':>7} {'x f16':>6} | "
-           f"{'simple ms':>9}")
+    print(
+        f"flashport GPU (float32) vs PyTorch SDPA, {info.get('cuda_device', '?')}, "
+        f"driver {info['flashport_gpu'] and info['flashport_gpu'].get('driver')}, {info['date']}"
+    )
+    hdr = (
+        f"{'shape':>16} {'c':>1} {'pass':>7} | {'kern ms':>8} {'kern TF/s':>9} {'e2e ms':>8} | "
+        f"{'t32 ms':>7} {'x t32':>6} | {'bf16 ms':>7} {'x bf16':>6} | {'f16 ms':>7} {'x f16':>6} | "
+        f"{'simple ms':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in records:
@@ -218,20 +247,34 @@ def main():
             cols = []
             for name in ("t32", "bf16", "f16"):
                 t = r.get(f"{name}_{key}_s")
-                cols.append(f"{t * 1e3:7.3f} {t / kern:6.3f}" if t and kern > 0 else f"{'-':>7} {'-':>6}")
+                cols.append(
+                    f"{t * 1e3:7.3f} {t / kern:6.3f}" if t and kern > 0 else f"{'-':>7} {'-':>6}"
+                )
             simple = r.get("fp_simple_fwd_kernel_s") if not bwd else None
-            print(f"{B}x{H}x{N}x{d:<4} {int(r['causal']):>1} {pas:>7} | {kern * 1e3:8.3f} {tf:9.2f} {e2e * 1e3:8.1f} | "
-                  + " | ".join(cols) + f" | {simple * 1e3 if simple else float('nan'):9.3f}")
+            print(
+                f"{B}x{H}x{N}x{d:<4} {int(r['causal']):>1} {pas:>7} | "
+                f"{kern * 1e3:8.3f} {tf:9.2f} {e2e * 1e3:8.1f} | "
+                + " | ".join(cols)
+                + f" | {simple * 1e3 if simple else float('nan'):9.3f}"
+            )
     print("x <backend> = torch time / flashport kernel time (>1: flashport faster).")
     for r in records:
         parts = r.get("fp_fwdbwd_parts_s") or r.get("fp_fwd_parts_s") or {}
-        print(f"parts {r['shape']} causal={int(r['causal'])} (last call, ms): "
-              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+        print(
+            f"parts {r['shape']} causal={int(r['causal'])} (last call, ms): "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+        )
     for r in records:
         if "check" in r:
-            print(f"check {r['shape']} causal={int(r['causal'])}: rel err vs float64 "
-                  + ", ".join(f"{k} {v:.2e}" for k, v in r["check"].items())
-                  + (f"; simple vs tiled out {r['simple_vs_tiled_out_rel']:.1e}" if "simple_vs_tiled_out_rel" in r else ""))
+            print(
+                f"check {r['shape']} causal={int(r['causal'])}: rel err vs float64 "
+                + ", ".join(f"{k} {v:.2e}" for k, v in r["check"].items())
+                + (
+                    f"; simple vs tiled out {r['simple_vs_tiled_out_rel']:.1e}"
+                    if "simple_vs_tiled_out_rel" in r
+                    else ""
+                )
+            )
 
 
 if __name__ == "__main__":

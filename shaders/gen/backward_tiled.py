@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (emits long WGSL lines verbatim)
 """Writes shaders/backward_dq_tiled.wgsl and shaders/backward_dkdv_tiled.wgsl:
 the register-tiled float32 backward, built like forward_tiled.wgsl (see
 forward_tiled.py for why the tiles are named variables, generated here).
@@ -9,6 +10,7 @@ two 4x4 score tiles (S = A B0^T, dP = A1 B1^T), and columns 4*(cg + 8*n)
 of its accumulators. No cross-invocation reduction is needed at all, so
 there is no subgroup variant. Run: python3 shaders/gen/backward_tiled.py
 """
+
 from pathlib import Path
 
 R = range(4)
@@ -23,7 +25,9 @@ def dots(out, a, sa, b, sb, n4):
     for j in R:
         lines.append(f"            let b{j} = {b}[(cg + {8 * j}u) * {sb} + c];")
     for i in R:
-        lines.append("            " + " ".join(f"{out}{i}{j} = dot_acc({out}{i}{j}, a{i}, b{j});" for j in R))
+        lines.append(
+            "            " + " ".join(f"{out}{i}{j} = dot_acc({out}{i}{j}, a{i}, b{j});" for j in R)
+        )
     lines.append("        }")
     return "\n".join(lines)
 
@@ -32,16 +36,17 @@ def accumulate(specs):
     """specs: list of (acc, weights array, source array, stride, n_guard).
     acc{i}{n} += sum over the 32 streamed rows r of w[row i][r] * src[r][cg + 8n]."""
     lines = ["        for (var c = 0u; c < 8u; c++) {"]
-    for acc, w, src, stride, ng in specs:
+    for _acc, w, _src, _stride, _ng in specs:
         for i in R:
             lines.append(f"            let {w}_{i} = {w}[(rg + {i}u * RG) * 9u + c];")
-    for comp, off in zip("xyzw", (0, 8, 16, 24)):
+    for comp, off in zip("xyzw", (0, 8, 16, 24), strict=True):
         lines.append("            {")
         for acc, w, src, stride, ng in specs:
             lines.append(f"                let r_{src} = (c + {off}u) * {stride} + cg;")
             for n in R:
-                body = (f"let x = {src}[r_{src} + {8 * n}u]; "
-                        + " ".join(f"{acc}{i}{n} = fma(vec4({w}_{i}.{comp}), x, {acc}{i}{n});" for i in R))
+                body = f"let x = {src}[r_{src} + {8 * n}u]; " + " ".join(
+                    f"{acc}{i}{n} = fma(vec4({w}_{i}.{comp}), x, {acc}{i}{n});" for i in R
+                )
                 if n == 0:
                     lines.append(f"                {{ {body} }}")
                 else:
@@ -69,7 +74,9 @@ def store(acc, dst, width4, base, valid, scale):
         lines.append(f"    if rg + {i}u * RG < {valid} {{")
         lines.append(f"        let at = ({base} + rg + {i}u * RG) * {width4} + cg;")
         for n in R:
-            lines.append(f"        if cg + {8 * n}u < {width4} {{ {dst}[at + {8 * n}u] = {acc}{i}{n}{scale}; }}")
+            lines.append(
+                f"        if cg + {8 * n}u < {width4} {{ {dst}[at + {8 * n}u] = {acc}{i}{n}{scale}; }}"
+            )
         lines.append("    }")
     return "\n".join(lines)
 
@@ -137,8 +144,13 @@ override D4: u32 = D / 4u;
 override DV4: u32 = DV / 4u;
 """
 
-DQ = HEADER.format(what="FlashAttention-2 backward, dQ = scale * sum_j dS_ij K_j, dS = P o (dO V^T - delta).",
-                   own="query rows", other="key rows") + """
+DQ = (
+    HEADER.format(
+        what="FlashAttention-2 backward, dQ = scale * sum_j dS_ij K_j, dS = P o (dO V^T - delta).",
+        own="query rows",
+        other="key rows",
+    )
+    + """
 // Row strides (vec4s, padded by one against bank conflicts). K is also
 // accumulated from, over columns cg + 8n up to 8*ND: its rows are padded
 // with zeros to that width.
@@ -146,7 +158,9 @@ override SA0: u32 = D4 + 1u;
 override SA1: u32 = DV4 + 1u;
 override SB0: u32 = 8u * ND + 1u;
 override SB1: u32 = DV4 + 1u;
-""" + COMMON + """
+"""
+    + COMMON
+    + """
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> d_out: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
@@ -240,9 +254,15 @@ fn main(
 {{STORE}}
 }
 """
+)
 
-DKDV = HEADER.format(what="FlashAttention-2 backward, dV = sum_i P_ij dO_i and dK = scale * sum_i dS_ij Q_i over the query rows i.",
-                     own="key rows", other="query rows") + """
+DKDV = (
+    HEADER.format(
+        what="FlashAttention-2 backward, dV = sum_i P_ij dO_i and dK = scale * sum_i dS_ij Q_i over the query rows i.",
+        own="key rows",
+        other="query rows",
+    )
+    + """
 // Row strides (vec4s, padded by one against bank conflicts). Q and dO are
 // also accumulated from, over columns cg + 8n: their rows are padded with
 // zeros to 8*ND and 8*NV.
@@ -250,7 +270,9 @@ override SA0: u32 = D4 + 1u;
 override SA1: u32 = DV4 + 1u;
 override SB0: u32 = 8u * ND + 1u;
 override SB1: u32 = 8u * NV + 1u;
-""" + COMMON + """
+"""
+    + COMMON
+    + """
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> d_out: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
@@ -355,6 +377,7 @@ fn main(
 {{STORE}}
 }
 """
+)
 
 
 def ds_dq():
@@ -362,7 +385,9 @@ def ds_dq():
     for i in R:
         c = "xyzw"[i]
         lines.append(f"        let vis{i} = (kk < vec4(vend.{c})) & vec4(ok.{c});")
-        lines.append(f"        let p{i} = select(vec4(0.0), exp2({row_vec('s', i)} * sl - lse2.{c}), vis{i});")
+        lines.append(
+            f"        let p{i} = select(vec4(0.0), exp2({row_vec('s', i)} * sl - lse2.{c}), vis{i});"
+        )
         lines.append(f"        ws[rv.{c} * 9u + cg] = p{i} * ({row_vec('t', i)} - dl.{c});")
     return "\n".join(lines)
 
@@ -372,9 +397,13 @@ def ds_dkdv():
     for i in R:
         c = "xyzw"[i]
         lines.append(f"            let vis{i} = (vec4(krow.{c}) < vend) & ok;")
-        lines.append(f"            let p{i} = select(vec4(0.0), exp2({row_vec('s', i)} * sl - lse2), vis{i});")
+        lines.append(
+            f"            let p{i} = select(vec4(0.0), exp2({row_vec('s', i)} * sl - lse2), vis{i});"
+        )
         lines.append(f"            ws[(rg + {i}u * RG) * 9u + cg] = p{i};")
-        lines.append(f"            ws2[(rg + {i}u * RG) * 9u + cg] = p{i} * ({row_vec('t', i)} - dl);")
+        lines.append(
+            f"            ws2[(rg + {i}u * RG) * 9u + cg] = p{i} * ({row_vec('t', i)} - dl);"
+        )
     return "\n".join(lines)
 
 
@@ -396,22 +425,35 @@ def indent(text, n):
     return "\n".join((" " * n + line) if line else line for line in text.split("\n"))
 
 
-dq = (DQ.replace("{{DECL_ACC}}", decl_acc("a"))
-      .replace("{{STATS_DQ}}", stats("rv", "rows", "head * p.seq_q + row0", "row0", "    "))
-      .replace("{{DECL_S}}", decl_tile("s")).replace("{{DECL_T}}", decl_tile("t"))
-      .replace("{{DOT_S}}", dots("s", "qs", "SA0", "ks", "SB0", "D4"))
-      .replace("{{DOT_T}}", dots("t", "dos", "SA1", "vs", "SB1", "DV4"))
-      .replace("{{DS}}", ds_dq())
-      .replace("{{ACC}}", accumulate([("a", "ws", "ks", "SB0", "ND")]))
-      .replace("{{STORE}}", store("a", "dq", "D4", "head * p.seq_q + row0", "rows", " * p.scale")))
-dkdv = (DKDV.replace("{{DECL_ACC}}", decl_acc("gv") + "\n" + decl_acc("gk"))
-        .replace("{{STATS_DKDV}}", stats("cols", "nr", "head * p.seq_q + r0", "r0", "            "))
-        .replace("{{DECL_S}}", indent(decl_tile("s"), 4)).replace("{{DECL_T}}", indent(decl_tile("t"), 4))
-        .replace("{{DOT_S}}", indent(dots("s", "ks", "SA0", "qs", "SB0", "D4"), 4))
-        .replace("{{DOT_T}}", indent(dots("t", "vs", "SA1", "dos", "SB1", "DV4"), 4))
-        .replace("{{DS}}", ds_dkdv())
-        .replace("{{ACC}}", indent(accumulate([("gv", "ws", "dos", "SB1", "NV"), ("gk", "ws2", "qs", "SB0", "ND")]), 4))
-        .replace("{{STORE}}", store("gv", "dv", "DV4", "kvh * p.seq_k + k0", "nk", "") + "\n"
-                 + store("gk", "dk", "D4", "kvh * p.seq_k + k0", "nk", " * p.scale")))
+dq = (
+    DQ.replace("{{DECL_ACC}}", decl_acc("a"))
+    .replace("{{STATS_DQ}}", stats("rv", "rows", "head * p.seq_q + row0", "row0", "    "))
+    .replace("{{DECL_S}}", decl_tile("s"))
+    .replace("{{DECL_T}}", decl_tile("t"))
+    .replace("{{DOT_S}}", dots("s", "qs", "SA0", "ks", "SB0", "D4"))
+    .replace("{{DOT_T}}", dots("t", "dos", "SA1", "vs", "SB1", "DV4"))
+    .replace("{{DS}}", ds_dq())
+    .replace("{{ACC}}", accumulate([("a", "ws", "ks", "SB0", "ND")]))
+    .replace("{{STORE}}", store("a", "dq", "D4", "head * p.seq_q + row0", "rows", " * p.scale"))
+)
+dkdv = (
+    DKDV.replace("{{DECL_ACC}}", decl_acc("gv") + "\n" + decl_acc("gk"))
+    .replace("{{STATS_DKDV}}", stats("cols", "nr", "head * p.seq_q + r0", "r0", "            "))
+    .replace("{{DECL_S}}", indent(decl_tile("s"), 4))
+    .replace("{{DECL_T}}", indent(decl_tile("t"), 4))
+    .replace("{{DOT_S}}", indent(dots("s", "ks", "SA0", "qs", "SB0", "D4"), 4))
+    .replace("{{DOT_T}}", indent(dots("t", "vs", "SA1", "dos", "SB1", "DV4"), 4))
+    .replace("{{DS}}", ds_dkdv())
+    .replace(
+        "{{ACC}}",
+        indent(accumulate([("gv", "ws", "dos", "SB1", "NV"), ("gk", "ws2", "qs", "SB0", "ND")]), 4),
+    )
+    .replace(
+        "{{STORE}}",
+        store("gv", "dv", "DV4", "kvh * p.seq_k + k0", "nk", "")
+        + "\n"
+        + store("gk", "dk", "D4", "kvh * p.seq_k + k0", "nk", " * p.scale"),
+    )
+)
 HERE.parent.joinpath("backward_dq_tiled.wgsl").write_text(dq)
 HERE.parent.joinpath("backward_dkdv_tiled.wgsl").write_text(dkdv)

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (emits long WGSL lines verbatim)
 """Writes shaders/forward_tiled.wgsl: the register-tiled float32 forward.
 
 The kernel's register tiles are separate named variables (s00..s33,
@@ -7,6 +8,7 @@ private array indexed in a loop was spilled to memory and ran 5x slower
 generated here once and the output is committed; sizes stay `override`
 constants. Run: python3 shaders/gen/forward_tiled.py
 """
+
 from pathlib import Path
 
 R = range(4)
@@ -28,19 +30,25 @@ def pv():
     out = []
     for i in R:
         out.append(f"            let p{i} = ps[(rg + {i}u * RG) * PS4 + c];")
-    for comp, key in zip("xyzw", (0, 8, 16, 24)):
+    for comp, key in zip("xyzw", (0, 8, 16, 24), strict=True):
         out.append(f"            // key c + {key}")
-        out.append(f"            {{")
+        out.append("            {")
         out.append(f"                let vrow = V_OFF + (c + {key}u) * VS4 + cg;")
         for n in R:
             guard = "" if n == 0 else f"if NV > {n}u "
             if n == 0:
-                out.append(f"                let v0 = kvs[vrow];")
-                out.append("                " + " ".join(f"o{i}0 = fma(vec4(p{i}.{comp}), v0, o{i}0);" for i in R))
+                out.append("                let v0 = kvs[vrow];")
+                out.append(
+                    "                "
+                    + " ".join(f"o{i}0 = fma(vec4(p{i}.{comp}), v0, o{i}0);" for i in R)
+                )
             else:
                 out.append(f"                {guard}{{")
                 out.append(f"                    let v{n} = kvs[vrow + {8 * n}u];")
-                out.append("                    " + " ".join(f"o{i}{n} = fma(vec4(p{i}.{comp}), v{n}, o{i}{n});" for i in R))
+                out.append(
+                    "                    "
+                    + " ".join(f"o{i}{n} = fma(vec4(p{i}.{comp}), v{n}, o{i}{n});" for i in R)
+                )
                 out.append("                }")
         out.append("            }")
     return "\n".join(out)
@@ -65,8 +73,12 @@ def store():
         out.append(f"        let li = l.{c};")
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
-            out.append(f"        if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / li, li > 0.0); }}")
-        out.append(f"        if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} * LN2 + log(li), li > 0.0); }}")
+            out.append(
+                f"        if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / li, li > 0.0); }}"
+            )
+        out.append(
+            f"        if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} * LN2 + log(li), li > 0.0); }}"
+        )
         out.append("    }")
     return "\n".join(out)
 
@@ -82,11 +94,15 @@ def prefetch_load(t0, n, pad):
         out.append(f"{pad}if PF_N > {u}u {{")
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
         out.append(f"{pad}    pk{u} = vec4(0.0);")
-        out.append(f"{pad}    if e < BK * D4 && e / D4 < {n} {{ pk{u} = k[(kv_row0 + {t0}) * D4 + e]; }}")
+        out.append(
+            f"{pad}    if e < BK * D4 && e / D4 < {n} {{ pk{u} = k[(kv_row0 + {t0}) * D4 + e]; }}"
+        )
         out.append(f"{pad}    pv{u} = vec4(0.0);")
         out.append(f"{pad}    let j = e / (8u * NV);")
         out.append(f"{pad}    let c = e % (8u * NV);")
-        out.append(f"{pad}    if e < BK * 8u * NV && j < {n} && c < DV4 {{ pv{u} = v[(kv_row0 + {t0} + j) * DV4 + c]; }}")
+        out.append(
+            f"{pad}    if e < BK * 8u * NV && j < {n} && c < DV4 {{ pv{u} = v[(kv_row0 + {t0} + j) * DV4 + c]; }}"
+        )
         out.append(f"{pad}}}")
     return "\n".join(out)
 
@@ -97,17 +113,27 @@ def prefetch_store(pad):
         out.append(f"{pad}if PF_N > {u}u {{")
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
         out.append(f"{pad}    if e < BK * D4 {{ kvs[(e / D4) * QS4 + e % D4] = pk{u}; }}")
-        out.append(f"{pad}    if e < BK * 8u * NV {{ kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv{u}; }}")
+        out.append(
+            f"{pad}    if e < BK * 8u * NV {{ kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv{u}; }}"
+        )
         out.append(f"{pad}}}")
     return "\n".join(out)
 
 
 TEMPLATE = Path(__file__).with_name("forward_tiled.wgsl.in").read_text()
-text = (TEMPLATE.replace("{{SCORES}}", scores()).replace("{{PV}}", pv())
-        .replace("{{DECL_S}}", decl("s")).replace("{{DECL_O}}", decl("o"))
-        .replace("{{RESCALE}}", rescale()).replace("{{STORE}}", store())
-        .replace("{{PF_DECL}}", "\n".join("    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF))
-        .replace("{{PF_FIRST}}", prefetch_load("0u", "min(BK, key_end)", "        "))
-        .replace("{{PF_NEXT}}", prefetch_load("next", "min(BK, key_end - next)", "                "))
-        .replace("{{PF_STORE}}", prefetch_store("            ")))
+text = (
+    TEMPLATE.replace("{{SCORES}}", scores())
+    .replace("{{PV}}", pv())
+    .replace("{{DECL_S}}", decl("s"))
+    .replace("{{DECL_O}}", decl("o"))
+    .replace("{{RESCALE}}", rescale())
+    .replace("{{STORE}}", store())
+    .replace(
+        "{{PF_DECL}}",
+        "\n".join("    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF),
+    )
+    .replace("{{PF_FIRST}}", prefetch_load("0u", "min(BK, key_end)", "        "))
+    .replace("{{PF_NEXT}}", prefetch_load("next", "min(BK, key_end - next)", "                "))
+    .replace("{{PF_STORE}}", prefetch_store("            "))
+)
 Path(__file__).parents[1].joinpath("forward_tiled.wgsl").write_text(text)
