@@ -279,6 +279,77 @@ fn tiles_of_a_16_kib_adapter() {
 }
 
 #[test]
+fn tiled_forward_with_and_without_subgroups() {
+    if !gpu_present() {
+        return;
+    }
+    // Float32 with head dims that are multiples of 4 take the register-tiled
+    // forward; its row reductions go through subgroups where the adapter
+    // has them (lavapipe: 8 lanes) and through workgroup memory otherwise.
+    // Shapes cross the 32-key and 64/32-row tile edges, with GQA, causal
+    // rows that see no key, and values narrower and wider than 32.
+    let shapes = [
+        (1, 2, 1, 130, 77, 64, 64),
+        (2, 4, 2, 70, 33, 32, 48),
+        (1, 3, 1, 40, 9, 8, 4),
+        (1, 1, 1, 33, 100, 128, 128),
+        (1, 2, 2, 1, 1, 4, 100),
+    ];
+    for off in [false, true] {
+        gpu::set_no_subgroups_for_this_thread(off);
+        for (i, s) in shapes.into_iter().enumerate() {
+            for causal in [false, true] {
+                check(&case(s, causal, DType::F32, 60 + i as u64), 1e-4, 4e-4);
+            }
+        }
+        let p = problem(shapes[0], false, "float32");
+        let x = random(p.q_len(), 1)
+            .iter()
+            .map(|&v| v as f32)
+            .collect::<Vec<_>>();
+        gpu::forward(
+            &p,
+            Slice::F32(&x),
+            Slice::F32(&x[..p.k_len()]),
+            Slice::F32(&x[..p.v_len()]),
+        )
+        .unwrap();
+        let times: Vec<(String, f64)> = gpu::last_kernel_times()
+            .into_iter()
+            .filter(|(n, _)| !n.starts_with("host:"))
+            .collect();
+        eprintln!(
+            "subgroups off={off}: features {:?}, kernel times {times:?}",
+            gpu::adapters()[0].features
+        );
+        // Where the adapter has timestamp queries, they name the kernel run.
+        assert!(times
+            .iter()
+            .all(|(name, t)| name == "forward_tiled" && *t >= 0.0));
+        let o = vec![0.5f32; p.out_len()];
+        let lse = vec![1.0f32; p.lse_len()];
+        gpu::backward(
+            &p,
+            Slice::F32(&o),
+            Slice::F32(&x),
+            Slice::F32(&x[..p.k_len()]),
+            Slice::F32(&x[..p.v_len()]),
+            Slice::F32(&o),
+            Slice::F32(&lse),
+        )
+        .unwrap();
+        let names: Vec<String> = gpu::last_kernel_times()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !n.starts_with("host:"))
+            .collect();
+        eprintln!("backward kernels: {names:?}");
+        assert!(names.is_empty() || names[1..] == ["backward_dq_tiled", "backward_dkdv_tiled"]);
+    }
+    gpu::set_no_subgroups_for_this_thread(false);
+}
+
+#[test]
 fn causal_with_more_queries_than_keys_and_gqa_mqa() {
     if !gpu_present() {
         return;

@@ -6,7 +6,8 @@
 
 use std::path::PathBuf;
 
-use flashport_core::gpu::tiles::{choose, DeviceCaps, Kernel};
+use flashport_core::gpu::shaders::{source, tile_overrides};
+use flashport_core::gpu::tiles::{backward_kernels, choose, forward_kernel, DeviceCaps, Kernel};
 use wgpu::naga;
 
 fn shader_dir() -> PathBuf {
@@ -22,15 +23,75 @@ fn validator() -> naga::valid::Validator {
     )
 }
 
+/// With subgroup operations, which the tiled forward's subgroup variant
+/// needs (requested only where the adapter offers them).
+fn subgroup_validator() -> naga::valid::Validator {
+    let mut v = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32 | naga::valid::Capabilities::SUBGROUP,
+    );
+    v.subgroup_stages(naga::valid::ShaderStages::COMPUTE);
+    v.subgroup_operations(naga::valid::SubgroupOperationSet::all());
+    v
+}
+
 fn parse(path: &std::path::Path) -> naga::Module {
     let source = std::fs::read_to_string(path).unwrap();
-    naga::front::wgsl::parse_str(&source).unwrap_or_else(|e| {
-        panic!(
-            "{} does not parse:\n{}",
-            path.display(),
-            e.emit_to_string(&source)
-        )
-    })
+    parse_text(&path.display().to_string(), &source)
+}
+
+fn parse_text(name: &str, source: &str) -> naga::Module {
+    naga::front::wgsl::parse_str(source)
+        .unwrap_or_else(|e| panic!("{name} does not parse:\n{}", e.emit_to_string(source)))
+}
+
+/// The tiled forward is assembled from forward_tiled.wgsl and a row
+/// reduction fragment (shaders/row_reduce_*.wgsl); both variants must validate and
+/// specialise for the tiles the host picks, on small and large adapters.
+#[test]
+fn tiled_forward_variants_validate_and_specialise() {
+    let nvidia = DeviceCaps {
+        workgroup_storage_bytes: 48 * 1024,
+        max_invocations: 1024,
+        max_workgroup_size_x: 1024,
+        subgroups: true,
+    };
+    let lavapipe = DeviceCaps {
+        workgroup_storage_bytes: 32 * 1024,
+        max_invocations: 1024,
+        max_workgroup_size_x: 1024,
+        subgroups: true,
+    };
+    for subgroups in [false, true] {
+        let text = source(Kernel::ForwardTiled, subgroups);
+        let name = format!("forward_tiled (subgroups={subgroups})");
+        let module = parse_text(&name, &text);
+        let info = subgroup_validator()
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
+        for base in [nvidia, lavapipe, DeviceCaps::WEBGPU_DEFAULT] {
+            let caps = DeviceCaps { subgroups, ..base };
+            for (d, dv) in [(64, 64), (128, 128), (4, 4), (256, 8), (16, 24), (60, 36)] {
+                let (kernel, t) = forward_kernel(d, dv, false, caps);
+                if kernel != Kernel::ForwardTiled {
+                    continue;
+                }
+                let mut constants: naga::back::PipelineConstants = Default::default();
+                for (k, v) in tile_overrides(kernel, false, d, dv, t, subgroups) {
+                    constants.insert(k.to_string(), v);
+                }
+                let result = naga::back::pipeline_constants::process_overrides(
+                    &module,
+                    &info,
+                    Some((naga::ShaderStage::Compute, "main")),
+                    &constants,
+                );
+                if let Err(e) = result {
+                    panic!("{name} d={d} dv={dv} {t:?}: {e:?}");
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -47,6 +108,12 @@ fn every_shader_parses_and_validates() {
         shader_dir()
     );
     for path in &files {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name == "forward_tiled.wgsl" || name.starts_with("row_reduce_") {
+            // The tiled forward and its row-reduction fragments: checked
+            // assembled, in tiled_forward_variants_validate_and_specialise.
+            continue;
+        }
         let module = parse(path);
         if let Err(e) = validator().validate(&module) {
             let source = std::fs::read_to_string(path).unwrap();
@@ -109,6 +176,49 @@ fn kernels_specialise_for_the_host_tiles() {
             );
             if let Err(e) = result {
                 panic!("{kernel:?} d={d} dv={dv} f16={f16}: {e:?}");
+            }
+        }
+    }
+}
+
+/// The tiled backward kernels specialise for the tiles the host picks.
+#[test]
+fn tiled_backward_kernels_validate_and_specialise() {
+    for kernel in [Kernel::BackwardDqTiled, Kernel::BackwardDkDvTiled] {
+        let text = source(kernel, false);
+        let name = kernel.name();
+        let module = parse_text(name, &text);
+        let info = validator()
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
+        for kib in [16, 32, 48] {
+            let caps = DeviceCaps {
+                workgroup_storage_bytes: kib * 1024,
+                max_invocations: 1024,
+                max_workgroup_size_x: 1024,
+                subgroups: false,
+            };
+            for (d, dv) in [(64, 64), (128, 128), (4, 4), (16, 24), (60, 36), (128, 8)] {
+                let Some((tq, tkv)) = backward_kernels(d, dv, false, caps) else {
+                    continue;
+                };
+                let t = if kernel == Kernel::BackwardDqTiled {
+                    tq
+                } else {
+                    tkv
+                };
+                let mut constants: naga::back::PipelineConstants = Default::default();
+                for (k, v) in tile_overrides(kernel, false, d, dv, t, false) {
+                    constants.insert(k.to_string(), v);
+                }
+                if let Err(e) = naga::back::pipeline_constants::process_overrides(
+                    &module,
+                    &info,
+                    Some((naga::ShaderStage::Compute, "main")),
+                    &constants,
+                ) {
+                    panic!("{name} d={d} dv={dv} {t:?}: {e:?}");
+                }
             }
         }
     }

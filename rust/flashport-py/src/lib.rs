@@ -302,11 +302,20 @@ fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
     Ok(list)
 }
 
+/// _gpu_kernel_times() -> list[tuple[str, float]]: GPU time in seconds of
+/// each kernel of the last GPU call in this process, from timestamp
+/// queries (empty where the adapter has none). For benchmarks.
+#[pyfunction]
+fn _gpu_kernel_times() -> Vec<(String, f64)> {
+    core::gpu::last_kernel_times()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
+    m.add_function(wrap_pyfunction!(_gpu_kernel_times, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -111,6 +111,8 @@ pub(crate) struct PipelineKey {
     pub d: u32,
     pub dv: u32,
     pub tiles: Tiles,
+    /// Which row-reduction fragment the tiled forward is built with.
+    pub subgroups: bool,
 }
 
 pub(crate) struct Context {
@@ -120,11 +122,16 @@ pub(crate) struct Context {
     pub adapter: AdapterInfo,
     /// Whether WGSL's unpack2x16float works, which float16 inputs need.
     pub f16_inputs: bool,
+    /// Subgroup operations are enabled on the device and its subgroups
+    /// have at least 8 lanes.
+    pub subgroups: bool,
+    /// Timestamp queries are enabled: kernel times are measured on the GPU.
+    pub timestamps: bool,
     lost: Arc<AtomicBool>,
     /// Errors outside any error scope (there should be none): kept for the
     /// next message instead of wgpu's default handler, which panics.
     uncaptured: Arc<Mutex<Vec<String>>>,
-    modules: Mutex<HashMap<Kernel, wgpu::ShaderModule>>,
+    modules: Mutex<HashMap<(Kernel, bool), wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
 }
 
@@ -193,9 +200,23 @@ impl Context {
         // The defaults cap workgroup memory at 16 KiB and bindings at
         // 128 MiB; the kernels size their tiles from what the adapter has.
         let limits = adapter.limits();
+        let info = adapter.get_info();
+        let offered = adapter.features();
+        // Optional features, each used only where offered: subgroups for
+        // the tiled forward's row reductions (a row group spans 8 lanes),
+        // timestamps to report kernel time apart from transfers.
+        let subgroups = offered.contains(wgpu::Features::SUBGROUP) && info.subgroup_min_size >= 8;
+        let timestamps = offered.contains(wgpu::Features::TIMESTAMP_QUERY);
+        let mut features = wgpu::Features::empty();
+        if subgroups {
+            features |= wgpu::Features::SUBGROUP;
+        }
+        if timestamps {
+            features |= wgpu::Features::TIMESTAMP_QUERY;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("flashport"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -217,6 +238,8 @@ impl Context {
             limits,
             adapter: described,
             f16_inputs,
+            subgroups,
+            timestamps,
             lost,
             uncaptured,
             modules: Default::default(),
@@ -233,6 +256,7 @@ impl Context {
             workgroup_storage_bytes: self.limits.max_compute_workgroup_storage_size,
             max_invocations: self.limits.max_compute_invocations_per_workgroup,
             max_workgroup_size_x: self.limits.max_compute_workgroup_size_x,
+            subgroups: self.subgroups,
         }
     }
 
@@ -269,19 +293,38 @@ impl Context {
         result
     }
 
-    fn module(&self, kernel: Kernel) -> Result<wgpu::ShaderModule> {
-        if let Some(m) = lock(&self.modules).get(&kernel) {
+    fn module(&self, kernel: Kernel, subgroups: bool) -> Result<wgpu::ShaderModule> {
+        if let Some(m) = lock(&self.modules).get(&(kernel, subgroups)) {
             return Ok(m.clone());
         }
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.name()),
+            source: wgpu::ShaderSource::Wgsl(super::shaders::source(kernel, subgroups).into()),
+        };
+        // The register-tiled kernels run without the index clamps (and loop
+        // bounds) naga adds to every array access: measured on the H100,
+        // the clamps cost 1.47x at d=64 and 1.9x at d=128 in the tiled
+        // forward (benchmarks/GPU_NOTES.md). Their indices are in bounds by
+        // construction: every global access is guarded by a row/column
+        // bound, every workgroup index is below the host-computed array
+        // size (tiles::tiled_workgroup_vec4s). Debug builds (the Rust
+        // tests) and FLASHPORT_GPU_CHECKED=1 keep the clamps.
+        let unchecked = kernel.is_tiled()
+            && !cfg!(debug_assertions)
+            && std::env::var("FLASHPORT_GPU_CHECKED").as_deref() != Ok("1");
         let module = self.scoped("compiling a shader", || {
-            Ok(self
-                .device
-                .create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some(kernel.name()),
-                    source: wgpu::ShaderSource::Wgsl(super::shaders::source(kernel).into()),
-                }))
+            Ok(if unchecked {
+                // SAFETY: see above; the tiled kernels' indices are bounded by
+                // their guards and the host-computed array sizes.
+                unsafe {
+                    self.device
+                        .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+                }
+            } else {
+                self.device.create_shader_module(desc)
+            })
         })?;
-        lock(&self.modules).insert(kernel, module.clone());
+        lock(&self.modules).insert((kernel, subgroups), module.clone());
         Ok(module)
     }
 
@@ -291,7 +334,7 @@ impl Context {
         if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
         }
-        let module = self.module(key.kernel)?;
+        let module = self.module(key.kernel, key.subgroups)?;
         let constants = super::shaders::overrides(&key);
         let pipeline = self.scoped("building a pipeline", || {
             Ok(self

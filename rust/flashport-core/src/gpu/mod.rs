@@ -15,13 +15,14 @@
 
 mod context;
 mod plan;
-mod shaders;
+#[doc(hidden)]
+pub mod shaders;
 pub mod tiles;
 
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::{Buffer, DType, Error, ForwardOutput, Gradients, Problem, Result, Slice};
 use context::{Context, PipelineKey};
@@ -87,6 +88,14 @@ pub fn hardware_adapter_available() -> bool {
 thread_local! {
     static BINDING_LIMIT_OVERRIDE: Cell<Option<u64>> = const { Cell::new(None) };
     static WORKGROUP_STORAGE_OVERRIDE: Cell<Option<u32>> = const { Cell::new(None) };
+    static NO_SUBGROUPS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes the calling thread's kernels reduce through workgroup memory even
+/// where the adapter has subgroups, so tests can run both variants.
+#[doc(hidden)]
+pub fn set_no_subgroups_for_this_thread(off: bool) {
+    NO_SUBGROUPS.with(|c| c.set(off));
 }
 
 /// Caps the workgroup memory the calling thread chooses tiles for
@@ -102,7 +111,111 @@ fn caps(ctx: &Context) -> tiles::DeviceCaps {
     if let Some(bytes) = WORKGROUP_STORAGE_OVERRIDE.with(Cell::get) {
         caps.workgroup_storage_bytes = caps.workgroup_storage_bytes.min(bytes);
     }
+    // Benchmarks: smaller tiles (more workgroups per SM) on the same adapter.
+    if let Some(bytes) = std::env::var("FLASHPORT_GPU_WORKGROUP_BYTES")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        caps.workgroup_storage_bytes = caps.workgroup_storage_bytes.min(bytes);
+    }
+    if NO_SUBGROUPS.with(Cell::get) {
+        caps.subgroups = false;
+    }
     caps
+}
+
+/// GPU time of each kernel of the calling process's last forward or
+/// backward call, in seconds, in dispatch order (one entry per kernel and
+/// chunk), from timestamp queries (none where the adapter has none); and
+/// wall time of the call's host phases, named "host:upload",
+/// "host:submit_and_wait", "host:readback_copy".
+pub fn last_kernel_times() -> Vec<(String, f64)> {
+    lock_times().clone()
+}
+
+static KERNEL_TIMES: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+
+fn lock_times() -> std::sync::MutexGuard<'static, Vec<(String, f64)>> {
+    KERNEL_TIMES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Records a host-side phase of the current call (wall seconds, named
+/// "host:..."), beside the kernels' GPU times: where end-to-end time goes.
+fn record_host(name: &str, since: std::time::Instant) {
+    lock_times().push((format!("host:{name}"), since.elapsed().as_secs_f64()));
+}
+
+/// Timestamp queries around each dispatch of one submission.
+struct Timer {
+    set: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    names: Vec<&'static str>,
+}
+
+const TIMER_PASSES: u32 = 8;
+
+impl Timer {
+    fn new(ctx: &Context) -> Option<Timer> {
+        if !ctx.timestamps {
+            return None;
+        }
+        let set = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("flashport timestamps"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2 * TIMER_PASSES,
+        });
+        let resolve = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("flashport timestamps"),
+            size: 16 * TIMER_PASSES as u64,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        Some(Timer {
+            set,
+            resolve,
+            names: Vec::new(),
+        })
+    }
+
+    /// The timestamp writes of the next pass, if the set has room.
+    fn next(&mut self, name: &'static str) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+        let i = self.names.len() as u32;
+        if i >= TIMER_PASSES {
+            return None;
+        }
+        self.names.push(name);
+        Some(wgpu::ComputePassTimestampWrites {
+            query_set: &self.set,
+            beginning_of_pass_write_index: Some(2 * i),
+            end_of_pass_write_index: Some(2 * i + 1),
+        })
+    }
+
+    fn resolve(&self, encoder: &mut wgpu::CommandEncoder) {
+        let n = self.names.len() as u32;
+        if n > 0 {
+            encoder.resolve_query_set(&self.set, 0..2 * n, &self.resolve, 0);
+        }
+    }
+
+    /// Records the durations from the resolved words (read back as f32s).
+    fn record(&self, ctx: &Context, words: &[f32]) {
+        let period = ctx.queue.get_timestamp_period() as f64 * 1e-9;
+        let ticks: Vec<u64> = bytemuck::pod_collect_to_vec::<f32, u64>(words);
+        let mut times = lock_times();
+        for (i, name) in self.names.iter().enumerate() {
+            if let (Some(&a), Some(&b)) = (ticks.get(2 * i), ticks.get(2 * i + 1)) {
+                times.push((name.to_string(), b.wrapping_sub(a) as f64 * period));
+            }
+        }
+    }
+}
+
+fn forced_simple() -> bool {
+    // Compares the kernels on one adapter (benchmarks/gpu_bench.py).
+    std::env::var("FLASHPORT_GPU_KERNELS").as_deref() == Ok("simple")
 }
 
 /// Caps the binding size the calling thread plans with (`None`: the
@@ -252,11 +365,16 @@ fn dispatch(
     group: &wgpu::BindGroup,
     x: u32,
     y: u32,
+    timer: Option<(&mut Timer, &'static str)>,
 ) {
     if x == 0 || y == 0 {
         return;
     }
-    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+    let timestamp_writes = timer.and_then(|(t, name)| t.next(name));
+    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        label: None,
+        timestamp_writes,
+    });
     pass.set_pipeline(pipeline);
     pass.set_bind_group(0, group, &[]);
     pass.dispatch_workgroups(x, y, 1);
@@ -265,6 +383,25 @@ fn dispatch(
 /// Copies `outputs` into one mappable buffer, submits, waits and returns
 /// each output's floats.
 fn submit_and_read(
+    ctx: &Context,
+    mut encoder: wgpu::CommandEncoder,
+    outputs: &[(&wgpu::Buffer, usize)],
+    timer: Option<&Timer>,
+) -> Result<Vec<Vec<f32>>> {
+    let mut outputs = outputs.to_vec();
+    if let Some(t) = timer {
+        t.resolve(&mut encoder);
+        outputs.push((&t.resolve, 4 * t.names.len()));
+    }
+    let mut results = read_back(ctx, encoder, &outputs)?;
+    if let Some(t) = timer {
+        let words = results.pop().unwrap_or_default();
+        t.record(ctx, &words);
+    }
+    Ok(results)
+}
+
+fn read_back(
     ctx: &Context,
     mut encoder: wgpu::CommandEncoder,
     outputs: &[(&wgpu::Buffer, usize)],
@@ -284,6 +421,7 @@ fn submit_and_read(
     for ((buffer, _), &offset) in outputs.iter().zip(&offsets) {
         encoder.copy_buffer_to_buffer(buffer, 0, &staging, offset, buffer.size());
     }
+    let t_submit = std::time::Instant::now();
     let index = ctx.queue.submit([encoder.finish()]);
     let (tx, rx) = mpsc::channel();
     staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
@@ -329,6 +467,8 @@ fn submit_and_read(
             ctx.adapter.name
         ))
     })?;
+    record_host("submit_and_wait", t_submit);
+    let t_copy = std::time::Instant::now();
     let view = staging
         .slice(..)
         .get_mapped_range()
@@ -343,6 +483,7 @@ fn submit_and_read(
         .collect();
     drop(view);
     staging.unmap();
+    record_host("readback_copy", t_copy);
     Ok(results)
 }
 
@@ -434,13 +575,29 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let f16 = p.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
+    let caps = caps(ctx);
+    let (kernel, tiles) = if forced_simple() {
+        (
+            Kernel::Forward,
+            tiles::choose(Kernel::Forward, d as u32, dv as u32, caps),
+        )
+    } else {
+        let (kernel, mut tiles) = tiles::forward_kernel(d as u32, dv as u32, f16, caps);
+        if std::env::var("FLASHPORT_GPU_PREFETCH").as_deref() == Ok("0") {
+            // Measures what the register prefetch gains (benchmarks).
+            tiles.prefetch = 0;
+        }
+        (kernel, tiles)
+    };
     let key = PipelineKey {
-        kernel: Kernel::Forward,
+        kernel,
         f16_inputs: f16,
         d: d as u32,
         dv: dv as u32,
-        tiles: tiles::choose(Kernel::Forward, d as u32, dv as u32, caps(ctx)),
+        tiles,
+        subgroups: caps.subgroups,
     };
+    lock_times().clear();
     let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
     let chunks = plan::plan(
         p,
@@ -454,15 +611,30 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
         let [o, l] = ctx.scoped("running the forward pass", || {
             let uniform = params(ctx, p, chunk)?;
+            let t_up = std::time::Instant::now();
             let qb = upload(ctx, "q", heads_of(q, sq * d, eb, q0, nq))?;
             let kb = upload(ctx, "k", heads_of(k, sk * d, eb, kv0, nkv))?;
             let vb = upload(ctx, "v", heads_of(v, sk * dv, eb, kv0, nkv))?;
+            record_host("upload", t_up);
             let ob = output(ctx, "out", nq * sq * dv);
             let lb = output(ctx, "lse", nq * sq);
             let group = bind(ctx, &pipeline, &[&uniform, &qb, &kb, &vb, &ob, &lb]);
             let mut encoder = ctx.device.create_command_encoder(&Default::default());
-            dispatch(&mut encoder, &pipeline, &group, x, nq as u32);
-            let mut r = submit_and_read(ctx, encoder, &[(&ob, nq * sq * dv), (&lb, nq * sq)])?;
+            let mut timer = Timer::new(ctx);
+            dispatch(
+                &mut encoder,
+                &pipeline,
+                &group,
+                x,
+                nq as u32,
+                timer.as_mut().map(|t| (t, kernel.name())),
+            );
+            let mut r = submit_and_read(
+                ctx,
+                encoder,
+                &[(&ob, nq * sq * dv), (&lb, nq * sq)],
+                timer.as_ref(),
+            )?;
             let l = r.pop().unwrap_or_default();
             let o = r.pop().unwrap_or_default();
             Ok([o, l])
@@ -544,18 +716,29 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
     let f16 = p.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
     let caps = caps(ctx);
-    let key = |kernel| PipelineKey {
+    let tiled = if forced_simple() {
+        None
+    } else {
+        tiles::backward_kernels(d as u32, dv as u32, f16, caps)
+    };
+    let key = |kernel, tiles| PipelineKey {
         kernel,
         f16_inputs: f16,
         d: d as u32,
         dv: dv as u32,
-        tiles: tiles::choose(kernel, d as u32, dv as u32, caps),
+        tiles,
+        subgroups: caps.subgroups,
     };
-    let (kp, kq, kkv) = (
-        key(Kernel::BackwardPreprocess),
-        key(Kernel::BackwardDq),
-        key(Kernel::BackwardDkDv),
-    );
+    let simple = |kernel| key(kernel, tiles::choose(kernel, d as u32, dv as u32, caps));
+    let kp = simple(Kernel::BackwardPreprocess);
+    let (kq, kkv) = match tiled {
+        Some((tq, tkv)) => (
+            key(Kernel::BackwardDqTiled, tq),
+            key(Kernel::BackwardDkDvTiled, tkv),
+        ),
+        None => (simple(Kernel::BackwardDq), simple(Kernel::BackwardDkDv)),
+    };
+    lock_times().clear();
     let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
     let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
     let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;
@@ -571,12 +754,14 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
         let [cdq, cdk, cdv] = ctx.scoped("running the backward pass", || {
             let uniform = params(ctx, p, chunk)?;
+            let t_up = std::time::Instant::now();
             let dob = upload(ctx, "do", heads_of(x.d_out, sq * dv, eb, q0, nq))?;
             let ob = upload(ctx, "o", heads_of(x.out, sq * dv, eb, q0, nq))?;
             let qb = upload(ctx, "q", heads_of(x.q, sq * d, eb, q0, nq))?;
             let kb = upload(ctx, "k", heads_of(x.k, sk * d, eb, kv0, nkv))?;
             let vb = upload(ctx, "v", heads_of(x.v, sk * dv, eb, kv0, nkv))?;
             let lb = upload(ctx, "lse", heads_of(x.lse, sq, 4, q0, nq))?;
+            record_host("upload", t_up);
             let delta = output(ctx, "delta", nq * sq);
             let dqb = output(ctx, "dq", nq * sq * d);
             let dkb = output(ctx, "dk", nkv * sk * d);
@@ -593,9 +778,31 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
                 &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dkb, &dvb],
             );
             let mut encoder = ctx.device.create_command_encoder(&Default::default());
-            dispatch(&mut encoder, &pre, &g_pre, xp, nq as u32);
-            dispatch(&mut encoder, &dq_pipe, &g_dq, xq, nq as u32);
-            dispatch(&mut encoder, &dkdv_pipe, &g_kv, xkv, nkv as u32);
+            let mut timer = Timer::new(ctx);
+            dispatch(
+                &mut encoder,
+                &pre,
+                &g_pre,
+                xp,
+                nq as u32,
+                timer.as_mut().map(|t| (t, "backward_preprocess")),
+            );
+            dispatch(
+                &mut encoder,
+                &dq_pipe,
+                &g_dq,
+                xq,
+                nq as u32,
+                timer.as_mut().map(|t| (t, kq.kernel.name())),
+            );
+            dispatch(
+                &mut encoder,
+                &dkdv_pipe,
+                &g_kv,
+                xkv,
+                nkv as u32,
+                timer.as_mut().map(|t| (t, kkv.kernel.name())),
+            );
             let mut r = submit_and_read(
                 ctx,
                 encoder,
@@ -604,6 +811,7 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
                     (&dkb, nkv * sk * d),
                     (&dvb, nkv * sk * dv),
                 ],
+                timer.as_ref(),
             )?;
             let cdv = r.pop().unwrap_or_default();
             let cdk = r.pop().unwrap_or_default();

@@ -9,13 +9,34 @@ pub(crate) const BACKWARD_PREPROCESS: &str =
     include_str!("../../../../shaders/backward_preprocess.wgsl");
 pub(crate) const BACKWARD_DKDV: &str = include_str!("../../../../shaders/backward_dkdv.wgsl");
 pub(crate) const BACKWARD_DQ: &str = include_str!("../../../../shaders/backward_dq.wgsl");
+pub(crate) const BACKWARD_DQ_TILED: &str =
+    include_str!("../../../../shaders/backward_dq_tiled.wgsl");
+pub(crate) const BACKWARD_DKDV_TILED: &str =
+    include_str!("../../../../shaders/backward_dkdv_tiled.wgsl");
+pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
+const ROW_REDUCE_SUBGROUP: &str = include_str!("../../../../shaders/row_reduce_subgroup.wgsl");
+const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_workgroup.wgsl");
 
-pub(crate) fn source(kernel: Kernel) -> &'static str {
+/// The WGSL of `kernel`. The tiled forward takes its row reductions from a
+/// fragment: a module that names subgroup operations does not validate on
+/// a device without them, even in a branch an override disables, so the
+/// two variants cannot be one text switched by an override.
+pub fn source(kernel: Kernel, subgroups: bool) -> String {
     match kernel {
-        Kernel::Forward => FORWARD,
-        Kernel::BackwardPreprocess => BACKWARD_PREPROCESS,
-        Kernel::BackwardDkDv => BACKWARD_DKDV,
-        Kernel::BackwardDq => BACKWARD_DQ,
+        Kernel::Forward => FORWARD.into(),
+        Kernel::BackwardPreprocess => BACKWARD_PREPROCESS.into(),
+        Kernel::BackwardDkDv => BACKWARD_DKDV.into(),
+        Kernel::BackwardDq => BACKWARD_DQ.into(),
+        Kernel::BackwardDqTiled => BACKWARD_DQ_TILED.into(),
+        Kernel::BackwardDkDvTiled => BACKWARD_DKDV_TILED.into(),
+        Kernel::ForwardTiled => {
+            let reduce = if subgroups {
+                ROW_REDUCE_SUBGROUP
+            } else {
+                ROW_REDUCE_WORKGROUP
+            };
+            format!("{reduce}\n{FORWARD_TILED}")
+        }
     }
 }
 
@@ -23,11 +44,78 @@ pub(crate) fn source(kernel: Kernel) -> &'static str {
 /// override identifiers, so the products are computed here (at least 1:
 /// a zero-sized array is invalid, and `dv` may be 0).
 pub(crate) fn overrides(key: &PipelineKey) -> Vec<(&'static str, f64)> {
-    let t = key.tiles;
-    let (bq, bk, d, dv) = (t.q_rows, t.k_rows, key.d, key.dv);
+    tile_overrides(
+        key.kernel,
+        key.f16_inputs,
+        key.d,
+        key.dv,
+        key.tiles,
+        key.subgroups,
+    )
+}
+
+/// The overrides of `kernel` for the given head dimensions and tiles (also
+/// what the shader tests specialise with).
+pub fn tile_overrides(
+    kernel: Kernel,
+    f16_inputs: bool,
+    d: u32,
+    dv: u32,
+    t: super::tiles::Tiles,
+    subgroups: bool,
+) -> Vec<(&'static str, f64)> {
+    let (bq, bk) = (t.q_rows, t.k_rows);
     let n = |x: u32| x.max(1) as f64;
-    let f16 = if key.f16_inputs { 1.0 } else { 0.0 };
-    match key.kernel {
+    let f16 = if f16_inputs { 1.0 } else { 0.0 };
+    match kernel {
+        Kernel::ForwardTiled => {
+            let (q, kv, p, red) = super::tiles::tiled_workgroup_vec4s(d, dv, t, subgroups);
+            let d4 = d / 4;
+            let mut c = vec![
+                ("RG", (t.workgroup / super::tiles::TILED_CG) as f64),
+                ("D", d as f64),
+                ("DV", dv as f64),
+                ("NV", super::tiles::tiled_nv(dv) as f64),
+                // K occupies rows of d/4 + 1 vec4s from 0; V follows it or
+                // overwrites it.
+                (
+                    "V_OFF",
+                    if t.kv_shared {
+                        0.0
+                    } else {
+                        (bk * (d4 + 1)) as f64
+                    },
+                ),
+                ("Q_ELEMS", q.max(1) as f64),
+                ("KV_ELEMS", kv.max(1) as f64),
+                ("P_ELEMS", p.max(1) as f64),
+                ("PF_N", t.prefetch as f64),
+            ];
+            if !subgroups {
+                c.push(("RED_ELEMS", red.max(1) as f64));
+            }
+            c
+        }
+        Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled => {
+            let [a0, a1, b0, b1, w] = super::tiles::backward_tiled_vec4s(kernel, d, dv, t);
+            let w = if kernel == Kernel::BackwardDkDvTiled {
+                w / 2
+            } else {
+                w
+            };
+            vec![
+                ("RG", (t.workgroup / super::tiles::TILED_CG) as f64),
+                ("D", d as f64),
+                ("DV", dv as f64),
+                ("ND", super::tiles::tiled_nv(d) as f64),
+                ("NV", super::tiles::tiled_nv(dv) as f64),
+                ("A0_ELEMS", a0.max(1) as f64),
+                ("A1_ELEMS", a1.max(1) as f64),
+                ("B0_ELEMS", b0.max(1) as f64),
+                ("B1_ELEMS", b1.max(1) as f64),
+                ("W_ELEMS", w.max(1) as f64),
+            ]
+        }
         Kernel::BackwardPreprocess => vec![
             ("WG", t.workgroup as f64),
             ("DV", dv as f64),

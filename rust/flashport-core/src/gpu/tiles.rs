@@ -12,6 +12,13 @@ pub enum Kernel {
     BackwardPreprocess,
     BackwardDkDv,
     BackwardDq,
+    /// The register-tiled float32 forward (shaders/forward_tiled.wgsl);
+    /// `forward_kernel` chooses it over `Forward` where it fits.
+    ForwardTiled,
+    /// The register-tiled float32 backward (shaders/backward_*_tiled.wgsl);
+    /// `backward_kernels` chooses them where they fit.
+    BackwardDqTiled,
+    BackwardDkDvTiled,
 }
 
 impl Kernel {
@@ -22,12 +29,23 @@ impl Kernel {
         Kernel::BackwardDq,
     ];
 
+    /// The register-tiled kernels (run without naga's index clamps).
+    pub fn is_tiled(self) -> bool {
+        matches!(
+            self,
+            Kernel::ForwardTiled | Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Forward => "forward",
             Kernel::BackwardPreprocess => "backward_preprocess",
             Kernel::BackwardDkDv => "backward_dkdv",
             Kernel::BackwardDq => "backward_dq",
+            Kernel::ForwardTiled => "forward_tiled",
+            Kernel::BackwardDqTiled => "backward_dq_tiled",
+            Kernel::BackwardDkDvTiled => "backward_dkdv_tiled",
         }
     }
 }
@@ -38,6 +56,9 @@ pub struct DeviceCaps {
     pub workgroup_storage_bytes: u32,
     pub max_invocations: u32,
     pub max_workgroup_size_x: u32,
+    /// Subgroup operations with subgroups of at least 8 lanes (a row group
+    /// of the tiled forward reduces within one subgroup).
+    pub subgroups: bool,
 }
 
 impl DeviceCaps {
@@ -46,6 +67,7 @@ impl DeviceCaps {
         workgroup_storage_bytes: 16 * 1024,
         max_invocations: 256,
         max_workgroup_size_x: 256,
+        subgroups: false,
     };
 }
 
@@ -56,6 +78,12 @@ pub struct Tiles {
     pub q_rows: u32,
     pub k_rows: u32,
     pub workgroup: u32,
+    /// Tiled forward only: V is staged into K's workgroup memory after the
+    /// scores instead of beside it (for head dimensions that do not fit).
+    pub kv_shared: bool,
+    /// Tiled forward only: vec4s of the next K (and V) tile each invocation
+    /// prefetches into registers during the current tile (0: none).
+    pub prefetch: u32,
 }
 
 /// Threads per workgroup: enough to keep a GPU's SIMD lanes busy on the
@@ -82,6 +110,34 @@ const CANDIDATES: [(u32, u32); 13] = [
     (1, 1),
 ];
 
+/// Key rows per tile and invocations per row group of the tiled forward;
+/// fixed by its hand-unrolled 4x4 register tile (shaders/forward_tiled.wgsl).
+pub const TILED_BK: u32 = 32;
+pub const TILED_CG: u32 = 8;
+
+/// vec4 columns of the output per invocation in the tiled forward.
+pub fn tiled_nv(dv: u32) -> u32 {
+    dv.div_ceil(4 * TILED_CG).max(1)
+}
+
+/// Workgroup memory of the tiled forward, mirroring its arrays (in vec4s
+/// of 16 bytes; rows padded by one vec4), plus the reduction scratch of
+/// the variant without subgroups.
+pub fn tiled_workgroup_vec4s(d: u32, dv: u32, t: Tiles, subgroups: bool) -> (u64, u64, u64, u64) {
+    let (bq, bk) = (t.q_rows as u64, t.k_rows as u64);
+    let qs4 = d as u64 / 4 + 1;
+    let vs4 = 8 * tiled_nv(dv) as u64 + 1;
+    let q = bq * qs4;
+    let kv = if t.kv_shared {
+        (bk * qs4).max(bk * vs4)
+    } else {
+        bk * qs4 + bk * vs4
+    };
+    let p = bq * 9;
+    let red = if subgroups { 0 } else { t.workgroup as u64 };
+    (q, kv, p, red)
+}
+
 /// Bytes of workgroup memory a kernel declares for the given tiles; must
 /// mirror the `var<workgroup>` arrays of its shader.
 pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
@@ -98,8 +154,144 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
         }
         Kernel::BackwardDq => 2 * e(bq * d) + e(bq * dv) + kt + vt + e(bq * bk) + 3 * e(bq),
         Kernel::BackwardPreprocess => 0,
+        Kernel::ForwardTiled => {
+            let (q, kv, p, red) = tiled_workgroup_vec4s(d as u32, dv as u32, t, false);
+            // vec4s of four words each.
+            4 * (q + kv + p + red)
+        }
+        Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled => {
+            4 * backward_tiled_vec4s(kernel, d as u32, dv as u32, t)
+                .iter()
+                .sum::<u64>()
+        }
     };
     4 * words
+}
+
+/// Workgroup arrays of a tiled backward kernel in vec4s, mirroring
+/// shaders/backward_*_tiled.wgsl: [A0, A1, B0, B1, W] (the dK/dV kernel has
+/// two W arrays, counted in the last entry). Owned rows are `q_rows` for dQ
+/// and `k_rows` for dK/dV; the streamed side is TILED_BK rows.
+pub fn backward_tiled_vec4s(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> [u64; 5] {
+    let (d4, dv4) = (d as u64 / 4, dv as u64 / 4);
+    let (nd, nv) = (tiled_nv(d) as u64, tiled_nv(dv) as u64);
+    let bc = TILED_BK as u64;
+    match kernel {
+        Kernel::BackwardDqTiled => {
+            let br = t.q_rows as u64;
+            [
+                br * (d4 + 1),
+                br * (dv4 + 1),
+                bc * (8 * nd + 1),
+                bc * (dv4 + 1),
+                br * 9,
+            ]
+        }
+        _ => {
+            let br = t.k_rows as u64;
+            [
+                br * (d4 + 1),
+                br * (dv4 + 1),
+                bc * (8 * nd + 1),
+                bc * (8 * nv + 1),
+                2 * br * 9,
+            ]
+        }
+    }
+}
+
+/// The tiles of the tiled dQ and dK/dV kernels, or None where the simple
+/// backward kernels must run (float16, head dims not multiples of 4 or
+/// above 128, or tiles that do not fit the workgroup memory).
+pub fn backward_kernels(
+    d: u32,
+    dv: u32,
+    f16_inputs: bool,
+    caps: DeviceCaps,
+) -> Option<(Tiles, Tiles)> {
+    let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(256);
+    let shape_ok = !f16_inputs
+        && d % 4 == 0
+        && dv % 4 == 0
+        && (4..=128).contains(&d)
+        && (4..=128).contains(&dv);
+    if !shape_ok {
+        return None;
+    }
+    let pick = |kernel: Kernel| {
+        // 2: d = 128 fits 48 KiB only as 8-row blocks.
+        [16u32, 8, 4, 2].into_iter().find_map(|rg| {
+            let (own, streamed) = (4 * rg, TILED_BK);
+            let t = match kernel {
+                Kernel::BackwardDqTiled => Tiles {
+                    q_rows: own,
+                    k_rows: streamed,
+                    workgroup: TILED_CG * rg,
+                    kv_shared: false,
+                    prefetch: 0,
+                },
+                _ => Tiles {
+                    q_rows: streamed,
+                    k_rows: own,
+                    workgroup: TILED_CG * rg,
+                    kv_shared: false,
+                    prefetch: 0,
+                },
+            };
+            let bytes = 16 * backward_tiled_vec4s(kernel, d, dv, t).iter().sum::<u64>();
+            (bytes <= budget
+                && t.workgroup <= caps.max_invocations
+                && t.workgroup <= caps.max_workgroup_size_x)
+                .then_some(t)
+        })
+    };
+    Some((
+        pick(Kernel::BackwardDqTiled)?,
+        pick(Kernel::BackwardDkDvTiled)?,
+    ))
+}
+
+/// The forward kernel and its tiles for head dimensions `d`, `dv` on an
+/// adapter with `caps`: the register-tiled float32 kernel where its
+/// constraints hold (float32 inputs, head dimensions multiples of 4 up to
+/// 128 for the output, 256 for q/k, tiles within workgroup memory), else
+/// the simple kernel, which handles every shape and float16.
+pub fn forward_kernel(d: u32, dv: u32, f16_inputs: bool, caps: DeviceCaps) -> (Kernel, Tiles) {
+    let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(256);
+    let shape_ok = !f16_inputs
+        && d % 4 == 0
+        && dv % 4 == 0
+        && (4..=256).contains(&d)
+        && (4..=128).contains(&dv);
+    if shape_ok {
+        // Larger row blocks first (more reuse of each K/V tile), and K and
+        // V side by side before sharing (one barrier and load phase less).
+        for rg in [16u32, 8, 4] {
+            for kv_shared in [false, true] {
+                let wg = TILED_CG * rg;
+                // Prefetch where the tiles split into at most 8 vec4s per
+                // invocation (the named registers pk0..pk7, pv0..pv7).
+                let per = (TILED_BK * (d / 4))
+                    .max(TILED_BK * 8 * tiled_nv(dv))
+                    .div_ceil(wg);
+                let t = Tiles {
+                    q_rows: 4 * rg,
+                    k_rows: TILED_BK,
+                    workgroup: wg,
+                    kv_shared,
+                    prefetch: if !kv_shared && per <= 8 { per } else { 0 },
+                };
+                let (q, kv, p, red) = tiled_workgroup_vec4s(d, dv, t, caps.subgroups);
+                let fits = 16 * (q + kv + p + red) <= budget
+                    && t.workgroup <= caps.max_invocations
+                    && t.workgroup <= caps.max_workgroup_size_x;
+                if fits {
+                    return (Kernel::ForwardTiled, t);
+                }
+            }
+        }
+    }
+    (Kernel::Forward, choose(Kernel::Forward, d, dv, caps))
 }
 
 /// Chooses the tiles of `kernel` for head dimensions `d` (q, k) and `dv`
@@ -118,11 +310,15 @@ pub fn choose(kernel: Kernel, d: u32, dv: u32, caps: DeviceCaps) -> Tiles {
                 q_rows: secondary,
                 k_rows: primary,
                 workgroup,
+                kv_shared: false,
+                prefetch: 0,
             },
             _ => Tiles {
                 q_rows: primary,
                 k_rows: secondary,
                 workgroup,
+                kv_shared: false,
+                prefetch: 0,
             },
         };
         if workgroup_bytes(kernel, d, dv, tiles) <= budget {
@@ -133,6 +329,8 @@ pub fn choose(kernel: Kernel, d: u32, dv: u32, caps: DeviceCaps) -> Tiles {
         q_rows: 1,
         k_rows: 1,
         workgroup,
+        kv_shared: false,
+        prefetch: 0,
     }
 }
 
@@ -172,5 +370,45 @@ mod tests {
         assert!(large.q_rows * large.k_rows > small.q_rows * small.k_rows);
         let wide = choose(Kernel::BackwardDkDv, 256, 256, DeviceCaps::WEBGPU_DEFAULT);
         assert!(wide.k_rows >= 1 && wide.q_rows >= 1);
+    }
+
+    #[test]
+    fn tiled_forward_where_it_fits_else_the_simple_kernel() {
+        let nvidia = DeviceCaps {
+            workgroup_storage_bytes: 48 * 1024,
+            max_invocations: 1024,
+            max_workgroup_size_x: 1024,
+            subgroups: true,
+        };
+        let (k, t) = forward_kernel(64, 64, false, nvidia);
+        assert_eq!(
+            (k, t.q_rows, t.kv_shared),
+            (Kernel::ForwardTiled, 64, false)
+        );
+        let (k, t) = forward_kernel(128, 128, false, nvidia);
+        assert_eq!(k, Kernel::ForwardTiled);
+        assert!(
+            16 * {
+                let (a, b, c, d) = tiled_workgroup_vec4s(128, 128, t, true);
+                a + b + c + d
+            } <= 48 * 1024
+        );
+        // float16, odd head dims, wide values: the simple kernel.
+        assert_eq!(forward_kernel(64, 64, true, nvidia).0, Kernel::Forward);
+        assert_eq!(forward_kernel(62, 64, false, nvidia).0, Kernel::Forward);
+        assert_eq!(forward_kernel(64, 256, false, nvidia).0, Kernel::Forward);
+        // Every head dim on the 16 KiB WebGPU default fits one or the other.
+        for d in (4..=256).step_by(4) {
+            for dv in [4, 8, 60, 64, 128] {
+                let (k, t) = forward_kernel(d, dv, false, DeviceCaps::WEBGPU_DEFAULT);
+                let bytes = if k == Kernel::ForwardTiled {
+                    let (a, b, c, e) = tiled_workgroup_vec4s(d, dv, t, false);
+                    16 * (a + b + c + e)
+                } else {
+                    workgroup_bytes(k, d, dv, t)
+                };
+                assert!(bytes <= 16 * 1024, "d={d} dv={dv} {k:?} {t:?}: {bytes}");
+            }
+        }
     }
 }

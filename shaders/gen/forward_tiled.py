@@ -1,0 +1,139 @@
+# ruff: noqa: E501  (emits long WGSL lines verbatim)
+"""Writes shaders/forward_tiled.wgsl: the register-tiled float32 forward.
+
+The kernel's register tiles are separate named variables (s00..s33,
+o00..o33), hand-unrolled: through naga and NVIDIA's Vulkan compiler a
+private array indexed in a loop was spilled to memory and ran 5x slower
+(see PERFORMANCE.md). WGSL has no macros, so the unrolled statements are
+generated here once and the output is committed; sizes stay `override`
+constants. Run: python3 shaders/gen/forward_tiled.py
+"""
+
+from pathlib import Path
+
+R = range(4)
+
+
+def scores():
+    out = []
+    for i in R:
+        out.append(f"            let q{i} = qs[(rg + {i}u * RG) * QS4 + c];")
+    for j in R:
+        out.append(f"            let k{j} = kvs[(cg + {8 * j}u) * QS4 + c];")
+    for i in R:
+        for j in R:
+            out.append(f"            s{i}{j} = dot_acc(s{i}{j}, q{i}, k{j});")
+    return "\n".join(out)
+
+
+def pv():
+    out = []
+    for i in R:
+        out.append(f"            let p{i} = ps[(rg + {i}u * RG) * PS4 + c];")
+    for comp, key in zip("xyzw", (0, 8, 16, 24), strict=True):
+        out.append(f"            // key c + {key}")
+        out.append("            {")
+        out.append(f"                let vrow = V_OFF + (c + {key}u) * VS4 + cg;")
+        for n in R:
+            guard = "" if n == 0 else f"if NV > {n}u "
+            if n == 0:
+                out.append("                let v0 = kvs[vrow];")
+                out.append(
+                    "                "
+                    + " ".join(f"o{i}0 = fma(vec4(p{i}.{comp}), v0, o{i}0);" for i in R)
+                )
+            else:
+                out.append(f"                {guard}{{")
+                out.append(f"                    let v{n} = kvs[vrow + {8 * n}u];")
+                out.append(
+                    "                    "
+                    + " ".join(f"o{i}{n} = fma(vec4(p{i}.{comp}), v{n}, o{i}{n});" for i in R)
+                )
+                out.append("                }")
+        out.append("            }")
+    return "\n".join(out)
+
+
+def decl(kind):
+    if kind == "s":
+        return "\n".join("        " + " ".join(f"var s{i}{j} = 0.0;" for j in R) for i in R)
+    return "\n".join("    " + " ".join(f"var o{i}{n} = vec4(0.0);" for n in R) for i in R)
+
+
+def rescale():
+    return "\n".join("        " + " ".join(f"o{i}{n} *= corr.{'xyzw'[i]};" for n in R) for i in R)
+
+
+def store():
+    out = []
+    for i in R:
+        c = "xyzw"[i]
+        out.append(f"    if rg + {i}u * RG < rows {{")
+        out.append(f"        let at = (head * p.seq_q + row0 + rg + {i}u * RG) * DV4 + cg;")
+        out.append(f"        let li = l.{c};")
+        for n in R:
+            guard = f"cg + {8 * n}u < DV4"
+            out.append(
+                f"        if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / li, li > 0.0); }}"
+            )
+        out.append(
+            f"        if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} * LN2 + log(li), li > 0.0); }}"
+        )
+        out.append("    }")
+    return "\n".join(out)
+
+
+PF = range(8)
+
+
+def prefetch_load(t0, n, pad):
+    """Issues the loads of the K and V tile at key `t0` (n rows valid) into
+    the named registers pk*/pv*; PF_N (an override) of them are live."""
+    out = []
+    for u in PF:
+        out.append(f"{pad}if PF_N > {u}u {{")
+        out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
+        out.append(f"{pad}    pk{u} = vec4(0.0);")
+        out.append(
+            f"{pad}    if e < BK * D4 && e / D4 < {n} {{ pk{u} = k[(kv_row0 + {t0}) * D4 + e]; }}"
+        )
+        out.append(f"{pad}    pv{u} = vec4(0.0);")
+        out.append(f"{pad}    let j = e / (8u * NV);")
+        out.append(f"{pad}    let c = e % (8u * NV);")
+        out.append(
+            f"{pad}    if e < BK * 8u * NV && j < {n} && c < DV4 {{ pv{u} = v[(kv_row0 + {t0} + j) * DV4 + c]; }}"
+        )
+        out.append(f"{pad}}}")
+    return "\n".join(out)
+
+
+def prefetch_store(pad):
+    out = []
+    for u in PF:
+        out.append(f"{pad}if PF_N > {u}u {{")
+        out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
+        out.append(f"{pad}    if e < BK * D4 {{ kvs[(e / D4) * QS4 + e % D4] = pk{u}; }}")
+        out.append(
+            f"{pad}    if e < BK * 8u * NV {{ kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv{u}; }}"
+        )
+        out.append(f"{pad}}}")
+    return "\n".join(out)
+
+
+TEMPLATE = Path(__file__).with_name("forward_tiled.wgsl.in").read_text()
+text = (
+    TEMPLATE.replace("{{SCORES}}", scores())
+    .replace("{{PV}}", pv())
+    .replace("{{DECL_S}}", decl("s"))
+    .replace("{{DECL_O}}", decl("o"))
+    .replace("{{RESCALE}}", rescale())
+    .replace("{{STORE}}", store())
+    .replace(
+        "{{PF_DECL}}",
+        "\n".join("    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF),
+    )
+    .replace("{{PF_FIRST}}", prefetch_load("0u", "min(BK, key_end)", "        "))
+    .replace("{{PF_NEXT}}", prefetch_load("next", "min(BK, key_end - next)", "                "))
+    .replace("{{PF_STORE}}", prefetch_store("            "))
+)
+Path(__file__).parents[1].joinpath("forward_tiled.wgsl").write_text(text)
