@@ -22,8 +22,8 @@ test: setup lint test-rust test-python
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
-	.venv/bin/ruff check python tests
-	.venv/bin/ruff format --check python tests
+	.venv/bin/ruff check python tests benchmarks shaders/gen
+	.venv/bin/ruff format --check python tests benchmarks shaders/gen
 
 test-rust:
 	FLASHPORT_REQUIRE_GPU=1 cargo test --workspace --quiet
