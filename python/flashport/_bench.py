@@ -38,20 +38,32 @@ MEMORY_SEQ = 65536
 
 
 # OpenBLAS (NumPy) and OpenMP (PyTorch) worker threads keep spinning for a
-# while after a call; pausing before each measurement keeps one competitor's
+# while after a call; pausing before each timed call keeps one competitor's
 # idle threads from stealing cores from the next.
-SETTLE_SECONDS = 0.5
+SETTLE_SECONDS = 0.3
 
 
 def median_seconds(fn: Callable[[], object], repeat: int) -> float:
-    time.sleep(SETTLE_SECONDS)
-    fn()  # warm-up: thread pools, page faults, torch's first-call setup
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+    return interleaved_medians({"fn": fn}, repeat)["fn"]
+
+
+def interleaved_medians(cases: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median seconds of each callable over ``repeat`` rounds, after one
+    warm-up call each (thread pools, page faults, first-call setup). Every
+    round runs each callable once, in turn: the developer machines are shared
+    VMs, and a disturbance then slows every competitor of a row instead of
+    whichever happened to be measured at that moment."""
+    for fn in cases.values():
+        time.sleep(SETTLE_SECONDS)
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            time.sleep(SETTLE_SECONDS)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def sgemm_ceiling(repeat: int) -> float:
@@ -93,13 +105,12 @@ def bench_shape(shape, causal, repeat, torch) -> dict:
         return flashport.attention(q, k, v, causal=causal, return_lse=True, device="cpu")
 
     out, lse = fp_forward()
-    t_fwd = median_seconds(fp_forward, repeat)
-    t_bwd = median_seconds(
-        lambda: flashport.attention_backward(do, q, k, v, out, lse, causal=causal, device="cpu"),
-        repeat,
-    )
-    row["flashport"] = {"forward_s": t_fwd, "backward_s": t_bwd, "fwd_bwd_s": t_fwd + t_bwd}
-
+    cases: dict[str, Callable[[], object]] = {
+        "fp_forward": fp_forward,
+        "fp_backward": lambda: flashport.attention_backward(
+            do, q, k, v, out, lse, causal=causal, device="cpu"
+        ),
+    }
     if torch is not None:
         import torch.nn.functional as F
 
@@ -115,21 +126,29 @@ def bench_shape(shape, causal, repeat, torch) -> dict:
                 x.grad = None
             F.scaled_dot_product_attention(tqg, tkg, tvg, is_causal=causal).backward(tdo)
 
-        t_tf = median_seconds(torch_forward, repeat)
-        t_tfb = median_seconds(torch_fwd_bwd, repeat)
+        cases["torch_forward"] = torch_forward
+        cases["torch_fwd_bwd"] = torch_fwd_bwd
+    if 2 * batch * heads * seq * seq * 4 <= NAIVE_MAX_BYTES:
+        cases["naive_forward"] = lambda: naive_attention(q, k, v, causal)
+
+    t = interleaved_medians(cases, repeat)
+    row["flashport"] = {
+        "forward_s": t["fp_forward"],
+        "backward_s": t["fp_backward"],
+        "fwd_bwd_s": t["fp_forward"] + t["fp_backward"],
+    }
+    if torch is not None:
+        # PyTorch's backward cannot be timed alone: it is the difference.
         row["torch"] = {
-            "forward_s": t_tf,
-            "fwd_bwd_s": t_tfb,
-            "backward_s": max(t_tfb - t_tf, 1e-9),
+            "forward_s": t["torch_forward"],
+            "fwd_bwd_s": t["torch_fwd_bwd"],
+            "backward_s": max(t["torch_fwd_bwd"] - t["torch_forward"], 1e-9),
             "version": torch.__version__,
         }
         check = torch_forward().numpy()
         row["max_abs_diff_vs_torch"] = float(np.abs(check - out).max())
-
-    if 2 * batch * heads * seq * seq * 4 <= NAIVE_MAX_BYTES:
-        row["naive_numpy"] = {
-            "forward_s": median_seconds(lambda: naive_attention(q, k, v, causal), repeat)
-        }
+    if "naive_forward" in t:
+        row["naive_numpy"] = {"forward_s": t["naive_forward"]}
     return row
 
 
@@ -208,7 +227,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashport bench", description=__doc__)
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per cell (median)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--quick", action="store_true", help="only the first two shapes")
     parser.add_argument("--json", help="write the raw numbers to this file")
     parser.add_argument("--plot", help="draw a chart to this PNG (needs matplotlib)")
