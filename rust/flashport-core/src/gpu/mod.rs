@@ -300,6 +300,14 @@ fn upload_as(
     Ok(buffer)
 }
 
+/// Whether output buffers are filled with NaN before the kernels run: in
+/// debug builds (the Rust tests) and with `FLASHPORT_GPU_POISON=1` (the
+/// Python test suite sets it), so that an unwritten element cannot pass for
+/// a result. Off otherwise: it costs an upload of every output.
+fn poison_outputs() -> bool {
+    cfg!(debug_assertions) || std::env::var("FLASHPORT_GPU_POISON").as_deref() == Ok("1")
+}
+
 fn output(ctx: &Context, label: &str, floats: usize) -> wgpu::Buffer {
     let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
@@ -309,7 +317,7 @@ fn output(ctx: &Context, label: &str, floats: usize) -> wgpu::Buffer {
             | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
-    if cfg!(debug_assertions) && floats > 0 {
+    if poison_outputs() && floats > 0 {
         // Poison: an element a kernel forgets to write reads back as NaN.
         let nan = vec![f32::NAN; floats];
         ctx.queue
