@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 
+import flashport
 import pytest
 from hypothesis import HealthCheck, settings
-
-import flashport
 
 # Every GPU output buffer is filled with NaN before the kernels run (read on
 # each call), so an element a kernel forgets to write fails the comparison
