@@ -21,6 +21,9 @@ override A1_ELEMS: u32 = 1u;
 override B0_ELEMS: u32 = 1u;
 override B1_ELEMS: u32 = 1u;
 override W_ELEMS: u32 = 1u;
+// vec4s of each streamed tile every invocation prefetches into named
+// registers during the previous tile's arithmetic (0: no prefetch; <= 8).
+override PF_N: u32 = 0u;
 override BR: u32 = 4u * RG;
 override D4: u32 = D / 4u;
 override DV4: u32 = DV / 4u;
@@ -131,11 +134,191 @@ fn main(
     if p.causal != 0u {
         first_row = u32(max(i32(k0) - p.causal_offset, 0));
     }
-    for (var t = 0u; t < p.g_count; t++) {
-        let head = kvh * p.g_count + t;
-        for (var r0 = first_row; r0 < p.seq_q; r0 += BC) {
+    // One flat loop over (query head of the group, query tile), so that the
+    // prefetch of the next tile crosses head boundaries.
+    let q_rows = p.seq_q - min(first_row, p.seq_q);
+    let n_tiles = (q_rows + BC - 1u) / BC;
+    let total = p.g_count * n_tiles;
+    var pa0 = vec4(0.0); var pb0 = vec4(0.0);
+    var pa1 = vec4(0.0); var pb1 = vec4(0.0);
+    var pa2 = vec4(0.0); var pb2 = vec4(0.0);
+    var pa3 = vec4(0.0); var pb3 = vec4(0.0);
+    var pa4 = vec4(0.0); var pb4 = vec4(0.0);
+    var pa5 = vec4(0.0); var pb5 = vec4(0.0);
+    var pa6 = vec4(0.0); var pb6 = vec4(0.0);
+    var pa7 = vec4(0.0); var pb7 = vec4(0.0);
+    if PF_N > 0u && total > 0u {
+        let head = kvh * p.g_count;
+        let r0 = first_row;
+        if PF_N > 0u {
+            let e = lid + 0u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa0 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa0 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb0 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb0 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 1u {
+            let e = lid + 1u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa1 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa1 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb1 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb1 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 2u {
+            let e = lid + 2u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa2 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa2 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb2 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb2 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 3u {
+            let e = lid + 3u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa3 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa3 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb3 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb3 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 4u {
+            let e = lid + 4u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa4 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa4 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb4 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb4 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 5u {
+            let e = lid + 5u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa5 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa5 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb5 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb5 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 6u {
+            let e = lid + 6u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa6 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa6 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb6 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb6 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 7u {
+            let e = lid + 7u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa7 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa7 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+            }
+            {
+                let j = e / (8u * NV);
+                let c = e % (8u * NV);
+                pb7 = vec4(0.0);
+                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb7 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+            }
+        }
+    }
+    for (var it = 0u; it < total; it++) {
+        {
+            let head = kvh * p.g_count + it / n_tiles;
+            let r0 = first_row + (it % n_tiles) * BC;
             let nr = min(BC, p.seq_q - r0);
             workgroupBarrier();
+            if PF_N > 0u {
+                if PF_N > 0u {
+                    let e = lid + 0u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb0; }
+                }
+                if PF_N > 1u {
+                    let e = lid + 1u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb1; }
+                }
+                if PF_N > 2u {
+                    let e = lid + 2u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb2; }
+                }
+                if PF_N > 3u {
+                    let e = lid + 3u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb3; }
+                }
+                if PF_N > 4u {
+                    let e = lid + 4u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb4; }
+                }
+                if PF_N > 5u {
+                    let e = lid + 5u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb5; }
+                }
+                if PF_N > 6u {
+                    let e = lid + 6u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb6; }
+                }
+                if PF_N > 7u {
+                    let e = lid + 7u * RG * CG;
+                    if e < BC * (8u * ND) { qs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7; }
+                    if e < BC * (8u * NV) { dos[(e / (8u * NV)) * SB1 + e % (8u * NV)] = pb7; }
+                }
+            } else {
             for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
@@ -153,6 +336,7 @@ fn main(
                     x = d_out[(head * p.seq_q + r0 + j) * DV4 + c];
                 }
                 dos[j * SB1 + c] = x;
+            }
             }
             // The lse, delta and visible key range of this invocation's
             // four query rows.
@@ -189,6 +373,131 @@ fn main(
                 vend.w = visible_end(r0 + cols.w);
             }
             workgroupBarrier();
+            if PF_N > 0u && it + 1u < total {
+                // The next tile's loads, in flight during this tile's arithmetic.
+                let head = kvh * p.g_count + (it + 1u) / n_tiles;
+                let r0 = first_row + ((it + 1u) % n_tiles) * BC;
+                if PF_N > 0u {
+                    let e = lid + 0u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa0 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa0 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb0 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb0 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 1u {
+                    let e = lid + 1u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa1 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa1 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb1 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb1 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 2u {
+                    let e = lid + 2u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa2 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa2 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb2 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb2 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 3u {
+                    let e = lid + 3u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa3 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa3 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb3 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb3 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 4u {
+                    let e = lid + 4u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa4 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa4 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb4 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb4 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 5u {
+                    let e = lid + 5u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa5 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa5 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb5 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb5 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 6u {
+                    let e = lid + 6u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa6 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa6 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb6 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb6 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 7u {
+                    let e = lid + 7u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa7 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa7 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / (8u * NV);
+                        let c = e % (8u * NV);
+                        pb7 = vec4(0.0);
+                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb7 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                    }
+                }
+            }
 
             var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
             var s10 = 0.0; var s11 = 0.0; var s12 = 0.0; var s13 = 0.0;

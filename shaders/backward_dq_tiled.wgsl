@@ -21,6 +21,9 @@ override A1_ELEMS: u32 = 1u;
 override B0_ELEMS: u32 = 1u;
 override B1_ELEMS: u32 = 1u;
 override W_ELEMS: u32 = 1u;
+// vec4s of each streamed tile every invocation prefetches into named
+// registers during the previous tile's arithmetic (0: no prefetch; <= 8).
+override PF_N: u32 = 0u;
 override BR: u32 = 4u * RG;
 override D4: u32 = D / 4u;
 override DV4: u32 = DV / 4u;
@@ -153,27 +156,326 @@ fn main(
 
     let key_end = visible_end(row0 + rows - 1u);
     let kv_row0 = kv * p.seq_k;
+    var pa0 = vec4(0.0); var pb0 = vec4(0.0);
+    var pa1 = vec4(0.0); var pb1 = vec4(0.0);
+    var pa2 = vec4(0.0); var pb2 = vec4(0.0);
+    var pa3 = vec4(0.0); var pb3 = vec4(0.0);
+    var pa4 = vec4(0.0); var pb4 = vec4(0.0);
+    var pa5 = vec4(0.0); var pb5 = vec4(0.0);
+    var pa6 = vec4(0.0); var pb6 = vec4(0.0);
+    var pa7 = vec4(0.0); var pb7 = vec4(0.0);
+    if PF_N > 0u {
+        if PF_N > 0u {
+            let e = lid + 0u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa0 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa0 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb0 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb0 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 1u {
+            let e = lid + 1u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa1 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa1 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb1 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb1 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 2u {
+            let e = lid + 2u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa2 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa2 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb2 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb2 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 3u {
+            let e = lid + 3u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa3 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa3 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb3 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb3 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 4u {
+            let e = lid + 4u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa4 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa4 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb4 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb4 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 5u {
+            let e = lid + 5u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa5 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa5 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb5 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb5 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 6u {
+            let e = lid + 6u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa6 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa6 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb6 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb6 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+        if PF_N > 7u {
+            let e = lid + 7u * RG * CG;
+            {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                pa7 = vec4(0.0);
+                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa7 = k[(kv_row0 + 0u + j) * D4 + c]; }
+            }
+            {
+                let j = e / DV4;
+                let c = e % DV4;
+                pb7 = vec4(0.0);
+                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb7 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            }
+        }
+    }
     for (var k0 = 0u; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
         workgroupBarrier();
-        for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
-            let j = e / (8u * ND);
-            let c = e % (8u * ND);
-            var x = vec4(0.0);
-            if j < nk && c < D4 {
-                x = k[(kv_row0 + k0 + j) * D4 + c];
+        if PF_N > 0u {
+            if PF_N > 0u {
+                let e = lid + 0u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb0; }
             }
-            ks[j * SB0 + c] = x;
-        }
-        for (var e = lid; e < BC * DV4; e += RG * CG) {
-            let j = e / DV4;
-            var x = vec4(0.0);
-            if j < nk {
-                x = v[(kv_row0 + k0) * DV4 + e];
+            if PF_N > 1u {
+                let e = lid + 1u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb1; }
             }
-            vs[j * SB1 + e % DV4] = x;
+            if PF_N > 2u {
+                let e = lid + 2u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb2; }
+            }
+            if PF_N > 3u {
+                let e = lid + 3u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb3; }
+            }
+            if PF_N > 4u {
+                let e = lid + 4u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb4; }
+            }
+            if PF_N > 5u {
+                let e = lid + 5u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb5; }
+            }
+            if PF_N > 6u {
+                let e = lid + 6u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb6; }
+            }
+            if PF_N > 7u {
+                let e = lid + 7u * RG * CG;
+                if e < BC * (8u * ND) { ks[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7; }
+                if e < BC * DV4 { vs[(e / DV4) * SB1 + e % DV4] = pb7; }
+            }
+        } else {
+            for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                var x = vec4(0.0);
+                if j < nk && c < D4 {
+                    x = k[(kv_row0 + k0 + j) * D4 + c];
+                }
+                ks[j * SB0 + c] = x;
+            }
+            for (var e = lid; e < BC * DV4; e += RG * CG) {
+                let j = e / DV4;
+                var x = vec4(0.0);
+                if j < nk {
+                    x = v[(kv_row0 + k0) * DV4 + e];
+                }
+                vs[j * SB1 + e % DV4] = x;
+            }
         }
         workgroupBarrier();
+        if PF_N > 0u {
+            // The next tile's loads, in flight during this tile's arithmetic.
+            let next = k0 + BC;
+            if next < key_end {
+                if PF_N > 0u {
+                    let e = lid + 0u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa0 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa0 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb0 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb0 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 1u {
+                    let e = lid + 1u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa1 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa1 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb1 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb1 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 2u {
+                    let e = lid + 2u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa2 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa2 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb2 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb2 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 3u {
+                    let e = lid + 3u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa3 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa3 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb3 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb3 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 4u {
+                    let e = lid + 4u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa4 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa4 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb4 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb4 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 5u {
+                    let e = lid + 5u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa5 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa5 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb5 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb5 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 6u {
+                    let e = lid + 6u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa6 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa6 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb6 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb6 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+                if PF_N > 7u {
+                    let e = lid + 7u * RG * CG;
+                    {
+                        let j = e / (8u * ND);
+                        let c = e % (8u * ND);
+                        pa7 = vec4(0.0);
+                        if e < BC * (8u * ND) && j < min(BC, key_end - next) && c < D4 { pa7 = k[(kv_row0 + next + j) * D4 + c]; }
+                    }
+                    {
+                        let j = e / DV4;
+                        let c = e % DV4;
+                        pb7 = vec4(0.0);
+                        if e < BC * DV4 && j < min(BC, key_end - next) && c < DV4 { pb7 = v[(kv_row0 + next + j) * DV4 + c]; }
+                    }
+                }
+            }
+        }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
         var s10 = 0.0; var s11 = 0.0; var s12 = 0.0; var s13 = 0.0;

@@ -139,6 +139,9 @@ override A1_ELEMS: u32 = 1u;
 override B0_ELEMS: u32 = 1u;
 override B1_ELEMS: u32 = 1u;
 override W_ELEMS: u32 = 1u;
+// vec4s of each streamed tile every invocation prefetches into named
+// registers during the previous tile's arithmetic (0: no prefetch; <= 8).
+override PF_N: u32 = 0u;
 override BR: u32 = 4u * RG;
 override D4: u32 = D / 4u;
 override DV4: u32 = DV / 4u;
@@ -218,27 +221,42 @@ fn main(
 
     let key_end = visible_end(row0 + rows - 1u);
     let kv_row0 = kv * p.seq_k;
+{{PF_DECL}}
+    if PF_N > 0u {
+{{PF_FIRST}}
+    }
     for (var k0 = 0u; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
         workgroupBarrier();
-        for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
-            let j = e / (8u * ND);
-            let c = e % (8u * ND);
-            var x = vec4(0.0);
-            if j < nk && c < D4 {
-                x = k[(kv_row0 + k0 + j) * D4 + c];
+        if PF_N > 0u {
+{{PF_STORE}}
+        } else {
+            for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
+                let j = e / (8u * ND);
+                let c = e % (8u * ND);
+                var x = vec4(0.0);
+                if j < nk && c < D4 {
+                    x = k[(kv_row0 + k0 + j) * D4 + c];
+                }
+                ks[j * SB0 + c] = x;
             }
-            ks[j * SB0 + c] = x;
-        }
-        for (var e = lid; e < BC * DV4; e += RG * CG) {
-            let j = e / DV4;
-            var x = vec4(0.0);
-            if j < nk {
-                x = v[(kv_row0 + k0) * DV4 + e];
+            for (var e = lid; e < BC * DV4; e += RG * CG) {
+                let j = e / DV4;
+                var x = vec4(0.0);
+                if j < nk {
+                    x = v[(kv_row0 + k0) * DV4 + e];
+                }
+                vs[j * SB1 + e % DV4] = x;
             }
-            vs[j * SB1 + e % DV4] = x;
         }
         workgroupBarrier();
+        if PF_N > 0u {
+            // The next tile's loads, in flight during this tile's arithmetic.
+            let next = k0 + BC;
+            if next < key_end {
+{{PF_NEXT}}
+            }
+        }
 
 {{DECL_S}}
 {{DECL_T}}
@@ -331,11 +349,26 @@ fn main(
     if p.causal != 0u {
         first_row = u32(max(i32(k0) - p.causal_offset, 0));
     }
-    for (var t = 0u; t < p.g_count; t++) {
-        let head = kvh * p.g_count + t;
-        for (var r0 = first_row; r0 < p.seq_q; r0 += BC) {
+    // One flat loop over (query head of the group, query tile), so that the
+    // prefetch of the next tile crosses head boundaries.
+    let q_rows = p.seq_q - min(first_row, p.seq_q);
+    let n_tiles = (q_rows + BC - 1u) / BC;
+    let total = p.g_count * n_tiles;
+{{PF_DECL}}
+    if PF_N > 0u && total > 0u {
+        let head = kvh * p.g_count;
+        let r0 = first_row;
+{{PF_FIRST}}
+    }
+    for (var it = 0u; it < total; it++) {
+        {
+            let head = kvh * p.g_count + it / n_tiles;
+            let r0 = first_row + (it % n_tiles) * BC;
             let nr = min(BC, p.seq_q - r0);
             workgroupBarrier();
+            if PF_N > 0u {
+{{PF_STORE}}
+            } else {
             for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
@@ -354,6 +387,7 @@ fn main(
                 }
                 dos[j * SB1 + c] = x;
             }
+            }
             // The lse, delta and visible key range of this invocation's
             // four query rows.
             var lse2 = vec4(0.0);
@@ -362,6 +396,12 @@ fn main(
             var vend = vec4(0u);
 {{STATS_DKDV}}
             workgroupBarrier();
+            if PF_N > 0u && it + 1u < total {
+                // The next tile's loads, in flight during this tile's arithmetic.
+                let head = kvh * p.g_count + (it + 1u) / n_tiles;
+                let r0 = first_row + ((it + 1u) % n_tiles) * BC;
+{{PF_NEXT}}
+            }
 
 {{DECL_S}}
 {{DECL_T}}
@@ -421,13 +461,72 @@ def stats(idx, bound, base, row, pad):
     return "\n".join(out)
 
 
+PF = range(8)
+
+
+def pf_decl(pad="    "):
+    return "\n".join(f"{pad}var pa{u} = vec4(0.0); var pb{u} = vec4(0.0);" for u in PF)
+
+
+def pf_load(specs, n, pad):
+    """specs: two (reg, global, width, col_bound, row0) for the two streamed
+    tiles; row0 is the global row of the tile's first row."""
+    out = []
+    for u in PF:
+        out.append(f"{pad}if PF_N > {u}u {{")
+        out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
+        for reg, glob, width, bound, gw, row0 in specs:
+            out.append(f"{pad}    {{")
+            out.append(f"{pad}        let j = e / {width};")
+            out.append(f"{pad}        let c = e % {width};")
+            out.append(f"{pad}        {reg}{u} = vec4(0.0);")
+            out.append(
+                f"{pad}        if e < BC * {width} && j < {n} && c < {bound} {{ {reg}{u} = {glob}[({row0} + j) * {gw} + c]; }}"
+            )
+            out.append(f"{pad}    }}")
+        out.append(f"{pad}}}")
+    return "\n".join(out)
+
+
+def pf_store(specs, pad):
+    out = []
+    for u in PF:
+        out.append(f"{pad}if PF_N > {u}u {{")
+        out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
+        for reg, shared, width, stride in specs:
+            out.append(
+                f"{pad}    if e < BC * {width} {{ {shared}[(e / {width}) * {stride} + e % {width}] = {reg}{u}; }}"
+            )
+        out.append(f"{pad}}}")
+    return "\n".join(out)
+
+
 def indent(text, n):
     return "\n".join((" " * n + line) if line else line for line in text.split("\n"))
 
 
+DQ_PF = [
+    ("pa", "k", "(8u * ND)", "D4", "D4", "kv_row0 + {T0}"),
+    ("pb", "v", "DV4", "DV4", "DV4", "kv_row0 + {T0}"),
+]
+KV_PF = [
+    ("pa", "q", "(8u * ND)", "D4", "D4", "head * p.seq_q + r0"),
+    ("pb", "d_out", "(8u * NV)", "DV4", "DV4", "head * p.seq_q + r0"),
+]
+
 dq = (
     DQ.replace("{{DECL_ACC}}", decl_acc("a"))
     .replace("{{STATS_DQ}}", stats("rv", "rows", "head * p.seq_q + row0", "row0", "    "))
+    .replace("{{PF_DECL}}", pf_decl())
+    .replace("{{PF_FIRST}}", pf_load(DQ_PF, "min(BC, key_end)", "        ").replace("{T0}", "0u"))
+    .replace(
+        "{{PF_NEXT}}",
+        pf_load(DQ_PF, "min(BC, key_end - next)", "                ").replace("{T0}", "next"),
+    )
+    .replace(
+        "{{PF_STORE}}",
+        pf_store([("pa", "ks", "(8u * ND)", "SB0"), ("pb", "vs", "DV4", "SB1")], "            "),
+    )
     .replace("{{DECL_S}}", decl_tile("s"))
     .replace("{{DECL_T}}", decl_tile("t"))
     .replace("{{DOT_S}}", dots("s", "qs", "SA0", "ks", "SB0", "D4"))
@@ -439,6 +538,16 @@ dq = (
 dkdv = (
     DKDV.replace("{{DECL_ACC}}", decl_acc("gv") + "\n" + decl_acc("gk"))
     .replace("{{STATS_DKDV}}", stats("cols", "nr", "head * p.seq_q + r0", "r0", "            "))
+    .replace("{{PF_DECL}}", pf_decl())
+    .replace("{{PF_FIRST}}", pf_load(KV_PF, "min(BC, p.seq_q - r0)", "        "))
+    .replace("{{PF_NEXT}}", pf_load(KV_PF, "min(BC, p.seq_q - r0)", "                "))
+    .replace(
+        "{{PF_STORE}}",
+        pf_store(
+            [("pa", "qs", "(8u * ND)", "SB0"), ("pb", "dos", "(8u * NV)", "SB1")],
+            "                ",
+        ),
+    )
     .replace("{{DECL_S}}", indent(decl_tile("s"), 4))
     .replace("{{DECL_T}}", indent(decl_tile("t"), 4))
     .replace("{{DOT_S}}", indent(dots("s", "ks", "SA0", "qs", "SB0", "D4"), 4))

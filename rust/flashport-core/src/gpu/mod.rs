@@ -213,6 +213,11 @@ impl Timer {
     }
 }
 
+fn no_prefetch() -> bool {
+    // Measures what the register prefetch gains (benchmarks).
+    std::env::var("FLASHPORT_GPU_PREFETCH").as_deref() == Ok("0")
+}
+
 fn forced_simple() -> bool {
     // Compares the kernels on one adapter (benchmarks/gpu_bench.py).
     std::env::var("FLASHPORT_GPU_KERNELS").as_deref() == Ok("simple")
@@ -591,8 +596,7 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
         )
     } else {
         let (kernel, mut tiles) = tiles::forward_kernel(d as u32, dv as u32, f16, caps);
-        if std::env::var("FLASHPORT_GPU_PREFETCH").as_deref() == Ok("0") {
-            // Measures what the register prefetch gains (benchmarks).
+        if no_prefetch() {
             tiles.prefetch = 0;
         }
         (kernel, tiles)
@@ -727,7 +731,13 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gra
     let tiled = if forced_simple() {
         None
     } else {
-        tiles::backward_kernels(d as u32, dv as u32, f16, caps)
+        tiles::backward_kernels(d as u32, dv as u32, f16, caps).map(|(mut tq, mut tkv)| {
+            if no_prefetch() {
+                tq.prefetch = 0;
+                tkv.prefetch = 0;
+            }
+            (tq, tkv)
+        })
     };
     let key = |kernel, tiles| PipelineKey {
         kernel,

@@ -114,6 +114,7 @@ pub fn tile_overrides(
                 ("B0_ELEMS", b0.max(1) as f64),
                 ("B1_ELEMS", b1.max(1) as f64),
                 ("W_ELEMS", w.max(1) as f64),
+                ("PF_N", t.prefetch as f64),
             ]
         }
         Kernel::BackwardPreprocess => vec![

@@ -222,20 +222,33 @@ pub fn backward_kernels(
         // 2: d = 128 fits 48 KiB only as 8-row blocks.
         [16u32, 8, 4, 2].into_iter().find_map(|rg| {
             let (own, streamed) = (4 * rg, TILED_BK);
+            let wg = TILED_CG * rg;
+            // vec4s of the streamed tiles per invocation: prefetched into
+            // the named registers pa0..pa7 / pb0..pb7 where they fit.
+            let (w0, w1) = match kernel {
+                Kernel::BackwardDqTiled => (8 * tiled_nv(d), dv / 4),
+                _ => (8 * tiled_nv(d), 8 * tiled_nv(dv)),
+            };
+            let per = (streamed * w0.max(w1)).div_ceil(wg);
+            // At most 8, as in the forward: with up to 16 (16 KiB tiles of 16
+            // or 32 invocations) the Rust GPU tests did not finish in 100 s on
+            // the H100 (run 4, benchmarks/GPU_NOTES.md); suspected register
+            // pressure or compile time there, not verified.
+            let prefetch = if per <= 8 { per } else { 0 };
             let t = match kernel {
                 Kernel::BackwardDqTiled => Tiles {
                     q_rows: own,
                     k_rows: streamed,
-                    workgroup: TILED_CG * rg,
+                    workgroup: wg,
                     kv_shared: false,
-                    prefetch: 0,
+                    prefetch,
                 },
                 _ => Tiles {
                     q_rows: streamed,
                     k_rows: own,
-                    workgroup: TILED_CG * rg,
+                    workgroup: wg,
                     kv_shared: false,
-                    prefetch: 0,
+                    prefetch,
                 },
             };
             let bytes = 16 * backward_tiled_vec4s(kernel, d, dv, t).iter().sum::<u64>();
