@@ -120,3 +120,22 @@ def test_exception_hierarchy():
     assert issubclass(flashport.GpuError, RuntimeError)
     for cls in (flashport.ShapeError, flashport.DTypeError, flashport.GpuError):
         assert issubclass(cls, flashport.FlashportError)
+
+
+def test_lost_gpu_device_is_an_error_and_nothing_else_breaks(gpu):
+    """A device lost mid-session (driver reset, removed GPU) surfaces as
+    flashport.GpuError or is recovered from transparently; it never crashes
+    the process, the CPU path keeps working, and a later GPU call works on a
+    fresh device."""
+    want = flashport.attention(Q, K, V, device="cpu")
+    flashport.attention(Q, K, V, device=gpu)  # the context exists now
+    flashport._core._gpu_lose_device_for_tests()
+    try:
+        out = flashport.attention(Q, K, V, device=gpu)
+    except flashport.GpuError as e:
+        assert "was lost" in str(e), str(e)
+    else:
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert flashport.attention(Q, K, V, device="cpu").tobytes() == want.tobytes()
+    again = flashport.attention(Q, K, V, device=gpu)
+    np.testing.assert_allclose(again, want, rtol=1e-5, atol=1e-6)

@@ -310,12 +310,22 @@ fn _gpu_kernel_times() -> Vec<(String, f64)> {
     core::gpu::last_kernel_times()
 }
 
+/// _gpu_lose_device_for_tests(): destroys the GPU device flashport holds,
+/// as a driver reset would. For the failure-path tests only.
+#[pyfunction]
+fn _gpu_lose_device_for_tests(py: Python<'_>) {
+    py.detach(|| {
+        let _ = catch_unwind(core::gpu::lose_device_for_tests);
+    });
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_times, m)?)?;
+    m.add_function(wrap_pyfunction!(_gpu_lose_device_for_tests, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -157,6 +157,11 @@ pub(crate) fn get() -> Result<Arc<Context>> {
     Ok(ctx)
 }
 
+/// The shared context if one exists, without creating one.
+pub(crate) fn current() -> Option<Arc<Context>> {
+    lock(CONTEXT.get_or_init(Default::default)).clone()
+}
+
 /// Forgets a context that failed, so the next call starts afresh.
 pub(crate) fn discard(ctx: &Arc<Context>) {
     ctx.lost.store(true, Ordering::SeqCst);

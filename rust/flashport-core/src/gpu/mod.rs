@@ -133,6 +133,17 @@ pub fn last_kernel_times() -> Vec<(String, f64)> {
     lock_times().clone()
 }
 
+/// Destroys the shared context's device, as a driver reset or a removed
+/// GPU would, so that tests can check that the failure surfaces as an
+/// error, that the CPU keeps working, and that the next GPU call starts
+/// afresh. Does nothing when no context exists yet.
+#[doc(hidden)]
+pub fn lose_device_for_tests() {
+    if let Some(ctx) = context::current() {
+        ctx.device.destroy();
+    }
+}
+
 static KERNEL_TIMES: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
 
 fn lock_times() -> std::sync::MutexGuard<'static, Vec<(String, f64)>> {
@@ -542,11 +553,26 @@ fn check_sizes(problem: &Problem) -> Result<()> {
 fn with_context<T>(what: &str, f: impl FnOnce(&Arc<Context>) -> Result<T>) -> Result<T> {
     guarded(what, || {
         let ctx = context::get()?;
-        let result = f(&ctx);
-        if let Err(Error::Gpu(_)) = &result {
-            context::discard(&ctx);
+        match f(&ctx) {
+            Err(Error::Gpu(message)) => {
+                // Whatever failed first (often a buffer the dead device
+                // refuses), the user needs to know the device is gone and
+                // that the next call will open a new one.
+                // A poll delivers a pending device-lost callback.
+                let _ = ctx.device.poll(wgpu::PollType::Poll);
+                let lost = ctx.is_lost();
+                context::discard(&ctx);
+                Err(Error::Gpu(if lost {
+                    format!(
+                        "the GPU device {} was lost ({message}); the next GPU call opens it again",
+                        ctx.adapter.name
+                    )
+                } else {
+                    format!("{message}; the next GPU call starts on a fresh device")
+                }))
+            }
+            result => result,
         }
-        result
     })
 }
 
