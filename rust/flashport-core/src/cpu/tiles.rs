@@ -54,13 +54,14 @@ fn read_per_core_cache() -> Option<usize> {
     for entry in std::fs::read_dir(base).ok()? {
         let dir = entry.ok()?.path();
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
-        let Some(shared) = read("shared_cpu_list") else {
+        let kind = read("type").unwrap_or_default();
+        let Some(level) = read("level").and_then(|l| l.trim().parse::<u32>().ok()) else {
             continue;
         };
-        let kind = read("type").unwrap_or_default();
-        // A cache listed for one CPU (or its SMT sibling pair) is private.
-        let private = !shared.contains(',') && shared.trim().split('-').count() <= 2;
-        if kind.trim() == "Instruction" || !private {
+        // L1 and L2 are private to a core on current x86 and Arm server
+        // parts, L3 is shared. The sharing list cannot tell them apart: on
+        // a small VM the shared L3 lists only the VM's own CPUs.
+        if kind.trim() == "Instruction" || level > 2 {
             continue;
         }
         let size = parse_size(read("size")?.trim())?;
