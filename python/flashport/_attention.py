@@ -3,12 +3,14 @@ computation and all validation happen in the Rust core (``flashport._core``)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from . import _core
+from ._errors import InvalidArgumentError
 
 __all__ = ["attention", "attention_backward", "devices"]
 
@@ -28,6 +30,39 @@ def _scale_arg(scale: float | None) -> float | None:
     return None if scale is None else float(scale)
 
 
+Window = tuple[int | None, int | None]
+
+
+def _variants(
+    window: Window | None,
+    mask: npt.ArrayLike | None,
+    alibi_slopes: npt.ArrayLike | None,
+    softcap: float | None,
+    sinks: npt.ArrayLike | None,
+    dropout_p: float,
+    seed: int | None,
+) -> dict[str, Any]:
+    """The variant keywords as the core takes them; the core validates them."""
+    if window is not None:
+        try:
+            left, right = window
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"window={window!r}: expected a pair (left, right), each an int >= 0, "
+                "or None / -1 for unbounded"
+            ) from None
+        window = tuple(-1 if side is None else operator.index(side) for side in (left, right))
+    return {
+        "window": window,
+        "mask": None if mask is None else _as_native_array(mask),
+        "alibi_slopes": None if alibi_slopes is None else _as_native_array(alibi_slopes),
+        "softcap": None if softcap is None else float(softcap),
+        "sinks": None if sinks is None else _as_native_array(sinks),
+        "dropout_p": float(dropout_p),
+        "seed": None if seed is None else operator.index(seed),
+    }
+
+
 @overload
 def attention(
     q: npt.ArrayLike,
@@ -36,6 +71,13 @@ def attention(
     *,
     causal: bool = ...,
     scale: float | None = ...,
+    window: Window | None = ...,
+    mask: npt.ArrayLike | None = ...,
+    alibi_slopes: npt.ArrayLike | None = ...,
+    softcap: float | None = ...,
+    sinks: npt.ArrayLike | None = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
     return_lse: Literal[False] = ...,
     device: Device | None = ...,
 ) -> np.ndarray: ...
@@ -47,6 +89,13 @@ def attention(
     *,
     causal: bool = ...,
     scale: float | None = ...,
+    window: Window | None = ...,
+    mask: npt.ArrayLike | None = ...,
+    alibi_slopes: npt.ArrayLike | None = ...,
+    softcap: float | None = ...,
+    sinks: npt.ArrayLike | None = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
     return_lse: Literal[True],
     device: Device | None = ...,
 ) -> tuple[np.ndarray, np.ndarray]: ...
@@ -57,6 +106,13 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: Window | None = None,
+    mask: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
     return_lse: bool = False,
     device: Device | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
@@ -90,6 +146,39 @@ def attention(
 
     scale : float, optional
         Multiplier of ``q kᵀ``; defaults to ``1 / sqrt(d)``. Must be finite.
+    window : (left, right), optional
+        Sliding-window (local) attention, aligned like ``causal``: query ``i``
+        sees keys ``i + off - left <= j <= i + off + right`` with
+        ``off = seq_k - seq_q``. ``None`` or ``-1`` leaves a side unbounded;
+        ``window=(w, 0)`` is causal attention over the last ``w + 1`` keys.
+        Combines with ``causal`` (the tighter right side wins).
+    mask : array, optional
+        Broadcastable to ``(batch, heads_q, seq_q, seq_k)`` (NumPy rules, so
+        ``(seq_k,)`` is a key-padding mask and ``(seq_q, seq_k)`` is shared by
+        every head). Boolean: ``True`` = attend. Float (float16/32/64): added
+        to the scores; ``-inf`` hides a key. Tiles the mask hides entirely
+        are skipped, so block-sparse masks run proportionally faster.
+    alibi_slopes : array ``(heads_q,)`` or ``(batch, heads_q)``, optional
+        ALiBi: adds ``-slope · |i + off - j|`` to the scores (bottom-right
+        aligned, like ``causal``).
+    softcap : float, optional
+        Logit soft-capping: the scaled scores ``u`` become
+        ``softcap · tanh(u / softcap)`` before ALiBi and the mask are added.
+        ``None`` or ``0`` disables it.
+    sinks : array ``(heads_q,)``, optional
+        One learnable logit per query head that joins every row's softmax
+        denominator (an "attention sink" that absorbs probability mass and
+        contributes nothing to the output). ``lse`` includes it.
+    dropout_p : float
+        Dropout on the attention probabilities, in ``[0, 1)``: each
+        probability is kept with probability ``1 - dropout_p`` and scaled by
+        ``1 / (1 - dropout_p)``. The mask is regenerated from ``seed`` and the
+        element's position by a counter-based generator (Philox4x32-10, see
+        :func:`flashport.reference.dropout_keep`), never stored, and is the
+        same on every backend.
+    seed : int, optional
+        In ``[0, 2**64)``; required when ``dropout_p > 0``. Pass the same seed
+        to :func:`attention_backward`.
     return_lse : bool
         Also return the log-sum-exp, which ``attention_backward`` needs.
     device : "cpu", "gpu" or "auto", optional
@@ -104,9 +193,11 @@ def attention(
         In the inputs' dtype. float32 and float64 are computed natively;
         float16 is accumulated in float32 and rounded once.
     lse : array ``(batch, heads_q, seq_q)``, only with ``return_lse=True``
-        ``lse[i] = log(sum_j exp(scale · q_i · k_j))`` over the keys row ``i``
-        sees (natural log): float32, or float64 for float64 inputs.
-        ``-inf`` for a row that sees no key.
+        ``lse[i] = log(sum_j exp(s_ij))`` over the keys row ``i`` sees (natural
+        log), where ``s_ij = scale · q_i · k_j`` modified by the variants above,
+        plus ``exp(sink)`` inside the sum with ``sinks``; float32, or float64 for
+        float64 inputs. ``-inf`` for a row that sees no key (and has no sink).
+        Dropout does not change it.
 
     Results are deterministic: bitwise identical across runs and thread counts.
 
@@ -118,9 +209,12 @@ def attention(
     DTypeError (a TypeError)
         A dtype other than float16/32/64, or arrays of different dtypes.
     InvalidArgumentError (a ValueError)
-        A non-finite ``scale`` or an unknown ``device``.
+        A non-finite ``scale``, an unknown ``device``, or a variant keyword out
+        of range (``window``, ``softcap``, ``dropout_p``, ``seed``); the message
+        names the keyword and the value.
     BackendUnavailableError, GpuError (RuntimeErrors)
-        ``device="gpu"`` without a usable adapter, or a GPU failure.
+        ``device="gpu"`` without a usable adapter or without support for a
+        variant (the message names it), or a GPU failure.
     """
     out, lse = _core.attention(
         _as_native_array(q),
@@ -129,6 +223,7 @@ def attention(
         bool(causal),
         _scale_arg(scale),
         device,
+        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed),
     )
     return (out, lse) if return_lse else out
 
@@ -143,8 +238,16 @@ def attention_backward(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: Window | None = None,
+    mask: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    return_dmask: bool = False,
     device: Device | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, ...]:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
 
     FlashAttention-2's backward: the attention probabilities are recomputed
@@ -154,7 +257,7 @@ def attention_backward(
     ---------
     do : array shaped like ``o``
         Gradient of the loss with respect to the attention output.
-    q, k, v, causal, scale, device
+    q, k, v, causal, scale, window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, device
         Exactly as passed to :func:`attention`.
     o, lse
         The output and log-sum-exp :func:`attention` returned for them
@@ -168,13 +271,22 @@ def attention_backward(
     dv : array shaped like ``v``
         In the inputs' dtype. Deterministic: computed without atomics, in an
         order that depends neither on scheduling nor on the thread count.
+    dsinks : array shaped like ``sinks``, only when ``sinks`` is given
+        In the dtype of ``sinks``.
+    dmask : array shaped like ``mask``, only with ``return_dmask=True``
+        The gradient of a float mask (summed over the dimensions it
+        broadcasts along), in the mask's dtype. Computing it takes memory for
+        the full ``batch × heads_q × seq_q × seq_k`` gradient.
+
+    The tuple is ``(dq, dk, dv)``, then ``dsinks`` if ``sinks`` was given,
+    then ``dmask`` if it was asked for.
 
     Raises
     ------
     The same errors as :func:`attention`; ``do``/``o`` must have the output's
     shape and dtype and ``lse`` the shape ``q.shape[:-1]``.
     """
-    return _core.attention_backward(
+    dq, dk, dv, dsinks, dmask = _core.attention_backward(
         _as_native_array(do),
         _as_native_array(q),
         _as_native_array(k),
@@ -184,7 +296,15 @@ def attention_backward(
         bool(causal),
         _scale_arg(scale),
         device,
+        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed),
+        bool(return_dmask),
     )
+    grads = [dq, dk, dv]
+    if sinks is not None:
+        grads.append(dsinks)
+    if return_dmask:
+        grads.append(dmask)
+    return tuple(grads)
 
 
 def devices() -> list[dict[str, Any]]:

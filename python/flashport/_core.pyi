@@ -12,6 +12,7 @@ def attention(
     causal: bool,
     scale: float | None,
     device: str | None,
+    variants: dict[str, object],
 ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]: ...
 def attention_backward(
     d_out: npt.NDArray[np.floating],
@@ -23,7 +24,15 @@ def attention_backward(
     causal: bool,
     scale: float | None,
     device: str | None,
-) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]: ...
+    variants: dict[str, object],
+    return_dmask: bool,
+) -> tuple[
+    npt.NDArray[np.floating],
+    npt.NDArray[np.floating],
+    npt.NDArray[np.floating],
+    npt.NDArray[np.floating] | None,
+    npt.NDArray[np.floating] | None,
+]: ...
 def devices() -> list[dict[str, object]]: ...
 def _gpu_kernel_times() -> list[tuple[str, float]]: ...
 def _gpu_lose_device_for_tests() -> None: ...

@@ -12,9 +12,11 @@
 //!     ArrayInfo::new(&[4, 8], "float32"),
 //!     ArrayInfo::new(&[6, 8], "float32"),
 //!     ArrayInfo::new(&[6, 8], "float32"),
-//!     &Options { causal: true, scale: None },
+//!     &Options { causal: true, ..Options::default() },
 //! ).unwrap();
-//! let out = attention(Device::Cpu, &problem, Slice::F32(&q), Slice::F32(&k), Slice::F32(&v)).unwrap();
+//! let out = attention(
+//!     Device::Cpu, &problem, Slice::F32(&q), Slice::F32(&k), Slice::F32(&v), &Default::default(),
+//! ).unwrap();
 //! let Buffer::F32(o) = out.out else { unreachable!() };
 //! assert!(o.iter().all(|x| (x - 1.0).abs() < 1e-6));
 //! ```
@@ -23,10 +25,12 @@ pub mod cpu;
 pub mod error;
 pub mod gpu;
 pub mod problem;
+pub mod variants;
 
 pub use error::{Error, Result};
 pub use half::f16;
 pub use problem::{validate_backward, validate_forward, ArrayInfo, DType, Options, Problem};
+pub use variants::{MaskData, VariantArrays};
 
 /// A borrowed, contiguous, row-major input array.
 #[derive(Debug, Clone, Copy)]
@@ -150,6 +154,22 @@ pub struct Gradients {
     pub dq: Buffer,
     pub dk: Buffer,
     pub dv: Buffer,
+    /// `(heads_q,)`, float64, when the problem has sinks.
+    pub dsinks: Option<Vec<f64>>,
+    /// The float mask's gradient in the mask's shape, in the problem's
+    /// compute dtype (float32 or float64), when `return_dmask` was asked.
+    pub dmask: Option<Buffer>,
+}
+
+/// What a backend's backward returns before the shared variant gradients
+/// are added: `dS` over the full `(batch, heads_q, seq_q, seq_k)` when the
+/// mask's gradient is wanted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendGradients {
+    pub dq: Buffer,
+    pub dk: Buffer,
+    pub dv: Buffer,
+    pub d_scores: Option<Buffer>,
 }
 
 fn check_len(argument: &str, got: &Slice<'_>, want: usize, dtype: DType) -> Result<()> {
@@ -176,13 +196,15 @@ pub fn attention(
     q: Slice<'_>,
     k: Slice<'_>,
     v: Slice<'_>,
+    variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
     check_len("q", &q, problem.q_len(), problem.dtype)?;
     check_len("k", &k, problem.k_len(), problem.dtype)?;
     check_len("v", &v, problem.v_len(), problem.dtype)?;
+    variants.check(problem)?;
     match device.resolve(problem) {
-        Device::Gpu => gpu::forward(problem, q, k, v),
-        _ => cpu::forward(problem, q, k, v),
+        Device::Gpu => gpu::forward(problem, q, k, v, variants),
+        _ => cpu::forward(problem, q, k, v, variants),
     }
 }
 
@@ -198,6 +220,7 @@ pub fn attention_backward(
     v: Slice<'_>,
     out: Slice<'_>,
     lse: Slice<'_>,
+    variants: &VariantArrays<'_>,
 ) -> Result<Gradients> {
     check_len("do", &d_out, problem.out_len(), problem.dtype)?;
     check_len("q", &q, problem.q_len(), problem.dtype)?;
@@ -212,8 +235,24 @@ pub fn attention_backward(
             problem.lse_len()
         )));
     }
-    match device.resolve(problem) {
-        Device::Gpu => gpu::backward(problem, d_out, q, k, v, out, lse),
-        _ => cpu::backward(problem, d_out, q, k, v, out, lse),
-    }
+    variants.check(problem)?;
+    let inputs = [d_out, q, k, v, out, lse];
+    let grads = match device.resolve(problem) {
+        Device::Gpu => gpu::backward(problem, inputs, variants)?,
+        _ => cpu::backward(problem, inputs, variants)?,
+    };
+    let dmask = match grads.d_scores {
+        Some(Buffer::F32(full)) => Some(Buffer::F32(variants::reduce_to_mask(problem, &full))),
+        Some(Buffer::F64(full)) => Some(Buffer::F64(variants::reduce_to_mask(problem, &full))),
+        _ => None,
+    };
+    Ok(Gradients {
+        dq: grads.dq,
+        dk: grads.dk,
+        dv: grads.dv,
+        dsinks: variants
+            .sinks
+            .map(|sinks| variants::sink_gradient(problem, &d_out, &out, &lse, sinks)),
+        dmask,
+    })
 }

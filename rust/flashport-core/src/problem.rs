@@ -45,7 +45,7 @@ impl DType {
 }
 
 /// What validation needs to know about one array argument.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ArrayInfo<'a> {
     pub shape: &'a [usize],
     /// The NumPy dtype name, e.g. `"float32"` or `"int64"`.
@@ -58,14 +58,86 @@ impl<'a> ArrayInfo<'a> {
     }
 }
 
-/// Keyword options shared by the forward and the backward pass.
+/// Keyword options shared by the forward and the backward pass, as the
+/// caller gave them (validation turns them into a [`Problem`]).
+///
+/// The score of query row `i` and key `j` is built in this order (see
+/// [`crate::variants`] for the full definition):
+/// `u = scale·q_i·k_j`, `t = softcap·tanh(u/softcap)`,
+/// `s = t + alibi + mask`, then `-inf` where causal, the window or a
+/// boolean mask hides the key.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Options {
+pub struct Options<'a> {
     /// Bottom-right aligned causal mask: query `i` sees keys
     /// `j <= i + seq_k - seq_q`.
     pub causal: bool,
     /// Multiplier of `q·kᵀ`; `None` means `1/sqrt(d)`.
     pub scale: Option<f64>,
+    /// Sliding window `(left, right)`: query `i` sees keys
+    /// `i + off - left <= j <= i + off + right` with `off = seq_k - seq_q`;
+    /// `-1` leaves a side unbounded.
+    pub window: Option<(i64, i64)>,
+    /// Logit soft-capping; `None` or `0` disables it.
+    pub softcap: Option<f64>,
+    /// Dropout probability on the attention probabilities, in `[0, 1)`.
+    pub dropout_p: f64,
+    /// Seed of the dropout generator; required when `dropout_p > 0`.
+    pub seed: Option<i128>,
+    /// Boolean (True = attend) or additive float mask, broadcastable to
+    /// `(batch, heads_q, seq_q, seq_k)`.
+    pub mask: Option<ArrayInfo<'a>>,
+    /// ALiBi slopes, `(heads_q,)` or `(batch, heads_q)`.
+    pub alibi_slopes: Option<ArrayInfo<'a>>,
+    /// One sink logit per query head, `(heads_q,)`.
+    pub sinks: Option<ArrayInfo<'a>>,
+    /// Backward only: also return the gradient of a float mask.
+    pub return_dmask: bool,
+}
+
+/// A sliding window; `None` leaves a side unbounded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Window {
+    pub left: Option<usize>,
+    pub right: Option<usize>,
+}
+
+/// Dropout on the attention probabilities.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dropout {
+    pub p: f64,
+    pub seed: u64,
+}
+
+/// The element type of a mask array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MaskDType {
+    Bool,
+    Float(DType),
+}
+
+/// The shape of a mask array: its own dimensions, right-aligned against
+/// `(batch, heads_q, seq_q, seq_k)` and padded with 1s on the left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaskSpec {
+    /// Canonical 4-d shape; a 1 broadcasts.
+    pub dims: [usize; 4],
+    /// The caller's number of dimensions (1 to 4), so that the mask's
+    /// gradient can be returned in the caller's shape.
+    pub ndim: usize,
+    pub dtype: MaskDType,
+}
+
+impl MaskSpec {
+    pub fn len(&self) -> usize {
+        self.dims.iter().product()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The caller's shape.
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims[4 - self.ndim..].to_vec()
+    }
 }
 
 /// A validated attention problem in canonical `(batch, heads, seq, dim)`
@@ -87,6 +159,18 @@ pub struct Problem {
     /// The number of dimensions the caller's arrays have (2, 3 or 4); the
     /// outputs keep it.
     pub ndim: usize,
+    /// Sliding window; both sides `None` without one.
+    pub window: Window,
+    pub softcap: Option<f64>,
+    pub dropout: Option<Dropout>,
+    pub mask: Option<MaskSpec>,
+    /// ALiBi: `Some(true)` for per-(batch, head) slopes, `Some(false)` for
+    /// per-head slopes.
+    pub alibi_per_batch: Option<bool>,
+    /// Whether a sink logit per query head joins the softmax denominator.
+    pub sinks: bool,
+    /// Backward only: the gradient of the (float) mask is wanted.
+    pub return_dmask: bool,
 }
 
 impl Problem {
@@ -100,15 +184,64 @@ impl Problem {
         self.seq_k as isize - self.seq_q as isize
     }
 
-    /// The keys query row `i` may attend to, as the half-open range
-    /// `0..end`. Score modifications that cut a window out of the row
-    /// (sliding windows, masks) extend this.
-    pub fn visible_key_end(&self, query_row: usize) -> usize {
-        if !self.causal {
-            return self.seq_k;
+    /// The keys query row `i` may attend to by the causal mask and the
+    /// sliding window, as a half-open range (empty when it sees none). Both
+    /// ends are non-decreasing in the row. A mask array may hide more.
+    pub fn visible_keys(&self, query_row: usize) -> std::ops::Range<usize> {
+        let diagonal = query_row as i64 + self.causal_offset() as i64;
+        let seq_k = self.seq_k as i64;
+        let mut end = seq_k;
+        if self.causal {
+            end = end.min(diagonal + 1);
         }
-        let end = query_row as isize + self.causal_offset() + 1;
-        end.clamp(0, self.seq_k as isize) as usize
+        if let Some(right) = self.window.right {
+            end = end.min(diagonal.saturating_add(right as i64).saturating_add(1));
+        }
+        let start = match self.window.left {
+            Some(left) => diagonal.saturating_sub(left as i64).max(0),
+            None => 0,
+        };
+        let end = end.clamp(0, seq_k) as usize;
+        start.min(end as i64) as usize..end
+    }
+
+    /// Whether causal or the window hide any score.
+    pub fn has_range_mask(&self) -> bool {
+        self.causal || self.window.left.is_some() || self.window.right.is_some()
+    }
+
+    /// Whether anything beyond plain (causal) attention is asked for.
+    pub fn has_variants(&self) -> bool {
+        self.window != Window::default()
+            || self.softcap.is_some()
+            || self.dropout.is_some()
+            || self.mask.is_some()
+            || self.alibi_per_batch.is_some()
+            || self.sinks
+    }
+
+    /// The variants in use, by their keyword names, for error messages.
+    pub fn variant_names(&self) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        if self.window != Window::default() {
+            names.push("window");
+        }
+        if self.mask.is_some() {
+            names.push("mask");
+        }
+        if self.alibi_per_batch.is_some() {
+            names.push("alibi_slopes");
+        }
+        if self.softcap.is_some() {
+            names.push("softcap");
+        }
+        if self.sinks {
+            names.push("sinks");
+        }
+        if self.dropout.is_some() {
+            names.push("dropout_p");
+        }
+        names
     }
 
     pub fn q_len(&self) -> usize {
@@ -161,13 +294,16 @@ impl Problem {
 
     /// Floating-point operations of the forward pass by the FlashAttention
     /// papers' convention (causal halves it; the backward is 2.5×).
+    /// With a sliding window the visible (query, key) pairs are counted
+    /// exactly; a mask array is not taken into account.
     pub fn forward_flops(&self) -> f64 {
-        let full = 2.0
-            * (self.batch * self.heads_q) as f64
-            * self.seq_q as f64
-            * self.seq_k as f64
-            * (self.head_dim + self.value_dim) as f64;
-        if self.causal {
+        let per_pair =
+            2.0 * (self.batch * self.heads_q) as f64 * (self.head_dim + self.value_dim) as f64;
+        let full = per_pair * self.seq_q as f64 * self.seq_k as f64;
+        if self.window != Window::default() {
+            let pairs: usize = (0..self.seq_q).map(|i| self.visible_keys(i).len()).sum();
+            per_pair * pairs as f64
+        } else if self.causal {
             full / 2.0
         } else {
             full
@@ -210,7 +346,7 @@ pub fn validate_forward(
     q: ArrayInfo<'_>,
     k: ArrayInfo<'_>,
     v: ArrayInfo<'_>,
-    options: &Options,
+    options: &Options<'_>,
 ) -> Result<Problem> {
     for (name, info) in [("q", &q), ("k", &k), ("v", &v)] {
         check_ndim(name, info)?;
@@ -298,7 +434,7 @@ pub fn validate_forward(
             })
         }
     };
-    Ok(Problem {
+    let mut problem = Problem {
         batch: qb,
         heads_q: qh,
         heads_kv: kh,
@@ -310,7 +446,169 @@ pub fn validate_forward(
         causal: options.causal,
         dtype,
         ndim: q.shape.len(),
+        window: Window::default(),
+        softcap: None,
+        dropout: None,
+        mask: None,
+        alibi_per_batch: None,
+        sinks: false,
+        return_dmask: false,
+    };
+    validate_variants(&mut problem, options)?;
+    if options.return_dmask {
+        return Err(Error::Value {
+            argument: "return_dmask".to_string(),
+            value: "True".to_string(),
+            reason: "only attention_backward returns a mask gradient".to_string(),
+        });
+    }
+    Ok(problem)
+}
+
+fn value_error(argument: &str, value: impl ToString, reason: impl ToString) -> Error {
+    Error::Value {
+        argument: argument.to_string(),
+        value: value.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// A float dtype for an optional parameter array (slopes, sinks).
+fn float_parameter(argument: &str, info: &ArrayInfo<'_>) -> Result<DType> {
+    DType::from_numpy_name(info.dtype).ok_or_else(|| Error::DType {
+        argument: argument.to_string(),
+        dtype: info.dtype.to_string(),
+        reason: "expected float16, float32 or float64".to_string(),
     })
+}
+
+/// Checks the variant keywords against the validated shapes and records
+/// them in the problem.
+fn validate_variants(problem: &mut Problem, options: &Options<'_>) -> Result<()> {
+    if let Some((left, right)) = options.window {
+        let side = |name: &str, value: i64| -> Result<Option<usize>> {
+            match value {
+                -1 => Ok(None),
+                v if v >= 0 => Ok(Some(v as usize)),
+                v => Err(value_error(
+                    "window",
+                    format!("({left}, {right})"),
+                    format!(
+                        "the {name} extent is {v}; each side must be >= 0, or None / -1 for unbounded"
+                    ),
+                )),
+            }
+        };
+        problem.window = Window {
+            left: side("left", left)?,
+            right: side("right", right)?,
+        };
+    }
+    match options.softcap {
+        None => {}
+        Some(0.0) => {}
+        Some(c) if c.is_finite() && c > 0.0 => problem.softcap = Some(c),
+        Some(c) => {
+            return Err(value_error(
+                "softcap",
+                c,
+                "softcap must be a positive finite number (None or 0 disables it)",
+            ))
+        }
+    }
+    let p = options.dropout_p;
+    if !(0.0..1.0).contains(&p) {
+        return Err(value_error(
+            "dropout_p",
+            p,
+            "dropout_p must be in [0, 1) (1 would drop every probability)",
+        ));
+    }
+    if p > 0.0 {
+        let seed = match options.seed {
+            None => {
+                return Err(value_error(
+                    "seed",
+                    "None",
+                    format!(
+                        "dropout_p={p} needs an integer seed, so that attention_backward can \
+                         regenerate the same dropout mask"
+                    ),
+                ))
+            }
+            Some(seed) => u64::try_from(seed)
+                .map_err(|_| value_error("seed", seed, "seed must be in [0, 2**64)"))?,
+        };
+        problem.dropout = Some(Dropout { p, seed });
+    } else if let Some(seed) = options.seed {
+        u64::try_from(seed).map_err(|_| value_error("seed", seed, "seed must be in [0, 2**64)"))?;
+    }
+
+    let target = [problem.batch, problem.heads_q, problem.seq_q, problem.seq_k];
+    if let Some(mask) = options.mask {
+        let dtype = match mask.dtype {
+            "bool" => MaskDType::Bool,
+            name => match DType::from_numpy_name(name) {
+                Some(d) => MaskDType::Float(d),
+                None => {
+                    return Err(Error::DType {
+                        argument: "mask".to_string(),
+                        dtype: name.to_string(),
+                        reason: "a mask is bool (True = attend) or float16/32/64 (added to \
+                                 the scores)"
+                            .to_string(),
+                    })
+                }
+            },
+        };
+        let ndim = mask.shape.len();
+        let broadcastable = (1..=4).contains(&ndim)
+            && mask
+                .shape
+                .iter()
+                .zip(&target[4 - ndim.min(4)..])
+                .all(|(&m, &t)| m == 1 || m == t);
+        if !broadcastable {
+            return Err(Error::Shape(format!(
+                "mask has shape {} which does not broadcast to (batch, heads_q, seq_q, seq_k) \
+                 = {}",
+                shape_str(mask.shape),
+                shape_str(&target)
+            )));
+        }
+        let mut dims = [1; 4];
+        dims[4 - ndim..].copy_from_slice(mask.shape);
+        problem.mask = Some(MaskSpec { dims, ndim, dtype });
+    }
+    if let Some(slopes) = options.alibi_slopes {
+        float_parameter("alibi_slopes", &slopes)?;
+        problem.alibi_per_batch = Some(match *slopes.shape {
+            [h] if h == problem.heads_q => false,
+            [b, h] if b == problem.batch && h == problem.heads_q => true,
+            _ => {
+                return Err(Error::Shape(format!(
+                    "alibi_slopes has shape {}; expected (heads_q,) = ({},) or (batch, heads_q) \
+                     = ({}, {})",
+                    shape_str(slopes.shape),
+                    problem.heads_q,
+                    problem.batch,
+                    problem.heads_q
+                )))
+            }
+        });
+    }
+    if let Some(sinks) = options.sinks {
+        float_parameter("sinks", &sinks)?;
+        if sinks.shape != [problem.heads_q] {
+            return Err(Error::Shape(format!(
+                "sinks has shape {}; expected one logit per query head, ({},)",
+                shape_str(sinks.shape),
+                problem.heads_q
+            )));
+        }
+        problem.sinks = true;
+    }
+    Ok(())
 }
 
 /// Validates the arguments of the backward pass: q, k, v as in the forward,
@@ -323,9 +621,39 @@ pub fn validate_backward(
     v: ArrayInfo<'_>,
     out: ArrayInfo<'_>,
     lse: ArrayInfo<'_>,
-    options: &Options,
+    options: &Options<'_>,
 ) -> Result<Problem> {
-    let problem = validate_forward(q, k, v, options)?;
+    let mut problem = validate_forward(
+        q,
+        k,
+        v,
+        &Options {
+            return_dmask: false,
+            ..*options
+        },
+    )?;
+    if options.return_dmask {
+        match problem.mask {
+            Some(MaskSpec {
+                dtype: MaskDType::Float(_),
+                ..
+            }) => problem.return_dmask = true,
+            Some(_) => {
+                return Err(value_error(
+                    "return_dmask",
+                    "True",
+                    "a boolean mask has no gradient; pass a float (additive) mask",
+                ))
+            }
+            None => {
+                return Err(value_error(
+                    "return_dmask",
+                    "True",
+                    "there is no mask to differentiate (mask=None)",
+                ))
+            }
+        }
+    }
     let out_shape = problem.out_shape();
     for (name, info) in [("do", &d_out), ("o", &out)] {
         if info.shape != out_shape.as_slice() {
@@ -440,8 +768,8 @@ mod tests {
             ArrayInfo::new(&q, "float32"),
             ArrayInfo::new(&q, "float32"),
             &Options {
-                causal: false,
                 scale: Some(f64::NAN),
+                ..Options::default()
             },
         )
         .unwrap_err();
@@ -456,7 +784,7 @@ mod tests {
         };
         // seq_q = 3, seq_k = 5: the last query sees every key.
         assert_eq!(
-            (0..3).map(|i| p.visible_key_end(i)).collect::<Vec<_>>(),
+            (0..3).map(|i| p.visible_keys(i).end).collect::<Vec<_>>(),
             vec![3, 4, 5]
         );
         let p = Problem {
@@ -465,8 +793,148 @@ mod tests {
         };
         // seq_q > seq_k: the first rows see nothing.
         assert_eq!(
-            (0..5).map(|i| p.visible_key_end(i)).collect::<Vec<_>>(),
+            (0..5).map(|i| p.visible_keys(i).end).collect::<Vec<_>>(),
             vec![0, 0, 0, 1, 2]
         );
+    }
+
+    fn with(options: Options<'_>, q: &[usize], k: &[usize]) -> Result<Problem> {
+        validate_forward(
+            ArrayInfo::new(q, "float32"),
+            ArrayInfo::new(k, "float32"),
+            ArrayInfo::new(k, "float32"),
+            &options,
+        )
+    }
+
+    #[test]
+    fn window_is_aligned_like_causal_and_combines_with_it() {
+        // seq_q = 4, seq_k = 6: the diagonal of row i is key i + 2.
+        let window = Options {
+            window: Some((1, 0)),
+            ..Options::default()
+        };
+        let p = with(window, &[4, 8], &[6, 8]).unwrap();
+        let ranges: Vec<_> = (0..4).map(|i| p.visible_keys(i)).collect();
+        assert_eq!(ranges, vec![1..3, 2..4, 3..5, 4..6]);
+        let p = with(
+            Options {
+                window: Some((-1, 1)),
+                causal: true,
+                ..Options::default()
+            },
+            &[4, 8],
+            &[6, 8],
+        )
+        .unwrap();
+        // causal wins over the wider right side.
+        assert_eq!(p.visible_keys(0), 0..3);
+        let p = with(
+            Options {
+                window: Some((0, 0)),
+                ..Options::default()
+            },
+            &[6, 8],
+            &[2, 8],
+        )
+        .unwrap();
+        // Rows whose diagonal lies before key 0 see nothing.
+        assert_eq!(p.visible_keys(0), 0..0);
+        assert_eq!(p.visible_keys(5), 1..2);
+        assert!(p.forward_flops() > 0.0);
+    }
+
+    #[test]
+    fn variant_arguments_are_checked_by_name() {
+        let q = [2, 3, 5, 8];
+        let k = [2, 3, 7, 8];
+        let err = |options: Options<'_>| with(options, &q, &k).unwrap_err().to_string();
+        assert!(err(Options {
+            window: Some((-2, 0)),
+            ..Options::default()
+        })
+        .contains("window"));
+        assert!(err(Options {
+            softcap: Some(-1.0),
+            ..Options::default()
+        })
+        .contains("softcap"));
+        assert!(err(Options {
+            dropout_p: 1.0,
+            ..Options::default()
+        })
+        .contains("dropout_p"));
+        assert!(err(Options {
+            dropout_p: 0.1,
+            ..Options::default()
+        })
+        .contains("seed"));
+        let bad_mask = [5, 6];
+        let e = err(Options {
+            mask: Some(ArrayInfo::new(&bad_mask, "bool")),
+            ..Options::default()
+        });
+        assert!(e.contains("(5, 6)") && e.contains("(2, 3, 5, 7)"), "{e}");
+        let e = err(Options {
+            mask: Some(ArrayInfo::new(&[5, 7], "int8")),
+            ..Options::default()
+        });
+        assert!(e.contains("mask") && e.contains("int8"), "{e}");
+        let e = err(Options {
+            sinks: Some(ArrayInfo::new(&[2], "float32")),
+            ..Options::default()
+        });
+        assert!(e.contains("sinks") && e.contains("(3,)"), "{e}");
+        let e = err(Options {
+            alibi_slopes: Some(ArrayInfo::new(&[3, 3], "float32")),
+            ..Options::default()
+        });
+        assert!(e.contains("alibi_slopes"), "{e}");
+    }
+
+    #[test]
+    fn masks_broadcast_from_the_right() {
+        let q = [2, 3, 5, 8];
+        let k = [2, 3, 7, 8];
+        for shape in [&[7][..], &[5, 1], &[3, 1, 7], &[2, 1, 5, 7], &[1, 1, 1, 1]] {
+            let p = with(
+                Options {
+                    mask: Some(ArrayInfo::new(shape, "float32")),
+                    ..Options::default()
+                },
+                &q,
+                &k,
+            )
+            .unwrap();
+            assert_eq!(p.mask.unwrap().shape(), shape.to_vec());
+        }
+    }
+
+    #[test]
+    fn return_dmask_needs_a_float_mask_and_the_backward() {
+        let q = [5, 8];
+        let (mask_shape, lse) = ([5, 5], [5]);
+        let info = |s| ArrayInfo::new(s, "float32");
+        let backward = |mask: &str, dmask: bool| {
+            validate_backward(
+                info(&q),
+                info(&q),
+                info(&q),
+                info(&q),
+                info(&q),
+                info(&lse),
+                &Options {
+                    mask: Some(ArrayInfo::new(&mask_shape, mask)),
+                    return_dmask: dmask,
+                    ..Options::default()
+                },
+            )
+        };
+        assert!(backward("float32", true).unwrap().return_dmask);
+        assert!(backward("bool", true)
+            .unwrap_err()
+            .to_string()
+            .contains("boolean"));
+        assert!(!backward("bool", false).unwrap().return_dmask);
     }
 }

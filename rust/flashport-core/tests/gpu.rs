@@ -6,6 +6,7 @@
 
 use flashport_core::{
     cpu, f16, gpu, validate_forward, ArrayInfo, Buffer, DType, Error, Options, Problem, Slice,
+    VariantArrays,
 };
 
 fn gpu_present() -> bool {
@@ -60,7 +61,7 @@ fn problem(s: Shape, causal: bool, dtype: &str) -> Problem {
         ArrayInfo::new(&[b, hkv, sk, dv], dtype),
         &Options {
             causal,
-            scale: None,
+            ..Options::default()
         },
     )
     .unwrap()
@@ -157,9 +158,17 @@ fn check(c: &Case, fwd_tol: f64, bwd_tol: f64) -> (f64, f64) {
         c.q.slice(DType::F64),
         c.k.slice(DType::F64),
         c.v.slice(DType::F64),
+        &VariantArrays::default(),
     )
     .unwrap();
-    let got = gpu::forward(&c.p, c.q.slice(dt), c.k.slice(dt), c.v.slice(dt)).unwrap();
+    let got = gpu::forward(
+        &c.p,
+        c.q.slice(dt),
+        c.k.slice(dt),
+        c.v.slice(dt),
+        &VariantArrays::default(),
+    )
+    .unwrap();
     assert_eq!(got.out.len(), c.p.out_len());
     assert!(matches!(got.lse, Buffer::F32(_)), "lse must be float32");
     let ref_out = as_f64(&reference.out);
@@ -191,22 +200,28 @@ fn check(c: &Case, fwd_tol: f64, bwd_tol: f64) -> (f64, f64) {
     let d_out = Inputs::new(random(c.p.out_len(), 99), dt);
     let ref_g = cpu::backward(
         &p64,
-        d_out.slice(DType::F64),
-        c.q.slice(DType::F64),
-        c.k.slice(DType::F64),
-        c.v.slice(DType::F64),
-        o.slice(DType::F64),
-        Slice::F64(&lse64),
+        [
+            d_out.slice(DType::F64),
+            c.q.slice(DType::F64),
+            c.k.slice(DType::F64),
+            c.v.slice(DType::F64),
+            o.slice(DType::F64),
+            Slice::F64(&lse64),
+        ],
+        &VariantArrays::default(),
     )
     .unwrap();
     let g = gpu::backward(
         &c.p,
-        d_out.slice(dt),
-        c.q.slice(dt),
-        c.k.slice(dt),
-        c.v.slice(dt),
-        o.slice(dt),
-        Slice::F32(&lse32),
+        [
+            d_out.slice(dt),
+            c.q.slice(dt),
+            c.k.slice(dt),
+            c.v.slice(dt),
+            o.slice(dt),
+            Slice::F32(&lse32),
+        ],
+        &VariantArrays::default(),
     )
     .unwrap();
     let errs = [
@@ -312,6 +327,7 @@ fn tiled_forward_with_and_without_subgroups() {
             Slice::F32(&x),
             Slice::F32(&x[..p.k_len()]),
             Slice::F32(&x[..p.v_len()]),
+            &VariantArrays::default(),
         )
         .unwrap();
         let times: Vec<(String, f64)> = gpu::last_kernel_times()
@@ -330,12 +346,15 @@ fn tiled_forward_with_and_without_subgroups() {
         let lse = vec![1.0f32; p.lse_len()];
         gpu::backward(
             &p,
-            Slice::F32(&o),
-            Slice::F32(&x),
-            Slice::F32(&x[..p.k_len()]),
-            Slice::F32(&x[..p.v_len()]),
-            Slice::F32(&o),
-            Slice::F32(&lse),
+            [
+                Slice::F32(&o),
+                Slice::F32(&x),
+                Slice::F32(&x[..p.k_len()]),
+                Slice::F32(&x[..p.v_len()]),
+                Slice::F32(&o),
+                Slice::F32(&lse),
+            ],
+            &VariantArrays::default(),
         )
         .unwrap();
         let names: Vec<String> = gpu::last_kernel_times()
@@ -376,6 +395,7 @@ fn results_are_bitwise_reproducible() {
             c.q.slice(DType::F32),
             c.k.slice(DType::F32),
             c.v.slice(DType::F32),
+            &VariantArrays::default(),
         )
         .unwrap()
     };
@@ -387,12 +407,15 @@ fn results_are_bitwise_reproducible() {
     let grad = || {
         gpu::backward(
             &c.p,
-            d_out.slice(DType::F32),
-            c.q.slice(DType::F32),
-            c.k.slice(DType::F32),
-            c.v.slice(DType::F32),
-            o.slice(DType::F32),
-            Slice::F32(lse),
+            [
+                d_out.slice(DType::F32),
+                c.q.slice(DType::F32),
+                c.k.slice(DType::F32),
+                c.v.slice(DType::F32),
+                o.slice(DType::F32),
+                Slice::F32(lse),
+            ],
+            &VariantArrays::default(),
         )
         .unwrap()
     };
@@ -404,7 +427,14 @@ fn results_are_bitwise_reproducible() {
             let (q, k, v) = (c.q.f32.clone(), c.k.f32.clone(), c.v.f32.clone());
             let p = c.p;
             std::thread::spawn(move || {
-                gpu::forward(&p, Slice::F32(&q), Slice::F32(&k), Slice::F32(&v)).unwrap()
+                gpu::forward(
+                    &p,
+                    Slice::F32(&q),
+                    Slice::F32(&k),
+                    Slice::F32(&v),
+                    &VariantArrays::default(),
+                )
+                .unwrap()
             })
         })
         .collect();
@@ -434,6 +464,7 @@ fn split_bindings_give_the_same_results() {
         c.q.slice(DType::F32),
         c.k.slice(DType::F32),
         c.v.slice(DType::F32),
+        &VariantArrays::default(),
     );
     gpu::set_binding_limit_for_this_thread(None);
     assert!(matches!(err, Err(Error::TooLarge(_))), "{err:?}");
@@ -457,6 +488,7 @@ fn empty_sequences() {
             c.q.slice(DType::F32),
             c.k.slice(DType::F32),
             c.v.slice(DType::F32),
+            &VariantArrays::default(),
         )
         .unwrap();
         assert_eq!(f.out, Buffer::F32(vec![0.0; c.p.out_len()]));
@@ -466,12 +498,15 @@ fn empty_sequences() {
         let o = vec![0.0f32; c.p.out_len()];
         let g = gpu::backward(
             &c.p,
-            Slice::F32(&d_out),
-            c.q.slice(DType::F32),
-            c.k.slice(DType::F32),
-            c.v.slice(DType::F32),
-            Slice::F32(&o),
-            Slice::F32(&lse),
+            [
+                Slice::F32(&d_out),
+                c.q.slice(DType::F32),
+                c.k.slice(DType::F32),
+                c.v.slice(DType::F32),
+                Slice::F32(&o),
+                Slice::F32(&lse),
+            ],
+            &VariantArrays::default(),
         )
         .unwrap();
         assert_eq!(g.dq, Buffer::F32(vec![0.0; c.p.q_len()]));
@@ -494,6 +529,7 @@ fn float64_is_refused_with_a_pointer_to_the_cpu() {
         c.q.slice(DType::F64),
         c.k.slice(DType::F64),
         c.v.slice(DType::F64),
+        &VariantArrays::default(),
     )
     .unwrap_err();
     match &err {
@@ -507,12 +543,15 @@ fn float64_is_refused_with_a_pointer_to_the_cpu() {
     let o = vec![0.0f64; c.p.out_len()];
     let err = gpu::backward(
         &c.p,
-        Slice::F64(&o),
-        c.q.slice(DType::F64),
-        c.k.slice(DType::F64),
-        c.v.slice(DType::F64),
-        Slice::F64(&o),
-        Slice::F64(&lse),
+        [
+            Slice::F64(&o),
+            c.q.slice(DType::F64),
+            c.k.slice(DType::F64),
+            c.v.slice(DType::F64),
+            Slice::F64(&o),
+            Slice::F64(&lse),
+        ],
+        &VariantArrays::default(),
     )
     .unwrap_err();
     assert!(matches!(err, Error::DType { .. }));
@@ -560,20 +599,29 @@ fn timing_report() {
         let flops = c.p.forward_flops();
         for round in 0..2 {
             let t = std::time::Instant::now();
-            let f =
-                gpu::forward(&c.p, c.q.slice(dtype), c.k.slice(dtype), c.v.slice(dtype)).unwrap();
+            let f = gpu::forward(
+                &c.p,
+                c.q.slice(dtype),
+                c.k.slice(dtype),
+                c.v.slice(dtype),
+                &VariantArrays::default(),
+            )
+            .unwrap();
             let tf = t.elapsed().as_secs_f64();
             let Buffer::F32(lse) = &f.lse else { panic!() };
             let o = Inputs::new(as_f64(&f.out), dtype);
             let t = std::time::Instant::now();
             gpu::backward(
                 &c.p,
-                o.slice(dtype),
-                c.q.slice(dtype),
-                c.k.slice(dtype),
-                c.v.slice(dtype),
-                o.slice(dtype),
-                Slice::F32(lse),
+                [
+                    o.slice(dtype),
+                    c.q.slice(dtype),
+                    c.k.slice(dtype),
+                    c.v.slice(dtype),
+                    o.slice(dtype),
+                    Slice::F32(lse),
+                ],
+                &VariantArrays::default(),
             )
             .unwrap();
             let tb = t.elapsed().as_secs_f64();

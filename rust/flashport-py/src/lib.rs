@@ -6,7 +6,10 @@ use std::borrow::Cow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use flashport_core as core;
-use flashport_core::{f16, ArrayInfo, Buffer, DType, Device, Options, Problem, Slice};
+use flashport_core::problem::MaskDType;
+use flashport_core::{
+    f16, ArrayInfo, Buffer, DType, Device, MaskData, Options, Problem, Slice, VariantArrays,
+};
 use numpy::{
     Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
@@ -165,12 +168,111 @@ fn validated<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
     result.map_err(|e| to_py_err(py, e))
 }
 
-/// attention(q, k, v, causal, scale, device) -> (o, lse)
+/// The variant keywords of both entry points: a dict that
+/// `flashport._attention` builds, keyed by the keyword names.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct VariantArgs<'py> {
+    window: Option<(i64, i64)>,
+    mask: Option<Bound<'py, PyAny>>,
+    alibi_slopes: Option<Bound<'py, PyAny>>,
+    softcap: Option<f64>,
+    sinks: Option<Bound<'py, PyAny>>,
+    dropout_p: f64,
+    seed: Option<i128>,
+}
+
+/// Shapes and dtypes of the variant arrays, read before validation.
+struct VariantMetas {
+    mask: Option<ArgMeta>,
+    alibi_slopes: Option<ArgMeta>,
+    sinks: Option<ArgMeta>,
+}
+
+impl VariantArgs<'_> {
+    fn metas(&self) -> PyResult<VariantMetas> {
+        let read = |name: &str, a: &Option<Bound<'_, PyAny>>| {
+            a.as_ref().map(|a| ArgMeta::read(name, a)).transpose()
+        };
+        Ok(VariantMetas {
+            mask: read("mask", &self.mask)?,
+            alibi_slopes: read("alibi_slopes", &self.alibi_slopes)?,
+            sinks: read("sinks", &self.sinks)?,
+        })
+    }
+
+    fn options<'m>(
+        &self,
+        metas: &'m VariantMetas,
+        causal: bool,
+        scale: Option<f64>,
+    ) -> Options<'m> {
+        Options {
+            causal,
+            scale,
+            window: self.window,
+            softcap: self.softcap,
+            dropout_p: self.dropout_p,
+            seed: self.seed,
+            mask: metas.mask.as_ref().map(ArgMeta::info),
+            alibi_slopes: metas.alibi_slopes.as_ref().map(ArgMeta::info),
+            sinks: metas.sinks.as_ref().map(ArgMeta::info),
+            return_dmask: false,
+        }
+    }
+}
+
+/// The variant arrays held for a call, after validation.
+struct HeldVariants<'py> {
+    mask_bool: Option<PyReadonlyArrayDyn<'py, bool>>,
+    mask_float: Option<Held<'py>>,
+    alibi_slopes: Option<Vec<f64>>,
+    sinks: Option<Vec<f64>>,
+}
+
+fn as_f64_vec(array: &Bound<'_, PyAny>) -> PyResult<Vec<f64>> {
+    let converted = array.call_method1("astype", ("float64",))?;
+    let held: PyReadonlyArrayDyn<'_, f64> = converted.extract()?;
+    Ok(held.as_array().iter().copied().collect())
+}
+
+impl<'py> HeldVariants<'py> {
+    fn new(args: &VariantArgs<'py>, problem: &Problem) -> PyResult<Self> {
+        let (mut mask_bool, mut mask_float) = (None, None);
+        if let (Some(mask), Some(spec)) = (&args.mask, problem.mask) {
+            match spec.dtype {
+                MaskDType::Bool => mask_bool = Some(mask.extract()?),
+                MaskDType::Float(dtype) => mask_float = Some(Held::new(mask, dtype)?),
+            }
+        }
+        Ok(HeldVariants {
+            mask_bool,
+            mask_float,
+            alibi_slopes: args.alibi_slopes.as_ref().map(as_f64_vec).transpose()?,
+            sinks: args.sinks.as_ref().map(as_f64_vec).transpose()?,
+        })
+    }
+}
+
+/// Original dtype name of an optional argument, to return its gradient in.
+fn dtype_name(meta: &Option<ArgMeta>) -> Option<String> {
+    meta.as_ref().map(|m| m.dtype.clone())
+}
+
+fn as_dtype<'py>(array: Bound<'py, PyAny>, dtype: Option<String>) -> PyResult<Bound<'py, PyAny>> {
+    match dtype {
+        Some(dtype) => array.call_method1("astype", (dtype,)),
+        None => Ok(array),
+    }
+}
+
+/// attention(q, k, v, causal, scale, device, variants) -> (o, lse)
 ///
 /// The private entry point behind `flashport.attention`; see its docstring
-/// for the contract.
+/// for the contract. `variants` holds the variant keywords by name.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, causal, scale, device))]
+#[pyo3(signature = (q, k, v, causal, scale, device, variants))]
+#[allow(clippy::too_many_arguments)]
 fn attention<'py>(
     py: Python<'py>,
     q: &Bound<'py, PyAny>,
@@ -179,13 +281,15 @@ fn attention<'py>(
     causal: bool,
     scale: Option<f64>,
     device: Option<&str>,
+    variants: VariantArgs<'py>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let metas = [
         ArgMeta::read("q", q)?,
         ArgMeta::read("k", k)?,
         ArgMeta::read("v", v)?,
     ];
-    let options = Options { causal, scale };
+    let variant_metas = variants.metas()?;
+    let options = variants.options(&variant_metas, causal, scale);
     let problem = validated(
         py,
         core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
@@ -196,18 +300,50 @@ fn attention<'py>(
     let (q, k, v) = (q?, k?, v?);
     let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
     let (qs, ks, vs) = (qc.slice(), kc.slice(), vc.slice());
-    let result = run_detached(py, || core::attention(device, &problem, qs, ks, vs))?;
+    let held_variants = HeldVariants::new(&variants, &problem)?;
+    let mask_bool = held_variants.mask_bool.as_ref().map(contiguous_of);
+    let mask_float = held_variants.mask_float.as_ref().map(Held::contiguous);
+    let arrays = variant_arrays(&held_variants, &mask_bool, &mask_float);
+    let result = run_detached(py, || {
+        core::attention(device, &problem, qs, ks, vs, &arrays)
+    })?;
     Ok((
         to_numpy(py, result.out, &problem.out_shape())?,
         to_numpy(py, result.lse, &problem.lse_shape())?,
     ))
 }
 
-/// attention_backward(do, q, k, v, o, lse, causal, scale, device) -> (dq, dk, dv)
+fn variant_arrays<'a>(
+    held: &'a HeldVariants<'_>,
+    mask_bool: &'a Option<Cow<'a, [bool]>>,
+    mask_float: &'a Option<Contiguous<'a>>,
+) -> VariantArrays<'a> {
+    let mask = match (mask_bool, mask_float) {
+        (Some(b), _) => Some(MaskData::Bool(b)),
+        (_, Some(f)) => Some(MaskData::Float(f.slice())),
+        _ => None,
+    };
+    VariantArrays {
+        mask,
+        alibi_slopes: held.alibi_slopes.as_deref(),
+        sinks: held.sinks.as_deref(),
+    }
+}
+
+type BackwardOutputs<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+);
+
+/// attention_backward(do, q, k, v, o, lse, causal, scale, device, variants,
+/// return_dmask) -> (dq, dk, dv, dsinks or None, dmask or None)
 ///
 /// The private entry point behind `flashport.attention_backward`.
 #[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, out, lse, causal, scale, device))]
+#[pyo3(signature = (d_out, q, k, v, out, lse, causal, scale, device, variants, return_dmask))]
 #[allow(clippy::too_many_arguments)]
 fn attention_backward<'py>(
     py: Python<'py>,
@@ -220,7 +356,9 @@ fn attention_backward<'py>(
     causal: bool,
     scale: Option<f64>,
     device: Option<&str>,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    variants: VariantArgs<'py>,
+    return_dmask: bool,
+) -> PyResult<BackwardOutputs<'py>> {
     let names = ["do", "q", "k", "v", "o", "lse"];
     let arrays = [d_out, q, k, v, out, lse];
     let metas = names
@@ -228,7 +366,11 @@ fn attention_backward<'py>(
         .zip(arrays)
         .map(|(name, a)| ArgMeta::read(name, a))
         .collect::<PyResult<Vec<_>>>()?;
-    let options = Options { causal, scale };
+    let variant_metas = variants.metas()?;
+    let options = Options {
+        return_dmask,
+        ..variants.options(&variant_metas, causal, scale)
+    };
     let problem: Problem = validated(
         py,
         core::validate_backward(
@@ -256,14 +398,48 @@ fn attention_backward<'py>(
         .collect::<PyResult<Vec<_>>>()?;
     let contiguous: Vec<Contiguous<'_>> = held.iter().map(Held::contiguous).collect();
     let s: Vec<Slice<'_>> = contiguous.iter().map(Contiguous::slice).collect();
+    let held_variants = HeldVariants::new(&variants, &problem)?;
+    let mask_bool = held_variants.mask_bool.as_ref().map(contiguous_of);
+    let mask_float = held_variants.mask_float.as_ref().map(Held::contiguous);
+    let variant_data = variant_arrays(&held_variants, &mask_bool, &mask_float);
     let grads = run_detached(py, || {
-        core::attention_backward(device, &problem, s[0], s[1], s[2], s[3], s[4], s[5])
+        core::attention_backward(
+            device,
+            &problem,
+            s[0],
+            s[1],
+            s[2],
+            s[3],
+            s[4],
+            s[5],
+            &variant_data,
+        )
     })?;
+    let dsinks = grads
+        .dsinks
+        .map(|g| {
+            let array = PyArray1::from_vec(py, g).into_any();
+            as_dtype(array, dtype_name(&variant_metas.sinks))
+        })
+        .transpose()?;
+    let dmask = match (grads.dmask, problem.mask) {
+        (Some(buffer), Some(spec)) => Some(as_dtype(
+            to_numpy(py, buffer, &spec.shape())?,
+            dtype_name(&variant_metas.mask),
+        )?),
+        _ => None,
+    };
     Ok((
         to_numpy(py, grads.dq, &problem.q_shape())?,
         to_numpy(py, grads.dk, &problem.k_shape())?,
         to_numpy(py, grads.dv, &problem.v_shape())?,
+        dsinks,
+        dmask,
     ))
+}
+
+fn contiguous_of<'a>(array: &'a PyReadonlyArrayDyn<'_, bool>) -> Cow<'a, [bool]> {
+    contiguous(array)
 }
 
 /// devices() -> list[dict]: the CPU and every GPU adapter flashport can use.

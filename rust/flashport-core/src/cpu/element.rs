@@ -7,11 +7,14 @@ use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 use super::kernels;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
+use crate::variants::MaskScalar;
 use crate::{Buffer, Slice};
 
 /// float32 or float64: the types the tile kernels are generic over.
+/// `ZERO`, `NEG_INFINITY` and `from_f64` come from [`MaskScalar`].
 pub trait Element:
-    Copy
+    MaskScalar
+    + Copy
     + Debug
     + Send
     + Sync
@@ -24,12 +27,10 @@ pub trait Element:
     + MulAssign
     + 'static
 {
-    const ZERO: Self;
     const ONE: Self;
-    const NEG_INFINITY: Self;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
-    fn from_f64(x: f64) -> Self;
+    fn tanh(self) -> Self;
     fn max(self, other: Self) -> Self;
     /// Views an input in this type, converting (float16 inputs, a float32
     /// lse in a float64 problem) only when the stored type differs.
@@ -115,9 +116,10 @@ pub trait Element:
 }
 
 impl Element for f32 {
-    const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
-    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    fn tanh(self) -> Self {
+        f32::tanh(self)
+    }
     #[inline(always)]
     fn exp(self) -> Self {
         f32::exp(self)
@@ -125,10 +127,6 @@ impl Element for f32 {
     #[inline(always)]
     fn ln(self) -> Self {
         f32::ln(self)
-    }
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        x as f32
     }
     #[inline(always)]
     fn max(self, other: Self) -> Self {
@@ -313,9 +311,10 @@ fn pack_each_head(
 }
 
 impl Element for f64 {
-    const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
-    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
     #[inline(always)]
     fn exp(self) -> Self {
         f64::exp(self)
@@ -323,10 +322,6 @@ impl Element for f64 {
     #[inline(always)]
     fn ln(self) -> Self {
         f64::ln(self)
-    }
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        x
     }
     #[inline(always)]
     fn max(self, other: Self) -> Self {

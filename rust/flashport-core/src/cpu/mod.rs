@@ -8,7 +8,7 @@
 
 pub mod element;
 mod kernels;
-pub mod mask;
+pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 pub mod softmax;
@@ -20,9 +20,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
-use crate::{Buffer, DType, Error, ForwardOutput, Gradients, Problem, Result, Slice};
+use crate::{
+    BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
+};
 use element::Element;
-use mask::{ScoreMask, TileVisibility};
+use scores::{ScoreRules, TileVisibility};
 use softmax::RowState;
 use tiles::TileSizes;
 
@@ -86,12 +88,13 @@ pub fn forward(
     q: Slice<'_>,
     k: Slice<'_>,
     v: Slice<'_>,
+    variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
     match problem.dtype {
-        DType::F64 => forward_as::<f64>(problem, q, k, v),
-        DType::F32 => forward_as::<f32>(problem, q, k, v),
+        DType::F64 => forward_as::<f64>(problem, q, k, v, variants),
+        DType::F32 => forward_as::<f32>(problem, q, k, v, variants),
         DType::F16 => {
-            let result = forward_as::<f32>(problem, q, k, v)?;
+            let result = forward_as::<f32>(problem, q, k, v, variants)?;
             Ok(ForwardOutput {
                 out: to_f16(result.out),
                 lse: result.lse,
@@ -101,24 +104,22 @@ pub fn forward(
 }
 
 /// Backward pass on the CPU.
+/// Backward pass on the CPU, from `[do, q, k, v, o, lse]`.
 pub fn backward(
     problem: &Problem,
-    d_out: Slice<'_>,
-    q: Slice<'_>,
-    k: Slice<'_>,
-    v: Slice<'_>,
-    out: Slice<'_>,
-    lse: Slice<'_>,
-) -> Result<Gradients> {
+    inputs: [Slice<'_>; 6],
+    variants: &VariantArrays<'_>,
+) -> Result<BackendGradients> {
     match problem.dtype {
-        DType::F64 => backward_as::<f64>(problem, [d_out, q, k, v, out, lse]),
-        DType::F32 => backward_as::<f32>(problem, [d_out, q, k, v, out, lse]),
+        DType::F64 => backward_as::<f64>(problem, inputs, variants),
+        DType::F32 => backward_as::<f32>(problem, inputs, variants),
         DType::F16 => {
-            let g = backward_as::<f32>(problem, [d_out, q, k, v, out, lse])?;
-            Ok(Gradients {
+            let g = backward_as::<f32>(problem, inputs, variants)?;
+            Ok(BackendGradients {
                 dq: to_f16(g.dq),
                 dk: to_f16(g.dk),
                 dv: to_f16(g.dv),
+                d_scores: g.d_scores,
             })
         }
     }
@@ -136,10 +137,12 @@ fn forward_as<T: Element>(
     q: Slice<'_>,
     k: Slice<'_>,
     v: Slice<'_>,
+    variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
     let (q, k, v) = (T::view(q), T::view(k), T::view(v));
+    let rules = ScoreRules::<T>::new(problem, variants);
     let (out, lse) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
-        forward_typed(problem, tiles, &q, &k, &v)
+        forward_typed(problem, &rules, tiles, &q, &k, &v)
     })?;
     Ok(ForwardOutput {
         out: T::into_buffer(out),
@@ -147,9 +150,14 @@ fn forward_as<T: Element>(
     })
 }
 
-fn backward_as<T: Element>(problem: &Problem, arrays: [Slice<'_>; 6]) -> Result<Gradients> {
+fn backward_as<T: Element>(
+    problem: &Problem,
+    arrays: [Slice<'_>; 6],
+    variants: &VariantArrays<'_>,
+) -> Result<BackendGradients> {
     let [d_out, q, k, v, out, lse] = arrays.map(T::view);
-    let (dq, dk, dv) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
+    let rules = ScoreRules::<T>::new(problem, variants);
+    let (dq, dk, dv, d_scores) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
         let kv_heads = problem.batch * problem.heads_kv;
         let (seq_k, d, dv) = (problem.seq_k, problem.head_dim, problem.value_dim);
         let k_packed = T::pack_heads(&k, kv_heads, seq_k, d);
@@ -166,12 +174,13 @@ fn backward_as<T: Element>(problem: &Problem, arrays: [Slice<'_>; 6]) -> Result<
             out: &out,
             lse: &lse,
         };
-        backward_typed(problem, tiles, &inputs)
+        backward_typed(problem, &rules, tiles, &inputs)
     })?;
-    Ok(Gradients {
+    Ok(BackendGradients {
         dq: T::into_buffer(dq),
         dk: T::into_buffer(dk),
         dv: T::into_buffer(dv),
+        d_scores: d_scores.map(T::into_buffer),
     })
 }
 
@@ -220,6 +229,8 @@ struct Scratch<T> {
     pack: Vec<T>,
     scores: Vec<T>,
     d_scores: Vec<T>,
+    /// `tanh(u / softcap)` of the tile, for the softcap gradient.
+    tanh: Vec<T>,
     acc: Vec<T>,
     acc2: Vec<T>,
     states: Vec<RowState<T>>,
@@ -235,6 +246,10 @@ impl<T: Element> Scratch<T> {
             pack: vec![T::ZERO; widest * bk.next_multiple_of(16)],
             scores: vec![T::ZERO; bq * bk],
             d_scores: vec![T::ZERO; bq * bk],
+            tanh: match problem.softcap {
+                Some(_) => vec![T::ZERO; bq * bk],
+                None => Vec::new(),
+            },
             acc: vec![T::ZERO; bq.max(bk) * widest],
             acc2: vec![T::ZERO; bk * dv],
             states: vec![RowState::EMPTY; bq],
@@ -327,8 +342,20 @@ fn key_tiles(rows: Range<usize>, tile: usize) -> impl Iterator<Item = Range<usiz
     rows.step_by(tile).map(move |s| s..(s + tile).min(end))
 }
 
+/// The tiles of the `tile`-aligned grid that cover `keys`: packed key and
+/// value panels are laid out on that grid.
+fn aligned_key_tiles(keys: Range<usize>, tile: usize) -> impl Iterator<Item = Range<usize>> {
+    let start = if keys.is_empty() {
+        keys.end
+    } else {
+        keys.start / tile * tile
+    };
+    key_tiles(start..keys.end, tile)
+}
+
 fn forward_typed<T: Element>(
     problem: &Problem,
+    rules: &ScoreRules<'_, T>,
     tiles: TileSizes,
     q: &[T],
     k: &[T],
@@ -345,7 +372,6 @@ fn forward_typed<T: Element>(
         [&mut out, &mut lse],
         [dv, 1],
     );
-    let mask = ScoreMask::new(problem);
     let layout = Layout { p: problem };
     let kv_heads = problem.batch * problem.heads_kv;
     let k_packed = T::pack_heads(k, kv_heads, problem.seq_k, d);
@@ -369,8 +395,8 @@ fn forward_typed<T: Element>(
             let acc = &mut s.acc[..m * dv];
             acc.fill(T::ZERO);
 
-            for keys in key_tiles(0..mask.key_end(&rows), tiles.k_rows) {
-                let visibility = mask.classify(&rows, &keys);
+            for keys in aligned_key_tiles(rules.key_range(&rows), tiles.k_rows) {
+                let visibility = rules.classify(head, &rows, &keys);
                 if visibility == TileVisibility::Hidden {
                     continue;
                 }
@@ -379,8 +405,8 @@ fn forward_typed<T: Element>(
                 let k_rows = layout.k_rows(k, kv_head, &keys);
                 let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
                 T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
-                if visibility == TileVisibility::Partial {
-                    mask.apply(&rows, &keys, scores, n);
+                if visibility == TileVisibility::Partial || rules.modifies_scores() {
+                    rules.apply(head, visibility, &rows, &keys, scores, n, None);
                 }
                 for (i, (state, row)) in states
                     .iter_mut()
@@ -394,13 +420,22 @@ fn forward_typed<T: Element>(
                             .for_each(|x| *x *= correction);
                     }
                 }
+                // The softmax sums above saw every probability; only the
+                // values are weighted by the dropout mask (and by 1/(1-p),
+                // folded into the normaliser below).
+                rules.apply_dropout(head, &rows, &keys, scores, n, true);
                 let v_rows = layout.v_rows(v, kv_head, &keys);
                 let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
                 T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
             }
 
+            let sink = rules.sink(head);
             for (i, state) in states.iter().enumerate() {
-                let (normaliser, row_lse) = state.finish();
+                let (normaliser, row_lse) = match sink {
+                    Some(sink) => state.finish_with_sink(sink),
+                    None => state.finish(),
+                };
+                let normaliser = normaliser * rules.keep_scale();
                 for (o, &a) in out[i * dv..(i + 1) * dv]
                     .iter_mut()
                     .zip(&acc[i * dv..(i + 1) * dv])
@@ -438,32 +473,70 @@ struct BackwardInputs<'a, T> {
     lse: &'a [T],
 }
 
+/// Where the full score gradient `dS` goes when the float mask's gradient
+/// is wanted: `(batch·heads_q, seq_q, seq_k)`, written by many tasks at
+/// once. Each element belongs to exactly one key tile of one key/value
+/// head, hence to one task, so the writes never overlap.
+struct ScoreGradientSink<T> {
+    data: *mut T,
+    seq_q: usize,
+    seq_k: usize,
+}
+
+// SAFETY: tasks write disjoint elements (see above) and the buffer
+// outlives the parallel loop that writes it.
+unsafe impl<T: Send> Send for ScoreGradientSink<T> {}
+unsafe impl<T: Send> Sync for ScoreGradientSink<T> {}
+
+impl<T: Copy> ScoreGradientSink<T> {
+    fn write(&self, head: usize, rows: &Range<usize>, keys: &Range<usize>, tile: &[T]) {
+        let n = keys.len();
+        for (r, line) in rows.clone().zip(tile.chunks_exact(n)) {
+            let offset = (head * self.seq_q + r) * self.seq_k + keys.start;
+            // SAFETY: in bounds by construction (r < seq_q, keys ⊆ 0..seq_k)
+            // and written by this task only.
+            unsafe {
+                std::ptr::copy_nonoverlapping(line.as_ptr(), self.data.add(offset), n);
+            }
+        }
+    }
+}
+
+/// The per-tile inputs of the backward's recomputation.
+struct TileRows<'a, T> {
+    /// Flat (batch, query head).
+    head: usize,
+    rows: &'a Range<usize>,
+    keys: &'a Range<usize>,
+    visibility: TileVisibility,
+    q_scaled: &'a [T],
+    d_out_rows: &'a [T],
+    lse_rows: &'a [T],
+    delta_rows: &'a [T],
+}
+
 /// Recomputes one tile of probabilities and their score gradients:
-/// `P = exp(S - lse)` into `scores` and `dS = P ∘ (dO·Vᵀ - D)` into
-/// `d_scores`, from the scaled query rows and the key and value rows.
-#[allow(clippy::too_many_arguments)]
+/// `P · Z` (what multiplied V in the forward) into `scores` and `dU`, the
+/// gradient of the scaled scores `u`, into `d_scores`; see
+/// [`crate::variants`] for the formulas.
 fn recompute_tile<T: Element>(
     problem: &Problem,
-    mask: &ScoreMask<'_>,
-    visibility: TileVisibility,
-    rows: &Range<usize>,
-    keys: &Range<usize>,
-    q_scaled: &[T],
-    d_out_rows: &[T],
-    lse_rows: &[T],
-    delta_rows: &[T],
+    rules: &ScoreRules<'_, T>,
+    t: &TileRows<'_, T>,
     kv: &KvTile<'_, T>,
-    scores: &mut [T],
-    d_scores: &mut [T],
-    pack: &mut [T],
+    s: &mut Scratch<T>,
+    d_scores_sink: Option<&ScoreGradientSink<T>>,
 ) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
-    let (m, n) = (rows.len(), keys.len());
-    T::matmul_nt(q_scaled, kv.k_rows, kv.k_t, scores, m, d, n, pack);
-    if visibility == TileVisibility::Partial {
-        mask.apply(rows, keys, scores, n);
+    let (m, n) = (t.rows.len(), t.keys.len());
+    let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
+    T::matmul_nt(t.q_scaled, kv.k_rows, kv.k_t, scores, m, d, n, &mut s.pack);
+    let softcap = rules.softcap();
+    if t.visibility == TileVisibility::Partial || rules.modifies_scores() {
+        let tanh = softcap.map(|_| &mut s.tanh[..m * n]);
+        rules.apply(t.head, t.visibility, t.rows, t.keys, scores, n, tanh);
     }
-    for (row, &l) in scores.chunks_exact_mut(n).zip(lse_rows) {
+    for (row, &l) in scores.chunks_exact_mut(n).zip(t.lse_rows) {
         if l == T::NEG_INFINITY {
             // The row saw no key in the forward: its probabilities are 0,
             // and exp(s - lse) would be exp(-inf + inf) = NaN.
@@ -472,15 +545,38 @@ fn recompute_tile<T: Element>(
             T::exp_shifted_sum(row, l);
         }
     }
-    T::matmul_nt(d_out_rows, kv.v_rows, kv.v_t, d_scores, m, dv, n, pack);
+    T::matmul_nt(
+        t.d_out_rows,
+        kv.v_rows,
+        kv.v_t,
+        d_scores,
+        m,
+        dv,
+        n,
+        &mut s.pack,
+    );
+    if rules.has_dropout() {
+        rules.apply_dropout(t.head, t.rows, t.keys, d_scores, n, false);
+    }
     for ((ds_row, p_row), &delta) in d_scores
         .chunks_exact_mut(n)
         .zip(scores.chunks_exact(n))
-        .zip(delta_rows)
+        .zip(t.delta_rows)
     {
         for (ds, &p) in ds_row.iter_mut().zip(p_row) {
             *ds = p * (*ds - delta);
         }
+    }
+    if let Some(sink) = d_scores_sink {
+        sink.write(t.head, t.rows, t.keys, d_scores);
+    }
+    if softcap.is_some() {
+        for (ds, &th) in d_scores.iter_mut().zip(&s.tanh[..m * n]) {
+            *ds *= T::ONE - th * th;
+        }
+    }
+    if rules.has_dropout() {
+        rules.apply_dropout(t.head, t.rows, t.keys, scores, n, false);
     }
 }
 
@@ -489,9 +585,11 @@ fn recompute_tile<T: Element>(
 /// dV, and adds its contribution to the head group's dQ (unscaled).
 struct KeyTileStep<'a, T> {
     problem: &'a Problem,
+    rules: &'a ScoreRules<'a, T>,
     tiles: TileSizes,
     x: &'a BackwardInputs<'a, T>,
     delta: &'a [T],
+    d_scores_sink: Option<&'a ScoreGradientSink<T>>,
 }
 
 impl<T: Element> KeyTileStep<'_, T> {
@@ -507,61 +605,66 @@ impl<T: Element> KeyTileStep<'_, T> {
         let (problem, x) = (self.problem, self.x);
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let layout = Layout { p: problem };
-        let mask = ScoreMask::new(problem);
         let scale = T::from_f64(problem.scale);
         let n = keys.len();
         let kv = layout.kv_tile(x, kv_head, keys);
-        let dk_acc = &mut s.acc[..n * d];
-        dk_acc.fill(T::ZERO);
-        let dv_acc = &mut s.acc2[..n * dv];
-        dv_acc.fill(T::ZERO);
+        let mut dk_acc = std::mem::take(&mut s.acc);
+        let mut dv_acc = std::mem::take(&mut s.acc2);
+        dk_acc[..n * d].fill(T::ZERO);
+        dv_acc[..n * dv].fill(T::ZERO);
+        let mut q_scaled = std::mem::take(&mut s.q_scaled);
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
         for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
             for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
-                let visibility = mask.classify(&rows, keys);
+                let visibility = self.rules.classify(head, &rows, keys);
                 if visibility == TileVisibility::Hidden {
                     continue;
                 }
                 let m = rows.len();
-                let q_scaled = &mut s.q_scaled[..m * d];
-                scale_into(layout.q_rows(x.q, head, &rows), scale, q_scaled);
-                let d_out_rows = layout.o_rows(x.d_out, head, &rows);
-                let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
-                recompute_tile(
-                    problem,
-                    &mask,
-                    visibility,
-                    &rows,
-                    keys,
-                    q_scaled,
-                    d_out_rows,
-                    layout.row_scalars(x.lse, head, &rows),
-                    layout.row_scalars(self.delta, head, &rows),
-                    &kv,
-                    scores,
-                    d_scores,
-                    &mut s.pack,
+                scale_into(
+                    layout.q_rows(x.q, head, &rows),
+                    scale,
+                    &mut q_scaled[..m * d],
                 );
-                T::matmul_t_acc(scores, d_out_rows, dv_acc, m, n, dv);
+                let d_out_rows = layout.o_rows(x.d_out, head, &rows);
+                let tile = TileRows {
+                    head,
+                    rows: &rows,
+                    keys,
+                    visibility,
+                    q_scaled: &q_scaled[..m * d],
+                    d_out_rows,
+                    lse_rows: layout.row_scalars(x.lse, head, &rows),
+                    delta_rows: layout.row_scalars(self.delta, head, &rows),
+                };
+                recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
+                let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
+                T::matmul_t_acc(scores, d_out_rows, &mut dv_acc[..n * dv], m, n, dv);
                 // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
-                T::matmul_t_acc(d_scores, q_scaled, dk_acc, m, n, d);
+                T::matmul_t_acc(d_scores, &q_scaled[..m * d], &mut dk_acc[..n * d], m, n, d);
                 let first = g * problem.seq_q;
                 let dq_rows = &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
                 T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
             }
         }
-        dk_out.copy_from_slice(dk_acc);
-        dv_out.copy_from_slice(dv_acc);
+        dk_out.copy_from_slice(&dk_acc[..n * d]);
+        dv_out.copy_from_slice(&dv_acc[..n * dv]);
+        s.acc = dk_acc;
+        s.acc2 = dv_acc;
+        s.q_scaled = q_scaled;
     }
 }
 
+type BackwardResult<T> = (Vec<T>, Vec<T>, Vec<T>, Option<Vec<T>>);
+
 fn backward_typed<T: Element>(
     problem: &Problem,
+    rules: &ScoreRules<'_, T>,
     tiles: TileSizes,
     x: &BackwardInputs<'_, T>,
-) -> (Vec<T>, Vec<T>, Vec<T>) {
+) -> BackwardResult<T> {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let scale = T::from_f64(problem.scale);
 
@@ -590,11 +693,22 @@ fn backward_typed<T: Element>(
     let mut dvv = vec![T::ZERO; problem.v_len()];
     let mut partials = vec![T::ZERO; kv_heads * chunks * group_len];
     let tasks = chunk_tasks(problem, tiles, chunks, [&mut dk, &mut dvv, &mut partials]);
+    // Scores no task visits (hidden tiles) have a zero gradient.
+    let mut d_scores_full = problem
+        .return_dmask
+        .then(|| vec![T::ZERO; problem.lse_len() * problem.seq_k]);
+    let d_scores_sink = d_scores_full.as_mut().map(|full| ScoreGradientSink {
+        data: full.as_mut_ptr(),
+        seq_q: problem.seq_q,
+        seq_k: problem.seq_k,
+    });
     let step = KeyTileStep {
         problem,
+        rules,
         tiles,
         x,
         delta: &delta,
+        d_scores_sink: d_scores_sink.as_ref(),
     };
     tasks.into_par_iter().for_each_init(
         || Scratch::<T>::new(problem, tiles),
@@ -625,7 +739,7 @@ fn backward_typed<T: Element>(
                 dq_group.iter_mut().for_each(|q| *q *= scale);
             });
     }
-    (dq, dk, dvv)
+    (dq, dk, dvv, d_scores_full)
 }
 
 /// A backward task: one key/value head, the keys of a chunk of its key

@@ -44,6 +44,22 @@ impl<T: Element> RowState<T> {
         correction
     }
 
+    /// [`RowState::finish`] with a sink logit in the denominator: the sink
+    /// takes probability mass but adds nothing to the output, so the
+    /// accumulator (relative to the old maximum) is rescaled to the new
+    /// maximum by the normaliser itself. A row that saw no key still has
+    /// output 0, and lse = sink.
+    #[inline]
+    pub fn finish_with_sink(&self, sink: T) -> (T, T) {
+        if sink == T::NEG_INFINITY {
+            return self.finish();
+        }
+        let new_max = self.max.max(sink);
+        let correction = (self.max - new_max).exp();
+        let sum = self.sum * correction + (sink - new_max).exp();
+        (correction / sum, new_max + sum.ln())
+    }
+
     /// The normaliser of the accumulator and the row's log-sum-exp. A row
     /// that saw no key has output 0 and lse `-inf`.
     #[inline]

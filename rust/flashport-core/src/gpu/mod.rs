@@ -24,7 +24,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::{Buffer, DType, Error, ForwardOutput, Gradients, Problem, Result, Slice};
+use crate::{
+    BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
+};
 use context::{Context, PipelineKey};
 use plan::Chunk;
 use tiles::Kernel;
@@ -583,12 +585,26 @@ fn to_buffer(values: Vec<f32>, dtype: DType) -> Buffer {
     }
 }
 
+/// The GPU kernels do not run attention variants yet: say which.
+fn check_variants(problem: &Problem) -> Result<()> {
+    if problem.has_variants() {
+        return Err(Error::BackendUnavailable(format!(
+            "the GPU backend does not run {} yet; use device=\"cpu\"",
+            problem.variant_names().join(", ")
+        )));
+    }
+    Ok(())
+}
+
 pub fn forward(
     problem: &Problem,
     q: Slice<'_>,
     k: Slice<'_>,
     v: Slice<'_>,
+    variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
+    let _ = variants;
+    check_variants(problem)?;
     check_dtype(problem)?;
     check_sizes(problem)?;
     let (q, k, v) = (
@@ -688,13 +704,12 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
 
 pub fn backward(
     problem: &Problem,
-    d_out: Slice<'_>,
-    q: Slice<'_>,
-    k: Slice<'_>,
-    v: Slice<'_>,
-    out: Slice<'_>,
-    lse: Slice<'_>,
-) -> Result<Gradients> {
+    inputs: [Slice<'_>; 6],
+    variants: &VariantArrays<'_>,
+) -> Result<BackendGradients> {
+    let _ = variants;
+    let [d_out, q, k, v, out, lse] = inputs;
+    check_variants(problem)?;
     check_dtype(problem)?;
     check_sizes(problem)?;
     let d_out = input_bytes("do", &d_out)?;
@@ -737,15 +752,16 @@ struct BackwardInputs<'a> {
     lse: &'a [u8],
 }
 
-fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Gradients> {
+fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<BackendGradients> {
     check_f16(ctx, p)?;
     let mut dq = vec![0.0f32; p.q_len()];
     let mut dk = vec![0.0f32; p.k_len()];
     let mut dv_all = vec![0.0f32; p.v_len()];
-    let done = |dq, dk, dv| Gradients {
+    let done = |dq, dk, dv| BackendGradients {
         dq: to_buffer(dq, p.dtype),
         dk: to_buffer(dk, p.dtype),
         dv: to_buffer(dv, p.dtype),
+        d_scores: None,
     };
     if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
         return Ok(done(dq, dk, dv_all));

@@ -1,0 +1,209 @@
+//! Which scores a (query tile, key tile) pair keeps and how they are
+//! modified, for the CPU tile loops: causal and the sliding window (ranges
+//! of keys per row), a mask array, ALiBi, softcap, sinks and dropout.
+//! The definitions are in [`crate::variants`]; this is where the CPU
+//! applies them to a tile of scores.
+
+use std::ops::Range;
+
+use super::element::Element;
+use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask, VariantArrays};
+use crate::Problem;
+
+/// How a tile of scores is treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileVisibility {
+    /// No query row of the tile sees any of its keys: skip the tile.
+    Hidden,
+    /// Causal and the window hide nothing in the tile.
+    Full,
+    /// Causal or the window hide some scores.
+    Partial,
+}
+
+/// The scoring rules of one call.
+pub struct ScoreRules<'p, T> {
+    problem: &'p Problem,
+    softcap: Option<T>,
+    /// ALiBi slope per flat (batch, query head).
+    slopes: Option<Vec<T>>,
+    mask: Option<AdditiveMask<T>>,
+    /// Sink logit per query head.
+    sinks: Option<Vec<T>>,
+    dropout: Option<DropoutMask>,
+    /// `1 / (1 - p)`: the scale of the kept probabilities.
+    keep_scale: T,
+}
+
+impl<'p, T: Element> ScoreRules<'p, T> {
+    pub fn new(problem: &'p Problem, arrays: &VariantArrays<'_>) -> Self {
+        let to_t = |values: Vec<f64>| values.into_iter().map(T::from_f64).collect();
+        ScoreRules {
+            problem,
+            softcap: problem.softcap.map(T::from_f64),
+            slopes: arrays
+                .alibi_slopes
+                .map(|s| to_t(slopes_per_head(problem, s))),
+            mask: arrays
+                .mask
+                .and_then(|data| AdditiveMask::new(problem, data)),
+            sinks: arrays.sinks.map(|s| to_t(s.to_vec())),
+            dropout: problem.dropout.map(DropoutMask::new),
+            keep_scale: T::from_f64(problem.dropout.map_or(1.0, |d| 1.0 / (1.0 - d.p))),
+        }
+    }
+
+    /// Whether every visible tile needs [`ScoreRules::apply`] even where
+    /// causal and the window hide nothing.
+    pub fn modifies_scores(&self) -> bool {
+        self.softcap.is_some() || self.slopes.is_some() || self.mask.is_some()
+    }
+
+    pub fn softcap(&self) -> Option<T> {
+        self.softcap
+    }
+
+    pub fn has_dropout(&self) -> bool {
+        self.dropout.is_some()
+    }
+
+    pub fn keep_scale(&self) -> T {
+        self.keep_scale
+    }
+
+    /// The sink logit of a flat (batch, query head).
+    pub fn sink(&self, head: usize) -> Option<T> {
+        self.sinks.as_ref().map(|s| s[head % self.problem.heads_q])
+    }
+
+    /// Keys that any row of `rows` may see: both ends of each row's range
+    /// are non-decreasing, so the first row bounds the start and the last
+    /// the end.
+    pub fn key_range(&self, rows: &Range<usize>) -> Range<usize> {
+        if rows.is_empty() {
+            return 0..0;
+        }
+        let start = self.problem.visible_keys(rows.start).start;
+        let end = self.problem.visible_keys(rows.end - 1).end;
+        start.min(end)..end
+    }
+
+    pub fn classify(
+        &self,
+        head: usize,
+        rows: &Range<usize>,
+        keys: &Range<usize>,
+    ) -> TileVisibility {
+        if rows.is_empty() || keys.is_empty() {
+            return TileVisibility::Hidden;
+        }
+        if let Some(mask) = &self.mask {
+            let (batch, h) = (head / self.problem.heads_q, head % self.problem.heads_q);
+            if !mask.any_visible(batch, h, rows, keys) {
+                return TileVisibility::Hidden;
+            }
+        }
+        if !self.problem.has_range_mask() {
+            return TileVisibility::Full;
+        }
+        let (mut hidden, mut full) = (true, true);
+        for row in rows.clone() {
+            let seen = self.problem.visible_keys(row);
+            if seen.start.max(keys.start) < seen.end.min(keys.end) {
+                hidden = false;
+            }
+            if seen.start > keys.start || seen.end < keys.end {
+                full = false;
+            }
+        }
+        match (hidden, full) {
+            (true, _) => TileVisibility::Hidden,
+            (false, true) => TileVisibility::Full,
+            (false, false) => TileVisibility::Partial,
+        }
+    }
+
+    /// Turns a tile of scaled scores `u` into the scores `s` the softmax
+    /// sees: softcap, then ALiBi and the mask, then `-inf` where causal or
+    /// the window hide a key. `scores` holds `rows.len()` rows of
+    /// `row_stride` elements, column `c` being key `keys.start + c`. With
+    /// softcap, `tanh_out` (same layout) receives `tanh(u / softcap)` for
+    /// the backward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(
+        &self,
+        head: usize,
+        visibility: TileVisibility,
+        rows: &Range<usize>,
+        keys: &Range<usize>,
+        scores: &mut [T],
+        row_stride: usize,
+        mut tanh_out: Option<&mut [T]>,
+    ) {
+        let p = self.problem;
+        let (batch, h) = (head / p.heads_q, head % p.heads_q);
+        let n = keys.len();
+        for (r, (row, line)) in rows.clone().zip(scores.chunks_mut(row_stride).enumerate()) {
+            let line = &mut line[..n];
+            if let Some(cap) = self.softcap {
+                let inverse = T::ONE / cap;
+                let tanh_row = tanh_out
+                    .as_deref_mut()
+                    .map(|t| &mut t[row * row_stride..row * row_stride + n]);
+                match tanh_row {
+                    Some(tanh_row) => {
+                        for (s, t) in line.iter_mut().zip(tanh_row) {
+                            *t = (*s * inverse).tanh();
+                            *s = cap * *t;
+                        }
+                    }
+                    None => line
+                        .iter_mut()
+                        .for_each(|s| *s = cap * (*s * inverse).tanh()),
+                }
+            }
+            if let Some(slopes) = &self.slopes {
+                let slope = slopes[head];
+                let diagonal = r as i64 + p.causal_offset() as i64;
+                for (j, s) in keys.clone().zip(line.iter_mut()) {
+                    let distance = T::from_f64((diagonal - j as i64).abs() as f64);
+                    *s = *s - slope * distance;
+                }
+            }
+            if let Some(mask) = &self.mask {
+                mask.add_row(batch, h, r, keys, line);
+            }
+            if visibility == TileVisibility::Partial {
+                let seen = p.visible_keys(r);
+                for (j, s) in keys.clone().zip(line.iter_mut()) {
+                    if !seen.contains(&j) {
+                        *s = T::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Multiplies a tile by the dropout factors `Z = keep / (1 - p)`, or,
+    /// with `zero_only`, just zeroes the dropped entries (the forward folds
+    /// `1 / (1 - p)` into the final normaliser instead).
+    pub fn apply_dropout(
+        &self,
+        head: usize,
+        rows: &Range<usize>,
+        keys: &Range<usize>,
+        values: &mut [T],
+        row_stride: usize,
+        zero_only: bool,
+    ) {
+        let Some(dropout) = &self.dropout else {
+            return;
+        };
+        let scale = if zero_only { T::ONE } else { self.keep_scale };
+        for (r, line) in rows.clone().zip(values.chunks_mut(row_stride)) {
+            dropout.for_each(head, r, keys.clone(), |c, kept| {
+                line[c] = if kept { line[c] * scale } else { T::ZERO };
+            });
+        }
+    }
+}
