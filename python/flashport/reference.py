@@ -2,8 +2,21 @@
 
 It materialises the full ``seq_q × seq_k`` score matrix, so use it on small
 problems. Same signatures and semantics as :func:`flashport.attention` and
-:func:`flashport.attention_backward` (without ``device``); every result is
-float64.
+:func:`flashport.attention_backward` (without ``device``), variants
+included; every result is float64.
+
+The score of batch ``b``, query head ``h``, row ``i`` and key ``j``, with
+``off = seq_k - seq_q`` (see rust/flashport-core/src/variants.rs)::
+
+    u   = scale · q[b,h,i] · k[b,h/g,j]
+    t   = softcap · tanh(u / softcap)             (t = u without softcap)
+    s   = t - slope[b,h] · |i + off - j| + mask[b,h,i,j]
+    s   = -inf where causal, the window or a boolean mask hides the key
+    lse = log(Σ_j exp(s_j) + exp(sink[h]))
+    P   = exp(s - lse),  Z = keep / (1 - p),  o = Σ_j P_j Z_j v_j
+
+:func:`dropout_keep` regenerates the dropout mask (Philox4x32-10) exactly
+as every backend does.
 """
 
 from __future__ import annotations
@@ -11,7 +24,64 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["attention", "attention_backward", "dropout_keep", "philox4x32_10"]
+
+# Philox4x32 constants (Salmon et al., SC 2011), as in variants.rs.
+_PHILOX_M0 = np.uint64(0xD2511F53)
+_PHILOX_M1 = np.uint64(0xCD9E8D57)
+_PHILOX_W0 = 0x9E3779B9
+_PHILOX_W1 = 0xBB67AE85
+_LOW32 = np.uint64(0xFFFFFFFF)
+_SHIFT32 = np.uint64(32)
+
+
+def philox4x32_10(counter, key) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Philox4x32 with 10 rounds, vectorised: ``counter`` is four arrays (or
+    ints) of 32-bit words that broadcast together, ``key`` two ints. Returns
+    the four output words as uint64 arrays holding 32-bit values."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _LOW32 for c in counter)
+    k0, k1 = (int(x) & 0xFFFFFFFF for x in key)
+    for round_ in range(10):
+        if round_ > 0:
+            k0 = (k0 + _PHILOX_W0) & 0xFFFFFFFF
+            k1 = (k1 + _PHILOX_W1) & 0xFFFFFFFF
+        # Both factors are < 2**32, so the products are exact in uint64.
+        p0 = _PHILOX_M0 * c0
+        p1 = _PHILOX_M1 * c2
+        c0, c1, c2, c3 = (
+            (p1 >> _SHIFT32) ^ c1 ^ np.uint64(k0),
+            p1 & _LOW32,
+            (p0 >> _SHIFT32) ^ c3 ^ np.uint64(k1),
+            p0 & _LOW32,
+        )
+    return c0, c1, c2, c3
+
+
+def dropout_keep(seed: int, p: float, shape: tuple[int, int, int, int]) -> np.ndarray:
+    """The dropout mask of ``attention(..., dropout_p=p, seed=seed)``: a bool
+    array of ``shape = (batch, heads_q, seq_q, seq_k)``, True where the
+    probability is kept.
+
+    Score ``(b, h, i, j)`` is kept when word ``j % 4`` of
+    ``philox4x32_10([j // 4, i, b·heads_q + h, 0], [seed & 0xffffffff,
+    seed >> 32])`` is at least ``floor(p · 2**32)``: the kept fraction is
+    ``1 - floor(p · 2**32) / 2**32``. ``p = 0`` keeps everything."""
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed={seed} must be in [0, 2**64)")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p={p} must be in [0, 1)")
+    batch, heads_q, seq_q, seq_k = shape
+    threshold = np.uint64(int(np.floor(float(p) * 2.0**32)))
+    groups = -(-seq_k // 4)
+    bh = np.arange(batch * heads_q, dtype=np.uint64)[:, None, None]
+    row = np.arange(seq_q, dtype=np.uint64)[None, :, None]
+    group = np.arange(groups, dtype=np.uint64)[None, None, :]
+    words = philox4x32_10((group, row, bh, 0), (seed & 0xFFFFFFFF, seed >> 32))
+    words = np.broadcast_arrays(*words)
+    # (bh, row, group, word) -> key j = 4 · group + word.
+    stacked = np.stack(words, axis=-1).reshape(batch * heads_q, seq_q, groups * 4)
+    return (stacked[..., :seq_k] >= threshold).reshape(shape)
 
 
 def _as_4d(x: npt.ArrayLike, dtype: npt.DTypeLike) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -21,99 +91,316 @@ def _as_4d(x: npt.ArrayLike, dtype: npt.DTypeLike) -> tuple[np.ndarray, tuple[in
     return array.reshape((1,) * (4 - array.ndim) + array.shape), array.shape
 
 
-def _scores(q4, k4, causal, scale):
-    """Scaled scores with the key/value heads repeated over their query group,
-    and the visibility mask (True = the query sees the key)."""
-    heads_q, heads_kv = q4.shape[1], k4.shape[1]
+def _window_sides(window):
+    if window is None:
+        return None, None
+    left, right = window
+    left = None if left is None or left == -1 else int(left)
+    right = None if right is None or right == -1 else int(right)
+    return left, right
+
+
+def _scores(
+    q4,
+    k4,
+    causal,
+    scale,
+    *,
+    window=None,
+    mask=None,
+    alibi_slopes=None,
+    softcap=None,
+):
+    """Scores with the key heads repeated over their query group, and the
+    visibility mask (True = the query sees the key), both
+    ``(batch, heads_q, seq_q, seq_k)``.
+
+    Returns ``(s, visible, group, scale, extras)``; ``s`` holds the final
+    scores ``t + alibi + mask`` (finite values also where hidden, except
+    where a float mask is ``-inf``) and ``extras`` the pre-softcap scores
+    ``u`` and ``tanh(u / softcap)`` (None without softcap)."""
+    dtype = q4.dtype.type
+    batch, heads_q, seq_q, _ = q4.shape
+    heads_kv, seq_k = k4.shape[1], k4.shape[2]
     if heads_q % heads_kv:
         raise ValueError(f"heads_kv={heads_kv} does not divide heads_q={heads_q}")
     group = heads_q // heads_kv
     k_rep = np.repeat(k4, group, axis=1)
     d = q4.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
-    s = (q4 @ k_rep.swapaxes(-1, -2)) * q4.dtype.type(scale)
-    seq_q, seq_k = q4.shape[2], k4.shape[2]
-    if causal:
-        i = np.arange(seq_q)[:, None]
-        j = np.arange(seq_k)[None, :]
-        visible = j <= i + (seq_k - seq_q)
+    u = (q4 @ k_rep.swapaxes(-1, -2)) * dtype(scale)
+    tanh = None
+    if softcap:
+        cap = dtype(softcap)
+        tanh = np.tanh(u / cap)
+        s = cap * tanh
     else:
-        visible = np.ones((seq_q, seq_k), dtype=bool)
-    return s, np.broadcast_to(visible, s.shape), group, scale
+        s = u
+    i = np.arange(seq_q)[:, None]
+    j = np.arange(seq_k)[None, :]
+    off = seq_k - seq_q
+    visible = np.ones((seq_q, seq_k), dtype=bool)
+    if causal:
+        visible &= j <= i + off
+    left, right = _window_sides(window)
+    if left is not None:
+        visible &= j >= i + off - left
+    if right is not None:
+        visible &= j <= i + off + right
+    visible = np.broadcast_to(visible, (batch, heads_q, seq_q, seq_k))
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=q4.dtype)
+        slopes = np.broadcast_to(slopes.reshape((-1, heads_q))[:, :, None, None], s.shape)
+        s = s - slopes * np.abs(i + off - j).astype(q4.dtype)
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype == np.bool_:
+            visible = visible & mask
+        else:
+            m = mask.astype(q4.dtype)
+            s = s + m
+            visible = visible & (m != -np.inf)
+    visible = np.broadcast_to(visible, s.shape)
+    return s, visible, group, scale, (u, tanh)
 
 
-def _probabilities(s, visible):
-    """Row softmax over visible keys; rows with no visible key are all 0,
-    with log-sum-exp -inf."""
+def _probabilities(s, visible, sinks=None):
+    """Row softmax over visible keys (and the sink logit of each head in the
+    denominator): probabilities, and the log-sum-exp. Rows with no visible
+    key have probabilities 0, lse = sink (or -inf without sinks)."""
+    zero = s.dtype.type(0)
     masked = np.where(visible, s, -np.inf)
-    row_max = masked.max(axis=-1, keepdims=True) if masked.shape[-1] else None
-    if row_max is None:
-        shape = masked.shape[:-1]
-        return np.zeros(masked.shape, s.dtype), np.full(shape, -np.inf, s.dtype)
-    safe_max = np.where(np.isfinite(row_max), row_max, s.dtype.type(0))
-    e = np.where(visible, np.exp(masked - safe_max), s.dtype.type(0))
+    if masked.shape[-1]:
+        row_max = masked.max(axis=-1, keepdims=True)
+    else:
+        row_max = np.full((*masked.shape[:-1], 1), -np.inf, s.dtype)
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=s.dtype)[None, :, None, None]
+        sink = np.broadcast_to(sink, row_max.shape)
+        row_max = np.maximum(row_max, sink)
+    safe_max = np.where(np.isfinite(row_max), row_max, zero)
+    with np.errstate(invalid="ignore"):
+        e = np.where(visible, np.exp(masked - safe_max), zero)
     total = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - safe_max)
     with np.errstate(divide="ignore"):
         lse = np.where(total > 0, np.log(total) + safe_max, s.dtype.type(-np.inf))[..., 0]
-        p = np.where(total > 0, e / np.where(total > 0, total, s.dtype.type(1)), s.dtype.type(0))
+        p = np.where(total > 0, e / np.where(total > 0, total, s.dtype.type(1)), zero)
     return p, lse
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
-    """``softmax(scale · q kᵀ) v`` in float64; see :func:`flashport.attention`."""
-    return _attention(q, k, v, causal, scale, return_lse, np.float64)
+def _dropout_factor(shape, dropout_p, seed, dtype):
+    """Z = keep / (1 - p), or None without dropout."""
+    if not dropout_p:
+        return None
+    if seed is None:
+        raise ValueError(f"dropout_p={dropout_p} needs a seed")
+    keep = dropout_keep(seed, dropout_p, shape)
+    return np.where(keep, dtype(1) / (dtype(1) - dtype(dropout_p)), dtype(0))
 
 
-def _attention(q, k, v, causal, scale, return_lse, dtype):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    scale=None,
+    window=None,
+    mask=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
+    return_lse=False,
+):
+    """``softmax(scale · q kᵀ) v`` with the variants, in float64; see
+    :func:`flashport.attention`."""
+    return _attention(
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        return_lse,
+        np.float64,
+        window=window,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        seed=seed,
+    )
+
+
+def _attention(
+    q,
+    k,
+    v,
+    causal,
+    scale,
+    return_lse,
+    dtype,
+    *,
+    window=None,
+    mask=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
+):
     """The reference computed in ``dtype``: in float64 the oracle, in float32
     the naive same-precision implementation that test tolerances are
     measured against."""
     q4, q_shape = _as_4d(q, dtype)
     k4, _ = _as_4d(k, dtype)
     v4, _ = _as_4d(v, dtype)
-    s, visible, group, _ = _scores(q4, k4, causal, scale)
-    p, lse = _probabilities(s, visible)
-    out = p @ np.repeat(v4, group, axis=1)
+    s, visible, group, _, _ = _scores(
+        q4,
+        k4,
+        causal,
+        scale,
+        window=window,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+    )
+    p, lse = _probabilities(s, visible, sinks)
+    z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type)
+    pz = p if z is None else p * z
+    out = pz @ np.repeat(v4, group, axis=1)
     out = out.reshape((*q_shape[:-1], v4.shape[-1]))
     lse = lse.reshape(q_shape[:-1])
     return (out, lse) if return_lse else out
 
 
-def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, scale=None):
-    """Analytic gradients ``(dq, dk, dv)`` of :func:`attention` in float64.
+def attention_backward(
+    do,
+    q,
+    k,
+    v,
+    o=None,
+    lse=None,
+    *,
+    causal=False,
+    scale=None,
+    window=None,
+    mask=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
+    return_dmask=False,
+):
+    """Analytic gradients of :func:`attention` in float64: ``(dq, dk, dv)``,
+    then ``dsinks`` if ``sinks`` is given, then ``dmask`` (in the float
+    mask's shape, summed over the dimensions it broadcasts along) with
+    ``return_dmask=True``; like :func:`flashport.attention_backward`.
 
-    ``o`` and ``lse`` are accepted for signature compatibility with
-    :func:`flashport.attention_backward` and ignored: the oracle recomputes
-    everything from ``q``, ``k`` and ``v`` in float64.
+    ``o`` and ``lse`` are accepted for signature compatibility and ignored:
+    the oracle recomputes everything from ``q``, ``k`` and ``v`` in float64.
     """
     del o, lse
-    return _attention_backward(do, q, k, v, causal, scale, np.float64)
+    return _attention_backward(
+        do,
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        np.float64,
+        window=window,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        seed=seed,
+        return_dmask=return_dmask,
+    )
 
 
-def _attention_backward(do, q, k, v, causal, scale, dtype):
+def _reduce_to_shape(full, shape):
+    """Sums a ``(batch, heads_q, seq_q, seq_k)`` array over the dimensions
+    an array of ``shape`` broadcasts along, giving ``shape``."""
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(a for a in range(4) if padded[a] == 1 and full.shape[a] != 1)
+    return full.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def _attention_backward(
+    do,
+    q,
+    k,
+    v,
+    causal,
+    scale,
+    dtype,
+    *,
+    window=None,
+    mask=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
+    return_dmask=False,
+):
     q4, q_shape = _as_4d(q, dtype)
     k4, k_shape = _as_4d(k, dtype)
     v4, v_shape = _as_4d(v, dtype)
     do4 = np.asarray(do, dtype=dtype).reshape((*q4.shape[:3], v4.shape[-1]))
-    s, visible, group, scale = _scores(q4, k4, causal, scale)
-    p, _ = _probabilities(s, visible)
+    s, visible, group, scale, (_, tanh) = _scores(
+        q4,
+        k4,
+        causal,
+        scale,
+        window=window,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+    )
+    p, lse = _probabilities(s, visible, sinks)
+    z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type)
+    pz = p if z is None else p * z
     v_rep = np.repeat(v4, group, axis=1)
     k_rep = np.repeat(k4, group, axis=1)
-    dv_rep = p.swapaxes(-1, -2) @ do4
+    dv_rep = pz.swapaxes(-1, -2) @ do4
     dp = do4 @ v_rep.swapaxes(-1, -2)
-    # D = rowsum(dP ∘ P) = rowsum(dO ∘ O); the second form is the one
-    # FlashAttention uses, so the same-precision baselines round alike.
-    out = p @ v_rep
-    ds = p * (dp - (do4 * out).sum(axis=-1, keepdims=True))
-    dq = (ds @ k_rep) * q4.dtype.type(scale)
-    dk_rep = (ds.swapaxes(-1, -2) @ q4) * q4.dtype.type(scale)
+    if z is not None:
+        dp = dp * z
+    # D = rowsum(dO ∘ O), the form FlashAttention uses, so the same-precision
+    # baselines round alike.
+    out = pz @ v_rep
+    delta = (do4 * out).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    du = ds if tanh is None else ds * (q4.dtype.type(1) - tanh * tanh)
+    dq = (du @ k_rep) * q4.dtype.type(scale)
+    dk_rep = (du.swapaxes(-1, -2) @ q4) * q4.dtype.type(scale)
 
     def fold(x):
         b, _, n, width = x.shape
         return x.reshape(b, -1, group, n, width).sum(axis=2)
 
-    return (
+    grads = [
         dq.reshape(q_shape),
         fold(dk_rep).reshape(k_shape),
         fold(dv_rep).reshape(v_shape),
-    )
+    ]
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=q4.dtype)[None, :, None]
+        finite = np.isfinite(lse)
+        with np.errstate(invalid="ignore"):
+            weight = np.where(finite, np.exp(sink - np.where(finite, lse, 0)), 0)
+        grads.append(-(weight * delta[..., 0]).sum(axis=(0, 2)))
+    if return_dmask:
+        if mask is None or np.asarray(mask).dtype == np.bool_:
+            raise ValueError("return_dmask needs a float mask")
+        grads.append(_reduce_to_shape(ds, np.shape(mask)))
+    return tuple(grads)
