@@ -47,7 +47,9 @@ class Case:
 
 
 @st.composite
-def cases(draw, backend: str = "cpu", max_seq: int | None = None) -> Case:
+def cases(draw, backend: str = "cpu", max_seq: int | None = None, max_work: float = 6e7) -> Case:
+    """Random shapes; ``max_work`` caps batch·heads·seq_q·seq_k·(d + d_v)
+    (the default keeps the float64 oracle and lavapipe fast)."""
     max_seq = max_seq or MAX_SEQ[backend]
     max_dim = MAX_DIM[backend]
     ndim = draw(st.sampled_from([4, 4, 4, 3, 2]))
@@ -60,14 +62,107 @@ def cases(draw, backend: str = "cpu", max_seq: int | None = None) -> Case:
     dv = draw(st.one_of(st.just(d), st.integers(1, max_dim)))
     causal = draw(st.booleans())
     scale = draw(st.one_of(st.none(), st.floats(0.01, 2.0)))
-    # Keep the float64 oracle and lavapipe fast: at most ~60 M multiply-adds.
     work = batch * heads_kv * group * seq_q * seq_k * (d + dv)
-    if work > 6e7:
-        shrink = (6e7 / work) ** 0.5
+    if work > max_work:
+        shrink = (max_work / work) ** 0.5
         seq_q = max(1, int(seq_q * shrink))
         seq_k = max(1, int(seq_k * shrink))
     seed = draw(st.integers(0, 2**32 - 1))
     return Case(batch, heads_kv, group, seq_q, seq_k, d, dv, causal, scale, ndim, seed)
+
+
+VARIANT_NAMES = ("window", "mask", "alibi", "softcap", "sinks", "dropout")
+
+
+@dataclass(frozen=True)
+class Variants:
+    """The variant keywords of one problem, as a printable spec; ``kwargs``
+    builds the arrays (deterministically from ``seed``)."""
+
+    window: tuple[int | None, int | None] | None = None
+    # "bool" or "float", in shape ``mask_shape`` (before broadcasting),
+    # float ones in ``mask_dtype`` ("same" = the inputs' dtype).
+    mask: str | None = None
+    mask_shape: tuple[int, ...] = ()
+    mask_dtype: str = "same"
+    mask_density: float = 0.5  # bool: P(True); float: P(-inf) is 1 - density
+    mask_dead_row: bool = False  # hide every key of the first row
+    alibi: str | None = None  # "heads" (heads_q,) or "batch" (batch, heads_q)
+    softcap: float | None = None
+    sinks: bool = False
+    sink_scale: float = 1.0
+    param_dtype: str = "same"  # dtype of slopes and sinks
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+    seed: int = 0
+
+    def kwargs(self, case: Case, dtype) -> dict:
+        rng = np.random.default_rng(self.seed)
+        same = np.dtype(dtype)
+        param_dtype = same if self.param_dtype == "same" else np.dtype(self.param_dtype)
+        kw: dict = {}
+        if self.window is not None:
+            kw["window"] = self.window
+        if self.mask is not None:
+            shape = self.mask_shape
+            if self.mask == "bool":
+                m = rng.random(shape) < self.mask_density
+                if self.mask_dead_row and m.ndim >= 2:
+                    m[..., 0, :] = False
+            else:
+                mask_dtype = same if self.mask_dtype == "same" else np.dtype(self.mask_dtype)
+                m = rng.standard_normal(shape) * 2.0
+                m[rng.random(shape) >= self.mask_density] = -np.inf
+                if self.mask_dead_row and m.ndim >= 2:
+                    m[..., 0, :] = -np.inf
+                m = m.astype(mask_dtype)
+            kw["mask"] = m
+        if self.alibi is not None:
+            shape = (case.heads_q,) if self.alibi == "heads" else (case.batch, case.heads_q)
+            kw["alibi_slopes"] = rng.uniform(0.0, 1.0, shape).astype(param_dtype)
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.sinks:
+            kw["sinks"] = (rng.standard_normal(case.heads_q) * self.sink_scale).astype(param_dtype)
+        if self.dropout_p:
+            kw["dropout_p"] = self.dropout_p
+            kw["seed"] = self.dropout_seed
+        return kw
+
+
+@st.composite
+def variants(draw, case: Case, names=VARIANT_NAMES, each: bool = False) -> Variants:
+    """Variant keywords for ``case``: all of ``names`` when ``each``, else a
+    random subset of them."""
+    on = {n: True for n in names} if each else {n: draw(st.booleans()) for n in names}
+    spec: dict = {"seed": draw(st.integers(0, 2**32 - 1))}
+    longest = max(case.seq_q, case.seq_k) + 2
+    if on.get("window"):
+        side = st.one_of(st.none(), st.just(-1), st.integers(0, 8), st.integers(0, longest))
+        spec["window"] = (draw(side), draw(side))
+    if on.get("mask"):
+        spec["mask"] = draw(st.sampled_from(["bool", "float"]))
+        full = (case.batch, case.heads_q, case.seq_q, case.seq_k)
+        ndim = draw(st.integers(1, 4))
+        spec["mask_shape"] = tuple(
+            draw(st.sampled_from([size, size, 1])) for size in full[4 - ndim :]
+        )
+        spec["mask_dtype"] = draw(st.sampled_from(["same", "same", "float64"]))
+        spec["mask_density"] = draw(st.sampled_from([0.1, 0.5, 0.9, 1.0]))
+        spec["mask_dead_row"] = draw(st.booleans())
+    if on.get("alibi"):
+        spec["alibi"] = draw(st.sampled_from(["heads", "batch"]))
+    if on.get("softcap"):
+        spec["softcap"] = draw(st.one_of(st.sampled_from([1.0, 30.0]), st.floats(0.1, 50.0)))
+    if on.get("sinks"):
+        spec["sinks"] = True
+        spec["sink_scale"] = draw(st.sampled_from([0.5, 1.0, 4.0]))
+    if on.get("alibi") or on.get("sinks"):
+        spec["param_dtype"] = draw(st.sampled_from(["same", "float64"]))
+    if on.get("dropout"):
+        spec["dropout_p"] = draw(st.one_of(st.sampled_from([0.1, 0.5, 0.9]), st.floats(0.0, 0.95)))
+        spec["dropout_seed"] = draw(st.integers(0, 2**64 - 1))
+    return Variants(**spec)
 
 
 def oracle_dtype(dtype):
@@ -77,35 +172,57 @@ def oracle_dtype(dtype):
     return np.longdouble if dtype == np.float64 else np.float64
 
 
-def oracle(case: Case, q, k, v, dtype):
-    return reference._attention(q, k, v, case.causal, case.scale, True, oracle_dtype(dtype))
+# ``**variants`` below are the variant keywords of flashport.attention
+# (window, mask, alibi_slopes, softcap, sinks, dropout_p, seed); the
+# backward ones also take return_dmask.
 
 
-def oracle_backward(case: Case, do, q, k, v, dtype):
-    return reference._attention_backward(do, q, k, v, case.causal, case.scale, oracle_dtype(dtype))
+def oracle(case: Case, q, k, v, dtype, **variants):
+    return reference._attention(
+        q, k, v, case.causal, case.scale, True, oracle_dtype(dtype), **variants
+    )
 
 
-def naive(case: Case, q, k, v, dtype):
+def oracle_backward(case: Case, do, q, k, v, dtype, **variants):
+    return reference._attention_backward(
+        do, q, k, v, case.causal, case.scale, oracle_dtype(dtype), **variants
+    )
+
+
+def naive(case: Case, q, k, v, dtype, **variants):
     """Plain attention computed in ``dtype``: the same-precision baseline."""
-    return reference._attention(q, k, v, case.causal, case.scale, True, dtype)
+    return reference._attention(q, k, v, case.causal, case.scale, True, dtype, **variants)
 
 
-def naive_backward(case: Case, do, q, k, v, dtype):
-    return reference._attention_backward(do, q, k, v, case.causal, case.scale, dtype)
+def naive_backward(case: Case, do, q, k, v, dtype, **variants):
+    return reference._attention_backward(do, q, k, v, case.causal, case.scale, dtype, **variants)
 
 
-def score_magnitude(case: Case, q, k) -> float:
-    """Largest |scale · q·k| over the scores the queries see."""
+def _score_kwargs(variants: dict) -> dict:
+    names = ("window", "mask", "alibi_slopes", "softcap")
+    return {n: variants[n] for n in names if n in variants}
+
+
+def score_magnitude(case: Case, q, k, **variants) -> float:
+    """Largest |score| over the scores the queries see: the final ``s``, and
+    with softcap also the scaled ``u`` before capping (rounding ``u`` moves
+    ``t`` by as much)."""
     q4, _ = reference._as_4d(q, np.float64)
     k4, _ = reference._as_4d(k, np.float64)
-    s, visible, _, _ = reference._scores(q4, k4, case.causal, case.scale)
-    return float(np.abs(s[visible]).max()) if visible.any() else 0.0
+    s, visible, _, _, (u, _) = reference._scores(
+        q4, k4, case.causal, case.scale, **_score_kwargs(variants)
+    )
+    if not visible.any():
+        return 0.0
+    return float(max(np.abs(s[visible]).max(), np.abs(u[visible]).max()))
 
 
-def term_magnitudes(case: Case, do, q, k, v) -> dict[str, float]:
+def term_magnitudes(case: Case, do, q, k, v, **variants) -> dict[str, float]:
     """For each result, the largest sum of the absolute values of the terms
-    that add up to one of its elements, in float64: ``Σ_j P_ij |v_j|`` for
-    ``o``, ``scale · Σ_j P_ij (|dP_ij| + |D_i|) |k_j|`` for ``dq``, and so on.
+    that add up to one of its elements, in float64: ``Σ_j P_ij Z_ij |v_j|``
+    for ``o``, ``scale · Σ_j P_ij (|dP_ij| + |D_i|) |k_j|`` for ``dq``, and so
+    on (``dsinks``: ``Σ_i exp(sink - lse_i) Σ_c |do_ic o_ic|``; ``dmask``:
+    ``dS``'s terms summed over the mask's broadcast dimensions).
 
     Rounding errors scale with these sums, not with the result: dq is 0 when
     a row sees one key, while its terms are not."""
@@ -114,21 +231,36 @@ def term_magnitudes(case: Case, do, q, k, v) -> dict[str, float]:
     k4, _ = reference._as_4d(k, f64)
     v4, _ = reference._as_4d(v, f64)
     do4 = np.asarray(do, dtype=f64).reshape((*q4.shape[:3], v4.shape[-1]))
-    s, visible, group, scale = reference._scores(q4, k4, case.causal, case.scale)
-    p, lse = reference._probabilities(s, visible)
+    s, visible, group, scale, _ = reference._scores(
+        q4, k4, case.causal, case.scale, **_score_kwargs(variants)
+    )
+    sinks = variants.get("sinks")
+    p, lse = reference._probabilities(s, visible, sinks)
+    z = reference._dropout_factor(p.shape, variants.get("dropout_p"), variants.get("seed"), f64)
+    pz = p if z is None else p * z
     k_rep, v_rep = np.repeat(k4, group, axis=1), np.repeat(v4, group, axis=1)
-    out = p @ v_rep
-    # dS = P ∘ (dP - D): the subtraction's terms count, not its difference
-    # (which is exactly 0 when a row sees one key).
-    ds_abs = p * (np.abs(do4 @ v_rep.swapaxes(-1, -2)) + np.abs((do4 * out).sum(-1, keepdims=True)))
+    out = pz @ v_rep
     a = np.abs
+    dp_abs = a(do4 @ v_rep.swapaxes(-1, -2)) * (1.0 if z is None else z)
+    delta_terms = (a(do4) * a(out)).sum(-1, keepdims=True)
+    # dS = P ∘ (dP - D): the subtraction's terms count, not its difference
+    # (which is exactly 0 when a row sees one key). The softcap factor
+    # (1 - tanh²) is at most 1.
+    ds_abs = p * (dp_abs + delta_terms)
     sums = {
-        "o": p @ a(v_rep),
+        "o": pz @ a(v_rep),
         "lse": a(lse[np.isfinite(lse)]),
         "dq": abs(scale) * ds_abs @ a(k_rep),
         "dk": abs(scale) * ds_abs.swapaxes(-1, -2) @ a(q4),
-        "dv": p.swapaxes(-1, -2) @ a(do4),
+        "dv": pz.swapaxes(-1, -2) @ a(do4),
     }
+    if "mask" in variants:
+        sums["dmask"] = reference._reduce_to_shape(ds_abs, np.shape(variants["mask"]))
+    if sinks is not None:
+        sink = np.asarray(sinks, f64)[None, :, None]
+        finite = np.isfinite(lse)
+        weight = np.where(finite, np.exp(sink - np.where(finite, lse, 0.0)), 0.0)
+        sums["dsinks"] = (weight * delta_terms[..., 0]).sum(axis=(0, 2))
     return {name: float(x.max()) if x.size else 0.0 for name, x in sums.items()}
 
 
