@@ -152,6 +152,129 @@ def bench_shape(shape, causal, repeat, torch) -> dict:
     return row
 
 
+VARIANT_SHAPE = (1, 8, 4096, 64)
+VARIANT_WINDOW = (256, 0)
+SPARSE_BLOCK = 64
+SPARSE_DENSITY = 0.1
+
+
+def block_sparse_mask(seq: int, block: int, density: float, seed: int = 2) -> np.ndarray:
+    """A boolean ``(seq, seq)`` mask of ``block × block`` tiles, about
+    ``density`` of them kept (the diagonal tiles always, so no row is empty)."""
+    blocks = -(-seq // block)
+    rng = np.random.default_rng(seed)
+    keep = rng.random((blocks, blocks)) < density
+    np.fill_diagonal(keep, True)
+    return np.kron(keep, np.ones((block, block), bool))[:seq, :seq]
+
+
+def _torch_cases(torch, arrays, torch_kwargs) -> dict[str, Callable[[], object]]:
+    """PyTorch SDPA forward, and forward+backward, on the same arrays."""
+    import torch.nn.functional as F
+
+    tq, tk, tv, tdo = (torch.from_numpy(x) for x in arrays)
+    tqg, tkg, tvg = (x.clone().requires_grad_() for x in (tq, tk, tv))
+    targs = {
+        key: torch.from_numpy(val) if isinstance(val, np.ndarray) else val
+        for key, val in torch_kwargs.items()
+    }
+
+    def torch_forward():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(tq, tk, tv, **targs)
+
+    def torch_fwd_bwd():
+        for x in (tqg, tkg, tvg):
+            x.grad = None
+        F.scaled_dot_product_attention(tqg, tkg, tvg, **targs).backward(tdo)
+
+    return {"torch_forward": torch_forward, "torch_fwd_bwd": torch_fwd_bwd}
+
+
+def bench_variants(shape, repeat, torch) -> list[dict]:
+    """Sliding window and block-sparse mask against the attention they cut
+    down (causal, and dense), flashport and PyTorch in the same rounds:
+    skipped tiles should make the time fall with the work."""
+    seq = shape[2]
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    mask = block_sparse_mask(seq, SPARSE_BLOCK, SPARSE_DENSITY)
+    lower = np.tril(np.ones((seq, seq), bool))
+    window_mask = lower & ~np.tril(lower, -VARIANT_WINDOW[0] - 1)
+    variants = {
+        "causal": ({"causal": True}, {"is_causal": True}),
+        f"causal + window{VARIANT_WINDOW}": (
+            {"causal": True, "window": VARIANT_WINDOW},
+            {"attn_mask": window_mask},
+        ),
+        "dense": ({}, {}),
+        f"block mask {100 * mask.mean():.0f}% kept": ({"mask": mask}, {"attn_mask": mask}),
+    }
+    rows = []
+    for name, (kwargs, torch_kwargs) in variants.items():
+        out, lse = flashport.attention(q, k, v, return_lse=True, device="cpu", **kwargs)
+
+        def fp_forward(kwargs=kwargs):
+            return flashport.attention(q, k, v, return_lse=True, device="cpu", **kwargs)
+
+        def fp_backward(kwargs=kwargs, out=out, lse=lse):
+            return flashport.attention_backward(do, q, k, v, out, lse, device="cpu", **kwargs)
+
+        cases: dict[str, Callable[[], object]] = {
+            "fp_forward": fp_forward,
+            "fp_backward": fp_backward,
+        }
+        if torch is not None:
+            cases.update(_torch_cases(torch, (q, k, v, do), torch_kwargs))
+        t = interleaved_medians(cases, repeat)
+        row = {
+            "variant": name,
+            "shape": list(shape),
+            "flashport": {
+                "forward_s": t["fp_forward"],
+                "fwd_bwd_s": t["fp_forward"] + t["fp_backward"],
+            },
+        }
+        if torch is not None:
+            row["torch"] = {"forward_s": t["torch_forward"], "fwd_bwd_s": t["torch_fwd_bwd"]}
+            check = cases["torch_forward"]().numpy()
+            row["max_abs_diff_vs_torch"] = float(np.abs(check - out).max())
+        rows.append(row)
+    return rows
+
+
+def format_variant_table(rows: list[dict]) -> str:
+    head = (
+        f"{'variant':<30}{'fp fwd ms':>11}{'fp f+b ms':>11}{'fwd vs base':>13}"
+        f"{'torch fwd ms':>14}{'torch f+b ms':>14}{'fp/torch f+b':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    baseline = None
+    for row in rows:
+        fp = row["flashport"]
+        if row["variant"] in ("causal", "dense"):
+            baseline = fp["forward_s"]
+            gain = f"{'(base)':>13}"
+        else:
+            gain = f"{baseline / fp['forward_s']:12.2f}x" if baseline else f"{'-':>13}"
+        th = row.get("torch")
+        torch_cells = (
+            f"{th['forward_s'] * 1e3:14.0f}{th['fwd_bwd_s'] * 1e3:14.0f}"
+            f"{th['fwd_bwd_s'] / fp['fwd_bwd_s']:13.2f}x"
+            if th
+            else f"{'-':>14}{'-':>14}{'-':>14}"
+        )
+        lines.append(
+            f"{row['variant']:<30}{fp['forward_s'] * 1e3:11.0f}{fp['fwd_bwd_s'] * 1e3:11.0f}"
+            f"{gain}{torch_cells}"
+        )
+    lines.append(
+        "fwd vs base: flashport forward speed-up over the row it cuts down (causal, dense); "
+        "torch gets the same mask as attn_mask"
+    )
+    return "\n".join(lines)
+
+
 def memory_check() -> dict | None:
     """Peak memory of a forward at seq 65536, one head, d 64, beyond its
     inputs and outputs (the issue's target: within 64 MiB), measured in a
@@ -232,6 +355,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", help="write the raw numbers to this file")
     parser.add_argument("--plot", help="draw a chart to this PNG (needs matplotlib)")
     parser.add_argument("--no-memory", action="store_true", help="skip the seq-65536 memory check")
+    parser.add_argument(
+        "--variants-only", action="store_true", help="only the window and block-sparse rows"
+    )
     args = parser.parse_args(argv)
 
     torch = _torch()
@@ -243,7 +369,7 @@ def main(argv: list[str]) -> int:
     )
     ceiling = sgemm_ceiling(args.repeat)
     print(f"ceiling: numpy float32 matmul 2048³ = {ceiling:.1f} GFLOP/s", flush=True)
-    shapes = SHAPES[:2] if args.quick else SHAPES
+    shapes = [] if args.variants_only else SHAPES[:2] if args.quick else SHAPES
     rows = []
     total = 2 * len(shapes)
     for i, shape in enumerate(shapes):
@@ -253,9 +379,18 @@ def main(argv: list[str]) -> int:
             rows.append(bench_shape(shape, causal, args.repeat, torch))
             print(f"{time.perf_counter() - start:.0f} s", flush=True)
         del i
-    memory = None if args.no_memory else memory_check()
+    variant_shape = (1, 8, 1024, 64) if args.quick else VARIANT_SHAPE
+    print(f"variants at {variant_shape} ...", end=" ", flush=True)
+    start = time.perf_counter()
+    variant_rows = bench_variants(variant_shape, args.repeat, torch)
+    print(f"{time.perf_counter() - start:.0f} s", flush=True)
+    memory = None if args.no_memory or args.variants_only else memory_check()
     print()
-    print(format_table(rows, ceiling))
+    if rows:
+        print(format_table(rows, ceiling))
+        print()
+    print(f"variants at {variant_shape}, float32:")
+    print(format_variant_table(variant_rows))
     if memory is not None:
         shown = f"{memory['beyond_outputs_bytes'] / (1 << 20):.1f} MiB"
         print(
@@ -266,9 +401,17 @@ def main(argv: list[str]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"ceiling_gflops": ceiling, "rows": rows, "memory": memory, "cpu": cpu}, f, indent=2
+                {
+                    "ceiling_gflops": ceiling,
+                    "rows": rows,
+                    "variant_rows": variant_rows,
+                    "memory": memory,
+                    "cpu": cpu,
+                },
+                f,
+                indent=2,
             )
-    if args.plot:
+    if args.plot and rows:
         plot(rows, args.plot)
         print(f"chart: {args.plot}")
     return 0

@@ -35,6 +35,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use crate::problem::{Dropout, MaskDType};
 use crate::{DType, Error, Problem, Result, Slice};
 
@@ -222,16 +224,23 @@ pub struct AdditiveMask<T> {
 }
 
 impl<T: MaskScalar> AdditiveMask<T> {
+    /// Converts the mask and maps its blocks, in parallel on the current
+    /// rayon pool: for a long sequence this pass reads `seq_q × seq_k`
+    /// values and must stay small next to the attention it serves.
     pub fn new(problem: &Problem, data: MaskData<'_>) -> Option<Self> {
         let spec = problem.mask?;
         let values: Vec<T> = match data {
             MaskData::Bool(b) => b
-                .iter()
+                .par_iter()
                 .map(|&keep| if keep { T::ZERO } else { T::NEG_INFINITY })
                 .collect(),
-            MaskData::Float(Slice::F16(x)) => x.iter().map(|v| T::from_f64(v.to_f64())).collect(),
-            MaskData::Float(Slice::F32(x)) => x.iter().map(|&v| T::from_f64(v.into())).collect(),
-            MaskData::Float(Slice::F64(x)) => x.iter().map(|&v| T::from_f64(v)).collect(),
+            MaskData::Float(Slice::F16(x)) => {
+                x.par_iter().map(|v| T::from_f64(v.to_f64())).collect()
+            }
+            MaskData::Float(Slice::F32(x)) => {
+                x.par_iter().map(|&v| T::from_f64(v.into())).collect()
+            }
+            MaskData::Float(Slice::F64(x)) => x.par_iter().map(|&v| T::from_f64(v)).collect(),
         };
         let dims = spec.dims;
         let mut strides = [0; 4];
@@ -245,17 +254,26 @@ impl<T: MaskScalar> AdditiveMask<T> {
             dims[3].div_ceil(MASK_BLOCK).max(1),
         ];
         let mut blocks = vec![0u8; dims[0] * dims[1] * block_counts[0] * block_counts[1]];
-        let row_len = dims[3];
-        for (plane_index, plane) in values.chunks(dims[2] * row_len).enumerate() {
-            let plane_blocks = &mut blocks[plane_index * block_counts[0] * block_counts[1]..];
-            for (row, row_values) in plane.chunks(row_len).enumerate() {
-                let block_row = &mut plane_blocks[(row / MASK_BLOCK) * block_counts[1]..];
-                for (key, &value) in row_values.iter().enumerate() {
-                    if value != T::NEG_INFINITY {
-                        block_row[key / MASK_BLOCK] = 1;
+        let (rows, row_len) = (dims[2], dims[3]);
+        if row_len > 0 {
+            // One line of the map per (plane, block of rows).
+            blocks
+                .par_chunks_mut(block_counts[1])
+                .enumerate()
+                .for_each(|(line_index, line)| {
+                    let (plane, block_row) =
+                        (line_index / block_counts[0], line_index % block_counts[0]);
+                    let first = block_row * MASK_BLOCK;
+                    for row in first..(first + MASK_BLOCK).min(rows) {
+                        let start = (plane * rows + row) * row_len;
+                        let row_values = &values[start..start + row_len];
+                        for (flag, chunk) in line.iter_mut().zip(row_values.chunks(MASK_BLOCK)) {
+                            if *flag == 0 && chunk.iter().any(|&v| v != T::NEG_INFINITY) {
+                                *flag = 1;
+                            }
+                        }
                     }
-                }
-            }
+                });
         }
         Some(AdditiveMask {
             values,

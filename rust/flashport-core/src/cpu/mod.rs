@@ -140,8 +140,8 @@ fn forward_as<T: Element>(
     variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
     let (q, k, v) = (T::view(q), T::view(k), T::view(v));
-    let rules = ScoreRules::<T>::new(problem, variants);
     let (out, lse) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
+        let rules = ScoreRules::<T>::new(problem, variants);
         forward_typed(problem, &rules, tiles, &q, &k, &v)
     })?;
     Ok(ForwardOutput {
@@ -156,8 +156,8 @@ fn backward_as<T: Element>(
     variants: &VariantArrays<'_>,
 ) -> Result<BackendGradients> {
     let [d_out, q, k, v, out, lse] = arrays.map(T::view);
-    let rules = ScoreRules::<T>::new(problem, variants);
     let (dq, dk, dv, d_scores) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
+        let rules = ScoreRules::<T>::new(problem, variants);
         let kv_heads = problem.batch * problem.heads_kv;
         let (seq_k, d, dv) = (problem.seq_k, problem.head_dim, problem.value_dim);
         let k_packed = T::pack_heads(&k, kv_heads, seq_k, d);
@@ -234,6 +234,8 @@ struct Scratch<T> {
     acc: Vec<T>,
     acc2: Vec<T>,
     states: Vec<RowState<T>>,
+    /// The key tiles of the current query tile.
+    key_tiles: Vec<Range<usize>>,
 }
 
 impl<T: Element> Scratch<T> {
@@ -253,6 +255,7 @@ impl<T: Element> Scratch<T> {
             acc: vec![T::ZERO; bq.max(bk) * widest],
             acc2: vec![T::ZERO; bk * dv],
             states: vec![RowState::EMPTY; bq],
+            key_tiles: Vec::new(),
         }
     }
 }
@@ -342,17 +345,6 @@ fn key_tiles(rows: Range<usize>, tile: usize) -> impl Iterator<Item = Range<usiz
     rows.step_by(tile).map(move |s| s..(s + tile).min(end))
 }
 
-/// The tiles of the `tile`-aligned grid that cover `keys`: packed key and
-/// value panels are laid out on that grid.
-fn aligned_key_tiles(keys: Range<usize>, tile: usize) -> impl Iterator<Item = Range<usize>> {
-    let start = if keys.is_empty() {
-        keys.end
-    } else {
-        keys.start / tile * tile
-    };
-    key_tiles(start..keys.end, tile)
-}
-
 fn forward_typed<T: Element>(
     problem: &Problem,
     rules: &ScoreRules<'_, T>,
@@ -395,7 +387,15 @@ fn forward_typed<T: Element>(
             let acc = &mut s.acc[..m * dv];
             acc.fill(T::ZERO);
 
-            for keys in aligned_key_tiles(rules.key_range(&rows), tiles.k_rows) {
+            let mut key_tiles = std::mem::take(&mut s.key_tiles);
+            rules.key_tiles(
+                head,
+                &rows,
+                rules.key_range(&rows),
+                tiles.k_rows,
+                &mut key_tiles,
+            );
+            for keys in key_tiles.drain(..) {
                 let visibility = rules.classify(head, &rows, &keys);
                 if visibility == TileVisibility::Hidden {
                     continue;
@@ -428,6 +428,7 @@ fn forward_typed<T: Element>(
                 let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
                 T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
             }
+            s.key_tiles = key_tiles;
 
             let sink = rules.sink(head);
             for (i, state) in states.iter().enumerate() {
@@ -606,54 +607,67 @@ impl<T: Element> KeyTileStep<'_, T> {
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let layout = Layout { p: problem };
         let scale = T::from_f64(problem.scale);
-        let n = keys.len();
-        let kv = layout.kv_tile(x, kv_head, keys);
+        let n_tile = keys.len();
         let mut dk_acc = std::mem::take(&mut s.acc);
         let mut dv_acc = std::mem::take(&mut s.acc2);
-        dk_acc[..n * d].fill(T::ZERO);
-        dv_acc[..n * dv].fill(T::ZERO);
+        dk_acc[..n_tile * d].fill(T::ZERO);
+        dv_acc[..n_tile * dv].fill(T::ZERO);
         let mut q_scaled = std::mem::take(&mut s.q_scaled);
+        let mut segments = std::mem::take(&mut s.key_tiles);
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
         for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
             for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
-                let visibility = self.rules.classify(head, &rows, keys);
-                if visibility == TileVisibility::Hidden {
-                    continue;
+                // With a block-sparse mask, only the visible parts of the
+                // key tile (the whole tile without a mask).
+                let k_rows = self.tiles.k_rows;
+                self.rules
+                    .key_tiles(head, &rows, keys.clone(), k_rows, &mut segments);
+                let mut q_ready = false;
+                for part in segments.iter() {
+                    let visibility = self.rules.classify(head, &rows, part);
+                    if visibility == TileVisibility::Hidden {
+                        continue;
+                    }
+                    let (m, n) = (rows.len(), part.len());
+                    if !q_ready {
+                        let q_rows = layout.q_rows(x.q, head, &rows);
+                        scale_into(q_rows, scale, &mut q_scaled[..m * d]);
+                        q_ready = true;
+                    }
+                    let kv = layout.kv_tile(x, kv_head, part);
+                    let d_out_rows = layout.o_rows(x.d_out, head, &rows);
+                    let tile = TileRows {
+                        head,
+                        rows: &rows,
+                        keys: part,
+                        visibility,
+                        q_scaled: &q_scaled[..m * d],
+                        d_out_rows,
+                        lse_rows: layout.row_scalars(x.lse, head, &rows),
+                        delta_rows: layout.row_scalars(self.delta, head, &rows),
+                    };
+                    recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
+                    let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
+                    let local = part.start - keys.start..part.end - keys.start;
+                    let dv_part = &mut dv_acc[local.start * dv..local.end * dv];
+                    T::matmul_t_acc(scores, d_out_rows, dv_part, m, n, dv);
+                    // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
+                    let dk_part = &mut dk_acc[local.start * d..local.end * d];
+                    T::matmul_t_acc(d_scores, &q_scaled[..m * d], dk_part, m, n, d);
+                    let first = g * problem.seq_q;
+                    let dq_rows = &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
+                    T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
                 }
-                let m = rows.len();
-                scale_into(
-                    layout.q_rows(x.q, head, &rows),
-                    scale,
-                    &mut q_scaled[..m * d],
-                );
-                let d_out_rows = layout.o_rows(x.d_out, head, &rows);
-                let tile = TileRows {
-                    head,
-                    rows: &rows,
-                    keys,
-                    visibility,
-                    q_scaled: &q_scaled[..m * d],
-                    d_out_rows,
-                    lse_rows: layout.row_scalars(x.lse, head, &rows),
-                    delta_rows: layout.row_scalars(self.delta, head, &rows),
-                };
-                recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
-                let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
-                T::matmul_t_acc(scores, d_out_rows, &mut dv_acc[..n * dv], m, n, dv);
-                // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
-                T::matmul_t_acc(d_scores, &q_scaled[..m * d], &mut dk_acc[..n * d], m, n, d);
-                let first = g * problem.seq_q;
-                let dq_rows = &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
-                T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
             }
         }
-        dk_out.copy_from_slice(&dk_acc[..n * d]);
-        dv_out.copy_from_slice(&dv_acc[..n * dv]);
+        dk_out.copy_from_slice(&dk_acc[..n_tile * d]);
+        dv_out.copy_from_slice(&dv_acc[..n_tile * dv]);
         s.acc = dk_acc;
         s.acc2 = dv_acc;
         s.q_scaled = q_scaled;
+        s.key_tiles = segments;
     }
 }
 

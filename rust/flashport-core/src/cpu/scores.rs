@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use super::element::Element;
-use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask, VariantArrays};
+use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask, VariantArrays, MASK_BLOCK};
 use crate::Problem;
 
 /// How a tile of scores is treated.
@@ -86,6 +86,57 @@ impl<'p, T: Element> ScoreRules<'p, T> {
         let start = self.problem.visible_keys(rows.start).start;
         let end = self.problem.visible_keys(rows.end - 1).end;
         start.min(end)..end
+    }
+
+    /// Sets `out` to the key tiles of `rows` to compute, in order, each
+    /// starting at a multiple of [`MASK_BLOCK`] (where packed panels start)
+    /// and at most `tile` keys long: the `tile`-aligned grid over `keys`,
+    /// and with a mask, only the runs of [`MASK_BLOCK`]-key blocks that the
+    /// mask leaves visible to some row, so a block-sparse mask skips work
+    /// at that granularity rather than whole tiles.
+    pub fn key_tiles(
+        &self,
+        head: usize,
+        rows: &Range<usize>,
+        keys: Range<usize>,
+        tile: usize,
+        out: &mut Vec<Range<usize>>,
+    ) {
+        out.clear();
+        if keys.is_empty() || rows.is_empty() {
+            return;
+        }
+        let Some(mask) = &self.mask else {
+            let mut start = keys.start / tile * tile;
+            while start < keys.end {
+                out.push(start..(start + tile).min(keys.end));
+                start += tile;
+            }
+            return;
+        };
+        let (batch, h) = (head / self.problem.heads_q, head % self.problem.heads_q);
+        let mut run: Option<Range<usize>> = None;
+        let mut start = keys.start / MASK_BLOCK * MASK_BLOCK;
+        while start < keys.end {
+            let block = start..(start + MASK_BLOCK).min(keys.end);
+            if mask.any_visible(batch, h, rows, &block) {
+                match &mut run {
+                    Some(r) if r.len() + block.len() <= tile => r.end = block.end,
+                    _ => {
+                        if let Some(r) = run.take() {
+                            out.push(r);
+                        }
+                        run = Some(block);
+                    }
+                }
+            } else if let Some(r) = run.take() {
+                out.push(r);
+            }
+            start += MASK_BLOCK;
+        }
+        if let Some(r) = run {
+            out.push(r);
+        }
     }
 
     pub fn classify(
