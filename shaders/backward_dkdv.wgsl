@@ -25,20 +25,7 @@ override V_ELEMS: u32 = 1024u;
 override S_ELEMS: u32 = 256u;
 override ROW_ELEMS: u32 = 16u;
 
-struct Params {
-    seq_q: u32,
-    seq_k: u32,
-    group: u32,
-    q_head0: u32,
-    causal: u32,
-    causal_offset: i32,
-    scale: f32,
-    // Query heads of each key/value head bound in this dispatch (the whole
-    // group, or a slice of it when one group is too large to bind at once).
-    g_count: u32,
-}
 
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> d_out: array<u32>;
 @group(0) @binding(2) var<storage, read> q: array<u32>;
 @group(0) @binding(3) var<storage, read> k: array<u32>;
@@ -94,17 +81,7 @@ fn ld_v(i: u32) -> f32 {
     return bitcast<f32>(v[i]);
 }
 
-fn visible_end(row: u32) -> u32 {
-    if p.causal == 0u {
-        return p.seq_k;
-    }
-    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
-}
 
-// Checked on the bits: WGSL does not promise IEEE infinities.
-fn is_finite(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
-}
 
 @compute @workgroup_size(WG)
 fn main(
@@ -134,15 +111,21 @@ fn main(
         sdv[e] = 0.0;
     }
 
-    // Query rows above `first_row` see none of these keys (causal).
+    // Query rows above `first_row` see none of these keys (causal), nor
+    // do those from `row_end` on (the left window).
     var first_row = 0u;
     if p.causal != 0u {
         first_row = u32(max(i32(k0) - p.causal_offset, 0));
     }
+    let row_end = rows_seeing_end(k0 + nk);
     for (var t = 0u; t < p.g_count; t++) {
         let head = kv * p.g_count + t;
-        for (var r0 = first_row; r0 < p.seq_q; r0 += BQ) {
-            let nr = min(BQ, p.seq_q - r0);
+        let bh = p.head0 + head;
+        for (var r0 = first_row; r0 < row_end; r0 += BQ) {
+            let nr = min(BQ, row_end - r0);
+            if !mask_tile_visible(bh, r0, r0 + nr, k0, k0 + nk) {
+                continue;
+            }
             let q_base = (head * p.seq_q + r0) * D;
             let o_base = (head * p.seq_q + r0) * DV;
             let l_base = head * p.seq_q + r0;
@@ -179,19 +162,31 @@ fn main(
             for (var e = lid; e < BQ * BK; e += WG) {
                 let i = e / BK;
                 let j = e % BK;
+                let row = r0 + i;
+                let key = k0 + j;
+                // P * Z (for dV) and dU = dS * softcap'(u) (for dK).
                 var pij = 0.0;
                 var ds = 0.0;
-                if i < nr && j < nk && sok[i] == 1u && k0 + j < visible_end(r0 + i) {
+                if i < nr && j < nk && sok[i] == 1u && key < visible_end(row) && key >= visible_start(row) {
                     var s = 0.0;
                     for (var c = 0u; c < D; c++) {
                         s += sq[i * D + c] * sk[j * KS + c];
                     }
-                    pij = exp(s * p.scale - slse[i]);
-                    var dp = 0.0;
-                    for (var c = 0u; c < DV; c++) {
-                        dp += sdo[i * DV + c] * sv[j * VS + c];
+                    let u = s * p.scale;
+                    var sm = u;
+                    if MODIFIES {
+                        sm = score(u, bh, row, key);
                     }
-                    ds = pij * (dp - sdelta[i]);
+                    if !MASK || sm != NEG_BIG {
+                        pij = exp(sm - slse[i]);
+                        var dp = 0.0;
+                        for (var c = 0u; c < DV; c++) {
+                            dp += sdo[i * DV + c] * sv[j * VS + c];
+                        }
+                        let z = dropout_factor(bh, row, key);
+                        ds = softcap_grad(pij * (dp * z - sdelta[i]), u);
+                        pij *= z;
+                    }
                 }
                 sp[e] = pij;
                 sds[e] = ds;

@@ -8,6 +8,8 @@
 // arrays indexed in loops were spilled on NVIDIA). Each accumulator sums
 // in a fixed order, with no atomics: bitwise reproducible. Sizes are
 // overrides the host computes (src/gpu/tiles.rs, backward_kernels).
+// The host prepends shaders/common.wgsl: uniforms, key ranges, variants. A
+// row whose lse is -inf saw no key: its probabilities are all 0.
 
 override RG: u32 = 8u;
 override D: u32 = 64u;
@@ -36,17 +38,6 @@ override SA1: u32 = DV4 + 1u;
 override SB0: u32 = 8u * ND + 1u;
 override SB1: u32 = 8u * NV + 1u;
 
-struct Params {
-    seq_q: u32,
-    seq_k: u32,
-    group: u32,
-    q_head0: u32,
-    causal: u32,
-    causal_offset: i32,
-    scale: f32,
-    g_count: u32,
-}
-
 const BC: u32 = 32u;
 const CG: u32 = 8u;
 const LOG2E: f32 = 1.4426950408889634;
@@ -55,21 +46,6 @@ fn dot_acc(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
     return fma(a.w, b.w, fma(a.z, b.z, fma(a.y, b.y, fma(a.x, b.x, acc))));
 }
 
-// Bottom-right causal alignment: query `row` sees keys `0..visible_end`.
-fn visible_end(row: u32) -> u32 {
-    if p.causal == 0u {
-        return p.seq_k;
-    }
-    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
-}
-
-// Checked on the bits: WGSL does not promise IEEE infinities. A row whose
-// lse is -inf saw no key: its probabilities are all 0.
-fn is_finite(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> d_out: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> k: array<vec4<f32>>;
@@ -129,14 +105,16 @@ fn main(
     var gk20 = vec4(0.0); var gk21 = vec4(0.0); var gk22 = vec4(0.0); var gk23 = vec4(0.0);
     var gk30 = vec4(0.0); var gk31 = vec4(0.0); var gk32 = vec4(0.0); var gk33 = vec4(0.0);
 
-    // Query rows above `first_row` see none of these keys (causal).
+    // Query rows above `first_row` see none of these keys (causal), nor do
+    // those from `row_end` on (the left window).
     var first_row = 0u;
     if p.causal != 0u {
         first_row = u32(max(i32(k0) - p.causal_offset, 0));
     }
+    let row_end = rows_seeing_end(k0 + nk);
     // One flat loop over (query head of the group, query tile), so that the
     // prefetch of the next tile crosses head boundaries.
-    let q_rows = p.seq_q - min(first_row, p.seq_q);
+    let q_rows = row_end - min(first_row, row_end);
     let n_tiles = (q_rows + BC - 1u) / BC;
     let total = p.g_count * n_tiles;
     var pa0 = vec4(0.0); var pb0 = vec4(0.0);
@@ -156,13 +134,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa0 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa0 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb0 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb0 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb0 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
         if PF_N > 1u {
@@ -171,13 +149,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa1 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa1 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb1 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb1 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb1 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
         if PF_N > 2u {
@@ -186,13 +164,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa2 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa2 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb2 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb2 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb2 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
         if PF_N > 3u {
@@ -201,13 +179,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa3 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa3 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb3 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb3 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb3 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
         if PF_N > 4u {
@@ -216,13 +194,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa4 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa4 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb4 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb4 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb4 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
         if PF_N > 5u {
@@ -231,13 +209,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa5 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa5 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb5 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb5 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb5 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
         if PF_N > 6u {
@@ -246,13 +224,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa6 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa6 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb6 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb6 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb6 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
         if PF_N > 7u {
@@ -261,21 +239,22 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa7 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa7 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
             }
             {
                 let j = e / (8u * NV);
                 let c = e % (8u * NV);
                 pb7 = vec4(0.0);
-                if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb7 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb7 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
             }
         }
     }
     for (var it = 0u; it < total; it++) {
         {
             let head = kvh * p.g_count + it / n_tiles;
+            let bh = p.head0 + head;
             let r0 = first_row + (it % n_tiles) * BC;
-            let nr = min(BC, p.seq_q - r0);
+            let nr = min(BC, row_end - r0);
             workgroupBarrier();
             if PF_N > 0u {
                 if PF_N > 0u {
@@ -344,12 +323,14 @@ fn main(
             var dl = vec4(0.0);
             var ok = vec4(false);
             var vend = vec4(0u);
+            var vstart = vec4(0u);
             if cols.x < nr {
                 let l = lse[head * p.seq_q + r0 + cols.x];
                 ok.x = is_finite(l);
                 lse2.x = select(0.0, l * LOG2E, ok.x);
                 dl.x = delta[head * p.seq_q + r0 + cols.x];
                 vend.x = visible_end(r0 + cols.x);
+                vstart.x = visible_start(r0 + cols.x);
             }
             if cols.y < nr {
                 let l = lse[head * p.seq_q + r0 + cols.y];
@@ -357,6 +338,7 @@ fn main(
                 lse2.y = select(0.0, l * LOG2E, ok.y);
                 dl.y = delta[head * p.seq_q + r0 + cols.y];
                 vend.y = visible_end(r0 + cols.y);
+                vstart.y = visible_start(r0 + cols.y);
             }
             if cols.z < nr {
                 let l = lse[head * p.seq_q + r0 + cols.z];
@@ -364,6 +346,7 @@ fn main(
                 lse2.z = select(0.0, l * LOG2E, ok.z);
                 dl.z = delta[head * p.seq_q + r0 + cols.z];
                 vend.z = visible_end(r0 + cols.z);
+                vstart.z = visible_start(r0 + cols.z);
             }
             if cols.w < nr {
                 let l = lse[head * p.seq_q + r0 + cols.w];
@@ -371,6 +354,7 @@ fn main(
                 lse2.w = select(0.0, l * LOG2E, ok.w);
                 dl.w = delta[head * p.seq_q + r0 + cols.w];
                 vend.w = visible_end(r0 + cols.w);
+                vstart.w = visible_start(r0 + cols.w);
             }
             workgroupBarrier();
             if PF_N > 0u && it + 1u < total {
@@ -383,13 +367,13 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa0 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa0 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb0 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb0 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb0 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
                 if PF_N > 1u {
@@ -398,13 +382,13 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa1 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa1 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb1 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb1 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb1 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
                 if PF_N > 2u {
@@ -413,13 +397,13 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa2 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa2 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb2 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb2 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb2 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
                 if PF_N > 3u {
@@ -428,13 +412,13 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa3 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa3 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb3 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb3 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb3 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
                 if PF_N > 4u {
@@ -443,13 +427,13 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa4 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa4 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb4 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb4 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb4 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
                 if PF_N > 5u {
@@ -458,13 +442,13 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa5 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa5 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb5 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb5 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb5 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
                 if PF_N > 6u {
@@ -473,13 +457,13 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa6 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa6 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb6 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb6 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb6 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
                 if PF_N > 7u {
@@ -488,15 +472,20 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa7 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, p.seq_q - r0) && c < D4 { pa7 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = q[(head * p.seq_q + r0 + j) * D4 + c]; }
                     }
                     {
                         let j = e / (8u * NV);
                         let c = e % (8u * NV);
                         pb7 = vec4(0.0);
-                        if e < BC * (8u * NV) && j < min(BC, p.seq_q - r0) && c < DV4 { pb7 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
+                        if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb7 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
+            }
+            if !mask_tile_visible(bh, r0, r0 + nr, k0, k0 + nk) {
+                // The mask hides the whole tile. Its loads (and the
+                // prefetch of the next) were issued all the same.
+                continue;
             }
 
             var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
@@ -535,22 +524,78 @@ fn main(
                 t20 = dot_acc(t20, a2, b0); t21 = dot_acc(t21, a2, b1); t22 = dot_acc(t22, a2, b2); t23 = dot_acc(t23, a2, b3);
                 t30 = dot_acc(t30, a3, b0); t31 = dot_acc(t31, a3, b1); t32 = dot_acc(t32, a3, b2); t33 = dot_acc(t33, a3, b3);
             }
-            let vis0 = (vec4(krow.x) < vend) & ok;
-            let p0 = select(vec4(0.0), exp2(vec4(s00, s01, s02, s03) * sl - lse2), vis0);
-            ws[(rg + 0u * RG) * 9u + cg] = p0;
-            ws2[(rg + 0u * RG) * 9u + cg] = p0 * (vec4(t00, t01, t02, t03) - dl);
-            let vis1 = (vec4(krow.y) < vend) & ok;
-            let p1 = select(vec4(0.0), exp2(vec4(s10, s11, s12, s13) * sl - lse2), vis1);
-            ws[(rg + 1u * RG) * 9u + cg] = p1;
-            ws2[(rg + 1u * RG) * 9u + cg] = p1 * (vec4(t10, t11, t12, t13) - dl);
-            let vis2 = (vec4(krow.z) < vend) & ok;
-            let p2 = select(vec4(0.0), exp2(vec4(s20, s21, s22, s23) * sl - lse2), vis2);
-            ws[(rg + 2u * RG) * 9u + cg] = p2;
-            ws2[(rg + 2u * RG) * 9u + cg] = p2 * (vec4(t20, t21, t22, t23) - dl);
-            let vis3 = (vec4(krow.w) < vend) & ok;
-            let p3 = select(vec4(0.0), exp2(vec4(s30, s31, s32, s33) * sl - lse2), vis3);
-            ws[(rg + 3u * RG) * 9u + cg] = p3;
-            ws2[(rg + 3u * RG) * 9u + cg] = p3 * (vec4(t30, t31, t32, t33) - dl);
+            var vis0 = (vec4(krow.x) < vend) & ok;
+            var e0 = vec4(s00, s01, s02, s03) * sl;
+            var u0 = vec4(0.0);
+            if MODIFIES || WINDOW {
+                u0 = vec4(s00, s01, s02, s03) * p.scale;
+                let sc = score4(u0, bh, vec4(r0) + cols, vec4(krow.x));
+                vis0 = vis0 & (sc != vec4(NEG_BIG)) & (vec4(krow.x) >= vstart);
+                e0 = sc * LOG2E;
+            }
+            let p0 = select(vec4(0.0), exp2(e0 - lse2), vis0);
+            if DROPOUT {
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.x));
+                ws[(rg + 0u * RG) * 9u + cg] = p0 * z;
+                ws2[(rg + 0u * RG) * 9u + cg] = softcap_grad4(p0 * (vec4(t00, t01, t02, t03) * z - dl), u0);
+            } else {
+                ws[(rg + 0u * RG) * 9u + cg] = p0;
+                ws2[(rg + 0u * RG) * 9u + cg] = softcap_grad4(p0 * (vec4(t00, t01, t02, t03) - dl), u0);
+            }
+            var vis1 = (vec4(krow.y) < vend) & ok;
+            var e1 = vec4(s10, s11, s12, s13) * sl;
+            var u1 = vec4(0.0);
+            if MODIFIES || WINDOW {
+                u1 = vec4(s10, s11, s12, s13) * p.scale;
+                let sc = score4(u1, bh, vec4(r0) + cols, vec4(krow.y));
+                vis1 = vis1 & (sc != vec4(NEG_BIG)) & (vec4(krow.y) >= vstart);
+                e1 = sc * LOG2E;
+            }
+            let p1 = select(vec4(0.0), exp2(e1 - lse2), vis1);
+            if DROPOUT {
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.y));
+                ws[(rg + 1u * RG) * 9u + cg] = p1 * z;
+                ws2[(rg + 1u * RG) * 9u + cg] = softcap_grad4(p1 * (vec4(t10, t11, t12, t13) * z - dl), u1);
+            } else {
+                ws[(rg + 1u * RG) * 9u + cg] = p1;
+                ws2[(rg + 1u * RG) * 9u + cg] = softcap_grad4(p1 * (vec4(t10, t11, t12, t13) - dl), u1);
+            }
+            var vis2 = (vec4(krow.z) < vend) & ok;
+            var e2 = vec4(s20, s21, s22, s23) * sl;
+            var u2 = vec4(0.0);
+            if MODIFIES || WINDOW {
+                u2 = vec4(s20, s21, s22, s23) * p.scale;
+                let sc = score4(u2, bh, vec4(r0) + cols, vec4(krow.z));
+                vis2 = vis2 & (sc != vec4(NEG_BIG)) & (vec4(krow.z) >= vstart);
+                e2 = sc * LOG2E;
+            }
+            let p2 = select(vec4(0.0), exp2(e2 - lse2), vis2);
+            if DROPOUT {
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.z));
+                ws[(rg + 2u * RG) * 9u + cg] = p2 * z;
+                ws2[(rg + 2u * RG) * 9u + cg] = softcap_grad4(p2 * (vec4(t20, t21, t22, t23) * z - dl), u2);
+            } else {
+                ws[(rg + 2u * RG) * 9u + cg] = p2;
+                ws2[(rg + 2u * RG) * 9u + cg] = softcap_grad4(p2 * (vec4(t20, t21, t22, t23) - dl), u2);
+            }
+            var vis3 = (vec4(krow.w) < vend) & ok;
+            var e3 = vec4(s30, s31, s32, s33) * sl;
+            var u3 = vec4(0.0);
+            if MODIFIES || WINDOW {
+                u3 = vec4(s30, s31, s32, s33) * p.scale;
+                let sc = score4(u3, bh, vec4(r0) + cols, vec4(krow.w));
+                vis3 = vis3 & (sc != vec4(NEG_BIG)) & (vec4(krow.w) >= vstart);
+                e3 = sc * LOG2E;
+            }
+            let p3 = select(vec4(0.0), exp2(e3 - lse2), vis3);
+            if DROPOUT {
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.w));
+                ws[(rg + 3u * RG) * 9u + cg] = p3 * z;
+                ws2[(rg + 3u * RG) * 9u + cg] = softcap_grad4(p3 * (vec4(t30, t31, t32, t33) * z - dl), u3);
+            } else {
+                ws[(rg + 3u * RG) * 9u + cg] = p3;
+                ws2[(rg + 3u * RG) * 9u + cg] = softcap_grad4(p3 * (vec4(t30, t31, t32, t33) - dl), u3);
+            }
             workgroupBarrier();
 
             for (var c = 0u; c < 8u; c++) {

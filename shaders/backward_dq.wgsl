@@ -24,18 +24,7 @@ override V_ELEMS: u32 = 1024u;
 override S_ELEMS: u32 = 256u;
 override ROW_ELEMS: u32 = 16u;
 
-struct Params {
-    seq_q: u32,
-    seq_k: u32,
-    group: u32,
-    q_head0: u32,
-    causal: u32,
-    causal_offset: i32,
-    scale: f32,
-    g_count: u32,
-}
 
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> d_out: array<u32>;
 @group(0) @binding(2) var<storage, read> q: array<u32>;
 @group(0) @binding(3) var<storage, read> k: array<u32>;
@@ -43,6 +32,11 @@ struct Params {
 @group(0) @binding(5) var<storage, read> lse: array<f32>;
 @group(0) @binding(6) var<storage, read> delta: array<f32>;
 @group(0) @binding(7) var<storage, read_write> dq: array<f32>;
+// The full score gradient dS, (heads, seq_q, seq_k), for the float mask's
+// gradient (with DMASK; a dummy otherwise). Every element is written.
+@group(0) @binding(8) var<storage, read_write> dmask: array<f32>;
+
+override DMASK: bool = false;
 
 var<workgroup> sq: array<f32, Q_ELEMS>;
 var<workgroup> sdq: array<f32, Q_ELEMS>;
@@ -88,17 +82,7 @@ fn ld_v(i: u32) -> f32 {
     return bitcast<f32>(v[i]);
 }
 
-fn visible_end(row: u32) -> u32 {
-    if p.causal == 0u {
-        return p.seq_k;
-    }
-    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
-}
 
-// Checked on the bits: WGSL does not promise IEEE infinities.
-fn is_finite(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
-}
 
 @compute @workgroup_size(WG)
 fn main(
@@ -112,6 +96,7 @@ fn main(
     let q_base = (head * p.seq_q + row0) * D;
     let o_base = (head * p.seq_q + row0) * DV;
     let l_base = head * p.seq_q + row0;
+    let bh = p.head0 + head;
 
     for (var e = lid; e < BQ * D; e += WG) {
         var x = 0.0;
@@ -143,8 +128,18 @@ fn main(
     }
 
     let key_end = visible_end(row0 + rows - 1u);
-    for (var k0 = 0u; k0 < key_end; k0 += BK) {
+    let key_start = min(visible_start(row0), key_end);
+    for (var k0 = key_start; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
+        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
+            // The mask hides the whole tile: dS is 0 there.
+            if DMASK {
+                for (var e = lid; e < rows * nk; e += WG) {
+                    dmask[(l_base + e / nk) * p.seq_k + k0 + e % nk] = 0.0;
+                }
+            }
+            continue;
+        }
         let k_base = (kv * p.seq_k + k0) * D;
         let v_base = (kv * p.seq_k + k0) * DV;
         // Also orders the previous tile's reads of sk/sds before these writes.
@@ -168,20 +163,35 @@ fn main(
         for (var e = lid; e < BQ * BK; e += WG) {
             let i = e / BK;
             let j = e % BK;
+            let row = row0 + i;
+            let key = k0 + j;
+            // dS, and dU = dS * softcap'(u).
             var ds = 0.0;
-            if i < rows && j < nk && sok[i] == 1u && k0 + j < visible_end(row0 + i) {
+            var du = 0.0;
+            if i < rows && j < nk && sok[i] == 1u && key < visible_end(row) && key >= visible_start(row) {
                 var s = 0.0;
                 for (var c = 0u; c < D; c++) {
                     s += sq[i * D + c] * sk[j * KS + c];
                 }
-                let pij = exp(s * p.scale - slse[i]);
-                var dp = 0.0;
-                for (var c = 0u; c < DV; c++) {
-                    dp += sdo[i * DV + c] * sv[j * VS + c];
+                let u = s * p.scale;
+                var sm = u;
+                if MODIFIES {
+                    sm = score(u, bh, row, key);
                 }
-                ds = pij * (dp - sdelta[i]);
+                if !MASK || sm != NEG_BIG {
+                    let pij = exp(sm - slse[i]);
+                    var dp = 0.0;
+                    for (var c = 0u; c < DV; c++) {
+                        dp += sdo[i * DV + c] * sv[j * VS + c];
+                    }
+                    ds = pij * (dp * dropout_factor(bh, row, key) - sdelta[i]);
+                    du = softcap_grad(ds, u);
+                }
             }
-            sds[e] = ds;
+            if DMASK && i < rows && j < nk {
+                dmask[(l_base + i) * p.seq_k + key] = ds;
+            }
+            sds[e] = du;
         }
         workgroupBarrier();
 
@@ -197,6 +207,17 @@ fn main(
     }
     workgroupBarrier();
 
+    if DMASK {
+        // Keys outside the tiles' range: dS is 0.
+        let outside = p.seq_k - (key_end - key_start);
+        for (var e = lid; e < rows * outside; e += WG) {
+            var key = e % outside;
+            if key >= key_start {
+                key += key_end - key_start;
+            }
+            dmask[(l_base + e / outside) * p.seq_k + key] = 0.0;
+        }
+    }
     for (var e = lid; e < rows * D; e += WG) {
         dq[q_base + e] = sdq[e] * p.scale;
     }

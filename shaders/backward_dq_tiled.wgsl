@@ -8,6 +8,8 @@
 // arrays indexed in loops were spilled on NVIDIA). Each accumulator sums
 // in a fixed order, with no atomics: bitwise reproducible. Sizes are
 // overrides the host computes (src/gpu/tiles.rs, backward_kernels).
+// The host prepends shaders/common.wgsl: uniforms, key ranges, variants. A
+// row whose lse is -inf saw no key: its probabilities are all 0.
 
 override RG: u32 = 8u;
 override D: u32 = 64u;
@@ -36,17 +38,6 @@ override SA1: u32 = DV4 + 1u;
 override SB0: u32 = 8u * ND + 1u;
 override SB1: u32 = DV4 + 1u;
 
-struct Params {
-    seq_q: u32,
-    seq_k: u32,
-    group: u32,
-    q_head0: u32,
-    causal: u32,
-    causal_offset: i32,
-    scale: f32,
-    g_count: u32,
-}
-
 const BC: u32 = 32u;
 const CG: u32 = 8u;
 const LOG2E: f32 = 1.4426950408889634;
@@ -55,21 +46,6 @@ fn dot_acc(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
     return fma(a.w, b.w, fma(a.z, b.z, fma(a.y, b.y, fma(a.x, b.x, acc))));
 }
 
-// Bottom-right causal alignment: query `row` sees keys `0..visible_end`.
-fn visible_end(row: u32) -> u32 {
-    if p.causal == 0u {
-        return p.seq_k;
-    }
-    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
-}
-
-// Checked on the bits: WGSL does not promise IEEE infinities. A row whose
-// lse is -inf saw no key: its probabilities are all 0.
-fn is_finite(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> d_out: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> k: array<vec4<f32>>;
@@ -77,6 +53,11 @@ fn is_finite(x: f32) -> bool {
 @group(0) @binding(5) var<storage, read> lse: array<f32>;
 @group(0) @binding(6) var<storage, read> delta: array<f32>;
 @group(0) @binding(7) var<storage, read_write> dq: array<vec4<f32>>;
+// The full score gradient dS, (heads, seq_q, seq_k), for the float mask's
+// gradient (with DMASK; a dummy otherwise). Every element is written.
+@group(0) @binding(8) var<storage, read_write> dmask: array<f32>;
+
+override DMASK: bool = false;
 
 var<workgroup> qs: array<vec4<f32>, A0_ELEMS>;
 var<workgroup> dos: array<vec4<f32>, A1_ELEMS>;
@@ -94,6 +75,7 @@ fn main(
     let row0 = wid.x * BR;
     let rows = min(BR, p.seq_q - row0);
     let kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
+    let bh = p.head0 + head;
     let rg = lid / CG;
     let cg = lid % CG;
 
@@ -119,12 +101,14 @@ fn main(
     var dl = vec4(0.0);
     var ok = vec4(false);
     var vend = vec4(0u);
+    var vstart = vec4(0u);
     if rv.x < rows {
         let l = lse[head * p.seq_q + row0 + rv.x];
         ok.x = is_finite(l);
         lse2.x = select(0.0, l * LOG2E, ok.x);
         dl.x = delta[head * p.seq_q + row0 + rv.x];
         vend.x = visible_end(row0 + rv.x);
+        vstart.x = visible_start(row0 + rv.x);
     }
     if rv.y < rows {
         let l = lse[head * p.seq_q + row0 + rv.y];
@@ -132,6 +116,7 @@ fn main(
         lse2.y = select(0.0, l * LOG2E, ok.y);
         dl.y = delta[head * p.seq_q + row0 + rv.y];
         vend.y = visible_end(row0 + rv.y);
+        vstart.y = visible_start(row0 + rv.y);
     }
     if rv.z < rows {
         let l = lse[head * p.seq_q + row0 + rv.z];
@@ -139,6 +124,7 @@ fn main(
         lse2.z = select(0.0, l * LOG2E, ok.z);
         dl.z = delta[head * p.seq_q + row0 + rv.z];
         vend.z = visible_end(row0 + rv.z);
+        vstart.z = visible_start(row0 + rv.z);
     }
     if rv.w < rows {
         let l = lse[head * p.seq_q + row0 + rv.w];
@@ -146,6 +132,7 @@ fn main(
         lse2.w = select(0.0, l * LOG2E, ok.w);
         dl.w = delta[head * p.seq_q + row0 + rv.w];
         vend.w = visible_end(row0 + rv.w);
+        vstart.w = visible_start(row0 + rv.w);
     }
     let keys = vec4(cg, cg + 8u, cg + 16u, cg + 24u);
     let sl = p.scale * LOG2E;
@@ -155,6 +142,7 @@ fn main(
     var a30 = vec4(0.0); var a31 = vec4(0.0); var a32 = vec4(0.0); var a33 = vec4(0.0);
 
     let key_end = visible_end(row0 + rows - 1u);
+    let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
     var pa0 = vec4(0.0); var pb0 = vec4(0.0);
     var pa1 = vec4(0.0); var pb1 = vec4(0.0);
@@ -171,13 +159,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa0 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa0 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa0 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb0 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb0 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb0 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
         if PF_N > 1u {
@@ -186,13 +174,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa1 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa1 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa1 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb1 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb1 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb1 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
         if PF_N > 2u {
@@ -201,13 +189,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa2 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa2 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa2 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb2 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb2 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb2 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
         if PF_N > 3u {
@@ -216,13 +204,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa3 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa3 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa3 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb3 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb3 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb3 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
         if PF_N > 4u {
@@ -231,13 +219,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa4 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa4 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa4 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb4 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb4 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb4 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
         if PF_N > 5u {
@@ -246,13 +234,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa5 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa5 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa5 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb5 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb5 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb5 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
         if PF_N > 6u {
@@ -261,13 +249,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa6 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa6 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa6 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb6 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb6 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb6 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
         if PF_N > 7u {
@@ -276,17 +264,17 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa7 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end) && c < D4 { pa7 = k[(kv_row0 + 0u + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa7 = k[(kv_row0 + key_start + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb7 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end) && c < DV4 { pb7 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb7 = v[(kv_row0 + key_start + j) * DV4 + c]; }
             }
         }
     }
-    for (var k0 = 0u; k0 < key_end; k0 += BC) {
+    for (var k0 = key_start; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
         workgroupBarrier();
         if PF_N > 0u {
@@ -476,6 +464,16 @@ fn main(
                 }
             }
         }
+        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
+            // The mask hides the whole tile: dS is 0 there. Its loads (and
+            // the prefetch of the next) were issued all the same.
+            if DMASK {
+                for (var e = lid; e < rows * nk; e += RG * CG) {
+                    dmask[(head * p.seq_q + row0 + e / nk) * p.seq_k + k0 + e % nk] = 0.0;
+                }
+            }
+            continue;
+        }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
         var s10 = 0.0; var s11 = 0.0; var s12 = 0.0; var s13 = 0.0;
@@ -514,18 +512,98 @@ fn main(
             t30 = dot_acc(t30, a3, b0); t31 = dot_acc(t31, a3, b1); t32 = dot_acc(t32, a3, b2); t33 = dot_acc(t33, a3, b3);
         }
         let kk = vec4(k0) + keys;
-        let vis0 = (kk < vec4(vend.x)) & vec4(ok.x);
-        let p0 = select(vec4(0.0), exp2(vec4(s00, s01, s02, s03) * sl - lse2.x), vis0);
-        ws[rv.x * 9u + cg] = p0 * (vec4(t00, t01, t02, t03) - dl.x);
-        let vis1 = (kk < vec4(vend.y)) & vec4(ok.y);
-        let p1 = select(vec4(0.0), exp2(vec4(s10, s11, s12, s13) * sl - lse2.y), vis1);
-        ws[rv.y * 9u + cg] = p1 * (vec4(t10, t11, t12, t13) - dl.y);
-        let vis2 = (kk < vec4(vend.z)) & vec4(ok.z);
-        let p2 = select(vec4(0.0), exp2(vec4(s20, s21, s22, s23) * sl - lse2.z), vis2);
-        ws[rv.z * 9u + cg] = p2 * (vec4(t20, t21, t22, t23) - dl.z);
-        let vis3 = (kk < vec4(vend.w)) & vec4(ok.w);
-        let p3 = select(vec4(0.0), exp2(vec4(s30, s31, s32, s33) * sl - lse2.w), vis3);
-        ws[rv.w * 9u + cg] = p3 * (vec4(t30, t31, t32, t33) - dl.w);
+        var vis0 = (kk < vec4(vend.x)) & vec4(ok.x);
+        var e0 = vec4(s00, s01, s02, s03) * sl;
+        var u0 = vec4(0.0);
+        if MODIFIES || WINDOW {
+            u0 = vec4(s00, s01, s02, s03) * p.scale;
+            let sc = score4(u0, bh, vec4(row0 + rv.x), kk);
+            vis0 = vis0 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.x));
+            e0 = sc * LOG2E;
+        }
+        let p0 = select(vec4(0.0), exp2(e0 - lse2.x), vis0);
+        var dp0 = vec4(t00, t01, t02, t03);
+        if DROPOUT {
+            dp0 *= dropout4(bh, vec4(row0 + rv.x), kk);
+        }
+        let ds0 = p0 * (dp0 - dl.x);
+        if DMASK && rv.x < rows {
+            let at = (head * p.seq_q + row0 + rv.x) * p.seq_k + k0;
+            if keys.x < nk { dmask[at + keys.x] = ds0.x; }
+            if keys.y < nk { dmask[at + keys.y] = ds0.y; }
+            if keys.z < nk { dmask[at + keys.z] = ds0.z; }
+            if keys.w < nk { dmask[at + keys.w] = ds0.w; }
+        }
+        ws[rv.x * 9u + cg] = softcap_grad4(ds0, u0);
+        var vis1 = (kk < vec4(vend.y)) & vec4(ok.y);
+        var e1 = vec4(s10, s11, s12, s13) * sl;
+        var u1 = vec4(0.0);
+        if MODIFIES || WINDOW {
+            u1 = vec4(s10, s11, s12, s13) * p.scale;
+            let sc = score4(u1, bh, vec4(row0 + rv.y), kk);
+            vis1 = vis1 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.y));
+            e1 = sc * LOG2E;
+        }
+        let p1 = select(vec4(0.0), exp2(e1 - lse2.y), vis1);
+        var dp1 = vec4(t10, t11, t12, t13);
+        if DROPOUT {
+            dp1 *= dropout4(bh, vec4(row0 + rv.y), kk);
+        }
+        let ds1 = p1 * (dp1 - dl.y);
+        if DMASK && rv.y < rows {
+            let at = (head * p.seq_q + row0 + rv.y) * p.seq_k + k0;
+            if keys.x < nk { dmask[at + keys.x] = ds1.x; }
+            if keys.y < nk { dmask[at + keys.y] = ds1.y; }
+            if keys.z < nk { dmask[at + keys.z] = ds1.z; }
+            if keys.w < nk { dmask[at + keys.w] = ds1.w; }
+        }
+        ws[rv.y * 9u + cg] = softcap_grad4(ds1, u1);
+        var vis2 = (kk < vec4(vend.z)) & vec4(ok.z);
+        var e2 = vec4(s20, s21, s22, s23) * sl;
+        var u2 = vec4(0.0);
+        if MODIFIES || WINDOW {
+            u2 = vec4(s20, s21, s22, s23) * p.scale;
+            let sc = score4(u2, bh, vec4(row0 + rv.z), kk);
+            vis2 = vis2 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.z));
+            e2 = sc * LOG2E;
+        }
+        let p2 = select(vec4(0.0), exp2(e2 - lse2.z), vis2);
+        var dp2 = vec4(t20, t21, t22, t23);
+        if DROPOUT {
+            dp2 *= dropout4(bh, vec4(row0 + rv.z), kk);
+        }
+        let ds2 = p2 * (dp2 - dl.z);
+        if DMASK && rv.z < rows {
+            let at = (head * p.seq_q + row0 + rv.z) * p.seq_k + k0;
+            if keys.x < nk { dmask[at + keys.x] = ds2.x; }
+            if keys.y < nk { dmask[at + keys.y] = ds2.y; }
+            if keys.z < nk { dmask[at + keys.z] = ds2.z; }
+            if keys.w < nk { dmask[at + keys.w] = ds2.w; }
+        }
+        ws[rv.z * 9u + cg] = softcap_grad4(ds2, u2);
+        var vis3 = (kk < vec4(vend.w)) & vec4(ok.w);
+        var e3 = vec4(s30, s31, s32, s33) * sl;
+        var u3 = vec4(0.0);
+        if MODIFIES || WINDOW {
+            u3 = vec4(s30, s31, s32, s33) * p.scale;
+            let sc = score4(u3, bh, vec4(row0 + rv.w), kk);
+            vis3 = vis3 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.w));
+            e3 = sc * LOG2E;
+        }
+        let p3 = select(vec4(0.0), exp2(e3 - lse2.w), vis3);
+        var dp3 = vec4(t30, t31, t32, t33);
+        if DROPOUT {
+            dp3 *= dropout4(bh, vec4(row0 + rv.w), kk);
+        }
+        let ds3 = p3 * (dp3 - dl.w);
+        if DMASK && rv.w < rows {
+            let at = (head * p.seq_q + row0 + rv.w) * p.seq_k + k0;
+            if keys.x < nk { dmask[at + keys.x] = ds3.x; }
+            if keys.y < nk { dmask[at + keys.y] = ds3.y; }
+            if keys.z < nk { dmask[at + keys.z] = ds3.z; }
+            if keys.w < nk { dmask[at + keys.w] = ds3.w; }
+        }
+        ws[rv.w * 9u + cg] = softcap_grad4(ds3, u3);
         workgroupBarrier();
 
         for (var c = 0u; c < 8u; c++) {
@@ -564,6 +642,17 @@ fn main(
         }
     }
 
+    if DMASK {
+        // Keys outside the tiles' range: dS is 0.
+        let outside = p.seq_k - (key_end - key_start);
+        for (var e = lid; e < rows * outside; e += RG * CG) {
+            var key = e % outside;
+            if key >= key_start {
+                key += key_end - key_start;
+            }
+            dmask[(head * p.seq_q + row0 + e / outside) * p.seq_k + key] = 0.0;
+        }
+    }
     if rg + 0u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 0u * RG) * D4 + cg;
         if cg + 0u < D4 { dq[at + 0u] = a00 * p.scale; }

@@ -7,18 +7,7 @@ override DV: u32 = 64u;
 // Inputs hold IEEE binary16 pairs packed in u32 words instead of f32.
 override IN_F16: bool = false;
 
-struct Params {
-    seq_q: u32,
-    seq_k: u32,
-    group: u32,
-    q_head0: u32,
-    causal: u32,
-    causal_offset: i32,
-    scale: f32,
-    g_count: u32,
-}
 
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> d_out: array<u32>;
 @group(0) @binding(2) var<storage, read> o: array<u32>;
 @group(0) @binding(3) var<storage, read_write> delta: array<f32>;

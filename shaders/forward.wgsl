@@ -30,21 +30,7 @@ override S_ELEMS: u32 = 256u;
 override O_ELEMS: u32 = 1024u;
 override ROW_ELEMS: u32 = 16u;
 
-struct Params {
-    seq_q: u32,
-    seq_k: u32,
-    // Query heads per key/value head.
-    group: u32,
-    // Flat index of the first query head bound in this dispatch; with
-    // `group` it locates the key/value head of every query head.
-    q_head0: u32,
-    causal: u32,
-    causal_offset: i32,
-    scale: f32,
-    g_count: u32,
-}
 
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<u32>;
 @group(0) @binding(2) var<storage, read> k: array<u32>;
 @group(0) @binding(3) var<storage, read> v: array<u32>;
@@ -60,9 +46,6 @@ var<workgroup> row_max: array<f32, ROW_ELEMS>;
 var<workgroup> row_sum: array<f32, ROW_ELEMS>;
 var<workgroup> row_corr: array<f32, ROW_ELEMS>;
 
-// A finite stand-in for -inf: WGSL does not promise IEEE infinities in
-// arithmetic, so no -inf ever enters a subtraction here.
-const NEG_BIG: f32 = -3.0e38;
 
 fn half_of(w: u32, i: u32) -> f32 {
     let h = unpack2x16float(w);
@@ -90,13 +73,6 @@ fn ld_v(i: u32) -> f32 {
     return bitcast<f32>(v[i]);
 }
 
-// Bottom-right causal alignment: query `row` sees keys `0..visible_end`.
-fn visible_end(row: u32) -> u32 {
-    if p.causal == 0u {
-        return p.seq_k;
-    }
-    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
-}
 
 @compute @workgroup_size(WG)
 fn main(
@@ -109,6 +85,7 @@ fn main(
     let kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
     let q_base = (head * p.seq_q + row0) * D;
     let kv_row0 = kv * p.seq_k;
+    let bh = p.head0 + head;
 
     for (var e = lid; e < BQ * D; e += WG) {
         var x = 0.0;
@@ -127,8 +104,13 @@ fn main(
 
     // Rows grow downwards, so the last row of the tile sees the most keys.
     let key_end = visible_end(row0 + rows - 1u);
-    for (var k0 = 0u; k0 < key_end; k0 += BK) {
+    // The first row starts first (the window's start grows with the row).
+    for (var k0 = visible_start(row0); k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
+        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
+            // The mask hides the whole tile.
+            continue;
+        }
         // Also orders the previous tile's reads of sk/sv/ss before these writes.
         workgroupBarrier();
         for (var e = lid; e < BK * D; e += WG) {
@@ -157,13 +139,21 @@ fn main(
                     acc += sq[i * D + c] * sk[j * KS + c];
                 }
                 s = acc * p.scale;
+                if MODIFIES || WINDOW {
+                    s = score(s, bh, row0 + i, k0 + j);
+                    if k0 + j < visible_start(row0 + i) {
+                        s = NEG_BIG;
+                    }
+                }
             }
             ss[e] = s;
         }
         workgroupBarrier();
 
-        // The online-softmax step, one thread per row; masked keys are the
-        // tail of the row (causal masks cut rows at `visible_end`).
+        // The online-softmax step, one thread per row; keys past the row's
+        // end are the tail of the row (causal masks cut rows at
+        // `visible_end`), keys the window's start or the mask hide are
+        // NEG_BIG.
         for (var i = lid; i < BQ; i += WG) {
             var n = 0u;
             if i < rows {
@@ -183,11 +173,17 @@ fn main(
             var sum = 0.0;
             for (var j = 0u; j < BK; j++) {
                 var pj = 0.0;
-                if j < n {
-                    pj = exp(ss[i * BK + j] - new_max);
+                let s = ss[i * BK + j];
+                if j < n && (!(MASK || WINDOW) || s != NEG_BIG) {
+                    pj = exp(s - new_max);
+                }
+                sum += pj;
+                // The sum is of the undropped probabilities; only the
+                // output drops some.
+                if DROPOUT && !keeps(bh, row0 + i, k0 + j) {
+                    pj = 0.0;
                 }
                 ss[i * BK + j] = pj;
-                sum += pj;
             }
             row_sum[i] = row_sum[i] * corr + sum;
             row_max[i] = new_max;
@@ -208,6 +204,17 @@ fn main(
     workgroupBarrier();
 
     let o_base = (head * p.seq_q + row0) * DV;
+    let l_base = head * p.seq_q + row0;
+    if SINKS || DROPOUT {
+        for (var e = lid; e < rows * DV; e += WG) {
+            let i = e / DVN;
+            out[o_base + e] = so[e] * finish_row(bh, row_max[i], row_sum[i]).x;
+        }
+        for (var i = lid; i < rows; i += WG) {
+            lse[l_base + i] = finish_row(bh, row_max[i], row_sum[i]).y;
+        }
+        return;
+    }
     for (var e = lid; e < rows * DV; e += WG) {
         let l = row_sum[e / DVN];
         var x = 0.0;
@@ -216,7 +223,6 @@ fn main(
         }
         out[o_base + e] = x;
     }
-    let l_base = head * p.seq_q + row0;
     for (var i = lid; i < rows; i += WG) {
         let l = row_sum[i];
         // A row that saw no key: lse = -inf, written as bits.

@@ -10,8 +10,8 @@
 // vec4 reads of one warp from the padded (QS4, VS4, PS4) tiles land in
 // distinct banks.
 //
-// Needs, prepended by the host (src/gpu/shaders.rs), one of
-// shaders/row_reduce_*.wgsl: row_max4/row_sum4 reduce a vec4 of four
+// Needs, prepended by the host (src/gpu/shaders.rs), shaders/common.wgsl
+// (uniforms, key ranges, variants) and one of shaders/row_reduce_*.wgsl: row_max4/row_sum4 reduce a vec4 of four
 // rows' values over the CG invocations of a row group.
 //
 // Every sum runs in a fixed order (the reduction fragments too): results
@@ -45,18 +45,7 @@ override QS4: u32 = D4 + 1u;
 override VS4: u32 = 8u * NV + 1u;
 const PS4: u32 = 9u;
 
-struct Params {
-    seq_q: u32,
-    seq_k: u32,
-    group: u32,
-    q_head0: u32,
-    causal: u32,
-    causal_offset: i32,
-    scale: f32,
-    g_count: u32,
-}
 
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> k: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> v: array<vec4<f32>>;
@@ -70,9 +59,6 @@ var<workgroup> kvs: array<vec4<f32>, KV_ELEMS>;
 // stores one vec4 per row.
 var<workgroup> ps: array<vec4<f32>, P_ELEMS>;
 
-// A finite stand-in for -inf: WGSL does not promise IEEE infinities in
-// arithmetic, so no -inf ever enters a subtraction here.
-const NEG_BIG: f32 = -3.0e38;
 const LOG2E: f32 = 1.4426950408889634;
 const LN2: f32 = 0.6931471805599453;
 
@@ -86,14 +72,6 @@ fn hmax(x: vec4<f32>) -> f32 {
 
 fn hsum(x: vec4<f32>) -> f32 {
     return (x.x + x.y) + (x.z + x.w);
-}
-
-// Bottom-right causal alignment: query `row` sees keys `0..visible_end`.
-fn visible_end(row: u32) -> u32 {
-    if p.causal == 0u {
-        return p.seq_k;
-    }
-    return u32(clamp(i32(row) + p.causal_offset + 1, 0, i32(p.seq_k)));
 }
 
 fn load_v(kv_row: u32, nk: u32, lid: u32) {
@@ -117,6 +95,7 @@ fn main(
     let row0 = wid.x * BQ;
     let rows = min(BQ, p.seq_q - row0);
     let kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
+    let bh = p.head0 + head;
     let rg = lid / CG;
     let cg = lid % CG;
 
@@ -147,8 +126,10 @@ fn main(
     var o20 = vec4(0.0); var o21 = vec4(0.0); var o22 = vec4(0.0); var o23 = vec4(0.0);
     var o30 = vec4(0.0); var o31 = vec4(0.0); var o32 = vec4(0.0); var o33 = vec4(0.0);
 
-    // Rows grow downwards, so the last row of the tile sees the most keys.
+    // Rows grow downwards, so the last row of the tile sees the most keys
+    // and the first starts first.
     let key_end = visible_end(row0 + rows - 1u);
+    let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
     var pk0 = vec4(0.0); var pv0 = vec4(0.0);
     var pk1 = vec4(0.0); var pv1 = vec4(0.0);
@@ -162,77 +143,77 @@ fn main(
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             pk0 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk0 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk0 = k[(kv_row0 + key_start) * D4 + e]; }
             pv0 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv0 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv0 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
         if PF_N > 1u {
             let e = lid + 1u * RG * CG;
             pk1 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk1 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk1 = k[(kv_row0 + key_start) * D4 + e]; }
             pv1 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv1 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv1 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
         if PF_N > 2u {
             let e = lid + 2u * RG * CG;
             pk2 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk2 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk2 = k[(kv_row0 + key_start) * D4 + e]; }
             pv2 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv2 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv2 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
         if PF_N > 3u {
             let e = lid + 3u * RG * CG;
             pk3 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk3 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk3 = k[(kv_row0 + key_start) * D4 + e]; }
             pv3 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv3 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv3 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
         if PF_N > 4u {
             let e = lid + 4u * RG * CG;
             pk4 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk4 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk4 = k[(kv_row0 + key_start) * D4 + e]; }
             pv4 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv4 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv4 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
         if PF_N > 5u {
             let e = lid + 5u * RG * CG;
             pk5 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk5 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk5 = k[(kv_row0 + key_start) * D4 + e]; }
             pv5 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv5 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv5 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
         if PF_N > 6u {
             let e = lid + 6u * RG * CG;
             pk6 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk6 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk6 = k[(kv_row0 + key_start) * D4 + e]; }
             pv6 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv6 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv6 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
         if PF_N > 7u {
             let e = lid + 7u * RG * CG;
             pk7 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end) { pk7 = k[(kv_row0 + 0u) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk7 = k[(kv_row0 + key_start) * D4 + e]; }
             pv7 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end) && c < DV4 { pv7 = v[(kv_row0 + 0u + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv7 = v[(kv_row0 + key_start + j) * DV4 + c]; }
         }
     }
-    for (var k0 = 0u; k0 < key_end; k0 += BK) {
+    for (var k0 = key_start; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
         // Also orders the previous tile's reads of kvs/ps before these writes.
         workgroupBarrier();
@@ -371,6 +352,11 @@ fn main(
                 }
             }
         }
+        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
+            // The mask hides the whole tile; its loads (and the prefetch
+            // of the next) were issued all the same, to keep one pipeline.
+            continue;
+        }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
         var s10 = 0.0; var s11 = 0.0; var s12 = 0.0; var s13 = 0.0;
@@ -408,14 +394,44 @@ fn main(
         // that has seen no key yet keeps m = NEG_BIG, and exp2(NEG_BIG -
         // NEG_BIG) would be 1.
         let kk = vec4(k0) + keys;
-        let vis0 = kk < vec4(vend.x);
-        let vis1 = kk < vec4(vend.y);
-        let vis2 = kk < vec4(vend.z);
-        let vis3 = kk < vec4(vend.w);
-        let t0 = select(vec4(NEG_BIG), vec4(s00, s01, s02, s03) * scale, vis0);
-        let t1 = select(vec4(NEG_BIG), vec4(s10, s11, s12, s13) * scale, vis1);
-        let t2 = select(vec4(NEG_BIG), vec4(s20, s21, s22, s23) * scale, vis2);
-        let t3 = select(vec4(NEG_BIG), vec4(s30, s31, s32, s33) * scale, vis3);
+        var vis0 = kk < vec4(vend.x);
+        var vis1 = kk < vec4(vend.y);
+        var vis2 = kk < vec4(vend.z);
+        var vis3 = kk < vec4(vend.w);
+        var u0 = vec4(s00, s01, s02, s03) * scale;
+        var u1 = vec4(s10, s11, s12, s13) * scale;
+        var u2 = vec4(s20, s21, s22, s23) * scale;
+        var u3 = vec4(s30, s31, s32, s33) * scale;
+        if MODIFIES || WINDOW {
+            {
+                let r = row0 + rv.x;
+                let sc = score4(vec4(s00, s01, s02, s03) * p.scale, bh, vec4(r), kk);
+                vis0 = vis0 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
+                u0 = sc * LOG2E;
+            }
+            {
+                let r = row0 + rv.y;
+                let sc = score4(vec4(s10, s11, s12, s13) * p.scale, bh, vec4(r), kk);
+                vis1 = vis1 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
+                u1 = sc * LOG2E;
+            }
+            {
+                let r = row0 + rv.z;
+                let sc = score4(vec4(s20, s21, s22, s23) * p.scale, bh, vec4(r), kk);
+                vis2 = vis2 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
+                u2 = sc * LOG2E;
+            }
+            {
+                let r = row0 + rv.w;
+                let sc = score4(vec4(s30, s31, s32, s33) * p.scale, bh, vec4(r), kk);
+                vis3 = vis3 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
+                u3 = sc * LOG2E;
+            }
+        }
+        let t0 = select(vec4(NEG_BIG), u0, vis0);
+        let t1 = select(vec4(NEG_BIG), u1, vis1);
+        let t2 = select(vec4(NEG_BIG), u2, vis2);
+        let t3 = select(vec4(NEG_BIG), u3, vis3);
         let m_new = max(m, row_max4(vec4(hmax(t0), hmax(t1), hmax(t2), hmax(t3)), rg, cg));
         // exp2(NEG_BIG - finite) underflows to 0 and discards the empty
         // accumulator, which is what a first visible key needs.
@@ -430,10 +446,19 @@ fn main(
         o10 *= corr.y; o11 *= corr.y; o12 *= corr.y; o13 *= corr.y;
         o20 *= corr.z; o21 *= corr.z; o22 *= corr.z; o23 *= corr.z;
         o30 *= corr.w; o31 *= corr.w; o32 *= corr.w; o33 *= corr.w;
-        ps[rv.x * PS4 + cg] = p0;
-        ps[rv.y * PS4 + cg] = p1;
-        ps[rv.z * PS4 + cg] = p2;
-        ps[rv.w * PS4 + cg] = p3;
+        if DROPOUT {
+            // The sum is of the undropped probabilities; only the output
+            // drops some (1 / (1 - p) is applied with the normaliser).
+            ps[rv.x * PS4 + cg] = select(vec4(0.0), p0, dropout4(bh, vec4(row0 + rv.x), kk) > vec4(0.0));
+            ps[rv.y * PS4 + cg] = select(vec4(0.0), p1, dropout4(bh, vec4(row0 + rv.y), kk) > vec4(0.0));
+            ps[rv.z * PS4 + cg] = select(vec4(0.0), p2, dropout4(bh, vec4(row0 + rv.z), kk) > vec4(0.0));
+            ps[rv.w * PS4 + cg] = select(vec4(0.0), p3, dropout4(bh, vec4(row0 + rv.w), kk) > vec4(0.0));
+        } else {
+            ps[rv.x * PS4 + cg] = p0;
+            ps[rv.y * PS4 + cg] = p1;
+            ps[rv.z * PS4 + cg] = p2;
+            ps[rv.w * PS4 + cg] = p3;
+        }
         if V_OFF == 0u {
             // Everyone is done with K; V takes its place.
             workgroupBarrier();
@@ -525,37 +550,73 @@ fn main(
     if rg + 0u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 0u * RG) * DV4 + cg;
         let li = l.x;
-        if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o00 / li, li > 0.0); }
-        if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o01 / li, li > 0.0); }
-        if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o02 / li, li > 0.0); }
-        if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o03 / li, li > 0.0); }
-        if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = select(neg_inf, m.x * LN2 + log(li), li > 0.0); }
+        if SINKS || DROPOUT {
+            let fin = finish_row(bh, m.x * LN2, li);
+            if cg + 0u < DV4 { out[at + 0u] = o00 * fin.x; }
+            if cg + 8u < DV4 { out[at + 8u] = o01 * fin.x; }
+            if cg + 16u < DV4 { out[at + 16u] = o02 * fin.x; }
+            if cg + 24u < DV4 { out[at + 24u] = o03 * fin.x; }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = fin.y; }
+        } else {
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o00 / li, li > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o01 / li, li > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o02 / li, li > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o03 / li, li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = select(neg_inf, m.x * LN2 + log(li), li > 0.0); }
+        }
     }
     if rg + 1u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 1u * RG) * DV4 + cg;
         let li = l.y;
-        if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o10 / li, li > 0.0); }
-        if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o11 / li, li > 0.0); }
-        if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o12 / li, li > 0.0); }
-        if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o13 / li, li > 0.0); }
-        if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = select(neg_inf, m.y * LN2 + log(li), li > 0.0); }
+        if SINKS || DROPOUT {
+            let fin = finish_row(bh, m.y * LN2, li);
+            if cg + 0u < DV4 { out[at + 0u] = o10 * fin.x; }
+            if cg + 8u < DV4 { out[at + 8u] = o11 * fin.x; }
+            if cg + 16u < DV4 { out[at + 16u] = o12 * fin.x; }
+            if cg + 24u < DV4 { out[at + 24u] = o13 * fin.x; }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = fin.y; }
+        } else {
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o10 / li, li > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o11 / li, li > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o12 / li, li > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o13 / li, li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = select(neg_inf, m.y * LN2 + log(li), li > 0.0); }
+        }
     }
     if rg + 2u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 2u * RG) * DV4 + cg;
         let li = l.z;
-        if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o20 / li, li > 0.0); }
-        if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o21 / li, li > 0.0); }
-        if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o22 / li, li > 0.0); }
-        if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o23 / li, li > 0.0); }
-        if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = select(neg_inf, m.z * LN2 + log(li), li > 0.0); }
+        if SINKS || DROPOUT {
+            let fin = finish_row(bh, m.z * LN2, li);
+            if cg + 0u < DV4 { out[at + 0u] = o20 * fin.x; }
+            if cg + 8u < DV4 { out[at + 8u] = o21 * fin.x; }
+            if cg + 16u < DV4 { out[at + 16u] = o22 * fin.x; }
+            if cg + 24u < DV4 { out[at + 24u] = o23 * fin.x; }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = fin.y; }
+        } else {
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o20 / li, li > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o21 / li, li > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o22 / li, li > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o23 / li, li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = select(neg_inf, m.z * LN2 + log(li), li > 0.0); }
+        }
     }
     if rg + 3u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 3u * RG) * DV4 + cg;
         let li = l.w;
-        if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o30 / li, li > 0.0); }
-        if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o31 / li, li > 0.0); }
-        if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o32 / li, li > 0.0); }
-        if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o33 / li, li > 0.0); }
-        if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = select(neg_inf, m.w * LN2 + log(li), li > 0.0); }
+        if SINKS || DROPOUT {
+            let fin = finish_row(bh, m.w * LN2, li);
+            if cg + 0u < DV4 { out[at + 0u] = o30 * fin.x; }
+            if cg + 8u < DV4 { out[at + 8u] = o31 * fin.x; }
+            if cg + 16u < DV4 { out[at + 16u] = o32 * fin.x; }
+            if cg + 24u < DV4 { out[at + 24u] = o33 * fin.x; }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = fin.y; }
+        } else {
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o30 / li, li > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o31 / li, li > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o32 / li, li > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o33 / li, li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = select(neg_inf, m.w * LN2 + log(li), li > 0.0); }
+        }
     }
 }

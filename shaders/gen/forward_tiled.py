@@ -71,15 +71,44 @@ def store():
         out.append(f"    if rg + {i}u * RG < rows {{")
         out.append(f"        let at = (head * p.seq_q + row0 + rg + {i}u * RG) * DV4 + cg;")
         out.append(f"        let li = l.{c};")
+        out.append("        if SINKS || DROPOUT {")
+        out.append(f"            let fin = finish_row(bh, m.{c} * LN2, li);")
+        for n in R:
+            guard = f"cg + {8 * n}u < DV4"
+            out.append(f"            if {guard} {{ out[at + {8 * n}u] = o{i}{n} * fin.x; }}")
+        out.append(
+            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = fin.y; }}"
+        )
+        out.append("        } else {")
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
             out.append(
-                f"        if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / li, li > 0.0); }}"
+                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / li, li > 0.0); }}"
             )
         out.append(
-            f"        if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} * LN2 + log(li), li > 0.0); }}"
+            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} * LN2 + log(li), li > 0.0); }}"
         )
+        out.append("        }")
         out.append("    }")
+    return "\n".join(out)
+
+
+def variant_scores():
+    """The variants' scores in log2 units, and the keys they hide."""
+    out = ["        if MODIFIES || WINDOW {"]
+    for i in R:
+        c = "xyzw"[i]
+        out.append("            {")
+        out.append(f"                let r = row0 + rv.{c};")
+        out.append(
+            f"                let sc = score4(vec4(s{i}0, s{i}1, s{i}2, s{i}3) * p.scale, bh, vec4(r), kk);"
+        )
+        out.append(
+            f"                vis{i} = vis{i} & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));"
+        )
+        out.append(f"                u{i} = sc * LOG2E;")
+        out.append("            }")
+    out.append("        }")
     return "\n".join(out)
 
 
@@ -128,11 +157,12 @@ text = (
     .replace("{{DECL_O}}", decl("o"))
     .replace("{{RESCALE}}", rescale())
     .replace("{{STORE}}", store())
+    .replace("{{VARIANT_SCORES}}", variant_scores())
     .replace(
         "{{PF_DECL}}",
         "\n".join("    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF),
     )
-    .replace("{{PF_FIRST}}", prefetch_load("0u", "min(BK, key_end)", "        "))
+    .replace("{{PF_FIRST}}", prefetch_load("key_start", "min(BK, key_end - key_start)", "        "))
     .replace("{{PF_NEXT}}", prefetch_load("next", "min(BK, key_end - next)", "                "))
     .replace("{{PF_STORE}}", prefetch_store("            "))
 )

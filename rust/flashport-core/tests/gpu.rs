@@ -636,3 +636,509 @@ fn timing_report() {
         }
     }
 }
+
+// ---------------------------------------------------------------------
+// Attention variants: the GPU against the float64 CPU reference.
+
+use flashport_core::variants::{DropoutMask, MaskData};
+
+#[derive(Clone, Default)]
+enum MaskArg {
+    #[default]
+    None,
+    Bool(Vec<usize>),
+    Float(Vec<usize>),
+}
+
+#[derive(Clone, Default)]
+struct Spec {
+    causal: bool,
+    window: Option<(i64, i64)>,
+    softcap: Option<f64>,
+    dropout_p: f64,
+    mask: MaskArg,
+    /// Shape of the ALiBi slopes: `[heads_q]` or `[batch, heads_q]`.
+    alibi: Option<Vec<usize>>,
+    sinks: bool,
+    dmask: bool,
+}
+
+/// A mask's values: mostly finite (or True), every 5th -inf (False), and
+/// the first 16x16 block of each (row, key) plane entirely hidden so that
+/// tiles are skipped.
+fn mask_pattern(dims: &[usize], seed: u64) -> Vec<Option<f64>> {
+    let n: usize = dims.iter().product();
+    let (rows, keys) = match dims.len() {
+        1 => (1, dims[0]),
+        _ => (dims[dims.len() - 2], dims[dims.len() - 1]),
+    };
+    random(n, seed)
+        .into_iter()
+        .enumerate()
+        .map(|(e, x)| {
+            let (r, c) = ((e / keys) % rows, e % keys);
+            let hidden = e % 5 == 3 || (r < 16 && c < 16 && rows > 1 && keys > 16);
+            (!hidden).then_some(x)
+        })
+        .collect()
+}
+
+/// Max relative errors of (out, lse, dq, dk, dv, dmask).
+fn check_spec(
+    s: Shape,
+    dtype: DType,
+    spec: &Spec,
+    seed: u64,
+    fwd_tol: f64,
+    bwd_tol: f64,
+) -> [f64; 6] {
+    let (b, hq, hkv, sq, sk, d, dv) = s;
+    let dt_name = dtype.numpy_name();
+    let mask_shape: Option<(Vec<usize>, bool)> = match &spec.mask {
+        MaskArg::None => None,
+        MaskArg::Bool(shape) => Some((shape.clone(), true)),
+        MaskArg::Float(shape) => Some((shape.clone(), false)),
+    };
+    let pattern = mask_shape
+        .as_ref()
+        .map(|(shape, _)| mask_pattern(shape, seed + 7))
+        .unwrap_or_default();
+    let mask_bool: Vec<bool> = pattern.iter().map(Option::is_some).collect();
+    let mask_f32: Vec<f32> = pattern
+        .iter()
+        .map(|x| x.map_or(f32::NEG_INFINITY, |v| v as f32))
+        .collect();
+    let slopes: Vec<f64> = spec
+        .alibi
+        .as_ref()
+        .map(|shape| {
+            random(shape.iter().product(), seed + 8)
+                .iter()
+                .map(|x| (x.abs() * 0.5) as f32 as f64)
+                .collect()
+        })
+        .unwrap_or_default();
+    let sinks: Vec<f64> = random(hq, seed + 9)
+        .iter()
+        .map(|x| (2.0 * x) as f32 as f64)
+        .collect();
+    let sinks_shape = [hq];
+    let options = Options {
+        causal: spec.causal,
+        window: spec.window,
+        softcap: spec.softcap,
+        dropout_p: spec.dropout_p,
+        seed: (spec.dropout_p > 0.0).then_some(0x1234_5678_9abc + seed as i128),
+        mask: mask_shape.as_ref().map(|(shape, is_bool)| {
+            ArrayInfo::new(shape, if *is_bool { "bool" } else { "float32" })
+        }),
+        alibi_slopes: spec
+            .alibi
+            .as_ref()
+            .map(|shape| ArrayInfo::new(shape, "float32")),
+        sinks: spec.sinks.then(|| ArrayInfo::new(&sinks_shape, "float32")),
+        ..Options::default()
+    };
+    let p = validate_forward(
+        ArrayInfo::new(&[b, hq, sq, d], dt_name),
+        ArrayInfo::new(&[b, hkv, sk, d], dt_name),
+        ArrayInfo::new(&[b, hkv, sk, dv], dt_name),
+        &options,
+    )
+    .unwrap();
+    let arrays = VariantArrays {
+        mask: mask_shape.as_ref().map(|(_, is_bool)| {
+            if *is_bool {
+                MaskData::Bool(&mask_bool)
+            } else {
+                MaskData::Float(Slice::F32(&mask_f32))
+            }
+        }),
+        alibi_slopes: spec.alibi.as_ref().map(|_| slopes.as_slice()),
+        sinks: spec.sinks.then_some(sinks.as_slice()),
+    };
+    let c = Case {
+        q: Inputs::new(random(p.q_len(), seed), dtype),
+        k: Inputs::new(random(p.k_len(), seed + 1), dtype),
+        v: Inputs::new(random(p.v_len(), seed + 2), dtype),
+        p,
+    };
+    let p64 = f64_problem(&c.p);
+    let reference = cpu::forward(
+        &p64,
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+        &arrays,
+    )
+    .unwrap();
+    let got = gpu::forward(
+        &c.p,
+        c.q.slice(dtype),
+        c.k.slice(dtype),
+        c.v.slice(dtype),
+        &arrays,
+    )
+    .unwrap();
+    let ref_out = as_f64(&reference.out);
+    let ref_lse = as_f64(&reference.lse);
+    let e_out = rel_err(&as_f64(&got.out), &ref_out);
+    let e_lse = rel_err(&as_f64(&got.lse), &ref_lse);
+
+    let o = Inputs::new(ref_out, dtype);
+    let lse32: Vec<f32> = ref_lse.iter().map(|&x| x as f32).collect();
+    let lse64: Vec<f64> = lse32.iter().map(|&x| x as f64).collect();
+    let d_out = Inputs::new(random(c.p.out_len(), seed + 99), dtype);
+    let pb = Problem {
+        return_dmask: spec.dmask,
+        ..c.p
+    };
+    let ref_g = cpu::backward(
+        &f64_problem(&pb),
+        [
+            d_out.slice(DType::F64),
+            c.q.slice(DType::F64),
+            c.k.slice(DType::F64),
+            c.v.slice(DType::F64),
+            o.slice(DType::F64),
+            Slice::F64(&lse64),
+        ],
+        &arrays,
+    )
+    .unwrap();
+    let g = gpu::backward(
+        &pb,
+        [
+            d_out.slice(dtype),
+            c.q.slice(dtype),
+            c.k.slice(dtype),
+            c.v.slice(dtype),
+            o.slice(dtype),
+            Slice::F32(&lse32),
+        ],
+        &arrays,
+    )
+    .unwrap();
+    let e_dmask = match (&g.d_scores, &ref_g.d_scores) {
+        (Some(a), Some(b)) => rel_err(&as_f64(a), &as_f64(b)),
+        (None, None) => 0.0,
+        _ => panic!("d_scores returned by only one backend"),
+    };
+    let errs = [
+        e_out,
+        e_lse,
+        rel_err(&as_f64(&g.dq), &as_f64(&ref_g.dq)),
+        rel_err(&as_f64(&g.dk), &as_f64(&ref_g.dk)),
+        rel_err(&as_f64(&g.dv), &as_f64(&ref_g.dv)),
+        e_dmask,
+    ];
+    assert!(
+        errs[0].max(errs[1]) <= fwd_tol && errs[2..].iter().all(|&e| e <= bwd_tol),
+        "{dtype:?} {s:?} simple={}: out/lse/dq/dk/dv/dmask errors {errs:?}",
+        std::env::var("FLASHPORT_GPU_KERNELS").is_ok()
+    );
+    errs
+}
+
+/// Runs `f` with the simple kernels and with the tiled ones, and reports
+/// the worst errors of each under `name`.
+fn both_kernels(name: &str, mut f: impl FnMut() -> [f64; 6]) {
+    for simple in [true, false] {
+        gpu::set_simple_kernels_for_this_thread(simple);
+        let errs = f();
+        gpu::set_simple_kernels_for_this_thread(false);
+        eprintln!(
+            "{name} ({}): out {:.1e} lse {:.1e} dq {:.1e} dk {:.1e} dv {:.1e} dmask {:.1e}",
+            if simple { "simple" } else { "tiled" },
+            errs[0],
+            errs[1],
+            errs[2],
+            errs[3],
+            errs[4],
+            errs[5]
+        );
+    }
+}
+
+fn worst(a: [f64; 6], b: [f64; 6]) -> [f64; 6] {
+    std::array::from_fn(|i| a[i].max(b[i]))
+}
+
+/// Shapes that are no tile multiples; the second has more queries than
+/// keys, so causal rows that see no key.
+const VARIANT_SHAPES: [Shape; 2] = [(2, 4, 2, 37, 53, 16, 24), (1, 2, 1, 45, 30, 32, 8)];
+
+fn each_shape(spec: &Spec, seed: u64) -> [f64; 6] {
+    VARIANT_SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| check_spec(s, DType::F32, spec, seed + 10 * i as u64, 1e-4, 4e-4))
+        .fold([0.0; 6], worst)
+}
+
+#[test]
+fn variant_window() {
+    if !gpu_present() {
+        return;
+    }
+    for (w, causal) in [
+        ((5, 3), false),
+        ((7, -1), false),
+        ((-1, 2), false),
+        ((4, 0), true),
+    ] {
+        let spec = Spec {
+            window: Some(w),
+            causal,
+            ..Spec::default()
+        };
+        both_kernels(&format!("window {w:?} causal={causal}"), || {
+            each_shape(&spec, 100)
+        });
+    }
+}
+
+#[test]
+fn variant_softcap() {
+    if !gpu_present() {
+        return;
+    }
+    let spec = Spec {
+        softcap: Some(0.3),
+        ..Spec::default()
+    };
+    both_kernels("softcap", || each_shape(&spec, 200));
+}
+
+#[test]
+fn variant_alibi() {
+    if !gpu_present() {
+        return;
+    }
+    for (name, shape) in [("per head", vec![4]), ("per batch", vec![2, 4])] {
+        let spec = Spec {
+            alibi: Some(shape),
+            causal: true,
+            ..Spec::default()
+        };
+        both_kernels(&format!("alibi {name}"), || {
+            check_spec(VARIANT_SHAPES[0], DType::F32, &spec, 300, 1e-4, 4e-4)
+        });
+    }
+}
+
+#[test]
+fn variant_masks() {
+    if !gpu_present() {
+        return;
+    }
+    let (b, hq, sq, sk) = (2, 4, 37, 53);
+    for (name, mask) in [
+        ("float (sk,)", MaskArg::Float(vec![sk])),
+        ("float (b,1,sq,sk)", MaskArg::Float(vec![b, 1, sq, sk])),
+        ("bool (b,h,sq,sk)", MaskArg::Bool(vec![b, hq, sq, sk])),
+        ("bool (sq,sk)", MaskArg::Bool(vec![sq, sk])),
+    ] {
+        let spec = Spec {
+            mask,
+            ..Spec::default()
+        };
+        both_kernels(&format!("mask {name}"), || {
+            check_spec(VARIANT_SHAPES[0], DType::F32, &spec, 400, 1e-4, 4e-4)
+        });
+    }
+}
+
+#[test]
+fn variant_dmask() {
+    if !gpu_present() {
+        return;
+    }
+    let (b, sq, sk) = (2, 37, 53);
+    for causal in [false, true] {
+        let spec = Spec {
+            mask: MaskArg::Float(vec![b, 1, sq, sk]),
+            dmask: true,
+            causal,
+            window: causal.then_some((9, -1)),
+            ..Spec::default()
+        };
+        both_kernels(&format!("dmask causal={causal}"), || {
+            check_spec(VARIANT_SHAPES[0], DType::F32, &spec, 500, 1e-4, 4e-4)
+        });
+    }
+    // Split into chunks: the score gradient is assembled from the pieces.
+    let spec = Spec {
+        mask: MaskArg::Float(vec![45, 30]),
+        dmask: true,
+        ..Spec::default()
+    };
+    gpu::set_binding_limit_for_this_thread(Some(4 * 45 * 32));
+    both_kernels("dmask split", || {
+        check_spec(VARIANT_SHAPES[1], DType::F32, &spec, 510, 1e-4, 4e-4)
+    });
+    gpu::set_binding_limit_for_this_thread(None);
+}
+
+#[test]
+fn variant_sinks() {
+    if !gpu_present() {
+        return;
+    }
+    for causal in [false, true] {
+        // The second shape, causal: rows that see no key (output 0, lse =
+        // sink).
+        let spec = Spec {
+            sinks: true,
+            causal,
+            ..Spec::default()
+        };
+        both_kernels(&format!("sinks causal={causal}"), || each_shape(&spec, 600));
+    }
+}
+
+#[test]
+fn variant_dropout() {
+    if !gpu_present() {
+        return;
+    }
+    let spec = Spec {
+        dropout_p: 0.3,
+        causal: true,
+        ..Spec::default()
+    };
+    both_kernels("dropout", || each_shape(&spec, 700));
+}
+
+/// The GPU's dropout mask is the CPU's, bit for bit: with every score
+/// equal and v the identity, out[i, j] = keep(i, j) / ((1 - p) seq_k).
+#[test]
+fn dropout_mask_matches_the_cpu_exactly() {
+    if !gpu_present() {
+        return;
+    }
+    let (b, h, sq, sk) = (2, 3, 21, 40);
+    let options = Options {
+        dropout_p: 0.4,
+        seed: Some(0xdead_beef_1234_5678),
+        ..Options::default()
+    };
+    let p = validate_forward(
+        ArrayInfo::new(&[b, h, sq, 4], "float32"),
+        ArrayInfo::new(&[b, h, sk, 4], "float32"),
+        ArrayInfo::new(&[b, h, sk, sk], "float32"),
+        &options,
+    )
+    .unwrap();
+    let q = vec![0.0f32; p.q_len()];
+    let k = vec![0.5f32; p.k_len()];
+    let v: Vec<f32> = (0..p.v_len())
+        .map(|e| ((e / sk) % sk == e % sk) as u32 as f32)
+        .collect();
+    let mask = DropoutMask::new(p.dropout.unwrap());
+    for simple in [true, false] {
+        gpu::set_simple_kernels_for_this_thread(simple);
+        let got = gpu::forward(
+            &p,
+            Slice::F32(&q),
+            Slice::F32(&k),
+            Slice::F32(&v),
+            &VariantArrays::default(),
+        )
+        .unwrap();
+        gpu::set_simple_kernels_for_this_thread(false);
+        let out = as_f64(&got.out);
+        let mut kept = 0;
+        for bh in 0..b * h {
+            for i in 0..sq {
+                for j in 0..sk {
+                    let x = out[(bh * sq + i) * sk + j];
+                    let want = mask.keeps(bh, i, j);
+                    assert_eq!(x > 0.0, want, "simple={simple} bh={bh} i={i} j={j}: {x}");
+                    kept += want as usize;
+                }
+            }
+        }
+        assert!(kept > 0 && kept < b * h * sq * sk);
+    }
+}
+
+#[test]
+fn variant_combinations() {
+    if !gpu_present() {
+        return;
+    }
+    let gqa_more_keys = VARIANT_SHAPES[0];
+    let combos = [
+        (
+            "window+causal+GQA+alibi+sinks",
+            Spec {
+                window: Some((6, -1)),
+                causal: true,
+                alibi: Some(vec![2, 4]),
+                sinks: true,
+                ..Spec::default()
+            },
+        ),
+        (
+            "softcap+mask+dropout+dmask",
+            Spec {
+                softcap: Some(0.5),
+                mask: MaskArg::Float(vec![2, 4, 37, 53]),
+                dropout_p: 0.2,
+                dmask: true,
+                ..Spec::default()
+            },
+        ),
+        (
+            "everything",
+            Spec {
+                window: Some((8, 3)),
+                causal: false,
+                softcap: Some(0.4),
+                dropout_p: 0.25,
+                mask: MaskArg::Float(vec![53]),
+                alibi: Some(vec![4]),
+                sinks: true,
+                dmask: true,
+            },
+        ),
+    ];
+    for (name, spec) in &combos {
+        both_kernels(name, || {
+            check_spec(gqa_more_keys, DType::F32, spec, 800, 1e-4, 4e-4)
+        });
+    }
+    // Head chunks that cut a GQA group, with every variant.
+    gpu::set_binding_limit_for_this_thread(Some(4 * 37 * 53));
+    both_kernels("everything, split", || {
+        check_spec(gqa_more_keys, DType::F32, &combos[2].1, 810, 1e-4, 4e-4)
+    });
+    gpu::set_binding_limit_for_this_thread(None);
+}
+
+#[test]
+fn variants_in_float16() {
+    if !gpu_present() {
+        return;
+    }
+    let spec = Spec {
+        window: Some((10, 2)),
+        softcap: Some(0.5),
+        mask: MaskArg::Bool(vec![1, 4, 37, 53]),
+        alibi: Some(vec![4]),
+        sinks: true,
+        dropout_p: 0.1,
+        ..Spec::default()
+    };
+    let errs = check_spec(VARIANT_SHAPES[0], DType::F16, &spec, 900, 1e-2, 1e-2);
+    eprintln!("float16 everything: {errs:?}");
+    let spec = Spec {
+        causal: true,
+        mask: MaskArg::Float(vec![2, 1, 37, 53]),
+        dmask: true,
+        ..Spec::default()
+    };
+    let errs = check_spec((2, 4, 2, 37, 53, 12, 7), DType::F16, &spec, 910, 1e-2, 1e-2);
+    eprintln!("float16 mask+dmask: {errs:?}");
+}

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use flashport_core::gpu::shaders::{source, tile_overrides};
+use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
 use flashport_core::gpu::tiles::{backward_kernels, choose, forward_kernel, DeviceCaps, Kernel};
 use wgpu::naga;
 
@@ -33,11 +33,6 @@ fn subgroup_validator() -> naga::valid::Validator {
     v.subgroup_stages(naga::valid::ShaderStages::COMPUTE);
     v.subgroup_operations(naga::valid::SubgroupOperationSet::all());
     v
-}
-
-fn parse(path: &std::path::Path) -> naga::Module {
-    let source = std::fs::read_to_string(path).unwrap();
-    parse_text(&path.display().to_string(), &source)
 }
 
 fn parse_text(name: &str, source: &str) -> naga::Module {
@@ -94,6 +89,16 @@ fn tiled_forward_variants_validate_and_specialise() {
     }
 }
 
+const EVERY_KERNEL: [Kernel; 7] = [
+    Kernel::Forward,
+    Kernel::BackwardPreprocess,
+    Kernel::BackwardDkDv,
+    Kernel::BackwardDq,
+    Kernel::ForwardTiled,
+    Kernel::BackwardDqTiled,
+    Kernel::BackwardDkDvTiled,
+];
+
 #[test]
 fn every_shader_parses_and_validates() {
     let mut files: Vec<PathBuf> = std::fs::read_dir(shader_dir())
@@ -109,19 +114,73 @@ fn every_shader_parses_and_validates() {
     );
     for path in &files {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name == "forward_tiled.wgsl" || name.starts_with("row_reduce_") {
-            // The tiled forward and its row-reduction fragments: checked
-            // assembled, in tiled_forward_variants_validate_and_specialise.
+        if name == "common.wgsl" || name.starts_with("row_reduce_") {
+            // Fragments: checked assembled with the kernels below.
             continue;
         }
-        let module = parse(path);
+        let kernel = EVERY_KERNEL
+            .into_iter()
+            .find(|k| format!("{}.wgsl", k.name()) == name)
+            .unwrap_or_else(|| panic!("{name} is no kernel the host knows"));
+        // The kernels are valid as the host assembles them, after
+        // shaders/common.wgsl (the tiled forward is checked with both of
+        // its fragments in tiled_forward_variants_validate_and_specialise).
+        let text = source(kernel, false);
+        let module = parse_text(name, &text);
         if let Err(e) = validator().validate(&module) {
-            let source = std::fs::read_to_string(path).unwrap();
             panic!(
                 "{} does not validate:\n{}",
                 path.display(),
-                e.emit_to_string(&source)
+                e.emit_to_string(&text)
             );
+        }
+    }
+}
+
+/// Every kernel specialises with every attention variant switched on (and
+/// off, in the tests above).
+#[test]
+fn kernels_specialise_with_every_variant() {
+    let all = Variants {
+        softcap: true,
+        alibi: true,
+        mask: true,
+        sinks: true,
+        dropout: true,
+        window: true,
+        dmask: true,
+    };
+    let caps = DeviceCaps {
+        workgroup_storage_bytes: 32 * 1024,
+        max_invocations: 1024,
+        max_workgroup_size_x: 1024,
+        subgroups: false,
+    };
+    for kernel in EVERY_KERNEL {
+        let text = source(kernel, false);
+        let module = parse_text(kernel.name(), &text);
+        let info = validator().validate(&module).unwrap();
+        let (d, dv) = (64, 32);
+        let t = match kernel {
+            Kernel::ForwardTiled => forward_kernel(d, dv, false, caps).1,
+            Kernel::BackwardDqTiled => backward_kernels(d, dv, false, caps).unwrap().0,
+            Kernel::BackwardDkDvTiled => backward_kernels(d, dv, false, caps).unwrap().1,
+            _ => choose(kernel, d, dv, caps),
+        };
+        let mut constants: naga::back::PipelineConstants = Default::default();
+        for (k, v) in tile_overrides(kernel, false, d, dv, t, false)
+            .into_iter()
+            .chain(variant_overrides(kernel, all))
+        {
+            constants.insert(k.to_string(), v);
+        }
+        if let Err(e) = naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            Some((naga::ShaderStage::Compute, "main")),
+            &constants,
+        ) {
+            panic!("{kernel:?} with every variant: {e:?}");
         }
     }
 }
@@ -158,8 +217,8 @@ fn overrides(kernel: Kernel, d: u32, dv: u32, f16: bool) -> naga::back::Pipeline
 #[test]
 fn kernels_specialise_for_the_host_tiles() {
     for kernel in Kernel::ALL {
-        let path = shader_dir().join(format!("{}.wgsl", kernel.name()));
-        let module = parse(&path);
+        let text = source(kernel, false);
+        let module = parse_text(kernel.name(), &text);
         let info = validator().validate(&module).unwrap();
         for (d, dv, f16) in [
             (1, 0, false),

@@ -113,6 +113,7 @@ pub(crate) struct PipelineKey {
     pub tiles: Tiles,
     /// Which row-reduction fragment the tiled forward is built with.
     pub subgroups: bool,
+    pub variants: super::shaders::Variants,
 }
 
 pub(crate) struct Context {

@@ -24,11 +24,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask};
 use crate::{
     BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
 };
 use context::{Context, PipelineKey};
 use plan::Chunk;
+use shaders::Variants;
 use tiles::Kernel;
 
 /// What `flashport.devices()` reports about one adapter.
@@ -91,6 +93,15 @@ thread_local! {
     static BINDING_LIMIT_OVERRIDE: Cell<Option<u64>> = const { Cell::new(None) };
     static WORKGROUP_STORAGE_OVERRIDE: Cell<Option<u32>> = const { Cell::new(None) };
     static NO_SUBGROUPS: Cell<bool> = const { Cell::new(false) };
+    static SIMPLE_KERNELS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes the calling thread run the simple kernels where the tiled ones
+/// would run (what FLASHPORT_GPU_KERNELS=simple does for the process), so
+/// tests can cover both in one process.
+#[doc(hidden)]
+pub fn set_simple_kernels_for_this_thread(on: bool) {
+    SIMPLE_KERNELS.with(|c| c.set(on));
 }
 
 /// Makes the calling thread's kernels reduce through workgroup memory even
@@ -233,7 +244,8 @@ fn no_prefetch() -> bool {
 
 fn forced_simple() -> bool {
     // Compares the kernels on one adapter (benchmarks/gpu_bench.py).
-    std::env::var("FLASHPORT_GPU_KERNELS").as_deref() == Ok("simple")
+    SIMPLE_KERNELS.with(Cell::get)
+        || std::env::var("FLASHPORT_GPU_KERNELS").as_deref() == Ok("simple")
 }
 
 /// Caps the binding size the calling thread plans with (`None`: the
@@ -344,19 +356,129 @@ fn output(ctx: &Context, label: &str, floats: usize) -> wgpu::Buffer {
     buffer
 }
 
-/// The uniform block every kernel reads; mirrors `struct Params` in the
-/// shaders.
-fn params(ctx: &Context, problem: &Problem, chunk: &Chunk) -> Result<wgpu::Buffer> {
-    let words = [
-        problem.seq_q as u32,
-        problem.seq_k as u32,
-        problem.group_size() as u32,
+/// The attention variants of one call as the kernels read them: which
+/// overrides are on, the words of the `vx` buffer (shaders/common.wgsl)
+/// and the uniform words that locate the arrays in it.
+struct VariantData {
+    flags: Variants,
+    words: Vec<u32>,
+    /// Mask strides (4), extents (4) and block counts (2).
+    mask: [u32; 10],
+    blocks_off: u32,
+    slopes_off: u32,
+    sinks_off: u32,
+}
+
+/// The binding of `vx` in shaders/common.wgsl.
+const VX_BINDING: u32 = 15;
+
+fn variant_data(p: &Problem, arrays: &VariantArrays<'_>) -> Result<VariantData> {
+    arrays.check(p)?;
+    let mut words: Vec<u32> = Vec::new();
+    let mut mask_words = [0u32; 10];
+    let mut blocks_off = 0;
+    if let Some(data) = arrays.mask {
+        let mask = AdditiveMask::<f32>::new(p, data)
+            .ok_or_else(|| Error::Shape("mask data without a validated mask".to_string()))?;
+        // -inf stays -inf: the kernels test its bits to hide the key.
+        words.extend(mask.values.iter().map(|x| x.to_bits()));
+        blocks_off = words.len() as u32;
+        words.extend(mask.blocks.iter().map(|&b| u32::from(b)));
+        for axis in 0..4 {
+            mask_words[axis] = mask.strides[axis] as u32;
+            mask_words[4 + axis] = mask.dims[axis] as u32;
+        }
+        mask_words[8] = mask.block_counts[0] as u32;
+        mask_words[9] = mask.block_counts[1] as u32;
+    }
+    let slopes_off = words.len() as u32;
+    if let Some(slopes) = arrays.alibi_slopes {
+        words.extend(
+            slopes_per_head(p, slopes)
+                .iter()
+                .map(|&s| (s as f32).to_bits()),
+        );
+    }
+    let sinks_off = words.len() as u32;
+    if let Some(sinks) = arrays.sinks {
+        words.extend(sinks.iter().map(|&s| (s as f32).to_bits()));
+    }
+    Ok(VariantData {
+        flags: Variants {
+            softcap: p.softcap.is_some(),
+            alibi: p.alibi_per_batch.is_some(),
+            mask: p.mask.is_some(),
+            sinks: p.sinks,
+            dropout: p.dropout.is_some(),
+            window: p.window.left.is_some(),
+            dmask: p.return_dmask,
+        },
+        words,
+        mask: mask_words,
+        blocks_off,
+        slopes_off,
+        sinks_off,
+    })
+}
+
+/// Uploads `vx` (a one-word dummy when the call has no variant arrays:
+/// the kernels name it in code their overrides switch off, and every
+/// binding a pipeline names must be bound).
+fn upload_variants(ctx: &Context, vd: &VariantData) -> Result<wgpu::Buffer> {
+    let bytes = 4 * vd.words.len() as u64;
+    if bytes > binding_limit(ctx) {
+        return Err(Error::TooLarge(format!(
+            "the mask (with its block map, slopes and sinks: {bytes} bytes) is larger than \
+             this adapter's largest GPU binding ({} bytes); use device=\"cpu\" or a mask \
+             that broadcasts",
+            binding_limit(ctx)
+        )));
+    }
+    let words: &[u32] = if vd.words.is_empty() { &[0] } else { &vd.words };
+    upload(ctx, "variants", bytemuck::cast_slice(words))
+}
+
+/// The uniform block every kernel reads; mirrors `struct Params` in
+/// shaders/common.wgsl.
+fn params(ctx: &Context, p: &Problem, chunk: &Chunk, vd: &VariantData) -> Result<wgpu::Buffer> {
+    let off = p.causal_offset() as i64;
+    // Row i sees keys up to i + off + right (causal: right = 0). A right
+    // bound of seq_q or more cuts nothing, so larger ones are clamped to
+    // keep the sums in i32 (check_sizes bounds the sequences).
+    let right = match (p.causal, p.window.right) {
+        (true, _) => Some(0),
+        (false, Some(r)) => Some(r.min(p.seq_q) as i64),
+        (false, None) => None,
+    };
+    let left = p.window.left.map_or(0, |l| l.min(p.seq_k) as i64);
+    let (softcap, keep_scale, threshold, seed) = (
+        p.softcap.map_or(1.0, |c| c as f32),
+        p.dropout.map_or(1.0, |d| (1.0 / (1.0 - d.p)) as f32),
+        p.dropout.map_or(0, |d| DropoutMask::new(d).threshold),
+        p.dropout.map_or([0, 0], |d| DropoutMask::new(d).key),
+    );
+    let mut words = vec![
+        p.seq_q as u32,
+        p.seq_k as u32,
+        p.group_size() as u32,
         chunk.g0 as u32,
-        problem.causal as u32,
-        (problem.causal_offset() as i32) as u32,
-        (problem.scale as f32).to_bits(),
+        right.is_some() as u32,
+        ((off + right.unwrap_or(0)) as i32) as u32,
+        (p.scale as f32).to_bits(),
         chunk.g_count as u32,
+        chunk.q0(p.group_size()) as u32,
+        p.heads_q as u32,
+        (off as i32) as u32,
+        ((off - left) as i32) as u32,
+        softcap.to_bits(),
+        keep_scale.to_bits(),
+        threshold,
+        seed[0],
+        seed[1],
     ];
+    words.extend(vd.mask);
+    words.extend([vd.blocks_off, vd.slopes_off, vd.sinks_off, 0]);
+    debug_assert_eq!(words.len(), 32);
     upload_as(
         ctx,
         "params",
@@ -365,16 +487,31 @@ fn params(ctx: &Context, problem: &Problem, chunk: &Chunk) -> Result<wgpu::Buffe
     )
 }
 
+/// A one-word buffer for a read-write binding a pipeline names but this
+/// call does not use.
+fn dummy_output(ctx: &Context) -> wgpu::Buffer {
+    ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("unused"),
+        size: 4,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    })
+}
+
+/// Binds `buffers` to bindings 0, 1, ... and `vx` to its own binding.
 fn bind(
     ctx: &Context,
     pipeline: &wgpu::ComputePipeline,
     buffers: &[&wgpu::Buffer],
+    vx: Option<&wgpu::Buffer>,
 ) -> wgpu::BindGroup {
     let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
         .iter()
         .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry {
-            binding: i as u32,
+        .map(|(i, b)| (i as u32, *b))
+        .chain(vx.map(|b| (VX_BINDING, b)))
+        .map(|(binding, b)| wgpu::BindGroupEntry {
+            binding,
             resource: b.as_entire_binding(),
         })
         .collect();
@@ -585,17 +722,6 @@ fn to_buffer(values: Vec<f32>, dtype: DType) -> Buffer {
     }
 }
 
-/// The GPU kernels do not run attention variants yet: say which.
-fn check_variants(problem: &Problem) -> Result<()> {
-    if problem.has_variants() {
-        return Err(Error::BackendUnavailable(format!(
-            "the GPU backend does not run {} yet; use device=\"cpu\"",
-            problem.variant_names().join(", ")
-        )));
-    }
-    Ok(())
-}
-
 pub fn forward(
     problem: &Problem,
     q: Slice<'_>,
@@ -603,8 +729,6 @@ pub fn forward(
     v: Slice<'_>,
     variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
-    let _ = variants;
-    check_variants(problem)?;
     check_dtype(problem)?;
     check_sizes(problem)?;
     let (q, k, v) = (
@@ -612,12 +736,18 @@ pub fn forward(
         input_bytes("k", &k)?,
         input_bytes("v", &v)?,
     );
+    let vd = variant_data(problem, variants)?;
     with_context("running the forward pass", |ctx| {
-        forward_on(ctx, problem, q, k, v)
+        forward_on(ctx, problem, [q, k, v], &vd)
     })
 }
 
-fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Result<ForwardOutput> {
+fn forward_on(
+    ctx: &Context,
+    p: &Problem,
+    [q, k, v]: [&[u8]; 3],
+    vd: &VariantData,
+) -> Result<ForwardOutput> {
     check_f16(ctx, p)?;
     let mut out = vec![0.0f32; p.out_len()];
     let mut lse = vec![f32::NEG_INFINITY; p.lse_len()];
@@ -650,6 +780,10 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
         dv: dv as u32,
         tiles,
         subgroups: caps.subgroups,
+        variants: Variants {
+            dmask: false,
+            ..vd.flags
+        },
     };
     lock_times().clear();
     let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
@@ -659,12 +793,13 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
         ctx.limits.max_compute_workgroups_per_dimension,
     )?;
     let pipeline = ctx.pipeline(key)?;
+    let vx = ctx.scoped("uploading the variants", || upload_variants(ctx, vd))?;
     let g = p.group_size();
     for chunk in &chunks {
         let (q0, nq) = (chunk.q0(g), chunk.q_count());
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
         let [o, l] = ctx.scoped("running the forward pass", || {
-            let uniform = params(ctx, p, chunk)?;
+            let uniform = params(ctx, p, chunk, vd)?;
             let t_up = std::time::Instant::now();
             let qb = upload(ctx, "q", heads_of(q, sq * d, eb, q0, nq))?;
             let kb = upload(ctx, "k", heads_of(k, sk * d, eb, kv0, nkv))?;
@@ -672,7 +807,12 @@ fn forward_on(ctx: &Context, p: &Problem, q: &[u8], k: &[u8], v: &[u8]) -> Resul
             record_host("upload", t_up);
             let ob = output(ctx, "out", nq * sq * dv);
             let lb = output(ctx, "lse", nq * sq);
-            let group = bind(ctx, &pipeline, &[&uniform, &qb, &kb, &vb, &ob, &lb]);
+            let group = bind(
+                ctx,
+                &pipeline,
+                &[&uniform, &qb, &kb, &vb, &ob, &lb],
+                Some(&vx),
+            );
             let mut encoder = ctx.device.create_command_encoder(&Default::default());
             let mut timer = Timer::new(ctx);
             dispatch(
@@ -707,9 +847,7 @@ pub fn backward(
     inputs: [Slice<'_>; 6],
     variants: &VariantArrays<'_>,
 ) -> Result<BackendGradients> {
-    let _ = variants;
     let [d_out, q, k, v, out, lse] = inputs;
-    check_variants(problem)?;
     check_dtype(problem)?;
     check_sizes(problem)?;
     let d_out = input_bytes("do", &d_out)?;
@@ -738,8 +876,9 @@ pub fn backward(
         out,
         lse: bytemuck::cast_slice(&lse),
     };
+    let vd = variant_data(problem, variants)?;
     with_context("running the backward pass", |ctx| {
-        backward_on(ctx, problem, &inputs)
+        backward_on(ctx, problem, &inputs, &vd)
     })
 }
 
@@ -752,19 +891,35 @@ struct BackwardInputs<'a> {
     lse: &'a [u8],
 }
 
-fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<BackendGradients> {
+fn backward_on(
+    ctx: &Context,
+    p: &Problem,
+    x: &BackwardInputs<'_>,
+    vd: &VariantData,
+) -> Result<BackendGradients> {
     check_f16(ctx, p)?;
+    // d_out, q, k, v, lse, delta, two outputs, and vx.
+    const STORAGE_BUFFERS: u32 = 9;
+    if ctx.limits.max_storage_buffers_per_shader_stage < STORAGE_BUFFERS {
+        return Err(Error::BackendUnavailable(format!(
+            "the GPU backward binds {STORAGE_BUFFERS} storage buffers, more than the {} of \
+             the adapter {}; use device=\"cpu\"",
+            ctx.limits.max_storage_buffers_per_shader_stage, ctx.adapter.name
+        )));
+    }
     let mut dq = vec![0.0f32; p.q_len()];
     let mut dk = vec![0.0f32; p.k_len()];
     let mut dv_all = vec![0.0f32; p.v_len()];
-    let done = |dq, dk, dv| BackendGradients {
+    let scores_len = p.batch * p.heads_q * p.seq_q * p.seq_k;
+    let mut d_scores = p.return_dmask.then(|| vec![0.0f32; scores_len]);
+    let done = |dq, dk, dv, d_scores: Option<Vec<f32>>| BackendGradients {
         dq: to_buffer(dq, p.dtype),
         dk: to_buffer(dk, p.dtype),
         dv: to_buffer(dv, p.dtype),
-        d_scores: None,
+        d_scores: d_scores.map(Buffer::F32),
     };
     if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
-        return Ok(done(dq, dk, dv_all));
+        return Ok(done(dq, dk, dv_all, d_scores));
     }
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let f16 = p.dtype == DType::F16;
@@ -788,6 +943,7 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Bac
         dv: dv as u32,
         tiles,
         subgroups: caps.subgroups,
+        variants: vd.flags,
     };
     let simple = |kernel| key(kernel, tiles::choose(kernel, d as u32, dv as u32, caps));
     let kp = simple(Kernel::BackwardPreprocess);
@@ -808,12 +964,14 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Bac
         ctx.limits.max_compute_workgroups_per_dimension,
     )?;
     let (pre, dq_pipe, dkdv_pipe) = (ctx.pipeline(kp)?, ctx.pipeline(kq)?, ctx.pipeline(kkv)?);
+    let vx = ctx.scoped("uploading the variants", || upload_variants(ctx, vd))?;
     let g = p.group_size();
+    let (sq_sk, dmask) = (sq * sk, p.return_dmask);
     for chunk in &chunks {
         let (q0, nq) = (chunk.q0(g), chunk.q_count());
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
-        let [cdq, cdk, cdv] = ctx.scoped("running the backward pass", || {
-            let uniform = params(ctx, p, chunk)?;
+        let [cdq, cdk, cdv, cds] = ctx.scoped("running the backward pass", || {
+            let uniform = params(ctx, p, chunk, vd)?;
             let t_up = std::time::Instant::now();
             let dob = upload(ctx, "do", heads_of(x.d_out, sq * dv, eb, q0, nq))?;
             let ob = upload(ctx, "o", heads_of(x.out, sq * dv, eb, q0, nq))?;
@@ -826,16 +984,23 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Bac
             let dqb = output(ctx, "dq", nq * sq * d);
             let dkb = output(ctx, "dk", nkv * sk * d);
             let dvb = output(ctx, "dv", nkv * sk * dv);
-            let g_pre = bind(ctx, &pre, &[&uniform, &dob, &ob, &delta]);
+            let dsb = if dmask {
+                output(ctx, "d_scores", nq * sq_sk)
+            } else {
+                dummy_output(ctx)
+            };
+            let g_pre = bind(ctx, &pre, &[&uniform, &dob, &ob, &delta], None);
             let g_dq = bind(
                 ctx,
                 &dq_pipe,
-                &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dqb],
+                &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dqb, &dsb],
+                Some(&vx),
             );
             let g_kv = bind(
                 ctx,
                 &dkdv_pipe,
                 &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dkb, &dvb],
+                Some(&vx),
             );
             let mut encoder = ctx.device.create_command_encoder(&Default::default());
             let mut timer = Timer::new(ctx);
@@ -863,22 +1028,29 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Bac
                 nkv as u32,
                 timer.as_mut().map(|t| (t, kkv.kernel.name())),
             );
-            let mut r = submit_and_read(
-                ctx,
-                encoder,
-                &[
-                    (&dqb, nq * sq * d),
-                    (&dkb, nkv * sk * d),
-                    (&dvb, nkv * sk * dv),
-                ],
-                timer.as_ref(),
-            )?;
+            let mut outputs = vec![
+                (&dqb, nq * sq * d),
+                (&dkb, nkv * sk * d),
+                (&dvb, nkv * sk * dv),
+            ];
+            if dmask {
+                outputs.push((&dsb, nq * sq_sk));
+            }
+            let mut r = submit_and_read(ctx, encoder, &outputs, timer.as_ref())?;
+            let cds = if dmask {
+                r.pop().unwrap_or_default()
+            } else {
+                Vec::new()
+            };
             let cdv = r.pop().unwrap_or_default();
             let cdk = r.pop().unwrap_or_default();
             let cdq = r.pop().unwrap_or_default();
-            Ok([cdq, cdk, cdv])
+            Ok([cdq, cdk, cdv, cds])
         })?;
         dq[q0 * sq * d..(q0 + nq) * sq * d].copy_from_slice(&cdq);
+        if let Some(all) = d_scores.as_mut() {
+            all[q0 * sq_sk..(q0 + nq) * sq_sk].copy_from_slice(&cds);
+        }
         let dk_rows = &mut dk[kv0 * sk * d..(kv0 + nkv) * sk * d];
         let dv_rows = &mut dv_all[kv0 * sk * dv..(kv0 + nkv) * sk * dv];
         if chunk.g0 == 0 {
@@ -891,5 +1063,5 @@ fn backward_on(ctx: &Context, p: &Problem, x: &BackwardInputs<'_>) -> Result<Bac
             dv_rows.iter_mut().zip(&cdv).for_each(|(a, b)| *a += b);
         }
     }
-    Ok(done(dq, dk, dv_all))
+    Ok(done(dq, dk, dv_all, d_scores))
 }

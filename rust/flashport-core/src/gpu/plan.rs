@@ -44,7 +44,10 @@ pub(crate) fn plan(p: &Problem, limit: u64, max_dim: u32) -> Result<Vec<Chunk>> 
     let kv_heads = p.batch * p.heads_kv;
     let group = p.group_size();
     let width = p.head_dim.max(p.value_dim).max(1) as u64;
-    let per_q_head = 4 * p.seq_q as u64 * width;
+    // The backward's full score gradient (for the mask's) is bound per
+    // query head too.
+    let scores = if p.return_dmask { p.seq_k as u64 } else { 0 };
+    let per_q_head = 4 * p.seq_q as u64 * width.max(scores);
     let per_kv_head = 4 * p.seq_k as u64 * width;
     let max_dim = max_dim.max(1) as usize;
     if kv_heads == 0 {

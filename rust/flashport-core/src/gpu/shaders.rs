@@ -14,14 +14,22 @@ pub(crate) const BACKWARD_DQ_TILED: &str =
 pub(crate) const BACKWARD_DKDV_TILED: &str =
     include_str!("../../../../shaders/backward_dkdv_tiled.wgsl");
 pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
+const COMMON: &str = include_str!("../../../../shaders/common.wgsl");
 const ROW_REDUCE_SUBGROUP: &str = include_str!("../../../../shaders/row_reduce_subgroup.wgsl");
 const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_workgroup.wgsl");
 
-/// The WGSL of `kernel`. The tiled forward takes its row reductions from a
-/// fragment: a module that names subgroup operations does not validate on
-/// a device without them, even in a branch an override disables, so the
-/// two variants cannot be one text switched by an override.
+/// The WGSL of `kernel`: shaders/common.wgsl (the uniform block, the
+/// visible key ranges and the attention variants, one text for every
+/// kernel so their `Params` cannot drift apart), then the kernel. The
+/// tiled forward takes its row reductions from a fragment: a module that
+/// names subgroup operations does not validate on a device without them,
+/// even in a branch an override disables, so the two variants cannot be
+/// one text switched by an override.
 pub fn source(kernel: Kernel, subgroups: bool) -> String {
+    format!("{COMMON}\n{}", kernel_source(kernel, subgroups))
+}
+
+fn kernel_source(kernel: Kernel, subgroups: bool) -> String {
     match kernel {
         Kernel::Forward => FORWARD.into(),
         Kernel::BackwardPreprocess => BACKWARD_PREPROCESS.into(),
@@ -44,14 +52,53 @@ pub fn source(kernel: Kernel, subgroups: bool) -> String {
 /// override identifiers, so the products are computed here (at least 1:
 /// a zero-sized array is invalid, and `dv` may be 0).
 pub(crate) fn overrides(key: &PipelineKey) -> Vec<(&'static str, f64)> {
-    tile_overrides(
+    let mut c = tile_overrides(
         key.kernel,
         key.f16_inputs,
         key.d,
         key.dv,
         key.tiles,
         key.subgroups,
-    )
+    );
+    c.extend(variant_overrides(key.kernel, key.variants));
+    c
+}
+
+/// Which attention variants a pipeline is specialised for. Each is an
+/// override of shaders/common.wgsl, so that a plain call's pipeline
+/// compiles none of their code.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Variants {
+    pub softcap: bool,
+    pub alibi: bool,
+    pub mask: bool,
+    pub sinks: bool,
+    pub dropout: bool,
+    /// A left window bound (causal and a right bound are uniforms).
+    pub window: bool,
+    /// The dQ kernels write the full score gradient.
+    pub dmask: bool,
+}
+
+/// The variant overrides of `kernel` (none for the backward pre-pass,
+/// which computes the same D for every variant).
+pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)> {
+    if kernel == Kernel::BackwardPreprocess {
+        return Vec::new();
+    }
+    let b = |x: bool| if x { 1.0 } else { 0.0 };
+    let mut c = vec![
+        ("SOFTCAP", b(v.softcap)),
+        ("ALIBI", b(v.alibi)),
+        ("MASK", b(v.mask)),
+        ("SINKS", b(v.sinks)),
+        ("DROPOUT", b(v.dropout)),
+        ("WINDOW", b(v.window)),
+    ];
+    if matches!(kernel, Kernel::BackwardDq | Kernel::BackwardDqTiled) {
+        c.push(("DMASK", b(v.dmask)));
+    }
+    c
 }
 
 /// The overrides of `kernel` for the given head dimensions and tiles (also
