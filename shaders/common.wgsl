@@ -61,7 +61,9 @@ struct Params {
     blocks_off: u32,
     slopes_off: u32,
     sinks_off: u32,
+    // To 32 words: 128 bytes, a multiple of the 16-byte uniform alignment.
     pad0: u32,
+    pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -235,10 +237,13 @@ fn dropout_factor(bh: u32, row: u32, key: u32) -> f32 {
     return select(0.0, p.keep_scale, keeps(bh, row, key));
 }
 
-// The output normaliser and lse of a row from its running max m and sum l
+// The output divisor and lse of a row from its running max m and sum l
 // (natural units), with the sink logit in the denominator: the sink takes
-// probability mass but adds nothing to the output. A row that saw no key
-// has output 0 and lse -inf, or lse = sink with a sink.
+// probability mass but adds nothing to the output. The output is
+// acc / divisor, and 0 where the divisor is 0: a row that saw no key, whose
+// lse is -inf (or the sink, with a sink). A divisor rather than a factor,
+// so that a sink of -inf and no dropout divide by l exactly as the plain
+// kernels do, bit for bit.
 fn finish_row(bh: u32, m: f32, l: f32) -> vec2<f32> {
     let neg_inf = bitcast<f32>(0xff800000u);
     if SINKS {
@@ -247,11 +252,13 @@ fn finish_row(bh: u32, m: f32, l: f32) -> vec2<f32> {
             let nm = max(m, sink);
             let corr = exp(m - nm);
             let sum = l * corr + exp(sink - nm);
-            return vec2(corr / sum * p.keep_scale, nm + log(sum));
+            // corr = 0 (the sink dwarfs every score) gives an infinite
+            // divisor and an output of 0, its limit.
+            return vec2(sum / (corr * p.keep_scale), nm + log(sum));
         }
     }
     if l > 0.0 {
-        return vec2(p.keep_scale / l, m + log(l));
+        return vec2(l / p.keep_scale, m + log(l));
     }
     return vec2(0.0, neg_inf);
 }

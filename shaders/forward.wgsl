@@ -208,7 +208,8 @@ fn main(
     if SINKS || DROPOUT {
         for (var e = lid; e < rows * DV; e += WG) {
             let i = e / DVN;
-            out[o_base + e] = so[e] * finish_row(bh, row_max[i], row_sum[i]).x;
+            let divisor = finish_row(bh, row_max[i], row_sum[i]).x;
+            out[o_base + e] = select(0.0, so[e] / divisor, divisor > 0.0);
         }
         for (var i = lid; i < rows; i += WG) {
             lse[l_base + i] = finish_row(bh, row_max[i], row_sum[i]).y;

@@ -552,10 +552,10 @@ fn main(
         let li = l.x;
         if SINKS || DROPOUT {
             let fin = finish_row(bh, m.x * LN2, li);
-            if cg + 0u < DV4 { out[at + 0u] = o00 * fin.x; }
-            if cg + 8u < DV4 { out[at + 8u] = o01 * fin.x; }
-            if cg + 16u < DV4 { out[at + 16u] = o02 * fin.x; }
-            if cg + 24u < DV4 { out[at + 24u] = o03 * fin.x; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o00 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o01 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o02 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o03 / fin.x, fin.x > 0.0); }
             if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = fin.y; }
         } else {
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o00 / li, li > 0.0); }
@@ -570,10 +570,10 @@ fn main(
         let li = l.y;
         if SINKS || DROPOUT {
             let fin = finish_row(bh, m.y * LN2, li);
-            if cg + 0u < DV4 { out[at + 0u] = o10 * fin.x; }
-            if cg + 8u < DV4 { out[at + 8u] = o11 * fin.x; }
-            if cg + 16u < DV4 { out[at + 16u] = o12 * fin.x; }
-            if cg + 24u < DV4 { out[at + 24u] = o13 * fin.x; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o10 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o11 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o12 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o13 / fin.x, fin.x > 0.0); }
             if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = fin.y; }
         } else {
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o10 / li, li > 0.0); }
@@ -588,10 +588,10 @@ fn main(
         let li = l.z;
         if SINKS || DROPOUT {
             let fin = finish_row(bh, m.z * LN2, li);
-            if cg + 0u < DV4 { out[at + 0u] = o20 * fin.x; }
-            if cg + 8u < DV4 { out[at + 8u] = o21 * fin.x; }
-            if cg + 16u < DV4 { out[at + 16u] = o22 * fin.x; }
-            if cg + 24u < DV4 { out[at + 24u] = o23 * fin.x; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o20 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o21 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o22 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o23 / fin.x, fin.x > 0.0); }
             if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = fin.y; }
         } else {
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o20 / li, li > 0.0); }
@@ -606,10 +606,10 @@ fn main(
         let li = l.w;
         if SINKS || DROPOUT {
             let fin = finish_row(bh, m.w * LN2, li);
-            if cg + 0u < DV4 { out[at + 0u] = o30 * fin.x; }
-            if cg + 8u < DV4 { out[at + 8u] = o31 * fin.x; }
-            if cg + 16u < DV4 { out[at + 16u] = o32 * fin.x; }
-            if cg + 24u < DV4 { out[at + 24u] = o33 * fin.x; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o30 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o31 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o32 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o33 / fin.x, fin.x > 0.0); }
             if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = fin.y; }
         } else {
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o30 / li, li > 0.0); }

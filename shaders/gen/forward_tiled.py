@@ -75,7 +75,9 @@ def store():
         out.append(f"            let fin = finish_row(bh, m.{c} * LN2, li);")
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
-            out.append(f"            if {guard} {{ out[at + {8 * n}u] = o{i}{n} * fin.x; }}")
+            out.append(
+                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / fin.x, fin.x > 0.0); }}"
+            )
         out.append(
             f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = fin.y; }}"
         )

@@ -479,7 +479,7 @@ fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
 }
 
 /// _gpu_kernel_times() -> list[tuple[str, float]]: GPU time in seconds of
-/// each kernel of the last GPU call in this process, from timestamp
+/// each kernel of the last GPU call on this thread, from timestamp
 /// queries (empty where the adapter has none). For benchmarks.
 #[pyfunction]
 fn _gpu_kernel_times() -> Vec<(String, f64)> {

@@ -19,10 +19,10 @@ mod plan;
 pub mod shaders;
 pub mod tiles;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask};
 use crate::{
@@ -137,13 +137,13 @@ fn caps(ctx: &Context) -> tiles::DeviceCaps {
     caps
 }
 
-/// GPU time of each kernel of the calling process's last forward or
+/// GPU time of each kernel of the calling thread's last forward or
 /// backward call, in seconds, in dispatch order (one entry per kernel and
 /// chunk), from timestamp queries (none where the adapter has none); and
 /// wall time of the call's host phases, named "host:upload",
 /// "host:submit_and_wait", "host:readback_copy".
 pub fn last_kernel_times() -> Vec<(String, f64)> {
-    lock_times().clone()
+    with_times(|times| times.clone())
 }
 
 /// Destroys the shared context's device, as a driver reset or a removed
@@ -157,18 +157,23 @@ pub fn lose_device_for_tests() {
     }
 }
 
-static KERNEL_TIMES: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+thread_local! {
+    // Per thread, so that calls running at the same time on other threads
+    // (a threaded test runner, a user's worker pool) do not mix their times
+    // into the caller's.
+    static KERNEL_TIMES: RefCell<Vec<(String, f64)>> = const { RefCell::new(Vec::new()) };
+}
 
-fn lock_times() -> std::sync::MutexGuard<'static, Vec<(String, f64)>> {
-    KERNEL_TIMES
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+/// Runs `f` on the calling thread's kernel times.
+fn with_times<R>(f: impl FnOnce(&mut Vec<(String, f64)>) -> R) -> R {
+    KERNEL_TIMES.with(|times| f(&mut times.borrow_mut()))
 }
 
 /// Records a host-side phase of the current call (wall seconds, named
 /// "host:..."), beside the kernels' GPU times: where end-to-end time goes.
 fn record_host(name: &str, since: std::time::Instant) {
-    lock_times().push((format!("host:{name}"), since.elapsed().as_secs_f64()));
+    let elapsed = since.elapsed().as_secs_f64();
+    with_times(|times| times.push((format!("host:{name}"), elapsed)));
 }
 
 /// Timestamp queries around each dispatch of one submission.
@@ -228,12 +233,13 @@ impl Timer {
     fn record(&self, ctx: &Context, words: &[f32]) {
         let period = ctx.queue.get_timestamp_period() as f64 * 1e-9;
         let ticks: Vec<u64> = bytemuck::pod_collect_to_vec::<f32, u64>(words);
-        let mut times = lock_times();
-        for (i, name) in self.names.iter().enumerate() {
-            if let (Some(&a), Some(&b)) = (ticks.get(2 * i), ticks.get(2 * i + 1)) {
-                times.push((name.to_string(), b.wrapping_sub(a) as f64 * period));
+        with_times(|times| {
+            for (i, name) in self.names.iter().enumerate() {
+                if let (Some(&a), Some(&b)) = (ticks.get(2 * i), ticks.get(2 * i + 1)) {
+                    times.push((name.to_string(), b.wrapping_sub(a) as f64 * period));
+                }
             }
-        }
+        });
     }
 }
 
@@ -477,7 +483,7 @@ fn params(ctx: &Context, p: &Problem, chunk: &Chunk, vd: &VariantData) -> Result
         seed[1],
     ];
     words.extend(vd.mask);
-    words.extend([vd.blocks_off, vd.slopes_off, vd.sinks_off, 0]);
+    words.extend([vd.blocks_off, vd.slopes_off, vd.sinks_off, 0, 0]);
     debug_assert_eq!(words.len(), 32);
     upload_as(
         ctx,
@@ -785,7 +791,7 @@ fn forward_on(
             ..vd.flags
         },
     };
-    lock_times().clear();
+    with_times(Vec::clear);
     let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
     let chunks = plan::plan(
         p,
@@ -954,7 +960,7 @@ fn backward_on(
         ),
         None => (simple(Kernel::BackwardDq), simple(Kernel::BackwardDkDv)),
     };
-    lock_times().clear();
+    with_times(Vec::clear);
     let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
     let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
     let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;
