@@ -205,6 +205,19 @@ impl MaskScalar for f64 {
 /// that a mask removes entirely are found and skipped.
 pub const MASK_BLOCK: usize = 16;
 
+/// Element strides of a contiguous array of extents `dims`, with 0 where
+/// an extent is 1, so that indexing with the full problem's indices
+/// broadcasts.
+pub fn broadcast_strides(dims: [usize; 4]) -> [usize; 4] {
+    let mut strides = [0; 4];
+    let mut stride = 1;
+    for axis in (0..4).rev() {
+        strides[axis] = if dims[axis] == 1 { 0 } else { stride };
+        stride *= dims[axis];
+    }
+    strides
+}
+
 /// Where a mask's values lie and which of its blocks hold anything
 /// visible: the part of a mask that does not depend on how its values are
 /// stored.
@@ -232,12 +245,7 @@ impl MaskLayout {
         values: &[V],
         visible: impl Fn(&V) -> bool + Sync,
     ) -> Self {
-        let mut strides = [0; 4];
-        let mut stride = 1;
-        for axis in (0..4).rev() {
-            strides[axis] = if dims[axis] == 1 { 0 } else { stride };
-            stride *= dims[axis];
-        }
+        let strides = broadcast_strides(dims);
         let block_counts = [
             dims[2].div_ceil(MASK_BLOCK).max(1),
             dims[3].div_ceil(MASK_BLOCK).max(1),
@@ -409,13 +417,7 @@ pub fn reduce_to_mask<T: Copy + std::ops::AddAssign + Default>(
     if spec.dims == [problem.batch, problem.heads_q, problem.seq_q, problem.seq_k] {
         return full.to_vec();
     }
-    let dims = spec.dims;
-    let mut strides = [0; 4];
-    let mut stride = 1;
-    for axis in (0..4).rev() {
-        strides[axis] = if dims[axis] == 1 { 0 } else { stride };
-        stride *= dims[axis];
-    }
+    let strides = broadcast_strides(spec.dims);
     let mut reduced = vec![T::default(); spec.len()];
     let (seq_q, seq_k) = (problem.seq_q, problem.seq_k);
     for (plane, values) in full.chunks(seq_q * seq_k).enumerate() {
