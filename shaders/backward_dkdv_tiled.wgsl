@@ -64,6 +64,31 @@ var<workgroup> dos: array<vec4<f32>, B1_ELEMS>;
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 var<workgroup> ws2: array<vec4<f32>, W_ELEMS>;
 
+// The first step from `it` on of the flat (query head, query tile) loop in
+// which the mask leaves any score of keys [k0, k0 + nk); `total` if none.
+fn next_visible_it(it: u32, total: u32, n_tiles: u32, kvh: u32, first_row: u32, row_end: u32, k0: u32, nk: u32) -> u32 {
+    var i = it;
+    if MASK {
+        while i < total {
+            let r0 = first_row + (i % n_tiles) * BC;
+            if mask_tile_visible(p.head0 + kvh * p.g_count + i / n_tiles, r0, min(r0 + BC, row_end), k0, k0 + nk) {
+                break;
+            }
+            i++;
+        }
+    }
+    return i;
+}
+
+// Whether dropout keeps query rows cg, cg + 8, cg + 16, cg + 24 of the
+// tile for one key row, from its keep bits: nibble m (bit r: query row
+// 4m + r) in component m of the ws padding (m < 4), m - 4 of ws2's.
+fn kept4(a: vec4<f32>, b: vec4<f32>, cg: u32) -> vec4<bool> {
+    let h = cg / 4u;
+    let r = cg % 4u;
+    return vec4(bit_of(a[h], r), bit_of(a[h + 2u], r), bit_of(b[h], r), bit_of(b[h + 2u], r));
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -117,6 +142,10 @@ fn main(
     let q_rows = row_end - min(first_row, row_end);
     let n_tiles = (q_rows + BC - 1u) / BC;
     let total = p.g_count * n_tiles;
+    // The loop steps from query tile to query tile the mask leaves anything
+    // in (every tile without a mask): a hidden one is neither loaded nor
+    // prefetched.
+    let first = next_visible_it(0u, total, n_tiles, kvh, first_row, row_end, k0, nk);
     var pa0 = vec4(0.0); var pb0 = vec4(0.0);
     var pa1 = vec4(0.0); var pb1 = vec4(0.0);
     var pa2 = vec4(0.0); var pb2 = vec4(0.0);
@@ -125,9 +154,9 @@ fn main(
     var pa5 = vec4(0.0); var pb5 = vec4(0.0);
     var pa6 = vec4(0.0); var pb6 = vec4(0.0);
     var pa7 = vec4(0.0); var pb7 = vec4(0.0);
-    if PF_N > 0u && total > 0u {
-        let head = kvh * p.g_count;
-        let r0 = first_row;
+    if PF_N > 0u && first < total {
+        let head = kvh * p.g_count + first / n_tiles;
+        let r0 = first_row + (first % n_tiles) * BC;
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             {
@@ -249,7 +278,9 @@ fn main(
             }
         }
     }
-    for (var it = 0u; it < total; it++) {
+    var next = first;
+    for (var it = first; it < total; it = next) {
+        next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
         {
             let head = kvh * p.g_count + it / n_tiles;
             let bh = p.head0 + head;
@@ -356,11 +387,34 @@ fn main(
                 vend.w = visible_end(r0 + cols.w);
                 vstart.w = visible_start(r0 + cols.w);
             }
+            if DROPOUT {
+                // The tile's keep bits, one Philox call per 4 keys (a call
+                // covers keys 4g..4g+4 of one query row) where a score's
+                // own would take one per key: invocation (g, m) = (lid / 8,
+                // lid % 8) does query rows 4m..4m+4, and the 4 bits of
+                // each of its key rows go to the padding column of ws (m <
+                // 4) or ws2 (m >= 4), which the accumulation never reads.
+                let g = lid / 8u;
+                let m = lid % 8u;
+                let b0 = keep_bits4(bh, r0 + 4u * m, (k0 >> 2u) + g);
+                let b1 = keep_bits4(bh, r0 + 4u * m + 1u, (k0 >> 2u) + g);
+                let b2 = keep_bits4(bh, r0 + 4u * m + 2u, (k0 >> 2u) + g);
+                let b3 = keep_bits4(bh, r0 + 4u * m + 3u, (k0 >> 2u) + g);
+                for (var b = 0u; b < 4u; b++) {
+                    let nib = f32(((b0 >> b) & 1u) | (((b1 >> b) & 1u) << 1u)
+                        | (((b2 >> b) & 1u) << 2u) | (((b3 >> b) & 1u) << 3u));
+                    if m < 4u {
+                        ws[(4u * g + b) * 9u + 8u][m] = nib;
+                    } else {
+                        ws2[(4u * g + b) * 9u + 8u][m - 4u] = nib;
+                    }
+                }
+            }
             workgroupBarrier();
-            if PF_N > 0u && it + 1u < total {
+            if PF_N > 0u && next < total {
                 // The next tile's loads, in flight during this tile's arithmetic.
-                let head = kvh * p.g_count + (it + 1u) / n_tiles;
-                let r0 = first_row + ((it + 1u) % n_tiles) * BC;
+                let head = kvh * p.g_count + next / n_tiles;
+                let r0 = first_row + (next % n_tiles) * BC;
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
                     {
@@ -482,11 +536,6 @@ fn main(
                     }
                 }
             }
-            if !mask_tile_visible(bh, r0, r0 + nr, k0, k0 + nk) {
-                // The mask hides the whole tile. Its loads (and the
-                // prefetch of the next) were issued all the same.
-                continue;
-            }
 
             var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
             var s10 = 0.0; var s11 = 0.0; var s12 = 0.0; var s13 = 0.0;
@@ -535,7 +584,7 @@ fn main(
             }
             let p0 = select(vec4(0.0), exp2(e0 - lse2), vis0);
             if DROPOUT {
-                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.x));
+                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 0u * RG) * 9u + 8u], ws2[(rg + 0u * RG) * 9u + 8u], cg));
                 ws[(rg + 0u * RG) * 9u + cg] = p0 * z;
                 ws2[(rg + 0u * RG) * 9u + cg] = softcap_grad4(p0 * (vec4(t00, t01, t02, t03) * z - dl), u0);
             } else {
@@ -553,7 +602,7 @@ fn main(
             }
             let p1 = select(vec4(0.0), exp2(e1 - lse2), vis1);
             if DROPOUT {
-                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.y));
+                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 1u * RG) * 9u + 8u], ws2[(rg + 1u * RG) * 9u + 8u], cg));
                 ws[(rg + 1u * RG) * 9u + cg] = p1 * z;
                 ws2[(rg + 1u * RG) * 9u + cg] = softcap_grad4(p1 * (vec4(t10, t11, t12, t13) * z - dl), u1);
             } else {
@@ -571,7 +620,7 @@ fn main(
             }
             let p2 = select(vec4(0.0), exp2(e2 - lse2), vis2);
             if DROPOUT {
-                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.z));
+                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 2u * RG) * 9u + 8u], ws2[(rg + 2u * RG) * 9u + 8u], cg));
                 ws[(rg + 2u * RG) * 9u + cg] = p2 * z;
                 ws2[(rg + 2u * RG) * 9u + cg] = softcap_grad4(p2 * (vec4(t20, t21, t22, t23) * z - dl), u2);
             } else {
@@ -589,7 +638,7 @@ fn main(
             }
             let p3 = select(vec4(0.0), exp2(e3 - lse2), vis3);
             if DROPOUT {
-                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.w));
+                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 3u * RG) * 9u + 8u], ws2[(rg + 3u * RG) * 9u + 8u], cg));
                 ws[(rg + 3u * RG) * 9u + cg] = p3 * z;
                 ws2[(rg + 3u * RG) * 9u + cg] = softcap_grad4(p3 * (vec4(t30, t31, t32, t33) * z - dl), u3);
             } else {

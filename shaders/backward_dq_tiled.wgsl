@@ -66,6 +66,20 @@ var<workgroup> vs: array<vec4<f32>, B1_ELEMS>;
 // dS of the tile; vec4 c of a row holds keys c, c+8, c+16, c+24.
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 
+// Writes dS = 0 for keys [k_from, k_to) of the workgroup's rows.
+fn zero_dmask(head: u32, row0: u32, rows: u32, k_from: u32, k_to: u32, lid: u32) {
+    let n = k_to - min(k_from, k_to);
+    for (var e = lid; e < rows * n; e += RG * CG) {
+        dmask[(head * p.seq_q + row0 + e / n) * p.seq_k + k_from + e % n] = 0.0;
+    }
+}
+
+// Whether dropout keeps keys cg, cg + 8, cg + 16, cg + 24 of a tile, from
+// the row's keep bits (keys 0..16 in .x, 16..32 in .y).
+fn kept4(bits: vec4<f32>, cg: u32) -> vec4<bool> {
+    return vec4(bit_of(bits.x, cg), bit_of(bits.x, cg + 8u), bit_of(bits.y, cg), bit_of(bits.y, cg + 8u));
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -144,6 +158,12 @@ fn main(
     let key_end = visible_end(row0 + rows - 1u);
     let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
+    // The loop steps from tile to tile the mask leaves anything in (every
+    // tile without a mask): a hidden tile is neither loaded nor prefetched.
+    let first = next_visible_tile(bh, row0, row0 + rows, key_start, key_end, BC);
+    if DMASK {
+        zero_dmask(head, row0, rows, key_start, min(first, key_end), lid);
+    }
     var pa0 = vec4(0.0); var pb0 = vec4(0.0);
     var pa1 = vec4(0.0); var pb1 = vec4(0.0);
     var pa2 = vec4(0.0); var pb2 = vec4(0.0);
@@ -152,20 +172,20 @@ fn main(
     var pa5 = vec4(0.0); var pb5 = vec4(0.0);
     var pa6 = vec4(0.0); var pb6 = vec4(0.0);
     var pa7 = vec4(0.0); var pb7 = vec4(0.0);
-    if PF_N > 0u {
+    if PF_N > 0u && first < key_end {
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             {
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa0 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa0 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa0 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb0 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb0 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb0 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 1u {
@@ -174,13 +194,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa1 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa1 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa1 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb1 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb1 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb1 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 2u {
@@ -189,13 +209,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa2 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa2 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa2 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb2 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb2 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb2 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 3u {
@@ -204,13 +224,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa3 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa3 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa3 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb3 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb3 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb3 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 4u {
@@ -219,13 +239,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa4 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa4 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa4 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb4 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb4 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb4 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 5u {
@@ -234,13 +254,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa5 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa5 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa5 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb5 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb5 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb5 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 6u {
@@ -249,13 +269,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa6 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa6 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa6 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb6 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb6 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb6 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 7u {
@@ -264,18 +284,24 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa7 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa7 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa7 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb7 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb7 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb7 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
     }
-    for (var k0 = key_start; k0 < key_end; k0 += BC) {
+    var next = first;
+    for (var k0 = first; k0 < key_end; k0 = next) {
         let nk = min(BC, key_end - k0);
+        next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
+        if DMASK {
+            // The hidden tiles up to the next visible one: dS is 0 there.
+            zero_dmask(head, row0, rows, k0 + nk, min(next, key_end), lid);
+        }
         workgroupBarrier();
         if PF_N > 0u {
             if PF_N > 0u {
@@ -337,10 +363,21 @@ fn main(
                 vs[j * SB1 + e % DV4] = x;
             }
         }
+        if DROPOUT {
+            // The tile's keep bits, one Philox call per 4 keys where a
+            // score's own would take one per key (an invocation's keys
+            // are 8 apart): row lid / 2, keys 16 * (lid % 2) + 0..16, into
+            // the padding column of ws, which the accumulation never reads.
+            let bits = f32(keep_bits16(bh, row0 + lid / 2u, k0 + 16u * (lid % 2u)));
+            if lid % 2u == 0u {
+                ws[(lid / 2u) * 9u + 8u].x = bits;
+            } else {
+                ws[(lid / 2u) * 9u + 8u].y = bits;
+            }
+        }
         workgroupBarrier();
         if PF_N > 0u {
             // The next tile's loads, in flight during this tile's arithmetic.
-            let next = k0 + BC;
             if next < key_end {
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
@@ -464,16 +501,6 @@ fn main(
                 }
             }
         }
-        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
-            // The mask hides the whole tile: dS is 0 there. Its loads (and
-            // the prefetch of the next) were issued all the same.
-            if DMASK {
-                for (var e = lid; e < rows * nk; e += RG * CG) {
-                    dmask[(head * p.seq_q + row0 + e / nk) * p.seq_k + k0 + e % nk] = 0.0;
-                }
-            }
-            continue;
-        }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
         var s10 = 0.0; var s11 = 0.0; var s12 = 0.0; var s13 = 0.0;
@@ -524,7 +551,7 @@ fn main(
         let p0 = select(vec4(0.0), exp2(e0 - lse2.x), vis0);
         var dp0 = vec4(t00, t01, t02, t03);
         if DROPOUT {
-            dp0 *= dropout4(bh, vec4(row0 + rv.x), kk);
+            dp0 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.x * 9u + 8u], cg));
         }
         let ds0 = p0 * (dp0 - dl.x);
         if DMASK && rv.x < rows {
@@ -547,7 +574,7 @@ fn main(
         let p1 = select(vec4(0.0), exp2(e1 - lse2.y), vis1);
         var dp1 = vec4(t10, t11, t12, t13);
         if DROPOUT {
-            dp1 *= dropout4(bh, vec4(row0 + rv.y), kk);
+            dp1 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.y * 9u + 8u], cg));
         }
         let ds1 = p1 * (dp1 - dl.y);
         if DMASK && rv.y < rows {
@@ -570,7 +597,7 @@ fn main(
         let p2 = select(vec4(0.0), exp2(e2 - lse2.z), vis2);
         var dp2 = vec4(t20, t21, t22, t23);
         if DROPOUT {
-            dp2 *= dropout4(bh, vec4(row0 + rv.z), kk);
+            dp2 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.z * 9u + 8u], cg));
         }
         let ds2 = p2 * (dp2 - dl.z);
         if DMASK && rv.z < rows {
@@ -593,7 +620,7 @@ fn main(
         let p3 = select(vec4(0.0), exp2(e3 - lse2.w), vis3);
         var dp3 = vec4(t30, t31, t32, t33);
         if DROPOUT {
-            dp3 *= dropout4(bh, vec4(row0 + rv.w), kk);
+            dp3 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.w * 9u + 8u], cg));
         }
         let ds3 = p3 * (dp3 - dl.w);
         if DMASK && rv.w < rows {

@@ -190,6 +190,21 @@ fn mask_tile_visible(bh: u32, r0: u32, r1: u32, c0: u32, c1: u32) -> bool {
     return any;
 }
 
+// The first of the tiles starting at k, k + step, ... below `end` in which
+// the mask leaves any score of rows [r0, r1); `end` or more if none. The
+// tiled kernels step from visible tile to visible tile, so a hidden one
+// costs neither loads nor a register prefetch. Uniform like
+// mask_tile_visible.
+fn next_visible_tile(bh: u32, r0: u32, r1: u32, k: u32, end: u32, step: u32) -> u32 {
+    var t = k;
+    if MASK {
+        while t < end && !mask_tile_visible(bh, r0, r1, t, min(t + step, end)) {
+            t += step;
+        }
+    }
+    return t;
+}
+
 // 32 x 32 -> 64-bit product as (hi, lo): WGSL has no u64.
 fn mulhilo(a: u32, b: u32) -> vec2<u32> {
     let a0 = a & 0xffffu;
@@ -227,6 +242,38 @@ fn keeps(bh: u32, row: u32, key: u32) -> bool {
     }
     let w = philox(vec4(key >> 2u, row, bh, 0u));
     return w[key & 3u] >= p.drop_threshold;
+}
+
+// Whether dropout keeps keys 4 * group + b (b < 4) of (bh, row), as bit b:
+// one Philox call yields the words of four consecutive keys.
+fn keep_bits4(bh: u32, row: u32, group: u32) -> u32 {
+    let w = philox(vec4(group, row, bh, 0u));
+    let t = p.drop_threshold;
+    return select(0u, 1u, w.x >= t) | select(0u, 2u, w.y >= t) | select(0u, 4u, w.z >= t)
+        | select(0u, 8u, w.w >= t);
+}
+
+// Bit i: whether dropout keeps key k + i of (bh, row), for i < 16: four or
+// five Philox calls, where one per key would take sixteen. The tiled
+// kernels share these through workgroup memory as exact floats (< 2^16),
+// so no NaN or subnormal bit pattern has to survive a float store.
+fn keep_bits16(bh: u32, row: u32, k: u32) -> u32 {
+    var bits = 0u;
+    let g_end = (k + 19u) >> 2u;
+    for (var g = k >> 2u; g < g_end; g++) {
+        let b = keep_bits4(bh, row, g);
+        if 4u * g >= k {
+            bits |= b << (4u * g - k);
+        } else {
+            bits |= b >> (k - 4u * g);
+        }
+    }
+    return bits & 0xffffu;
+}
+
+// Bit `i` of bits stored as an exact float.
+fn bit_of(x: f32, i: u32) -> bool {
+    return ((u32(x) >> i) & 1u) != 0u;
 }
 
 // Z = keep / (1 - p): the factor dropout puts on a probability.

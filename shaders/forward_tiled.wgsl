@@ -74,6 +74,12 @@ fn hsum(x: vec4<f32>) -> f32 {
     return (x.x + x.y) + (x.z + x.w);
 }
 
+// Whether dropout keeps keys cg, cg + 8, cg + 16, cg + 24 of a tile, from
+// the row's keep bits (keys 0..16 in .x, 16..32 in .y).
+fn kept4(bits: vec4<f32>, cg: u32) -> vec4<bool> {
+    return vec4(bit_of(bits.x, cg), bit_of(bits.x, cg + 8u), bit_of(bits.y, cg), bit_of(bits.y, cg + 8u));
+}
+
 fn load_v(kv_row: u32, nk: u32, lid: u32) {
     for (var e = lid; e < BK * 8u * NV; e += RG * CG) {
         let j = e / (8u * NV);
@@ -131,6 +137,9 @@ fn main(
     let key_end = visible_end(row0 + rows - 1u);
     let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
+    // The loop steps from tile to tile the mask leaves anything in (every
+    // tile without a mask): a hidden tile is neither loaded nor prefetched.
+    let first = next_visible_tile(bh, row0, row0 + rows, key_start, key_end, BK);
     var pk0 = vec4(0.0); var pv0 = vec4(0.0);
     var pk1 = vec4(0.0); var pv1 = vec4(0.0);
     var pk2 = vec4(0.0); var pv2 = vec4(0.0);
@@ -139,82 +148,84 @@ fn main(
     var pk5 = vec4(0.0); var pv5 = vec4(0.0);
     var pk6 = vec4(0.0); var pv6 = vec4(0.0);
     var pk7 = vec4(0.0); var pv7 = vec4(0.0);
-    if PF_N > 0u {
+    if PF_N > 0u && first < key_end {
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             pk0 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk0 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk0 = k[(kv_row0 + first) * D4 + e]; }
             pv0 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv0 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv0 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 1u {
             let e = lid + 1u * RG * CG;
             pk1 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk1 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk1 = k[(kv_row0 + first) * D4 + e]; }
             pv1 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv1 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv1 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 2u {
             let e = lid + 2u * RG * CG;
             pk2 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk2 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk2 = k[(kv_row0 + first) * D4 + e]; }
             pv2 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv2 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv2 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 3u {
             let e = lid + 3u * RG * CG;
             pk3 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk3 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk3 = k[(kv_row0 + first) * D4 + e]; }
             pv3 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv3 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv3 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 4u {
             let e = lid + 4u * RG * CG;
             pk4 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk4 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk4 = k[(kv_row0 + first) * D4 + e]; }
             pv4 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv4 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv4 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 5u {
             let e = lid + 5u * RG * CG;
             pk5 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk5 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk5 = k[(kv_row0 + first) * D4 + e]; }
             pv5 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv5 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv5 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 6u {
             let e = lid + 6u * RG * CG;
             pk6 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk6 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk6 = k[(kv_row0 + first) * D4 + e]; }
             pv6 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv6 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv6 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 7u {
             let e = lid + 7u * RG * CG;
             pk7 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk7 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk7 = k[(kv_row0 + first) * D4 + e]; }
             pv7 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv7 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv7 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
     }
-    for (var k0 = key_start; k0 < key_end; k0 += BK) {
+    var next = first;
+    for (var k0 = first; k0 < key_end; k0 = next) {
         let nk = min(BK, key_end - k0);
+        next = next_visible_tile(bh, row0, row0 + rows, k0 + BK, key_end, BK);
         // Also orders the previous tile's reads of kvs/ps before these writes.
         workgroupBarrier();
         if PF_N > 0u {
@@ -273,10 +284,21 @@ fn main(
                 load_v(kv_row0 + k0, nk, lid);
             }
         }
+        if DROPOUT {
+            // The tile's keep bits, one Philox call per 4 keys where a
+            // score's own would take one per key (an invocation's keys
+            // are 8 apart): row lid / 2, keys 16 * (lid % 2) + 0..16, into
+            // the padding column of ps, which the P.V step never reads.
+            let bits = f32(keep_bits16(bh, row0 + lid / 2u, k0 + 16u * (lid % 2u)));
+            if lid % 2u == 0u {
+                ps[(lid / 2u) * PS4 + 8u].x = bits;
+            } else {
+                ps[(lid / 2u) * PS4 + 8u].y = bits;
+            }
+        }
         workgroupBarrier();
         if PF_N > 0u {
             // The next tile's loads, in flight during this tile's arithmetic.
-            let next = k0 + BK;
             if next < key_end {
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
@@ -351,11 +373,6 @@ fn main(
                     if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv7 = v[(kv_row0 + next + j) * DV4 + c]; }
                 }
             }
-        }
-        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
-            // The mask hides the whole tile; its loads (and the prefetch
-            // of the next) were issued all the same, to keep one pipeline.
-            continue;
         }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
@@ -449,10 +466,10 @@ fn main(
         if DROPOUT {
             // The sum is of the undropped probabilities; only the output
             // drops some (1 / (1 - p) is applied with the normaliser).
-            ps[rv.x * PS4 + cg] = select(vec4(0.0), p0, dropout4(bh, vec4(row0 + rv.x), kk) > vec4(0.0));
-            ps[rv.y * PS4 + cg] = select(vec4(0.0), p1, dropout4(bh, vec4(row0 + rv.y), kk) > vec4(0.0));
-            ps[rv.z * PS4 + cg] = select(vec4(0.0), p2, dropout4(bh, vec4(row0 + rv.z), kk) > vec4(0.0));
-            ps[rv.w * PS4 + cg] = select(vec4(0.0), p3, dropout4(bh, vec4(row0 + rv.w), kk) > vec4(0.0));
+            ps[rv.x * PS4 + cg] = select(vec4(0.0), p0, kept4(ps[rv.x * PS4 + 8u], cg));
+            ps[rv.y * PS4 + cg] = select(vec4(0.0), p1, kept4(ps[rv.y * PS4 + 8u], cg));
+            ps[rv.z * PS4 + cg] = select(vec4(0.0), p2, kept4(ps[rv.z * PS4 + 8u], cg));
+            ps[rv.w * PS4 + cg] = select(vec4(0.0), p3, kept4(ps[rv.w * PS4 + 8u], cg));
         } else {
             ps[rv.x * PS4 + cg] = p0;
             ps[rv.y * PS4 + cg] = p1;

@@ -161,6 +161,20 @@ var<workgroup> vs: array<vec4<f32>, B1_ELEMS>;
 // dS of the tile; vec4 c of a row holds keys c, c+8, c+16, c+24.
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 
+// Writes dS = 0 for keys [k_from, k_to) of the workgroup's rows.
+fn zero_dmask(head: u32, row0: u32, rows: u32, k_from: u32, k_to: u32, lid: u32) {
+    let n = k_to - min(k_from, k_to);
+    for (var e = lid; e < rows * n; e += RG * CG) {
+        dmask[(head * p.seq_q + row0 + e / n) * p.seq_k + k_from + e % n] = 0.0;
+    }
+}
+
+// Whether dropout keeps keys cg, cg + 8, cg + 16, cg + 24 of a tile, from
+// the row's keep bits (keys 0..16 in .x, 16..32 in .y).
+fn kept4(bits: vec4<f32>, cg: u32) -> vec4<bool> {
+    return vec4(bit_of(bits.x, cg), bit_of(bits.x, cg + 8u), bit_of(bits.y, cg), bit_of(bits.y, cg + 8u));
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -205,12 +219,24 @@ fn main(
     let key_end = visible_end(row0 + rows - 1u);
     let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
+    // The loop steps from tile to tile the mask leaves anything in (every
+    // tile without a mask): a hidden tile is neither loaded nor prefetched.
+    let first = next_visible_tile(bh, row0, row0 + rows, key_start, key_end, BC);
+    if DMASK {
+        zero_dmask(head, row0, rows, key_start, min(first, key_end), lid);
+    }
 {{PF_DECL}}
-    if PF_N > 0u {
+    if PF_N > 0u && first < key_end {
 {{PF_FIRST}}
     }
-    for (var k0 = key_start; k0 < key_end; k0 += BC) {
+    var next = first;
+    for (var k0 = first; k0 < key_end; k0 = next) {
         let nk = min(BC, key_end - k0);
+        next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
+        if DMASK {
+            // The hidden tiles up to the next visible one: dS is 0 there.
+            zero_dmask(head, row0, rows, k0 + nk, min(next, key_end), lid);
+        }
         workgroupBarrier();
         if PF_N > 0u {
 {{PF_STORE}}
@@ -233,23 +259,24 @@ fn main(
                 vs[j * SB1 + e % DV4] = x;
             }
         }
+        if DROPOUT {
+            // The tile's keep bits, one Philox call per 4 keys where a
+            // score's own would take one per key (an invocation's keys
+            // are 8 apart): row lid / 2, keys 16 * (lid % 2) + 0..16, into
+            // the padding column of ws, which the accumulation never reads.
+            let bits = f32(keep_bits16(bh, row0 + lid / 2u, k0 + 16u * (lid % 2u)));
+            if lid % 2u == 0u {
+                ws[(lid / 2u) * 9u + 8u].x = bits;
+            } else {
+                ws[(lid / 2u) * 9u + 8u].y = bits;
+            }
+        }
         workgroupBarrier();
         if PF_N > 0u {
             // The next tile's loads, in flight during this tile's arithmetic.
-            let next = k0 + BC;
             if next < key_end {
 {{PF_NEXT}}
             }
-        }
-        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
-            // The mask hides the whole tile: dS is 0 there. Its loads (and
-            // the prefetch of the next) were issued all the same.
-            if DMASK {
-                for (var e = lid; e < rows * nk; e += RG * CG) {
-                    dmask[(head * p.seq_q + row0 + e / nk) * p.seq_k + k0 + e % nk] = 0.0;
-                }
-            }
-            continue;
         }
 
 {{DECL_S}}
@@ -314,6 +341,31 @@ var<workgroup> dos: array<vec4<f32>, B1_ELEMS>;
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 var<workgroup> ws2: array<vec4<f32>, W_ELEMS>;
 
+// The first step from `it` on of the flat (query head, query tile) loop in
+// which the mask leaves any score of keys [k0, k0 + nk); `total` if none.
+fn next_visible_it(it: u32, total: u32, n_tiles: u32, kvh: u32, first_row: u32, row_end: u32, k0: u32, nk: u32) -> u32 {
+    var i = it;
+    if MASK {
+        while i < total {
+            let r0 = first_row + (i % n_tiles) * BC;
+            if mask_tile_visible(p.head0 + kvh * p.g_count + i / n_tiles, r0, min(r0 + BC, row_end), k0, k0 + nk) {
+                break;
+            }
+            i++;
+        }
+    }
+    return i;
+}
+
+// Whether dropout keeps query rows cg, cg + 8, cg + 16, cg + 24 of the
+// tile for one key row, from its keep bits: nibble m (bit r: query row
+// 4m + r) in component m of the ws padding (m < 4), m - 4 of ws2's.
+fn kept4(a: vec4<f32>, b: vec4<f32>, cg: u32) -> vec4<bool> {
+    let h = cg / 4u;
+    let r = cg % 4u;
+    return vec4(bit_of(a[h], r), bit_of(a[h + 2u], r), bit_of(b[h], r), bit_of(b[h + 2u], r));
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -360,13 +412,19 @@ fn main(
     let q_rows = row_end - min(first_row, row_end);
     let n_tiles = (q_rows + BC - 1u) / BC;
     let total = p.g_count * n_tiles;
+    // The loop steps from query tile to query tile the mask leaves anything
+    // in (every tile without a mask): a hidden one is neither loaded nor
+    // prefetched.
+    let first = next_visible_it(0u, total, n_tiles, kvh, first_row, row_end, k0, nk);
 {{PF_DECL}}
-    if PF_N > 0u && total > 0u {
-        let head = kvh * p.g_count;
-        let r0 = first_row;
+    if PF_N > 0u && first < total {
+        let head = kvh * p.g_count + first / n_tiles;
+        let r0 = first_row + (first % n_tiles) * BC;
 {{PF_FIRST}}
     }
-    for (var it = 0u; it < total; it++) {
+    var next = first;
+    for (var it = first; it < total; it = next) {
+        next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
         {
             let head = kvh * p.g_count + it / n_tiles;
             let bh = p.head0 + head;
@@ -403,17 +461,35 @@ fn main(
             var vend = vec4(0u);
             var vstart = vec4(0u);
 {{STATS_DKDV}}
-            workgroupBarrier();
-            if PF_N > 0u && it + 1u < total {
-                // The next tile's loads, in flight during this tile's arithmetic.
-                let head = kvh * p.g_count + (it + 1u) / n_tiles;
-                let r0 = first_row + ((it + 1u) % n_tiles) * BC;
-{{PF_NEXT}}
+            if DROPOUT {
+                // The tile's keep bits, one Philox call per 4 keys (a call
+                // covers keys 4g..4g+4 of one query row) where a score's
+                // own would take one per key: invocation (g, m) = (lid / 8,
+                // lid % 8) does query rows 4m..4m+4, and the 4 bits of
+                // each of its key rows go to the padding column of ws (m <
+                // 4) or ws2 (m >= 4), which the accumulation never reads.
+                let g = lid / 8u;
+                let m = lid % 8u;
+                let b0 = keep_bits4(bh, r0 + 4u * m, (k0 >> 2u) + g);
+                let b1 = keep_bits4(bh, r0 + 4u * m + 1u, (k0 >> 2u) + g);
+                let b2 = keep_bits4(bh, r0 + 4u * m + 2u, (k0 >> 2u) + g);
+                let b3 = keep_bits4(bh, r0 + 4u * m + 3u, (k0 >> 2u) + g);
+                for (var b = 0u; b < 4u; b++) {
+                    let nib = f32(((b0 >> b) & 1u) | (((b1 >> b) & 1u) << 1u)
+                        | (((b2 >> b) & 1u) << 2u) | (((b3 >> b) & 1u) << 3u));
+                    if m < 4u {
+                        ws[(4u * g + b) * 9u + 8u][m] = nib;
+                    } else {
+                        ws2[(4u * g + b) * 9u + 8u][m - 4u] = nib;
+                    }
+                }
             }
-            if !mask_tile_visible(bh, r0, r0 + nr, k0, k0 + nk) {
-                // The mask hides the whole tile. Its loads (and the
-                // prefetch of the next) were issued all the same.
-                continue;
+            workgroupBarrier();
+            if PF_N > 0u && next < total {
+                // The next tile's loads, in flight during this tile's arithmetic.
+                let head = kvh * p.g_count + next / n_tiles;
+                let r0 = first_row + (next % n_tiles) * BC;
+{{PF_NEXT}}
             }
 
 {{DECL_S}}
@@ -451,7 +527,9 @@ def ds_dq():
         lines.append(f"        let p{i} = select(vec4(0.0), exp2(e{i} - lse2.{c}), vis{i});")
         lines.append(f"        var dp{i} = {row_vec('t', i)};")
         lines.append("        if DROPOUT {")
-        lines.append(f"            dp{i} *= dropout4(bh, vec4(row0 + rv.{c}), kk);")
+        lines.append(
+            f"            dp{i} *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.{c} * 9u + 8u], cg));"
+        )
         lines.append("        }")
         lines.append(f"        let ds{i} = p{i} * (dp{i} - dl.{c});")
         lines.append(f"        if DMASK && rv.{c} < rows {{")
@@ -482,7 +560,9 @@ def ds_dkdv():
         lines.append("            }")
         lines.append(f"            let p{i} = select(vec4(0.0), exp2(e{i} - lse2), vis{i});")
         lines.append("            if DROPOUT {")
-        lines.append(f"                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.{c}));")
+        lines.append(
+            f"                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + {i}u * RG) * 9u + 8u], ws2[(rg + {i}u * RG) * 9u + 8u], cg));"
+        )
         lines.append(f"                ws[(rg + {i}u * RG) * 9u + cg] = p{i} * z;")
         lines.append(
             f"                ws2[(rg + {i}u * RG) * 9u + cg] = softcap_grad4(p{i} * ({row_vec('t', i)} * z - dl), u{i});"
@@ -570,7 +650,7 @@ dq = (
     .replace("{{PF_DECL}}", pf_decl())
     .replace(
         "{{PF_FIRST}}",
-        pf_load(DQ_PF, "min(BC, key_end - key_start)", "        ").replace("{T0}", "key_start"),
+        pf_load(DQ_PF, "min(BC, key_end - first)", "        ").replace("{T0}", "first"),
     )
     .replace(
         "{{PF_NEXT}}",

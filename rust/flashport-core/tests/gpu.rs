@@ -1142,3 +1142,143 @@ fn variants_in_float16() {
     let errs = check_spec((2, 4, 2, 37, 53, 12, 7), DType::F16, &spec, 910, 1e-2, 1e-2);
     eprintln!("float16 mask+dmask: {errs:?}");
 }
+
+/// Kernel times of the variants that cut work (window, a block-sparse
+/// mask) and of dropout against their baselines, on whatever adapter runs
+/// the tests: `cargo test --release --test gpu variant_work_report --
+/// --ignored --nocapture` (FLASHPORT_BENCH_SEQ sets the sequence, 1024 by
+/// default; FLASHPORT_GPU_KERNELS=simple for the simple kernels).
+#[test]
+#[ignore]
+fn variant_work_report() {
+    if !gpu_present() {
+        return;
+    }
+    let seq: usize = std::env::var("FLASHPORT_BENCH_SEQ")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1024);
+    let heads: usize = std::env::var("FLASHPORT_BENCH_HEADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let reps: usize = std::env::var("FLASHPORT_BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    // 64x64 blocks, ~11% kept (the diagonal always), like
+    // benchmarks/gpu_variants_bench.py.
+    let nb = seq.div_ceil(64);
+    let keep: Vec<bool> = random(nb * nb, 4242)
+        .iter()
+        .enumerate()
+        .map(|(e, x)| e / nb == e % nb || (x + 1.0) / 2.0 < 0.1)
+        .collect();
+    let block_mask: Vec<bool> = (0..seq * seq)
+        .map(|e| keep[(e / seq / 64) * nb + (e % seq) / 64])
+        .collect();
+    let kept = block_mask.iter().filter(|&&b| b).count() as f64 / (seq * seq) as f64;
+    let mask_shape = [seq, seq];
+    let rows: Vec<(String, Options, bool)> = vec![
+        (
+            "causal".into(),
+            Options {
+                causal: true,
+                ..Options::default()
+            },
+            false,
+        ),
+        (
+            "causal + window (256, 0)".into(),
+            Options {
+                causal: true,
+                window: Some((256, 0)),
+                ..Options::default()
+            },
+            false,
+        ),
+        ("dense".into(), Options::default(), false),
+        (
+            format!("block mask {:.0}% kept", 100.0 * kept),
+            Options {
+                mask: Some(ArrayInfo::new(&mask_shape, "bool")),
+                ..Options::default()
+            },
+            true,
+        ),
+        (
+            "dropout 0.1".into(),
+            Options {
+                dropout_p: 0.1,
+                seed: Some(5),
+                ..Options::default()
+            },
+            false,
+        ),
+    ];
+    eprintln!("variant kernel ms at (1, {heads}, {seq}, 64) float32 (median of {reps})");
+    eprintln!("{:<28}{:>9}{:>9}{:>9}{:>9}", "variant", "fwd", "dq", "dkdv", "f+b");
+    for (name, options, masked) in &rows {
+        let p = validate_forward(
+            ArrayInfo::new(&[1, heads, seq, 64], "float32"),
+            ArrayInfo::new(&[1, heads, seq, 64], "float32"),
+            ArrayInfo::new(&[1, heads, seq, 64], "float32"),
+            options,
+        )
+        .unwrap();
+        let arrays = VariantArrays {
+            mask: masked.then_some(MaskData::Bool(&block_mask)),
+            ..VariantArrays::default()
+        };
+        let q = Inputs::new(random(p.q_len(), 1), DType::F32);
+        let k = Inputs::new(random(p.k_len(), 2), DType::F32);
+        let v = Inputs::new(random(p.v_len(), 3), DType::F32);
+        let kernel = |times: &[(String, f64)], what: &str| -> f64 {
+            times
+                .iter()
+                .filter(|(n, _)| n.contains(what) && !n.starts_with("host:"))
+                .map(|(_, t)| t)
+                .sum::<f64>()
+                * 1e3
+        };
+        let mut samples: Vec<[f64; 3]> = Vec::new();
+        for _ in 0..reps {
+            let f = gpu::forward(
+                &p,
+                q.slice(DType::F32),
+                k.slice(DType::F32),
+                v.slice(DType::F32),
+                &arrays,
+            )
+            .unwrap();
+            let fwd = kernel(&gpu::last_kernel_times(), "forward");
+            let Buffer::F32(lse) = &f.lse else { panic!() };
+            let o = Inputs::new(as_f64(&f.out), DType::F32);
+            gpu::backward(
+                &p,
+                [
+                    o.slice(DType::F32),
+                    q.slice(DType::F32),
+                    k.slice(DType::F32),
+                    v.slice(DType::F32),
+                    o.slice(DType::F32),
+                    Slice::F32(lse),
+                ],
+                &arrays,
+            )
+            .unwrap();
+            let t = gpu::last_kernel_times();
+            samples.push([fwd, kernel(&t, "dq"), kernel(&t, "dkdv")]);
+        }
+        let median = |i: usize| {
+            let mut x: Vec<f64> = samples.iter().map(|s| s[i]).collect();
+            x.sort_by(f64::total_cmp);
+            x[x.len() / 2]
+        };
+        let (f, dq, dkdv) = (median(0), median(1), median(2));
+        eprintln!(
+            "{name:<28}{f:>9.2}{dq:>9.2}{dkdv:>9.2}{:>9.2}",
+            f + dq + dkdv
+        );
+    }
+}
