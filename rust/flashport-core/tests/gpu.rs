@@ -648,6 +648,9 @@ enum MaskArg {
     None,
     Bool(Vec<usize>),
     Float(Vec<usize>),
+    /// A boolean mask of the given shape, keeping where `keep(row, key)`
+    /// (of the last two axes).
+    Blocks(Vec<usize>, fn(usize, usize) -> bool),
 }
 
 #[derive(Clone, Default)]
@@ -683,6 +686,12 @@ fn mask_pattern(dims: &[usize], seed: u64) -> Vec<Option<f64>> {
         .collect()
 }
 
+fn mask_pattern_of(shape: Option<&(Vec<usize>, bool)>, seed: u64) -> Vec<Option<f64>> {
+    shape
+        .map(|(shape, _)| mask_pattern(shape, seed))
+        .unwrap_or_default()
+}
+
 /// Max relative errors of (out, lse, dq, dk, dv, dmask).
 fn check_spec(
     s: Shape,
@@ -698,11 +707,18 @@ fn check_spec(
         MaskArg::None => None,
         MaskArg::Bool(shape) => Some((shape.clone(), true)),
         MaskArg::Float(shape) => Some((shape.clone(), false)),
+        MaskArg::Blocks(shape, _) => Some((shape.clone(), true)),
     };
-    let pattern = mask_shape
-        .as_ref()
-        .map(|(shape, _)| mask_pattern(shape, seed + 7))
-        .unwrap_or_default();
+    let pattern = match &spec.mask {
+        MaskArg::Blocks(shape, keep) => {
+            let (rows, keys) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            let n: usize = shape.iter().product();
+            (0..n)
+                .map(|e| keep((e / keys) % rows, e % keys).then_some(1.0))
+                .collect()
+        }
+        _ => mask_pattern_of(mask_shape.as_ref(), seed + 7),
+    };
     let mask_bool: Vec<bool> = pattern.iter().map(Option::is_some).collect();
     let mask_f32: Vec<f32> = pattern
         .iter()
@@ -1217,7 +1233,10 @@ fn variant_work_report() {
         ),
     ];
     eprintln!("variant kernel ms at (1, {heads}, {seq}, 64) float32 (median of {reps})");
-    eprintln!("{:<28}{:>9}{:>9}{:>9}{:>9}", "variant", "fwd", "dq", "dkdv", "f+b");
+    eprintln!(
+        "{:<28}{:>9}{:>9}{:>9}{:>9}",
+        "variant", "fwd", "dq", "dkdv", "f+b"
+    );
     for (name, options, masked) in &rows {
         let p = validate_forward(
             ArrayInfo::new(&[1, heads, seq, 64], "float32"),
@@ -1280,5 +1299,125 @@ fn variant_work_report() {
             "{name:<28}{f:>9.2}{dq:>9.2}{dkdv:>9.2}{:>9.2}",
             f + dq + dkdv
         );
+    }
+}
+
+/// Windows whose rows start far into the keys (more keys than queries) or
+/// whose first rows see nothing at all (more queries than keys), over
+/// several tiles: the kernels start their loops at the first tile any row
+/// of the workgroup sees.
+#[test]
+fn variant_window_far_from_the_start() {
+    if !gpu_present() {
+        return;
+    }
+    let shapes: [Shape; 2] = [(1, 2, 1, 45, 200, 32, 16), (1, 2, 2, 200, 45, 16, 32)];
+    for (w, causal) in [((3, 1), false), ((20, 0), true), ((0, 40), false)] {
+        let spec = Spec {
+            window: Some(w),
+            causal,
+            dmask: true,
+            ..Spec::default()
+        };
+        for (i, &s) in shapes.iter().enumerate() {
+            let spec = Spec {
+                mask: MaskArg::Blocks(vec![s.3, s.4], |_, _| true),
+                ..spec.clone()
+            };
+            both_kernels(&format!("window {w:?} causal={causal} {s:?}"), || {
+                check_spec(s, DType::F32, &spec, 1000 + i as u64, 1e-4, 4e-4)
+            });
+            let plain = Spec {
+                window: Some(w),
+                causal,
+                ..Spec::default()
+            };
+            both_kernels(
+                &format!("window {w:?} causal={causal} {s:?}, no mask"),
+                || check_spec(s, DType::F32, &plain, 1010 + i as u64, 1e-4, 4e-4),
+            );
+        }
+    }
+}
+
+/// Block masks with long hidden runs, so that the tiled kernels skip many
+/// tiles in a row: a whole 64-row block hidden (its rows see nothing), a
+/// run of hidden key tiles, the last key tile hidden, and everything but
+/// the last query tile of the dK/dV kernels' loop.
+#[test]
+fn variant_mask_long_hidden_runs() {
+    if !gpu_present() {
+        return;
+    }
+    fn keep(r: usize, c: usize) -> bool {
+        let hidden = (64..128).contains(&r)
+            || c >= 160
+            || (r < 64 && (16..112).contains(&c))
+            || (c < 40 && r < 130)
+            || (r + c) % 7 == 3;
+        !hidden
+    }
+    let (sq, sk) = (150, 170);
+    for (dmask, causal, dropout_p) in [(true, false, 0.0), (false, true, 0.0), (true, false, 0.2)] {
+        let spec = Spec {
+            mask: MaskArg::Blocks(vec![sq, sk], keep),
+            dmask,
+            causal,
+            dropout_p,
+            ..Spec::default()
+        };
+        both_kernels(
+            &format!("long hidden runs dmask={dmask} causal={causal} dropout={dropout_p}"),
+            || {
+                check_spec(
+                    (1, 2, 1, sq, sk, 32, 16),
+                    DType::F32,
+                    &spec,
+                    1100,
+                    1e-4,
+                    4e-4,
+                )
+            },
+        );
+    }
+    // Everything hidden: every row sees nothing.
+    let spec = Spec {
+        mask: MaskArg::Blocks(vec![sq, sk], |_, _| false),
+        dmask: true,
+        ..Spec::default()
+    };
+    both_kernels("everything hidden", || {
+        check_spec(
+            (1, 2, 1, sq, sk, 32, 16),
+            DType::F32,
+            &spec,
+            1120,
+            1e-4,
+            4e-4,
+        )
+    });
+}
+
+/// Dropout where the keys of a 4-key Philox call straddle tiles: seq_k no
+/// multiple of 4, and windows whose tiles start at keys no multiple of 4.
+#[test]
+fn variant_dropout_unaligned_keys() {
+    if !gpu_present() {
+        return;
+    }
+    for (s, window, causal) in [
+        ((1, 2, 1, 66, 71, 16, 8), None, false),
+        ((2, 2, 1, 37, 130, 32, 16), Some((30, 3)), false),
+        ((1, 1, 1, 90, 47, 16, 16), Some((14, 0)), true),
+    ] {
+        let spec = Spec {
+            dropout_p: 0.3,
+            window,
+            causal,
+            ..Spec::default()
+        };
+        both_kernels(&format!("dropout {s:?} window {window:?}"), || {
+            check_spec(s, DType::F32, &spec, 1200, 1e-4, 4e-4)
+        });
     }
 }
