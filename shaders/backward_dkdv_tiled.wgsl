@@ -80,15 +80,6 @@ fn next_visible_it(it: u32, total: u32, n_tiles: u32, kvh: u32, first_row: u32, 
     return i;
 }
 
-// Whether dropout keeps query rows cg, cg + 8, cg + 16, cg + 24 of the
-// tile for one key row, from its keep bits: nibble m (bit r: query row
-// 4m + r) in component m of the ws padding (m < 4), m - 4 of ws2's.
-fn kept4(a: vec4<f32>, b: vec4<f32>, cg: u32) -> vec4<bool> {
-    let h = cg / 4u;
-    let r = cg % 4u;
-    return vec4(bit_of(a[h], r), bit_of(a[h + 2u], r), bit_of(b[h], r), bit_of(b[h + 2u], r));
-}
-
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -278,9 +269,8 @@ fn main(
             }
         }
     }
-    var next = first;
-    for (var it = first; it < total; it = next) {
-        next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
+    for (var it = first; it < total; it++) {
+        let next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
         {
             let head = kvh * p.g_count + it / n_tiles;
             let bh = p.head0 + head;
@@ -386,29 +376,6 @@ fn main(
                 dl.w = delta[head * p.seq_q + r0 + cols.w];
                 vend.w = visible_end(r0 + cols.w);
                 vstart.w = visible_start(r0 + cols.w);
-            }
-            if DROPOUT {
-                // The tile's keep bits, one Philox call per 4 keys (a call
-                // covers keys 4g..4g+4 of one query row) where a score's
-                // own would take one per key: invocation (g, m) = (lid / 8,
-                // lid % 8) does query rows 4m..4m+4, and the 4 bits of
-                // each of its key rows go to the padding column of ws (m <
-                // 4) or ws2 (m >= 4), which the accumulation never reads.
-                let g = lid / 8u;
-                let m = lid % 8u;
-                let b0 = keep_bits4(bh, r0 + 4u * m, (k0 >> 2u) + g);
-                let b1 = keep_bits4(bh, r0 + 4u * m + 1u, (k0 >> 2u) + g);
-                let b2 = keep_bits4(bh, r0 + 4u * m + 2u, (k0 >> 2u) + g);
-                let b3 = keep_bits4(bh, r0 + 4u * m + 3u, (k0 >> 2u) + g);
-                for (var b = 0u; b < 4u; b++) {
-                    let nib = f32(((b0 >> b) & 1u) | (((b1 >> b) & 1u) << 1u)
-                        | (((b2 >> b) & 1u) << 2u) | (((b3 >> b) & 1u) << 3u));
-                    if m < 4u {
-                        ws[(4u * g + b) * 9u + 8u][m] = nib;
-                    } else {
-                        ws2[(4u * g + b) * 9u + 8u][m - 4u] = nib;
-                    }
-                }
             }
             workgroupBarrier();
             if PF_N > 0u && next < total {
@@ -584,7 +551,7 @@ fn main(
             }
             let p0 = select(vec4(0.0), exp2(e0 - lse2), vis0);
             if DROPOUT {
-                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 0u * RG) * 9u + 8u], ws2[(rg + 0u * RG) * 9u + 8u], cg));
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.x));
                 ws[(rg + 0u * RG) * 9u + cg] = p0 * z;
                 ws2[(rg + 0u * RG) * 9u + cg] = softcap_grad4(p0 * (vec4(t00, t01, t02, t03) * z - dl), u0);
             } else {
@@ -602,7 +569,7 @@ fn main(
             }
             let p1 = select(vec4(0.0), exp2(e1 - lse2), vis1);
             if DROPOUT {
-                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 1u * RG) * 9u + 8u], ws2[(rg + 1u * RG) * 9u + 8u], cg));
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.y));
                 ws[(rg + 1u * RG) * 9u + cg] = p1 * z;
                 ws2[(rg + 1u * RG) * 9u + cg] = softcap_grad4(p1 * (vec4(t10, t11, t12, t13) * z - dl), u1);
             } else {
@@ -620,7 +587,7 @@ fn main(
             }
             let p2 = select(vec4(0.0), exp2(e2 - lse2), vis2);
             if DROPOUT {
-                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 2u * RG) * 9u + 8u], ws2[(rg + 2u * RG) * 9u + 8u], cg));
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.z));
                 ws[(rg + 2u * RG) * 9u + cg] = p2 * z;
                 ws2[(rg + 2u * RG) * 9u + cg] = softcap_grad4(p2 * (vec4(t20, t21, t22, t23) * z - dl), u2);
             } else {
@@ -638,7 +605,7 @@ fn main(
             }
             let p3 = select(vec4(0.0), exp2(e3 - lse2), vis3);
             if DROPOUT {
-                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + 3u * RG) * 9u + 8u], ws2[(rg + 3u * RG) * 9u + 8u], cg));
+                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.w));
                 ws[(rg + 3u * RG) * 9u + cg] = p3 * z;
                 ws2[(rg + 3u * RG) * 9u + cg] = softcap_grad4(p3 * (vec4(t30, t31, t32, t33) * z - dl), u3);
             } else {
@@ -704,6 +671,10 @@ fn main(
                     if ND > 2u { let x = qs[r_qs + 16u]; gk02 = fma(vec4(ws2_0.w), x, gk02); gk12 = fma(vec4(ws2_1.w), x, gk12); gk22 = fma(vec4(ws2_2.w), x, gk22); gk32 = fma(vec4(ws2_3.w), x, gk32); }
                     if ND > 3u { let x = qs[r_qs + 24u]; gk03 = fma(vec4(ws2_0.w), x, gk03); gk13 = fma(vec4(ws2_1.w), x, gk13); gk23 = fma(vec4(ws2_2.w), x, gk23); gk33 = fma(vec4(ws2_3.w), x, gk33); }
                 }
+            }
+            if MASK {
+                // On to the next visible tile (the update adds 1).
+                it = next - 1u;
             }
         }
     }

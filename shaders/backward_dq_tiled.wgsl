@@ -74,12 +74,6 @@ fn zero_dmask(head: u32, row0: u32, rows: u32, k_from: u32, k_to: u32, lid: u32)
     }
 }
 
-// Whether dropout keeps keys cg, cg + 8, cg + 16, cg + 24 of a tile, from
-// the row's keep bits (keys 0..16 in .x, 16..32 in .y).
-fn kept4(bits: vec4<f32>, cg: u32) -> vec4<bool> {
-    return vec4(bit_of(bits.x, cg), bit_of(bits.x, cg + 8u), bit_of(bits.y, cg), bit_of(bits.y, cg + 8u));
-}
-
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -172,7 +166,7 @@ fn main(
     var pa5 = vec4(0.0); var pb5 = vec4(0.0);
     var pa6 = vec4(0.0); var pb6 = vec4(0.0);
     var pa7 = vec4(0.0); var pb7 = vec4(0.0);
-    if PF_N > 0u && first < key_end {
+    if PF_N > 0u && (!MASK || first < key_end) {
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             {
@@ -294,10 +288,9 @@ fn main(
             }
         }
     }
-    var next = first;
-    for (var k0 = first; k0 < key_end; k0 = next) {
+    for (var k0 = first; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
-        next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
+        let next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
         if DMASK {
             // The hidden tiles up to the next visible one: dS is 0 there.
             zero_dmask(head, row0, rows, k0 + nk, min(next, key_end), lid);
@@ -361,18 +354,6 @@ fn main(
                     x = v[(kv_row0 + k0) * DV4 + e];
                 }
                 vs[j * SB1 + e % DV4] = x;
-            }
-        }
-        if DROPOUT {
-            // The tile's keep bits, one Philox call per 4 keys where a
-            // score's own would take one per key (an invocation's keys
-            // are 8 apart): row lid / 2, keys 16 * (lid % 2) + 0..16, into
-            // the padding column of ws, which the accumulation never reads.
-            let bits = f32(keep_bits16(bh, row0 + lid / 2u, k0 + 16u * (lid % 2u)));
-            if lid % 2u == 0u {
-                ws[(lid / 2u) * 9u + 8u].x = bits;
-            } else {
-                ws[(lid / 2u) * 9u + 8u].y = bits;
             }
         }
         workgroupBarrier();
@@ -551,7 +532,7 @@ fn main(
         let p0 = select(vec4(0.0), exp2(e0 - lse2.x), vis0);
         var dp0 = vec4(t00, t01, t02, t03);
         if DROPOUT {
-            dp0 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.x * 9u + 8u], cg));
+            dp0 *= dropout4(bh, vec4(row0 + rv.x), kk);
         }
         let ds0 = p0 * (dp0 - dl.x);
         if DMASK && rv.x < rows {
@@ -574,7 +555,7 @@ fn main(
         let p1 = select(vec4(0.0), exp2(e1 - lse2.y), vis1);
         var dp1 = vec4(t10, t11, t12, t13);
         if DROPOUT {
-            dp1 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.y * 9u + 8u], cg));
+            dp1 *= dropout4(bh, vec4(row0 + rv.y), kk);
         }
         let ds1 = p1 * (dp1 - dl.y);
         if DMASK && rv.y < rows {
@@ -597,7 +578,7 @@ fn main(
         let p2 = select(vec4(0.0), exp2(e2 - lse2.z), vis2);
         var dp2 = vec4(t20, t21, t22, t23);
         if DROPOUT {
-            dp2 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.z * 9u + 8u], cg));
+            dp2 *= dropout4(bh, vec4(row0 + rv.z), kk);
         }
         let ds2 = p2 * (dp2 - dl.z);
         if DMASK && rv.z < rows {
@@ -620,7 +601,7 @@ fn main(
         let p3 = select(vec4(0.0), exp2(e3 - lse2.w), vis3);
         var dp3 = vec4(t30, t31, t32, t33);
         if DROPOUT {
-            dp3 *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.w * 9u + 8u], cg));
+            dp3 *= dropout4(bh, vec4(row0 + rv.w), kk);
         }
         let ds3 = p3 * (dp3 - dl.w);
         if DMASK && rv.w < rows {
@@ -666,6 +647,10 @@ fn main(
                 if ND > 2u { let x = ks[r_ks + 16u]; a02 = fma(vec4(ws_0.w), x, a02); a12 = fma(vec4(ws_1.w), x, a12); a22 = fma(vec4(ws_2.w), x, a22); a32 = fma(vec4(ws_3.w), x, a32); }
                 if ND > 3u { let x = ks[r_ks + 24u]; a03 = fma(vec4(ws_0.w), x, a03); a13 = fma(vec4(ws_1.w), x, a13); a23 = fma(vec4(ws_2.w), x, a23); a33 = fma(vec4(ws_3.w), x, a33); }
             }
+        }
+        if MASK {
+            // On to the next visible tile (the update adds BC).
+            k0 = next - BC;
         }
     }
 

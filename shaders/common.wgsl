@@ -253,29 +253,6 @@ fn keep_bits4(bh: u32, row: u32, group: u32) -> u32 {
         | select(0u, 8u, w.w >= t);
 }
 
-// Bit i: whether dropout keeps key k + i of (bh, row), for i < 16: four or
-// five Philox calls, where one per key would take sixteen. The tiled
-// kernels share these through workgroup memory as exact floats (< 2^16),
-// so no NaN or subnormal bit pattern has to survive a float store.
-fn keep_bits16(bh: u32, row: u32, k: u32) -> u32 {
-    var bits = 0u;
-    let g_end = (k + 19u) >> 2u;
-    for (var g = k >> 2u; g < g_end; g++) {
-        let b = keep_bits4(bh, row, g);
-        if 4u * g >= k {
-            bits |= b << (4u * g - k);
-        } else {
-            bits |= b >> (k - 4u * g);
-        }
-    }
-    return bits & 0xffffu;
-}
-
-// Bit `i` of bits stored as an exact float.
-fn bit_of(x: f32, i: u32) -> bool {
-    return ((u32(x) >> i) & 1u) != 0u;
-}
-
 // Z = keep / (1 - p): the factor dropout puts on a probability.
 fn dropout_factor(bh: u32, row: u32, key: u32) -> f32 {
     if !DROPOUT {

@@ -74,12 +74,6 @@ fn hsum(x: vec4<f32>) -> f32 {
     return (x.x + x.y) + (x.z + x.w);
 }
 
-// Whether dropout keeps keys cg, cg + 8, cg + 16, cg + 24 of a tile, from
-// the row's keep bits (keys 0..16 in .x, 16..32 in .y).
-fn kept4(bits: vec4<f32>, cg: u32) -> vec4<bool> {
-    return vec4(bit_of(bits.x, cg), bit_of(bits.x, cg + 8u), bit_of(bits.y, cg), bit_of(bits.y, cg + 8u));
-}
-
 fn load_v(kv_row: u32, nk: u32, lid: u32) {
     for (var e = lid; e < BK * 8u * NV; e += RG * CG) {
         let j = e / (8u * NV);
@@ -148,7 +142,7 @@ fn main(
     var pk5 = vec4(0.0); var pv5 = vec4(0.0);
     var pk6 = vec4(0.0); var pv6 = vec4(0.0);
     var pk7 = vec4(0.0); var pv7 = vec4(0.0);
-    if PF_N > 0u && first < key_end {
+    if PF_N > 0u && (!MASK || first < key_end) {
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             pk0 = vec4(0.0);
@@ -222,10 +216,9 @@ fn main(
             if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv7 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
     }
-    var next = first;
-    for (var k0 = first; k0 < key_end; k0 = next) {
+    for (var k0 = first; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
-        next = next_visible_tile(bh, row0, row0 + rows, k0 + BK, key_end, BK);
+        let next = next_visible_tile(bh, row0, row0 + rows, k0 + BK, key_end, BK);
         // Also orders the previous tile's reads of kvs/ps before these writes.
         workgroupBarrier();
         if PF_N > 0u {
@@ -282,18 +275,6 @@ fn main(
             }
             if V_OFF != 0u {
                 load_v(kv_row0 + k0, nk, lid);
-            }
-        }
-        if DROPOUT {
-            // The tile's keep bits, one Philox call per 4 keys where a
-            // score's own would take one per key (an invocation's keys
-            // are 8 apart): row lid / 2, keys 16 * (lid % 2) + 0..16, into
-            // the padding column of ps, which the P.V step never reads.
-            let bits = f32(keep_bits16(bh, row0 + lid / 2u, k0 + 16u * (lid % 2u)));
-            if lid % 2u == 0u {
-                ps[(lid / 2u) * PS4 + 8u].x = bits;
-            } else {
-                ps[(lid / 2u) * PS4 + 8u].y = bits;
             }
         }
         workgroupBarrier();
@@ -466,10 +447,10 @@ fn main(
         if DROPOUT {
             // The sum is of the undropped probabilities; only the output
             // drops some (1 / (1 - p) is applied with the normaliser).
-            ps[rv.x * PS4 + cg] = select(vec4(0.0), p0, kept4(ps[rv.x * PS4 + 8u], cg));
-            ps[rv.y * PS4 + cg] = select(vec4(0.0), p1, kept4(ps[rv.y * PS4 + 8u], cg));
-            ps[rv.z * PS4 + cg] = select(vec4(0.0), p2, kept4(ps[rv.z * PS4 + 8u], cg));
-            ps[rv.w * PS4 + cg] = select(vec4(0.0), p3, kept4(ps[rv.w * PS4 + 8u], cg));
+            ps[rv.x * PS4 + cg] = select(vec4(0.0), p0, dropout4(bh, vec4(row0 + rv.x), kk) > vec4(0.0));
+            ps[rv.y * PS4 + cg] = select(vec4(0.0), p1, dropout4(bh, vec4(row0 + rv.y), kk) > vec4(0.0));
+            ps[rv.z * PS4 + cg] = select(vec4(0.0), p2, dropout4(bh, vec4(row0 + rv.z), kk) > vec4(0.0));
+            ps[rv.w * PS4 + cg] = select(vec4(0.0), p3, dropout4(bh, vec4(row0 + rv.w), kk) > vec4(0.0));
         } else {
             ps[rv.x * PS4 + cg] = p0;
             ps[rv.y * PS4 + cg] = p1;
@@ -560,6 +541,10 @@ fn main(
                     o03 = fma(vec4(p0.w), v3, o03); o13 = fma(vec4(p1.w), v3, o13); o23 = fma(vec4(p2.w), v3, o23); o33 = fma(vec4(p3.w), v3, o33);
                 }
             }
+        }
+        if MASK {
+            // On to the next visible tile (the update adds BK).
+            k0 = next - BK;
         }
     }
 

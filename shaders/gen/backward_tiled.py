@@ -169,12 +169,6 @@ fn zero_dmask(head: u32, row0: u32, rows: u32, k_from: u32, k_to: u32, lid: u32)
     }
 }
 
-// Whether dropout keeps keys cg, cg + 8, cg + 16, cg + 24 of a tile, from
-// the row's keep bits (keys 0..16 in .x, 16..32 in .y).
-fn kept4(bits: vec4<f32>, cg: u32) -> vec4<bool> {
-    return vec4(bit_of(bits.x, cg), bit_of(bits.x, cg + 8u), bit_of(bits.y, cg), bit_of(bits.y, cg + 8u));
-}
-
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -226,13 +220,12 @@ fn main(
         zero_dmask(head, row0, rows, key_start, min(first, key_end), lid);
     }
 {{PF_DECL}}
-    if PF_N > 0u && first < key_end {
+    if PF_N > 0u && (!MASK || first < key_end) {
 {{PF_FIRST}}
     }
-    var next = first;
-    for (var k0 = first; k0 < key_end; k0 = next) {
+    for (var k0 = first; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
-        next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
+        let next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
         if DMASK {
             // The hidden tiles up to the next visible one: dS is 0 there.
             zero_dmask(head, row0, rows, k0 + nk, min(next, key_end), lid);
@@ -259,18 +252,6 @@ fn main(
                 vs[j * SB1 + e % DV4] = x;
             }
         }
-        if DROPOUT {
-            // The tile's keep bits, one Philox call per 4 keys where a
-            // score's own would take one per key (an invocation's keys
-            // are 8 apart): row lid / 2, keys 16 * (lid % 2) + 0..16, into
-            // the padding column of ws, which the accumulation never reads.
-            let bits = f32(keep_bits16(bh, row0 + lid / 2u, k0 + 16u * (lid % 2u)));
-            if lid % 2u == 0u {
-                ws[(lid / 2u) * 9u + 8u].x = bits;
-            } else {
-                ws[(lid / 2u) * 9u + 8u].y = bits;
-            }
-        }
         workgroupBarrier();
         if PF_N > 0u {
             // The next tile's loads, in flight during this tile's arithmetic.
@@ -288,6 +269,10 @@ fn main(
         workgroupBarrier();
 
 {{ACC}}
+        if MASK {
+            // On to the next visible tile (the update adds BC).
+            k0 = next - BC;
+        }
     }
 
     if DMASK {
@@ -357,15 +342,6 @@ fn next_visible_it(it: u32, total: u32, n_tiles: u32, kvh: u32, first_row: u32, 
     return i;
 }
 
-// Whether dropout keeps query rows cg, cg + 8, cg + 16, cg + 24 of the
-// tile for one key row, from its keep bits: nibble m (bit r: query row
-// 4m + r) in component m of the ws padding (m < 4), m - 4 of ws2's.
-fn kept4(a: vec4<f32>, b: vec4<f32>, cg: u32) -> vec4<bool> {
-    let h = cg / 4u;
-    let r = cg % 4u;
-    return vec4(bit_of(a[h], r), bit_of(a[h + 2u], r), bit_of(b[h], r), bit_of(b[h + 2u], r));
-}
-
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -422,9 +398,8 @@ fn main(
         let r0 = first_row + (first % n_tiles) * BC;
 {{PF_FIRST}}
     }
-    var next = first;
-    for (var it = first; it < total; it = next) {
-        next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
+    for (var it = first; it < total; it++) {
+        let next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
         {
             let head = kvh * p.g_count + it / n_tiles;
             let bh = p.head0 + head;
@@ -461,29 +436,6 @@ fn main(
             var vend = vec4(0u);
             var vstart = vec4(0u);
 {{STATS_DKDV}}
-            if DROPOUT {
-                // The tile's keep bits, one Philox call per 4 keys (a call
-                // covers keys 4g..4g+4 of one query row) where a score's
-                // own would take one per key: invocation (g, m) = (lid / 8,
-                // lid % 8) does query rows 4m..4m+4, and the 4 bits of
-                // each of its key rows go to the padding column of ws (m <
-                // 4) or ws2 (m >= 4), which the accumulation never reads.
-                let g = lid / 8u;
-                let m = lid % 8u;
-                let b0 = keep_bits4(bh, r0 + 4u * m, (k0 >> 2u) + g);
-                let b1 = keep_bits4(bh, r0 + 4u * m + 1u, (k0 >> 2u) + g);
-                let b2 = keep_bits4(bh, r0 + 4u * m + 2u, (k0 >> 2u) + g);
-                let b3 = keep_bits4(bh, r0 + 4u * m + 3u, (k0 >> 2u) + g);
-                for (var b = 0u; b < 4u; b++) {
-                    let nib = f32(((b0 >> b) & 1u) | (((b1 >> b) & 1u) << 1u)
-                        | (((b2 >> b) & 1u) << 2u) | (((b3 >> b) & 1u) << 3u));
-                    if m < 4u {
-                        ws[(4u * g + b) * 9u + 8u][m] = nib;
-                    } else {
-                        ws2[(4u * g + b) * 9u + 8u][m - 4u] = nib;
-                    }
-                }
-            }
             workgroupBarrier();
             if PF_N > 0u && next < total {
                 // The next tile's loads, in flight during this tile's arithmetic.
@@ -500,6 +452,10 @@ fn main(
             workgroupBarrier();
 
 {{ACC}}
+            if MASK {
+                // On to the next visible tile (the update adds 1).
+                it = next - 1u;
+            }
         }
     }
 
@@ -527,9 +483,7 @@ def ds_dq():
         lines.append(f"        let p{i} = select(vec4(0.0), exp2(e{i} - lse2.{c}), vis{i});")
         lines.append(f"        var dp{i} = {row_vec('t', i)};")
         lines.append("        if DROPOUT {")
-        lines.append(
-            f"            dp{i} *= select(vec4(0.0), vec4(p.keep_scale), kept4(ws[rv.{c} * 9u + 8u], cg));"
-        )
+        lines.append(f"            dp{i} *= dropout4(bh, vec4(row0 + rv.{c}), kk);")
         lines.append("        }")
         lines.append(f"        let ds{i} = p{i} * (dp{i} - dl.{c});")
         lines.append(f"        if DMASK && rv.{c} < rows {{")
@@ -560,9 +514,7 @@ def ds_dkdv():
         lines.append("            }")
         lines.append(f"            let p{i} = select(vec4(0.0), exp2(e{i} - lse2), vis{i});")
         lines.append("            if DROPOUT {")
-        lines.append(
-            f"                let z = select(vec4(0.0), vec4(p.keep_scale), kept4(ws[(rg + {i}u * RG) * 9u + 8u], ws2[(rg + {i}u * RG) * 9u + 8u], cg));"
-        )
+        lines.append(f"                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.{c}));")
         lines.append(f"                ws[(rg + {i}u * RG) * 9u + cg] = p{i} * z;")
         lines.append(
             f"                ws2[(rg + {i}u * RG) * 9u + cg] = softcap_grad4(p{i} * ({row_vec('t', i)} * z - dl), u{i});"
