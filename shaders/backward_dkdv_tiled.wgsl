@@ -64,6 +64,22 @@ var<workgroup> dos: array<vec4<f32>, B1_ELEMS>;
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 var<workgroup> ws2: array<vec4<f32>, W_ELEMS>;
 
+// The first step from `it` on of the flat (query head, query tile) loop in
+// which the mask leaves any score of keys [k0, k0 + nk); `total` if none.
+fn next_visible_it(it: u32, total: u32, n_tiles: u32, kvh: u32, first_row: u32, row_end: u32, k0: u32, nk: u32) -> u32 {
+    var i = it;
+    if MASK {
+        while i < total {
+            let r0 = first_row + (i % n_tiles) * BC;
+            if mask_tile_visible(p.head0 + kvh * p.g_count + i / n_tiles, r0, min(r0 + BC, row_end), k0, k0 + nk) {
+                break;
+            }
+            i++;
+        }
+    }
+    return i;
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -117,6 +133,10 @@ fn main(
     let q_rows = row_end - min(first_row, row_end);
     let n_tiles = (q_rows + BC - 1u) / BC;
     let total = p.g_count * n_tiles;
+    // The loop steps from query tile to query tile the mask leaves anything
+    // in (every tile without a mask): a hidden one is neither loaded nor
+    // prefetched.
+    let first = next_visible_it(0u, total, n_tiles, kvh, first_row, row_end, k0, nk);
     var pa0 = vec4(0.0); var pb0 = vec4(0.0);
     var pa1 = vec4(0.0); var pb1 = vec4(0.0);
     var pa2 = vec4(0.0); var pb2 = vec4(0.0);
@@ -125,9 +145,9 @@ fn main(
     var pa5 = vec4(0.0); var pb5 = vec4(0.0);
     var pa6 = vec4(0.0); var pb6 = vec4(0.0);
     var pa7 = vec4(0.0); var pb7 = vec4(0.0);
-    if PF_N > 0u && total > 0u {
-        let head = kvh * p.g_count;
-        let r0 = first_row;
+    if PF_N > 0u && first < total {
+        let head = kvh * p.g_count + first / n_tiles;
+        let r0 = first_row + (first % n_tiles) * BC;
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             {
@@ -249,7 +269,8 @@ fn main(
             }
         }
     }
-    for (var it = 0u; it < total; it++) {
+    for (var it = first; it < total; it++) {
+        let next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
         {
             let head = kvh * p.g_count + it / n_tiles;
             let bh = p.head0 + head;
@@ -357,10 +378,10 @@ fn main(
                 vstart.w = visible_start(r0 + cols.w);
             }
             workgroupBarrier();
-            if PF_N > 0u && it + 1u < total {
+            if PF_N > 0u && next < total {
                 // The next tile's loads, in flight during this tile's arithmetic.
-                let head = kvh * p.g_count + (it + 1u) / n_tiles;
-                let r0 = first_row + ((it + 1u) % n_tiles) * BC;
+                let head = kvh * p.g_count + next / n_tiles;
+                let r0 = first_row + (next % n_tiles) * BC;
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
                     {
@@ -481,11 +502,6 @@ fn main(
                         if e < BC * (8u * NV) && j < min(BC, row_end - r0) && c < DV4 { pb7 = d_out[(head * p.seq_q + r0 + j) * DV4 + c]; }
                     }
                 }
-            }
-            if !mask_tile_visible(bh, r0, r0 + nr, k0, k0 + nk) {
-                // The mask hides the whole tile. Its loads (and the
-                // prefetch of the next) were issued all the same.
-                continue;
             }
 
             var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
@@ -655,6 +671,10 @@ fn main(
                     if ND > 2u { let x = qs[r_qs + 16u]; gk02 = fma(vec4(ws2_0.w), x, gk02); gk12 = fma(vec4(ws2_1.w), x, gk12); gk22 = fma(vec4(ws2_2.w), x, gk22); gk32 = fma(vec4(ws2_3.w), x, gk32); }
                     if ND > 3u { let x = qs[r_qs + 24u]; gk03 = fma(vec4(ws2_0.w), x, gk03); gk13 = fma(vec4(ws2_1.w), x, gk13); gk23 = fma(vec4(ws2_2.w), x, gk23); gk33 = fma(vec4(ws2_3.w), x, gk33); }
                 }
+            }
+            if MASK {
+                // On to the next visible tile (the update adds 1).
+                it = next - 1u;
             }
         }
     }

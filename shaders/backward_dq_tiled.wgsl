@@ -66,6 +66,14 @@ var<workgroup> vs: array<vec4<f32>, B1_ELEMS>;
 // dS of the tile; vec4 c of a row holds keys c, c+8, c+16, c+24.
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 
+// Writes dS = 0 for keys [k_from, k_to) of the workgroup's rows.
+fn zero_dmask(head: u32, row0: u32, rows: u32, k_from: u32, k_to: u32, lid: u32) {
+    let n = k_to - min(k_from, k_to);
+    for (var e = lid; e < rows * n; e += RG * CG) {
+        dmask[(head * p.seq_q + row0 + e / n) * p.seq_k + k_from + e % n] = 0.0;
+    }
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -144,6 +152,12 @@ fn main(
     let key_end = visible_end(row0 + rows - 1u);
     let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
+    // The loop steps from tile to tile the mask leaves anything in (every
+    // tile without a mask): a hidden tile is neither loaded nor prefetched.
+    let first = next_visible_tile(bh, row0, row0 + rows, key_start, key_end, BC);
+    if DMASK {
+        zero_dmask(head, row0, rows, key_start, min(first, key_end), lid);
+    }
     var pa0 = vec4(0.0); var pb0 = vec4(0.0);
     var pa1 = vec4(0.0); var pb1 = vec4(0.0);
     var pa2 = vec4(0.0); var pb2 = vec4(0.0);
@@ -152,20 +166,20 @@ fn main(
     var pa5 = vec4(0.0); var pb5 = vec4(0.0);
     var pa6 = vec4(0.0); var pb6 = vec4(0.0);
     var pa7 = vec4(0.0); var pb7 = vec4(0.0);
-    if PF_N > 0u {
+    if PF_N > 0u && (!MASK || first < key_end) {
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             {
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa0 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa0 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa0 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb0 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb0 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb0 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 1u {
@@ -174,13 +188,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa1 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa1 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa1 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb1 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb1 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb1 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 2u {
@@ -189,13 +203,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa2 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa2 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa2 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb2 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb2 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb2 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 3u {
@@ -204,13 +218,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa3 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa3 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa3 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb3 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb3 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb3 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 4u {
@@ -219,13 +233,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa4 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa4 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa4 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb4 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb4 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb4 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 5u {
@@ -234,13 +248,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa5 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa5 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa5 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb5 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb5 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb5 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 6u {
@@ -249,13 +263,13 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa6 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa6 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa6 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb6 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb6 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb6 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
         if PF_N > 7u {
@@ -264,18 +278,23 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa7 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, key_end - key_start) && c < D4 { pa7 = k[(kv_row0 + key_start + j) * D4 + c]; }
+                if e < BC * (8u * ND) && j < min(BC, key_end - first) && c < D4 { pa7 = k[(kv_row0 + first + j) * D4 + c]; }
             }
             {
                 let j = e / DV4;
                 let c = e % DV4;
                 pb7 = vec4(0.0);
-                if e < BC * DV4 && j < min(BC, key_end - key_start) && c < DV4 { pb7 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+                if e < BC * DV4 && j < min(BC, key_end - first) && c < DV4 { pb7 = v[(kv_row0 + first + j) * DV4 + c]; }
             }
         }
     }
-    for (var k0 = key_start; k0 < key_end; k0 += BC) {
+    for (var k0 = first; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
+        let next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
+        if DMASK {
+            // The hidden tiles up to the next visible one: dS is 0 there.
+            zero_dmask(head, row0, rows, k0 + nk, min(next, key_end), lid);
+        }
         workgroupBarrier();
         if PF_N > 0u {
             if PF_N > 0u {
@@ -340,7 +359,6 @@ fn main(
         workgroupBarrier();
         if PF_N > 0u {
             // The next tile's loads, in flight during this tile's arithmetic.
-            let next = k0 + BC;
             if next < key_end {
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
@@ -463,16 +481,6 @@ fn main(
                     }
                 }
             }
-        }
-        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
-            // The mask hides the whole tile: dS is 0 there. Its loads (and
-            // the prefetch of the next) were issued all the same.
-            if DMASK {
-                for (var e = lid; e < rows * nk; e += RG * CG) {
-                    dmask[(head * p.seq_q + row0 + e / nk) * p.seq_k + k0 + e % nk] = 0.0;
-                }
-            }
-            continue;
         }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
@@ -639,6 +647,10 @@ fn main(
                 if ND > 2u { let x = ks[r_ks + 16u]; a02 = fma(vec4(ws_0.w), x, a02); a12 = fma(vec4(ws_1.w), x, a12); a22 = fma(vec4(ws_2.w), x, a22); a32 = fma(vec4(ws_3.w), x, a32); }
                 if ND > 3u { let x = ks[r_ks + 24u]; a03 = fma(vec4(ws_0.w), x, a03); a13 = fma(vec4(ws_1.w), x, a13); a23 = fma(vec4(ws_2.w), x, a23); a33 = fma(vec4(ws_3.w), x, a33); }
             }
+        }
+        if MASK {
+            // On to the next visible tile (the update adds BC).
+            k0 = next - BC;
         }
     }
 

@@ -171,6 +171,8 @@ fn main(
             // accumulator, which is what a first visible key needs.
             let corr = exp(old_max - new_max);
             var sum = 0.0;
+            // Keep bits of keys 4g..4g+4, one Philox call for the four.
+            var kept = 0u;
             for (var j = 0u; j < BK; j++) {
                 var pj = 0.0;
                 let s = ss[i * BK + j];
@@ -180,8 +182,14 @@ fn main(
                 sum += pj;
                 // The sum is of the undropped probabilities; only the
                 // output drops some.
-                if DROPOUT && !keeps(bh, row0 + i, k0 + j) {
-                    pj = 0.0;
+                if DROPOUT {
+                    let key = k0 + j;
+                    if j == 0u || (key & 3u) == 0u {
+                        kept = keep_bits4(bh, row0 + i, key >> 2u);
+                    }
+                    if ((kept >> (key & 3u)) & 1u) == 0u {
+                        pj = 0.0;
+                    }
                 }
                 ss[i * BK + j] = pj;
             }

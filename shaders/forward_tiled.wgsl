@@ -131,6 +131,9 @@ fn main(
     let key_end = visible_end(row0 + rows - 1u);
     let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
+    // The loop steps from tile to tile the mask leaves anything in (every
+    // tile without a mask): a hidden tile is neither loaded nor prefetched.
+    let first = next_visible_tile(bh, row0, row0 + rows, key_start, key_end, BK);
     var pk0 = vec4(0.0); var pv0 = vec4(0.0);
     var pk1 = vec4(0.0); var pv1 = vec4(0.0);
     var pk2 = vec4(0.0); var pv2 = vec4(0.0);
@@ -139,82 +142,83 @@ fn main(
     var pk5 = vec4(0.0); var pv5 = vec4(0.0);
     var pk6 = vec4(0.0); var pv6 = vec4(0.0);
     var pk7 = vec4(0.0); var pv7 = vec4(0.0);
-    if PF_N > 0u {
+    if PF_N > 0u && (!MASK || first < key_end) {
         if PF_N > 0u {
             let e = lid + 0u * RG * CG;
             pk0 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk0 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk0 = k[(kv_row0 + first) * D4 + e]; }
             pv0 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv0 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv0 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 1u {
             let e = lid + 1u * RG * CG;
             pk1 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk1 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk1 = k[(kv_row0 + first) * D4 + e]; }
             pv1 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv1 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv1 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 2u {
             let e = lid + 2u * RG * CG;
             pk2 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk2 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk2 = k[(kv_row0 + first) * D4 + e]; }
             pv2 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv2 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv2 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 3u {
             let e = lid + 3u * RG * CG;
             pk3 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk3 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk3 = k[(kv_row0 + first) * D4 + e]; }
             pv3 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv3 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv3 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 4u {
             let e = lid + 4u * RG * CG;
             pk4 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk4 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk4 = k[(kv_row0 + first) * D4 + e]; }
             pv4 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv4 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv4 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 5u {
             let e = lid + 5u * RG * CG;
             pk5 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk5 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk5 = k[(kv_row0 + first) * D4 + e]; }
             pv5 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv5 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv5 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 6u {
             let e = lid + 6u * RG * CG;
             pk6 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk6 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk6 = k[(kv_row0 + first) * D4 + e]; }
             pv6 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv6 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv6 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
         if PF_N > 7u {
             let e = lid + 7u * RG * CG;
             pk7 = vec4(0.0);
-            if e < BK * D4 && e / D4 < min(BK, key_end - key_start) { pk7 = k[(kv_row0 + key_start) * D4 + e]; }
+            if e < BK * D4 && e / D4 < min(BK, key_end - first) { pk7 = k[(kv_row0 + first) * D4 + e]; }
             pv7 = vec4(0.0);
             let j = e / (8u * NV);
             let c = e % (8u * NV);
-            if e < BK * 8u * NV && j < min(BK, key_end - key_start) && c < DV4 { pv7 = v[(kv_row0 + key_start + j) * DV4 + c]; }
+            if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv7 = v[(kv_row0 + first + j) * DV4 + c]; }
         }
     }
-    for (var k0 = key_start; k0 < key_end; k0 += BK) {
+    for (var k0 = first; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
+        let next = next_visible_tile(bh, row0, row0 + rows, k0 + BK, key_end, BK);
         // Also orders the previous tile's reads of kvs/ps before these writes.
         workgroupBarrier();
         if PF_N > 0u {
@@ -276,7 +280,6 @@ fn main(
         workgroupBarrier();
         if PF_N > 0u {
             // The next tile's loads, in flight during this tile's arithmetic.
-            let next = k0 + BK;
             if next < key_end {
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
@@ -351,11 +354,6 @@ fn main(
                     if e < BK * 8u * NV && j < min(BK, key_end - next) && c < DV4 { pv7 = v[(kv_row0 + next + j) * DV4 + c]; }
                 }
             }
-        }
-        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
-            // The mask hides the whole tile; its loads (and the prefetch
-            // of the next) were issued all the same, to keep one pipeline.
-            continue;
         }
 
         var s00 = 0.0; var s01 = 0.0; var s02 = 0.0; var s03 = 0.0;
@@ -543,6 +541,10 @@ fn main(
                     o03 = fma(vec4(p0.w), v3, o03); o13 = fma(vec4(p1.w), v3, o13); o23 = fma(vec4(p2.w), v3, o23); o33 = fma(vec4(p3.w), v3, o33);
                 }
             }
+        }
+        if MASK {
+            // On to the next visible tile (the update adds BK).
+            k0 = next - BK;
         }
     }
 

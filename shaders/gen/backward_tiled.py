@@ -161,6 +161,14 @@ var<workgroup> vs: array<vec4<f32>, B1_ELEMS>;
 // dS of the tile; vec4 c of a row holds keys c, c+8, c+16, c+24.
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 
+// Writes dS = 0 for keys [k_from, k_to) of the workgroup's rows.
+fn zero_dmask(head: u32, row0: u32, rows: u32, k_from: u32, k_to: u32, lid: u32) {
+    let n = k_to - min(k_from, k_to);
+    for (var e = lid; e < rows * n; e += RG * CG) {
+        dmask[(head * p.seq_q + row0 + e / n) * p.seq_k + k_from + e % n] = 0.0;
+    }
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -205,12 +213,23 @@ fn main(
     let key_end = visible_end(row0 + rows - 1u);
     let key_start = min(visible_start(row0), key_end);
     let kv_row0 = kv * p.seq_k;
+    // The loop steps from tile to tile the mask leaves anything in (every
+    // tile without a mask): a hidden tile is neither loaded nor prefetched.
+    let first = next_visible_tile(bh, row0, row0 + rows, key_start, key_end, BC);
+    if DMASK {
+        zero_dmask(head, row0, rows, key_start, min(first, key_end), lid);
+    }
 {{PF_DECL}}
-    if PF_N > 0u {
+    if PF_N > 0u && (!MASK || first < key_end) {
 {{PF_FIRST}}
     }
-    for (var k0 = key_start; k0 < key_end; k0 += BC) {
+    for (var k0 = first; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
+        let next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
+        if DMASK {
+            // The hidden tiles up to the next visible one: dS is 0 there.
+            zero_dmask(head, row0, rows, k0 + nk, min(next, key_end), lid);
+        }
         workgroupBarrier();
         if PF_N > 0u {
 {{PF_STORE}}
@@ -236,20 +255,9 @@ fn main(
         workgroupBarrier();
         if PF_N > 0u {
             // The next tile's loads, in flight during this tile's arithmetic.
-            let next = k0 + BC;
             if next < key_end {
 {{PF_NEXT}}
             }
-        }
-        if !mask_tile_visible(bh, row0, row0 + rows, k0, k0 + nk) {
-            // The mask hides the whole tile: dS is 0 there. Its loads (and
-            // the prefetch of the next) were issued all the same.
-            if DMASK {
-                for (var e = lid; e < rows * nk; e += RG * CG) {
-                    dmask[(head * p.seq_q + row0 + e / nk) * p.seq_k + k0 + e % nk] = 0.0;
-                }
-            }
-            continue;
         }
 
 {{DECL_S}}
@@ -261,6 +269,10 @@ fn main(
         workgroupBarrier();
 
 {{ACC}}
+        if MASK {
+            // On to the next visible tile (the update adds BC).
+            k0 = next - BC;
+        }
     }
 
     if DMASK {
@@ -314,6 +326,22 @@ var<workgroup> dos: array<vec4<f32>, B1_ELEMS>;
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
 var<workgroup> ws2: array<vec4<f32>, W_ELEMS>;
 
+// The first step from `it` on of the flat (query head, query tile) loop in
+// which the mask leaves any score of keys [k0, k0 + nk); `total` if none.
+fn next_visible_it(it: u32, total: u32, n_tiles: u32, kvh: u32, first_row: u32, row_end: u32, k0: u32, nk: u32) -> u32 {
+    var i = it;
+    if MASK {
+        while i < total {
+            let r0 = first_row + (i % n_tiles) * BC;
+            if mask_tile_visible(p.head0 + kvh * p.g_count + i / n_tiles, r0, min(r0 + BC, row_end), k0, k0 + nk) {
+                break;
+            }
+            i++;
+        }
+    }
+    return i;
+}
+
 @compute @workgroup_size(RG * CG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -360,13 +388,18 @@ fn main(
     let q_rows = row_end - min(first_row, row_end);
     let n_tiles = (q_rows + BC - 1u) / BC;
     let total = p.g_count * n_tiles;
+    // The loop steps from query tile to query tile the mask leaves anything
+    // in (every tile without a mask): a hidden one is neither loaded nor
+    // prefetched.
+    let first = next_visible_it(0u, total, n_tiles, kvh, first_row, row_end, k0, nk);
 {{PF_DECL}}
-    if PF_N > 0u && total > 0u {
-        let head = kvh * p.g_count;
-        let r0 = first_row;
+    if PF_N > 0u && first < total {
+        let head = kvh * p.g_count + first / n_tiles;
+        let r0 = first_row + (first % n_tiles) * BC;
 {{PF_FIRST}}
     }
-    for (var it = 0u; it < total; it++) {
+    for (var it = first; it < total; it++) {
+        let next = next_visible_it(it + 1u, total, n_tiles, kvh, first_row, row_end, k0, nk);
         {
             let head = kvh * p.g_count + it / n_tiles;
             let bh = p.head0 + head;
@@ -404,16 +437,11 @@ fn main(
             var vstart = vec4(0u);
 {{STATS_DKDV}}
             workgroupBarrier();
-            if PF_N > 0u && it + 1u < total {
+            if PF_N > 0u && next < total {
                 // The next tile's loads, in flight during this tile's arithmetic.
-                let head = kvh * p.g_count + (it + 1u) / n_tiles;
-                let r0 = first_row + ((it + 1u) % n_tiles) * BC;
+                let head = kvh * p.g_count + next / n_tiles;
+                let r0 = first_row + (next % n_tiles) * BC;
 {{PF_NEXT}}
-            }
-            if !mask_tile_visible(bh, r0, r0 + nr, k0, k0 + nk) {
-                // The mask hides the whole tile. Its loads (and the
-                // prefetch of the next) were issued all the same.
-                continue;
             }
 
 {{DECL_S}}
@@ -424,6 +452,10 @@ fn main(
             workgroupBarrier();
 
 {{ACC}}
+            if MASK {
+                // On to the next visible tile (the update adds 1).
+                it = next - 1u;
+            }
         }
     }
 
@@ -570,7 +602,7 @@ dq = (
     .replace("{{PF_DECL}}", pf_decl())
     .replace(
         "{{PF_FIRST}}",
-        pf_load(DQ_PF, "min(BC, key_end - key_start)", "        ").replace("{T0}", "key_start"),
+        pf_load(DQ_PF, "min(BC, key_end - first)", "        ").replace("{T0}", "first"),
     )
     .replace(
         "{{PF_NEXT}}",

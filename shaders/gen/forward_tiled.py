@@ -164,7 +164,7 @@ text = (
         "{{PF_DECL}}",
         "\n".join("    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF),
     )
-    .replace("{{PF_FIRST}}", prefetch_load("key_start", "min(BK, key_end - key_start)", "        "))
+    .replace("{{PF_FIRST}}", prefetch_load("first", "min(BK, key_end - first)", "        "))
     .replace("{{PF_NEXT}}", prefetch_load("next", "min(BK, key_end - next)", "                "))
     .replace("{{PF_STORE}}", prefetch_store("            "))
 )

@@ -648,6 +648,9 @@ enum MaskArg {
     None,
     Bool(Vec<usize>),
     Float(Vec<usize>),
+    /// A boolean mask of the given shape, keeping where `keep(row, key)`
+    /// (of the last two axes).
+    Blocks(Vec<usize>, fn(usize, usize) -> bool),
 }
 
 #[derive(Clone, Default)]
@@ -683,6 +686,12 @@ fn mask_pattern(dims: &[usize], seed: u64) -> Vec<Option<f64>> {
         .collect()
 }
 
+fn mask_pattern_of(shape: Option<&(Vec<usize>, bool)>, seed: u64) -> Vec<Option<f64>> {
+    shape
+        .map(|(shape, _)| mask_pattern(shape, seed))
+        .unwrap_or_default()
+}
+
 /// Max relative errors of (out, lse, dq, dk, dv, dmask).
 fn check_spec(
     s: Shape,
@@ -698,11 +707,18 @@ fn check_spec(
         MaskArg::None => None,
         MaskArg::Bool(shape) => Some((shape.clone(), true)),
         MaskArg::Float(shape) => Some((shape.clone(), false)),
+        MaskArg::Blocks(shape, _) => Some((shape.clone(), true)),
     };
-    let pattern = mask_shape
-        .as_ref()
-        .map(|(shape, _)| mask_pattern(shape, seed + 7))
-        .unwrap_or_default();
+    let pattern = match &spec.mask {
+        MaskArg::Blocks(shape, keep) => {
+            let (rows, keys) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            let n: usize = shape.iter().product();
+            (0..n)
+                .map(|e| keep((e / keys) % rows, e % keys).then_some(1.0))
+                .collect()
+        }
+        _ => mask_pattern_of(mask_shape.as_ref(), seed + 7),
+    };
     let mask_bool: Vec<bool> = pattern.iter().map(Option::is_some).collect();
     let mask_f32: Vec<f32> = pattern
         .iter()
@@ -1141,4 +1157,267 @@ fn variants_in_float16() {
     };
     let errs = check_spec((2, 4, 2, 37, 53, 12, 7), DType::F16, &spec, 910, 1e-2, 1e-2);
     eprintln!("float16 mask+dmask: {errs:?}");
+}
+
+/// Kernel times of the variants that cut work (window, a block-sparse
+/// mask) and of dropout against their baselines, on whatever adapter runs
+/// the tests: `cargo test --release --test gpu variant_work_report --
+/// --ignored --nocapture` (FLASHPORT_BENCH_SEQ sets the sequence, 1024 by
+/// default; FLASHPORT_GPU_KERNELS=simple for the simple kernels).
+#[test]
+#[ignore]
+fn variant_work_report() {
+    if !gpu_present() {
+        return;
+    }
+    let seq: usize = std::env::var("FLASHPORT_BENCH_SEQ")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1024);
+    let heads: usize = std::env::var("FLASHPORT_BENCH_HEADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let reps: usize = std::env::var("FLASHPORT_BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    // 64x64 blocks, ~11% kept (the diagonal always), like
+    // benchmarks/gpu_variants_bench.py.
+    let nb = seq.div_ceil(64);
+    let keep: Vec<bool> = random(nb * nb, 4242)
+        .iter()
+        .enumerate()
+        .map(|(e, x)| e / nb == e % nb || (x + 1.0) / 2.0 < 0.1)
+        .collect();
+    let block_mask: Vec<bool> = (0..seq * seq)
+        .map(|e| keep[(e / seq / 64) * nb + (e % seq) / 64])
+        .collect();
+    let kept = block_mask.iter().filter(|&&b| b).count() as f64 / (seq * seq) as f64;
+    let mask_shape = [seq, seq];
+    let rows: Vec<(String, Options, bool)> = vec![
+        (
+            "causal".into(),
+            Options {
+                causal: true,
+                ..Options::default()
+            },
+            false,
+        ),
+        (
+            "causal + window (256, 0)".into(),
+            Options {
+                causal: true,
+                window: Some((256, 0)),
+                ..Options::default()
+            },
+            false,
+        ),
+        ("dense".into(), Options::default(), false),
+        (
+            format!("block mask {:.0}% kept", 100.0 * kept),
+            Options {
+                mask: Some(ArrayInfo::new(&mask_shape, "bool")),
+                ..Options::default()
+            },
+            true,
+        ),
+        (
+            "dropout 0.1".into(),
+            Options {
+                dropout_p: 0.1,
+                seed: Some(5),
+                ..Options::default()
+            },
+            false,
+        ),
+    ];
+    eprintln!("variant kernel ms at (1, {heads}, {seq}, 64) float32 (median of {reps})");
+    eprintln!(
+        "{:<28}{:>9}{:>9}{:>9}{:>9}",
+        "variant", "fwd", "dq", "dkdv", "f+b"
+    );
+    for (name, options, masked) in &rows {
+        let p = validate_forward(
+            ArrayInfo::new(&[1, heads, seq, 64], "float32"),
+            ArrayInfo::new(&[1, heads, seq, 64], "float32"),
+            ArrayInfo::new(&[1, heads, seq, 64], "float32"),
+            options,
+        )
+        .unwrap();
+        let arrays = VariantArrays {
+            mask: masked.then_some(MaskData::Bool(&block_mask)),
+            ..VariantArrays::default()
+        };
+        let q = Inputs::new(random(p.q_len(), 1), DType::F32);
+        let k = Inputs::new(random(p.k_len(), 2), DType::F32);
+        let v = Inputs::new(random(p.v_len(), 3), DType::F32);
+        let kernel = |times: &[(String, f64)], what: &str| -> f64 {
+            times
+                .iter()
+                .filter(|(n, _)| n.contains(what) && !n.starts_with("host:"))
+                .map(|(_, t)| t)
+                .sum::<f64>()
+                * 1e3
+        };
+        let mut samples: Vec<[f64; 3]> = Vec::new();
+        for _ in 0..reps {
+            let f = gpu::forward(
+                &p,
+                q.slice(DType::F32),
+                k.slice(DType::F32),
+                v.slice(DType::F32),
+                &arrays,
+            )
+            .unwrap();
+            let fwd = kernel(&gpu::last_kernel_times(), "forward");
+            let Buffer::F32(lse) = &f.lse else { panic!() };
+            let o = Inputs::new(as_f64(&f.out), DType::F32);
+            gpu::backward(
+                &p,
+                [
+                    o.slice(DType::F32),
+                    q.slice(DType::F32),
+                    k.slice(DType::F32),
+                    v.slice(DType::F32),
+                    o.slice(DType::F32),
+                    Slice::F32(lse),
+                ],
+                &arrays,
+            )
+            .unwrap();
+            let t = gpu::last_kernel_times();
+            samples.push([fwd, kernel(&t, "dq"), kernel(&t, "dkdv")]);
+        }
+        let median = |i: usize| {
+            let mut x: Vec<f64> = samples.iter().map(|s| s[i]).collect();
+            x.sort_by(f64::total_cmp);
+            x[x.len() / 2]
+        };
+        let (f, dq, dkdv) = (median(0), median(1), median(2));
+        eprintln!(
+            "{name:<28}{f:>9.2}{dq:>9.2}{dkdv:>9.2}{:>9.2}",
+            f + dq + dkdv
+        );
+    }
+}
+
+/// Windows whose rows start far into the keys (more keys than queries) or
+/// whose first rows see nothing at all (more queries than keys), over
+/// several tiles: the kernels start their loops at the first tile any row
+/// of the workgroup sees.
+#[test]
+fn variant_window_far_from_the_start() {
+    if !gpu_present() {
+        return;
+    }
+    let shapes: [Shape; 2] = [(1, 2, 1, 45, 200, 32, 16), (1, 2, 2, 200, 45, 16, 32)];
+    for (w, causal) in [((3, 1), false), ((20, 0), true), ((0, 40), false)] {
+        let spec = Spec {
+            window: Some(w),
+            causal,
+            dmask: true,
+            ..Spec::default()
+        };
+        for (i, &s) in shapes.iter().enumerate() {
+            let spec = Spec {
+                mask: MaskArg::Blocks(vec![s.3, s.4], |_, _| true),
+                ..spec.clone()
+            };
+            both_kernels(&format!("window {w:?} causal={causal} {s:?}"), || {
+                check_spec(s, DType::F32, &spec, 1000 + i as u64, 1e-4, 4e-4)
+            });
+            let plain = Spec {
+                window: Some(w),
+                causal,
+                ..Spec::default()
+            };
+            both_kernels(
+                &format!("window {w:?} causal={causal} {s:?}, no mask"),
+                || check_spec(s, DType::F32, &plain, 1010 + i as u64, 1e-4, 4e-4),
+            );
+        }
+    }
+}
+
+/// Block masks with long hidden runs, so that the tiled kernels skip many
+/// tiles in a row: a whole 64-row block hidden (its rows see nothing), a
+/// run of hidden key tiles, the last key tile hidden, and everything but
+/// the last query tile of the dK/dV kernels' loop.
+#[test]
+fn variant_mask_long_hidden_runs() {
+    if !gpu_present() {
+        return;
+    }
+    fn keep(r: usize, c: usize) -> bool {
+        let hidden = (64..128).contains(&r)
+            || c >= 160
+            || (r < 64 && (16..112).contains(&c))
+            || (c < 40 && r < 130)
+            || (r + c) % 7 == 3;
+        !hidden
+    }
+    let (sq, sk) = (150, 170);
+    for (dmask, causal, dropout_p) in [(true, false, 0.0), (false, true, 0.0), (true, false, 0.2)] {
+        let spec = Spec {
+            mask: MaskArg::Blocks(vec![sq, sk], keep),
+            dmask,
+            causal,
+            dropout_p,
+            ..Spec::default()
+        };
+        both_kernels(
+            &format!("long hidden runs dmask={dmask} causal={causal} dropout={dropout_p}"),
+            || {
+                check_spec(
+                    (1, 2, 1, sq, sk, 32, 16),
+                    DType::F32,
+                    &spec,
+                    1100,
+                    1e-4,
+                    4e-4,
+                )
+            },
+        );
+    }
+    // Everything hidden: every row sees nothing.
+    let spec = Spec {
+        mask: MaskArg::Blocks(vec![sq, sk], |_, _| false),
+        dmask: true,
+        ..Spec::default()
+    };
+    both_kernels("everything hidden", || {
+        check_spec(
+            (1, 2, 1, sq, sk, 32, 16),
+            DType::F32,
+            &spec,
+            1120,
+            1e-4,
+            4e-4,
+        )
+    });
+}
+
+/// Dropout where the keys of a 4-key Philox call straddle tiles: seq_k no
+/// multiple of 4, and windows whose tiles start at keys no multiple of 4.
+#[test]
+fn variant_dropout_unaligned_keys() {
+    if !gpu_present() {
+        return;
+    }
+    for (s, window, causal) in [
+        ((1, 2, 1, 66, 71, 16, 8), None, false),
+        ((2, 2, 1, 37, 130, 32, 16), Some((30, 3)), false),
+        ((1, 1, 1, 90, 47, 16, 16), Some((14, 0)), true),
+    ] {
+        let spec = Spec {
+            dropout_p: 0.3,
+            window,
+            causal,
+            ..Spec::default()
+        };
+        both_kernels(&format!("dropout {s:?} window {window:?}"), || {
+            check_spec(s, DType::F32, &spec, 1200, 1e-4, 4e-4)
+        });
+    }
 }
