@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 
 use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
-use flashport_core::gpu::tiles::{backward_kernels, choose, forward_kernel, DeviceCaps, Kernel};
+use flashport_core::gpu::tiles::{
+    backward_kernels, choose, coop_tiles, coop_workgroup_bytes, forward_kernel, DeviceCaps, Kernel,
+};
 use wgpu::naga;
 
 fn shader_dir() -> PathBuf {
@@ -114,8 +116,9 @@ fn every_shader_parses_and_validates() {
     );
     for path in &files {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name == "common.wgsl" || name.starts_with("row_reduce_") {
-            // Fragments: checked assembled with the kernels below.
+        if name == "common.wgsl" || name.starts_with("row_reduce_") || name == "forward_coop.wgsl" {
+            // Fragments: checked assembled with the kernels below; the
+            // cooperative forward needs its own capabilities (below).
             continue;
         }
         let kernel = EVERY_KERNEL
@@ -280,5 +283,67 @@ fn tiled_backward_kernels_validate_and_specialise() {
                 }
             }
         }
+    }
+}
+
+/// The cooperative-matrix forward validates with the capabilities the
+/// device enables for it and specialises for the tiles the host picks.
+#[test]
+fn coop_forward_validates_and_specialises() {
+    let text = source(Kernel::ForwardCoop, true);
+    let mut v = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
+            | naga::valid::Capabilities::SHADER_FLOAT16
+            | naga::valid::Capabilities::SUBGROUP
+            | naga::valid::Capabilities::COOPERATIVE_MATRIX,
+    );
+    v.subgroup_stages(naga::valid::ShaderStages::COMPUTE);
+    v.subgroup_operations(naga::valid::SubgroupOperationSet::all());
+    let module = parse_text("forward_coop", &text);
+    let info = v.validate(&module).unwrap_or_else(|e| {
+        panic!(
+            "forward_coop does not validate:\n{}",
+            e.emit_to_string(&text)
+        )
+    });
+    let nvidia = DeviceCaps {
+        workgroup_storage_bytes: 48 * 1024,
+        max_invocations: 1024,
+        max_workgroup_size_x: 1024,
+        subgroups: true,
+    };
+    let mut specialised = 0;
+    for (d, dv) in [
+        (64, 64),
+        (128, 128),
+        (16, 16),
+        (16, 128),
+        (128, 16),
+        (32, 96),
+    ] {
+        let t = coop_tiles(d, dv, nvidia, None)
+            .unwrap_or_else(|| panic!("no cooperative tiles for d={d} dv={dv}"));
+        assert!(coop_workgroup_bytes(d, dv, t) <= 48 * 1024);
+        let mut constants: naga::back::PipelineConstants = Default::default();
+        for (k, val) in tile_overrides(Kernel::ForwardCoop, true, d, dv, t, true)
+            .into_iter()
+            .chain(variant_overrides(Kernel::ForwardCoop, Variants::default()))
+        {
+            constants.insert(k.to_string(), val);
+        }
+        naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            Some((naga::ShaderStage::Compute, "main")),
+            &constants,
+        )
+        .unwrap_or_else(|e| panic!("forward_coop d={d} dv={dv} {t:?}: {e:?}"));
+        specialised += 1;
+    }
+    assert_eq!(specialised, 6);
+    // Shapes it does not take.
+    for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
+        assert_eq!(coop_tiles(d, dv, nvidia, None), None);
     }
 }

@@ -74,6 +74,9 @@ pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
     if features.contains(wgpu::Features::SUBGROUP) {
         feature_names.push("subgroups".to_string());
     }
+    if coop_f16_f32(adapter) {
+        feature_names.push("cooperative-matrix-f16".to_string());
+    }
     AdapterInfo {
         backend: info.backend.to_string(),
         name: info.name.clone(),
@@ -102,6 +105,27 @@ pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
     }
 }
 
+/// Whether the adapter multiplies 16x16x16 float16 cooperative matrices
+/// into float32 ones (what shaders/forward_coop.wgsl runs on).
+pub(crate) fn coop_f16_f32(adapter: &wgpu::Adapter) -> bool {
+    adapter
+        .features()
+        .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        && adapter.cooperative_matrix_properties().iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+                && c.ab_type == wgpu::CooperativeScalarType::F16
+                && c.cr_type == wgpu::CooperativeScalarType::F32
+        })
+}
+
+/// The cooperative-matrix forward is opt-in (FLASHPORT_GPU_COOP=1) until
+/// its results are right on hardware: on the H100 it runs but does not yet
+/// match the reference (benchmarks/GPU_NOTES.md). Without the switch the
+/// device is created as before, without cooperative matrices.
+fn coop_enabled_by_env() -> bool {
+    std::env::var("FLASHPORT_GPU_COOP").as_deref() == Ok("1")
+}
+
 /// Which compiled pipeline a dispatch needs; everything that is a WGSL
 /// override is part of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -128,6 +152,10 @@ pub(crate) struct Context {
     pub subgroups: bool,
     /// Timestamp queries are enabled: kernel times are measured on the GPU.
     pub timestamps: bool,
+    /// The cooperative-matrix float16 forward can run: 16x16x16 f16 -> f32
+    /// cooperative matrices, shader f16 and subgroups of exactly 32 lanes
+    /// (its subgroups own 16 rows each, two lanes per row) are enabled.
+    pub coop: bool,
     lost: Arc<AtomicBool>,
     /// Errors outside any error scope (there should be none): kept for the
     /// next message instead of wgpu's default handler, which panics.
@@ -213,7 +241,17 @@ impl Context {
         // timestamps to report kernel time apart from transfers.
         let subgroups = offered.contains(wgpu::Features::SUBGROUP) && info.subgroup_min_size >= 8;
         let timestamps = offered.contains(wgpu::Features::TIMESTAMP_QUERY);
+        let coop = subgroups
+            && info.subgroup_min_size == 32
+            && info.subgroup_max_size == 32
+            && offered.contains(wgpu::Features::SHADER_F16)
+            && coop_f16_f32(adapter)
+            && coop_enabled_by_env();
         let mut features = wgpu::Features::empty();
+        if coop {
+            features |=
+                wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
         if subgroups {
             features |= wgpu::Features::SUBGROUP;
         }
@@ -224,6 +262,14 @@ impl Context {
             label: Some("flashport"),
             required_features: features,
             required_limits: limits.clone(),
+            experimental_features: if coop {
+                // SAFETY: wgpu's opt-in for its experimental features; only
+                // the cooperative-matrix forward uses one, and only where
+                // the adapter reports the configuration it runs on.
+                unsafe { wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                wgpu::ExperimentalFeatures::disabled()
+            },
             ..Default::default()
         }))
         .map_err(|e| format!("{} ({}): {e}", described.name, described.backend))?;
@@ -246,6 +292,7 @@ impl Context {
             f16_inputs,
             subgroups,
             timestamps,
+            coop,
             lost,
             uncaptured,
             modules: Default::default(),
@@ -315,7 +362,9 @@ impl Context {
         // bound, every workgroup index is below the host-computed array
         // size (tiles::tiled_workgroup_vec4s). Debug builds (the Rust
         // tests) and FLASHPORT_GPU_CHECKED=1 keep the clamps.
-        let unchecked = kernel.is_tiled()
+        // The cooperative forward's indices are in bounds the same way
+        // (tiles::coop_elems sizes its arrays).
+        let unchecked = (kernel.is_tiled() || kernel == Kernel::ForwardCoop)
             && !cfg!(debug_assertions)
             && std::env::var("FLASHPORT_GPU_CHECKED").as_deref() != Ok("1");
         let module = self.scoped("compiling a shader", || {
