@@ -205,50 +205,47 @@ impl MaskScalar for f64 {
 /// that a mask removes entirely are found and skipped.
 pub const MASK_BLOCK: usize = 16;
 
-/// A mask as the kernels use it: additive values (a boolean mask becomes
-/// 0 / -inf) in its own shape with broadcast strides, and a map of the
-/// [`MASK_BLOCK`]² blocks in which every value is `-inf`.
+/// Element strides of a contiguous array of extents `dims`, with 0 where
+/// an extent is 1, so that indexing with the full problem's indices
+/// broadcasts.
+pub fn broadcast_strides(dims: [usize; 4]) -> [usize; 4] {
+    let mut strides = [0; 4];
+    let mut stride = 1;
+    for axis in (0..4).rev() {
+        strides[axis] = if dims[axis] == 1 { 0 } else { stride };
+        stride *= dims[axis];
+    }
+    strides
+}
+
+/// Where a mask's values lie and which of its blocks hold anything
+/// visible: the part of a mask that does not depend on how its values are
+/// stored.
 #[derive(Debug, Clone)]
-pub struct AdditiveMask<T> {
-    pub values: Vec<T>,
+pub struct MaskLayout {
     /// Canonical `(batch, heads_q, seq_q, seq_k)` extents of the values;
     /// 1 where the mask broadcasts.
     pub dims: [usize; 4],
     /// Element strides of the four dimensions, 0 where the mask broadcasts.
     pub strides: [usize; 4],
     /// Per (mask batch, mask head, row block, key block): 1 when some value
-    /// of the block is not `-inf`.
+    /// of the block is visible (not `-inf`, not `False`).
     pub blocks: Vec<u8>,
     /// Row and key block counts of the map.
     pub block_counts: [usize; 2],
 }
 
-impl<T: MaskScalar> AdditiveMask<T> {
-    /// Converts the mask and maps its blocks, in parallel on the current
-    /// rayon pool: for a long sequence this pass reads `seq_q × seq_k`
-    /// values and must stay small next to the attention it serves.
-    pub fn new(problem: &Problem, data: MaskData<'_>) -> Option<Self> {
-        let spec = problem.mask?;
-        let values: Vec<T> = match data {
-            MaskData::Bool(b) => b
-                .par_iter()
-                .map(|&keep| if keep { T::ZERO } else { T::NEG_INFINITY })
-                .collect(),
-            MaskData::Float(Slice::F16(x)) => {
-                x.par_iter().map(|v| T::from_f64(v.to_f64())).collect()
-            }
-            MaskData::Float(Slice::F32(x)) => {
-                x.par_iter().map(|&v| T::from_f64(v.into())).collect()
-            }
-            MaskData::Float(Slice::F64(x)) => x.par_iter().map(|&v| T::from_f64(v)).collect(),
-        };
-        let dims = spec.dims;
-        let mut strides = [0; 4];
-        let mut stride = 1;
-        for axis in (0..4).rev() {
-            strides[axis] = if dims[axis] == 1 { 0 } else { stride };
-            stride *= dims[axis];
-        }
+impl MaskLayout {
+    /// Maps the [`MASK_BLOCK`]² blocks of `values` (the mask in its own
+    /// shape `dims`), in parallel on the current rayon pool: for a long
+    /// sequence this pass reads `seq_q × seq_k` values and must stay small
+    /// next to the attention it serves.
+    pub fn new<V: Sync>(
+        dims: [usize; 4],
+        values: &[V],
+        visible: impl Fn(&V) -> bool + Sync,
+    ) -> Self {
+        let strides = broadcast_strides(dims);
         let block_counts = [
             dims[2].div_ceil(MASK_BLOCK).max(1),
             dims[3].div_ceil(MASK_BLOCK).max(1),
@@ -268,46 +265,24 @@ impl<T: MaskScalar> AdditiveMask<T> {
                         let start = (plane * rows + row) * row_len;
                         let row_values = &values[start..start + row_len];
                         for (flag, chunk) in line.iter_mut().zip(row_values.chunks(MASK_BLOCK)) {
-                            if *flag == 0 && chunk.iter().any(|&v| v != T::NEG_INFINITY) {
+                            if *flag == 0 && chunk.iter().any(&visible) {
                                 *flag = 1;
                             }
                         }
                     }
                 });
         }
-        Some(AdditiveMask {
-            values,
+        MaskLayout {
             dims,
             strides,
             blocks,
             block_counts,
-        })
+        }
     }
 
     /// Offset of the first value of `(batch, head, row)`.
     pub fn row_offset(&self, batch: usize, head: usize, row: usize) -> usize {
         batch * self.strides[0] + head * self.strides[1] + row * self.strides[2]
-    }
-
-    /// Adds the mask to the scores of `keys` in one row.
-    pub fn add_row(
-        &self,
-        batch: usize,
-        head: usize,
-        row: usize,
-        keys: &Range<usize>,
-        scores: &mut [T],
-    ) where
-        T: std::ops::AddAssign,
-    {
-        let base = self.row_offset(batch, head, row);
-        if self.strides[3] == 0 {
-            let value = self.values[base];
-            scores.iter_mut().for_each(|s| *s += value);
-        } else {
-            let values = &self.values[base + keys.start..base + keys.end];
-            scores.iter_mut().zip(values).for_each(|(s, &m)| *s += m);
-        }
     }
 
     /// Whether any score of `rows × keys` of `(batch, head)` survives the
@@ -336,6 +311,46 @@ impl<T: MaskScalar> AdditiveMask<T> {
         row_blocks.into_iter().any(|rb| {
             let line = &self.blocks[plane + rb * self.block_counts[1]..];
             key_blocks.clone().any(|kb| line[kb] != 0)
+        })
+    }
+}
+
+/// A mask as the GPU kernels use it: additive values (a boolean mask
+/// becomes 0 / -inf) in its own shape, with its [`MaskLayout`].
+#[derive(Debug, Clone)]
+pub struct AdditiveMask<T> {
+    pub values: Vec<T>,
+    pub dims: [usize; 4],
+    pub strides: [usize; 4],
+    pub blocks: Vec<u8>,
+    pub block_counts: [usize; 2],
+}
+
+impl<T: MaskScalar> AdditiveMask<T> {
+    /// Converts the mask (in parallel on the current rayon pool) and maps
+    /// its blocks.
+    pub fn new(problem: &Problem, data: MaskData<'_>) -> Option<Self> {
+        let spec = problem.mask?;
+        let values: Vec<T> = match data {
+            MaskData::Bool(b) => b
+                .par_iter()
+                .map(|&keep| if keep { T::ZERO } else { T::NEG_INFINITY })
+                .collect(),
+            MaskData::Float(Slice::F16(x)) => {
+                x.par_iter().map(|v| T::from_f64(v.to_f64())).collect()
+            }
+            MaskData::Float(Slice::F32(x)) => {
+                x.par_iter().map(|&v| T::from_f64(v.into())).collect()
+            }
+            MaskData::Float(Slice::F64(x)) => x.par_iter().map(|&v| T::from_f64(v)).collect(),
+        };
+        let layout = MaskLayout::new(spec.dims, &values, |&v| v != T::NEG_INFINITY);
+        Some(AdditiveMask {
+            values,
+            dims: layout.dims,
+            strides: layout.strides,
+            blocks: layout.blocks,
+            block_counts: layout.block_counts,
         })
     }
 }
@@ -402,13 +417,7 @@ pub fn reduce_to_mask<T: Copy + std::ops::AddAssign + Default>(
     if spec.dims == [problem.batch, problem.heads_q, problem.seq_q, problem.seq_k] {
         return full.to_vec();
     }
-    let dims = spec.dims;
-    let mut strides = [0; 4];
-    let mut stride = 1;
-    for axis in (0..4).rev() {
-        strides[axis] = if dims[axis] == 1 { 0 } else { stride };
-        stride *= dims[axis];
-    }
+    let strides = broadcast_strides(spec.dims);
     let mut reduced = vec![T::default(); spec.len()];
     let (seq_q, seq_k) = (problem.seq_q, problem.seq_k);
     for (plane, values) in full.chunks(seq_q * seq_k).enumerate() {

@@ -584,7 +584,7 @@ fn recompute_tile<T: Element>(
 /// One key tile of one key/value head in the backward: recomputes P and
 /// dS against every query row that reads the tile, writes the tile's dK and
 /// dV, and adds its contribution to the head group's dQ (unscaled).
-struct KeyTileStep<'a, T> {
+struct KeyTileStep<'a, T: Clone> {
     problem: &'a Problem,
     rules: &'a ScoreRules<'a, T>,
     tiles: TileSizes,

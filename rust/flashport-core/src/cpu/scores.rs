@@ -4,11 +4,79 @@
 //! The definitions are in [`crate::variants`]; this is where the CPU
 //! applies them to a tile of scores.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use super::element::Element;
-use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask, VariantArrays, MASK_BLOCK};
+use crate::variants::{
+    slopes_per_head, DropoutMask, MaskData, MaskLayout, VariantArrays, MASK_BLOCK,
+};
 use crate::Problem;
+
+/// The caller's mask as the CPU reads it, without converting a boolean
+/// mask or a float mask already in the compute type (converting a
+/// `seq × seq` mask would cost a pass over it on every call).
+struct Mask<'a, T: Clone> {
+    values: MaskValues<'a, T>,
+    layout: MaskLayout,
+}
+
+enum MaskValues<'a, T: Clone> {
+    Bool(&'a [bool]),
+    Additive(Cow<'a, [T]>),
+}
+
+impl<'a, T: Element> Mask<'a, T> {
+    fn new(problem: &Problem, data: MaskData<'a>) -> Option<Self> {
+        let dims = problem.mask?.dims;
+        let (values, layout) = match data {
+            MaskData::Bool(keep) => (MaskValues::Bool(keep), MaskLayout::new(dims, keep, |&k| k)),
+            MaskData::Float(values) => {
+                let values = T::view(values);
+                let layout = MaskLayout::new(dims, &values, |&v| v != T::NEG_INFINITY);
+                (MaskValues::Additive(values), layout)
+            }
+        };
+        Some(Mask { values, layout })
+    }
+
+    /// Adds the mask to the scores of `keys` in one row (`-inf` where a
+    /// boolean mask is False).
+    fn add_row(
+        &self,
+        batch: usize,
+        head: usize,
+        row: usize,
+        keys: &Range<usize>,
+        scores: &mut [T],
+    ) {
+        let base = self.layout.row_offset(batch, head, row);
+        let per_key = self.layout.strides[3] != 0;
+        let range = if per_key {
+            base + keys.start..base + keys.end
+        } else {
+            base..base + 1
+        };
+        match &self.values {
+            MaskValues::Bool(keep) => {
+                let keep = &keep[range];
+                for (j, s) in scores.iter_mut().enumerate() {
+                    if !keep[if per_key { j } else { 0 }] {
+                        *s = T::NEG_INFINITY;
+                    }
+                }
+            }
+            MaskValues::Additive(values) => {
+                let values = &values[range];
+                if per_key {
+                    scores.iter_mut().zip(values).for_each(|(s, &m)| *s += m);
+                } else {
+                    scores.iter_mut().for_each(|s| *s += values[0]);
+                }
+            }
+        }
+    }
+}
 
 /// How a tile of scores is treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,12 +90,12 @@ pub enum TileVisibility {
 }
 
 /// The scoring rules of one call.
-pub struct ScoreRules<'p, T> {
+pub struct ScoreRules<'p, T: Clone> {
     problem: &'p Problem,
     softcap: Option<T>,
     /// ALiBi slope per flat (batch, query head).
     slopes: Option<Vec<T>>,
-    mask: Option<AdditiveMask<T>>,
+    mask: Option<Mask<'p, T>>,
     /// Sink logit per query head.
     sinks: Option<Vec<T>>,
     dropout: Option<DropoutMask>,
@@ -36,7 +104,7 @@ pub struct ScoreRules<'p, T> {
 }
 
 impl<'p, T: Element> ScoreRules<'p, T> {
-    pub fn new(problem: &'p Problem, arrays: &VariantArrays<'_>) -> Self {
+    pub fn new(problem: &'p Problem, arrays: &VariantArrays<'p>) -> Self {
         let to_t = |values: Vec<f64>| values.into_iter().map(T::from_f64).collect();
         ScoreRules {
             problem,
@@ -44,9 +112,7 @@ impl<'p, T: Element> ScoreRules<'p, T> {
             slopes: arrays
                 .alibi_slopes
                 .map(|s| to_t(slopes_per_head(problem, s))),
-            mask: arrays
-                .mask
-                .and_then(|data| AdditiveMask::new(problem, data)),
+            mask: arrays.mask.and_then(|data| Mask::new(problem, data)),
             sinks: arrays.sinks.map(|s| to_t(s.to_vec())),
             dropout: problem.dropout.map(DropoutMask::new),
             keep_scale: T::from_f64(problem.dropout.map_or(1.0, |d| 1.0 / (1.0 - d.p))),
@@ -90,8 +156,8 @@ impl<'p, T: Element> ScoreRules<'p, T> {
 
     /// Sets `out` to the key tiles of `rows` to compute, in order, each
     /// starting at a multiple of [`MASK_BLOCK`] (where packed panels start)
-    /// and at most `tile` keys long: the `tile`-aligned grid over `keys`,
-    /// and with a mask, only the runs of [`MASK_BLOCK`]-key blocks that the
+    /// and at most `tile` keys long: consecutive tiles over `keys`, and
+    /// with a mask, only the runs of [`MASK_BLOCK`]-key blocks that the
     /// mask leaves visible to some row, so a block-sparse mask skips work
     /// at that granularity rather than whole tiles.
     pub fn key_tiles(
@@ -107,7 +173,9 @@ impl<'p, T: Element> ScoreRules<'p, T> {
             return;
         }
         let Some(mask) = &self.mask else {
-            let mut start = keys.start / tile * tile;
+            // From the block where the rows' keys start (not the tile grid):
+            // a sliding window's rows start anywhere.
+            let mut start = keys.start / MASK_BLOCK * MASK_BLOCK;
             while start < keys.end {
                 out.push(start..(start + tile).min(keys.end));
                 start += tile;
@@ -119,7 +187,7 @@ impl<'p, T: Element> ScoreRules<'p, T> {
         let mut start = keys.start / MASK_BLOCK * MASK_BLOCK;
         while start < keys.end {
             let block = start..(start + MASK_BLOCK).min(keys.end);
-            if mask.any_visible(batch, h, rows, &block) {
+            if mask.layout.any_visible(batch, h, rows, &block) {
                 match &mut run {
                     Some(r) if r.len() + block.len() <= tile => r.end = block.end,
                     _ => {
@@ -150,7 +218,7 @@ impl<'p, T: Element> ScoreRules<'p, T> {
         }
         if let Some(mask) = &self.mask {
             let (batch, h) = (head / self.problem.heads_q, head % self.problem.heads_q);
-            if !mask.any_visible(batch, h, rows, keys) {
+            if !mask.layout.any_visible(batch, h, rows, keys) {
                 return TileVisibility::Hidden;
             }
         }

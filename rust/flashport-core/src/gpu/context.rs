@@ -162,7 +162,16 @@ pub(crate) struct Context {
     uncaptured: Arc<Mutex<Vec<String>>>,
     modules: Mutex<HashMap<(Kernel, bool), wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    /// Mappable buffers of earlier calls' readbacks, kept for the next
+    /// call: allocating (and first touching) a fresh host buffer of the
+    /// outputs' size cost more than copying out of it.
+    readback_pool: Mutex<Vec<wgpu::Buffer>>,
 }
+
+/// Readback buffers kept between calls, and the largest one kept: bounds
+/// the host memory a finished call leaves behind.
+const READBACK_POOL_BUFFERS: usize = 2;
+const READBACK_POOL_MAX_BYTES: u64 = 256 << 20;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // The guarded maps stay consistent even if a holder panicked.
@@ -297,7 +306,42 @@ impl Context {
             uncaptured,
             modules: Default::default(),
             pipelines: Default::default(),
+            readback_pool: Default::default(),
         })
+    }
+
+    /// An unmapped MAP_READ | COPY_DST buffer of at least `size` bytes:
+    /// the smallest kept one that fits, or a new one.
+    pub fn take_readback_buffer(&self, size: u64) -> wgpu::Buffer {
+        let mut pool = lock(&self.readback_pool);
+        let best = (0..pool.len())
+            .filter(|&i| pool[i].size() >= size)
+            .min_by_key(|&i| pool[i].size());
+        match best {
+            Some(i) => pool.swap_remove(i),
+            None => self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("flashport readback"),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+        }
+    }
+
+    /// Keeps an unmapped readback buffer for later calls (the largest
+    /// few, up to a size).
+    pub fn return_readback_buffer(&self, buffer: wgpu::Buffer) {
+        if buffer.size() > READBACK_POOL_MAX_BYTES {
+            return;
+        }
+        let mut pool = lock(&self.readback_pool);
+        pool.push(buffer);
+        if pool.len() > READBACK_POOL_BUFFERS {
+            let smallest = (0..pool.len()).min_by_key(|&i| pool[i].size());
+            if let Some(i) = smallest {
+                pool.swap_remove(i);
+            }
+        }
     }
 
     pub fn is_lost(&self) -> bool {

@@ -363,10 +363,39 @@ fn upload_as(
         let mut view = buffer
             .get_mapped_range_mut(..)
             .map_err(|e| Error::Gpu(format!("could not map the upload buffer {label}: {e}")))?;
-        view.slice(..bytes.len()).copy_from_slice(bytes);
+        parallel_copy(view.slice(..bytes.len()), bytes);
     }
     buffer.unmap();
     Ok(buffer)
+}
+
+/// Bytes per task of the host copies into and out of mapped GPU memory:
+/// large arrays are copied by several threads, which also spreads the
+/// first-touch page faults of fresh host buffers.
+const COPY_CHUNK: usize = 4 << 20;
+
+fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
+    use rayon::prelude::*;
+    /// The mapped destination, shared by the copying threads.
+    struct Destination(*mut u8);
+    // SAFETY: each thread writes its own disjoint chunk (below).
+    unsafe impl Sync for Destination {}
+    assert_eq!(dst.len(), src.len(), "upload of the wrong size");
+    let destination = Destination(dst.as_raw_ptr().as_ptr() as *mut u8);
+    src.par_chunks(COPY_CHUNK)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let destination = &destination;
+            // SAFETY: `dst` is valid for `src.len()` bytes of writes while it
+            // is borrowed here, and the chunks are disjoint.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    chunk.as_ptr(),
+                    destination.0.add(i * COPY_CHUNK),
+                    chunk.len(),
+                )
+            }
+        });
 }
 
 /// Whether output buffers are filled with NaN before the kernels run: in
@@ -614,12 +643,7 @@ fn read_back(
         offsets.push(total);
         total += buffer.size();
     }
-    let staging = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("flashport readback"),
-        size: total.max(4),
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
+    let staging = ctx.take_readback_buffer(total.max(4));
     for ((buffer, _), &offset) in outputs.iter().zip(&offsets) {
         encoder.copy_buffer_to_buffer(buffer, 0, &staging, offset, buffer.size());
     }
@@ -680,11 +704,21 @@ fn read_back(
         .zip(&offsets)
         .map(|((_, floats), &offset)| {
             let start = offset as usize;
-            bytemuck::pod_collect_to_vec::<u8, f32>(&view[start..start + 4 * floats])
+            let bytes = &view[start..start + 4 * floats];
+            match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+                // Collected in parallel straight into the result, without
+                // zeroing it first.
+                Ok(values) => {
+                    use rayon::prelude::*;
+                    values.par_iter().copied().collect()
+                }
+                Err(_) => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
+            }
         })
         .collect();
     drop(view);
     staging.unmap();
+    ctx.return_readback_buffer(staging);
     record_host("readback_copy", t_copy);
     Ok(results)
 }
