@@ -16,9 +16,14 @@ enable wgpu_cooperative_matrix;
 // rows); key tiles of BK rows. In the scalar softmax step a row belongs to
 // two lanes of its subgroup (lane = 2 r + h), which take alternate columns.
 //
-// STATUS: WRONG RESULTS on the H100 (driver 580.159.04, see
-// benchmarks/GPU_NOTES.md): validates, compiles and runs, but O and lse do
-// not match the reference. The host runs it only with FLASHPORT_GPU_COOP=1.
+// Every workgroup variable is a multiple of 16 bytes (`rescale` is a
+// vec4): cooperative loads and stores need 16-byte aligned pointers
+// (VUID-RuntimeSpirv-OpCooperativeMatrixLoadKHR-08986) and the driver, not
+// the declaration order, places the variables. With a lone u32 flag here
+// the kernel gave wrong results on the H100 (out error 1.2); with the vec4
+// it matches the float64 reference as well as the scalar float16 kernel
+// (benchmarks/GPU_NOTES.md). The host still runs it only with
+// FLASHPORT_GPU_COOP=1 (it is slower than the float32 tiled kernel).
 //
 // Rescaling is lazy (as in FlashAttention-3): a row keeps its reference
 // maximum m until a tile's maximum exceeds it by more than TAU, so
@@ -71,7 +76,10 @@ var<workgroup> qp: array<f16, QP_ELEMS>;
 var<workgroup> sf: array<f32, F_ELEMS>;
 var<workgroup> row_l: array<f32, BQ>;
 var<workgroup> row_m: array<f32, BQ>;
-var<workgroup> rescale: u32;
+// A vector, so that every workgroup variable is a multiple of 16 bytes:
+// cooperative loads and stores need 16-byte aligned pointers, and the
+// driver places the variables (a lone u32 could shift the arrays after it).
+var<workgroup> rescale: vec4<u32>;
 
 // The eight halves of a word quadruple, in memory order. (naga 30 types
 // bitcast<vec2<f16>>(u32) as f32; the round trip through f32 is exact.)
@@ -139,7 +147,7 @@ fn main(
         // The previous tile's reads of ks, vs, qp, sf and `rescale` are done.
         workgroupBarrier();
         if lid == 0u {
-            rescale = 0u;
+            rescale.x = 0u;
         }
         // Keys past the tile's end are zeros: P is 0 there and 0 * V must
         // not be NaN.
@@ -205,7 +213,7 @@ fn main(
             // the empty accumulators.
             corr = exp(m - tmax);
             m = tmax;
-            rescale = 1u;
+            rescale.x = 1u;
         }
         l *= corr;
         let prow_at = (srow + r) * PS;
@@ -218,7 +226,7 @@ fn main(
             qp[prow_at + j] = f16(pj);
         }
         // Also orders the P writes before the coopLoads below.
-        let any_rescale = workgroupUniformLoad(&rescale);
+        let any_rescale = workgroupUniformLoad(&rescale).x;
         if any_rescale != 0u {
             for (var c = 0u; c < DV / 16u; c++) {
                 coopStoreT(o[c], &sf[srow * OS + 16u * c], OS);

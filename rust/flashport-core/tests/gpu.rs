@@ -1189,6 +1189,47 @@ fn forward_errors(c: &Case, coop: bool) -> (f64, f64, Vec<String>) {
     )
 }
 
+/// The one-subgroup diagnostic of the cooperative-matrix builtins
+/// (shaders/coop_diagnostic.wgsl), through wgpu's own SPIR-V (Vulkan
+/// memory model) and through src/gpu/spirv.rs (GLSL450). Prints what each
+/// case computed; fails where the GLSL450 build differs from naga's
+/// documentation.
+#[test]
+fn coop_one_tile_diagnostic() {
+    if !gpu_present() || !gpu::coop_available() {
+        eprintln!("NOT TESTED: no cooperative matrices here (FLASHPORT_GPU_COOP=1?)");
+        return;
+    }
+    let mut wrong = Vec::new();
+    for (via_spirv, glsl450, name) in [
+        (false, false, "wgpu's SPIR-V (Vulkan memory model)"),
+        (true, false, "SPIR-V written here, Vulkan memory model"),
+        (true, true, "SPIR-V written here, GLSL450 memory model"),
+    ] {
+        if via_spirv && !gpu::coop_passthrough() {
+            eprintln!("diagnostic, {name}: no passthrough shaders here");
+            continue;
+        }
+        match gpu::coop_diagnostic(via_spirv, glsl450) {
+            Ok(lines) => {
+                for l in lines {
+                    eprintln!("diagnostic, {name}: {l}");
+                    if glsl450 && !l.contains("as documented") {
+                        wrong.push(l);
+                    }
+                }
+            }
+            Err(e) => {
+                eprintln!("diagnostic, {name}: failed: {e}");
+                if glsl450 {
+                    wrong.push(e.to_string());
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
 #[test]
 fn coop_forward_matches_float64_reference() {
     if !gpu_present() {
@@ -1197,7 +1238,7 @@ fn coop_forward_matches_float64_reference() {
     if !gpu::coop_available() {
         eprintln!(
             "NOT TESTED: this adapter has no 16x16x16 float16 cooperative matrices \
-             (or FLASHPORT_GPU_COOP=1 is not set: the kernel is opt-in until it is right): \
+             (or FLASHPORT_GPU_COOP=1 is not set: the kernel is opt-in): \
              the cooperative-matrix forward does not run here"
         );
         return;

@@ -116,7 +116,11 @@ fn every_shader_parses_and_validates() {
     );
     for path in &files {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name == "common.wgsl" || name.starts_with("row_reduce_") || name == "forward_coop.wgsl" {
+        if name == "common.wgsl"
+            || name.starts_with("row_reduce_")
+            || name == "forward_coop.wgsl"
+            || name == "coop_diagnostic.wgsl"
+        {
             // Fragments: checked assembled with the kernels below; the
             // cooperative forward needs its own capabilities (below).
             continue;
@@ -346,4 +350,44 @@ fn coop_forward_validates_and_specialises() {
     for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
         assert_eq!(coop_tiles(d, dv, nvidia, None), None);
     }
+}
+
+/// The SPIR-V the cooperative forward is built from (src/gpu/spirv.rs):
+/// naga declares the Vulkan memory model for a module with cooperative
+/// matrices; the patched module declares GLSL450 and neither the
+/// VulkanMemoryModel capability nor its extension, and differs in nothing
+/// else. The diagnostic shader compiles the same way.
+#[test]
+fn coop_spirv_uses_the_glsl450_memory_model() {
+    use flashport_core::gpu::spirv::{compile, glsl450_memory_model, memory_model};
+    use flashport_core::gpu::tiles::Tiles;
+    let t = Tiles {
+        q_rows: 64,
+        k_rows: 64,
+        workgroup: 128,
+        kv_shared: false,
+        prefetch: 0,
+    };
+    let constants = tile_overrides(Kernel::ForwardCoop, true, 64, 64, t, true);
+    let text = source(Kernel::ForwardCoop, true);
+    for unchecked in [false, true] {
+        let naga_words = compile(&text, &constants, unchecked, false).unwrap().words;
+        assert_eq!(memory_model(&naga_words), Some(3), "naga's own: Vulkan");
+        let patched = compile(&text, &constants, unchecked, true).unwrap();
+        assert_eq!(memory_model(&patched.words), Some(1), "patched: GLSL450");
+        assert_eq!(patched.workgroup_size, [128, 1, 1]);
+        let bindings: Vec<u32> = patched.bindings.iter().map(|b| b.binding).collect();
+        assert_eq!(bindings, [0, 15, 1, 2, 3, 4, 5]);
+        // Two instructions fewer: OpCapability VulkanMemoryModel (2 words)
+        // and OpExtension "SPV_KHR_vulkan_memory_model" (1 + 7 words).
+        assert_eq!(naga_words.len() - patched.words.len(), 2 + 8);
+        let (again, changed) = glsl450_memory_model(&naga_words);
+        assert!(changed);
+        assert_eq!(again, patched.words);
+        // The patched module is already GLSL450: nothing to change.
+        assert!(!glsl450_memory_model(&patched.words).1);
+    }
+    let diag = std::fs::read_to_string(shader_dir().join("coop_diagnostic.wgsl")).unwrap();
+    let words = compile(&diag, &[], false, true).unwrap().words;
+    assert_eq!(memory_model(&words), Some(1));
 }

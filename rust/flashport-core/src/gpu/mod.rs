@@ -14,9 +14,12 @@
 //! as the CPU backend rounds them.
 
 mod context;
+mod coop_diag;
 mod plan;
 #[doc(hidden)]
 pub mod shaders;
+#[doc(hidden)]
+pub mod spirv;
 pub mod tiles;
 
 use std::cell::{Cell, RefCell};
@@ -103,6 +106,24 @@ thread_local! {
 #[doc(hidden)]
 pub fn set_no_coop_for_this_thread(off: bool) {
     NO_COOP.with(|c| c.set(off));
+}
+
+/// Runs the one-subgroup diagnostic of the cooperative-matrix builtins
+/// (shaders/coop_diagnostic.wgsl) and describes each case: through wgpu's
+/// own SPIR-V (`via_spirv` false) or through src/gpu/spirv.rs with the
+/// memory model switched to GLSL450 where `glsl450`.
+#[doc(hidden)]
+pub fn coop_diagnostic(via_spirv: bool, glsl450: bool) -> Result<Vec<String>> {
+    guarded("running the cooperative-matrix diagnostic", || {
+        coop_diag::run(via_spirv, glsl450)
+    })
+}
+
+/// Whether the current context builds the cooperative forward from the
+/// SPIR-V of src/gpu/spirv.rs (GLSL450 memory model).
+#[doc(hidden)]
+pub fn coop_passthrough() -> bool {
+    context::get().is_ok_and(|ctx| ctx.coop_passthrough)
 }
 
 /// Whether the current context runs the cooperative-matrix float16 forward
