@@ -1421,3 +1421,161 @@ fn variant_dropout_unaligned_keys() {
         });
     }
 }
+
+// ---------------------------------------------------------------------
+// The cooperative-matrix float16 forward (tensor cores), where the
+// adapter has it; elsewhere the test says so instead of passing.
+
+/// Forward errors (out, lse) of `c` against the float64 CPU, with the
+/// cooperative kernel on or off for this thread; also the kernels it ran.
+fn forward_errors(c: &Case, coop: bool) -> (f64, f64, Vec<String>) {
+    gpu::set_no_coop_for_this_thread(!coop);
+    let reference = cpu::forward(
+        &f64_problem(&c.p),
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+        &VariantArrays::default(),
+    )
+    .unwrap();
+    let got = gpu::forward(
+        &c.p,
+        c.q.slice(DType::F16),
+        c.k.slice(DType::F16),
+        c.v.slice(DType::F16),
+        &VariantArrays::default(),
+    )
+    .unwrap();
+    gpu::set_no_coop_for_this_thread(false);
+    let kernels = gpu::last_kernel_times()
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| !n.starts_with("host:"))
+        .collect();
+    let ref_lse = as_f64(&reference.lse);
+    let (out, lse) = (as_f64(&got.out), as_f64(&got.lse));
+    let dv = c.p.value_dim;
+    for (row, &l) in ref_lse.iter().enumerate() {
+        if l == f64::NEG_INFINITY {
+            assert_eq!(lse[row], f64::NEG_INFINITY, "{:?} row {row}", c.p);
+            assert!(out[row * dv..(row + 1) * dv].iter().all(|&x| x == 0.0));
+        }
+    }
+    (
+        rel_err(&out, &as_f64(&reference.out)),
+        rel_err(&lse, &ref_lse),
+        kernels,
+    )
+}
+
+/// The one-subgroup diagnostic of the cooperative-matrix builtins
+/// (shaders/coop_diagnostic.wgsl), through wgpu's own SPIR-V (Vulkan
+/// memory model) and through src/gpu/spirv.rs (GLSL450). Prints what each
+/// case computed; fails where the GLSL450 build differs from naga's
+/// documentation.
+#[test]
+fn coop_one_tile_diagnostic() {
+    if !gpu_present() || !gpu::coop_available() {
+        eprintln!("NOT TESTED: no cooperative matrices here (FLASHPORT_GPU_COOP=1?)");
+        return;
+    }
+    let mut wrong = Vec::new();
+    for (via_spirv, glsl450, name) in [
+        (false, false, "wgpu's SPIR-V (Vulkan memory model)"),
+        (true, false, "SPIR-V written here, Vulkan memory model"),
+        (true, true, "SPIR-V written here, GLSL450 memory model"),
+    ] {
+        if via_spirv && !gpu::coop_passthrough() {
+            eprintln!("diagnostic, {name}: no passthrough shaders here");
+            continue;
+        }
+        match gpu::coop_diagnostic(via_spirv, glsl450) {
+            Ok(lines) => {
+                for l in lines {
+                    eprintln!("diagnostic, {name}: {l}");
+                    if glsl450 && !l.contains("as documented") {
+                        wrong.push(l);
+                    }
+                }
+            }
+            Err(e) => {
+                eprintln!("diagnostic, {name}: failed: {e}");
+                if glsl450 {
+                    wrong.push(e.to_string());
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+#[test]
+fn coop_forward_matches_float64_reference() {
+    if !gpu_present() {
+        return;
+    }
+    if !gpu::coop_available() {
+        eprintln!(
+            "NOT TESTED: this adapter has no 16x16x16 float16 cooperative matrices \
+             (or FLASHPORT_GPU_COOP=1 is not set: the kernel is opt-in): \
+             the cooperative-matrix forward does not run here"
+        );
+        return;
+    }
+    let shapes: [Shape; 7] = [
+        (1, 2, 1, 65, 17, 64, 32),
+        (1, 1, 1, 130, 130, 128, 128),
+        (2, 4, 2, 37, 53, 16, 48),
+        (1, 3, 1, 40, 9, 16, 16),
+        (1, 2, 2, 300, 300, 64, 64),
+        (1, 2, 1, 1000, 1000, 64, 64),
+        (1, 1, 1, 77, 1030, 32, 96),
+    ];
+    let mut worst = [0.0f64; 4];
+    for (i, &s) in shapes.iter().enumerate() {
+        for causal in [false, true] {
+            for grow in [false, true] {
+                let mut c = case(s, causal, DType::F16, 70 + i as u64);
+                if grow {
+                    // Keys that grow along the sequence (and large scores)
+                    // move the rows' maxima tile after tile: the lazy
+                    // rescaling runs.
+                    let (sk, d) = (c.p.seq_k, c.p.head_dim);
+                    let scaled: Vec<f64> =
+                        c.k.f64
+                            .iter()
+                            .enumerate()
+                            .map(|(e, &x)| x * 4.0 * (1.0 + ((e / d) % sk) as f64 / 64.0).min(8.0))
+                            .collect();
+                    c.k = Inputs::new(scaled, DType::F16);
+                    c.q = Inputs::new(c.q.f64.iter().map(|x| x.abs() * 2.0).collect(), DType::F16);
+                }
+                let (o, l, kernels) = forward_errors(&c, true);
+                assert!(
+                    kernels.is_empty() || kernels.iter().all(|k| k == "forward_coop"),
+                    "expected the cooperative forward, ran {kernels:?}"
+                );
+                let (so, sl, _) = forward_errors(&c, false);
+                eprintln!(
+                    "coop {s:?} causal={causal} grow={grow}: out {o:.2e} lse {l:.2e} \
+                     (scalar float16: out {so:.2e} lse {sl:.2e})"
+                );
+                assert!(
+                    o <= 1e-2 && l <= 1e-2,
+                    "{s:?} causal={causal}: out {o:e}, lse {l:e}"
+                );
+                worst = [
+                    worst[0].max(o),
+                    worst[1].max(l),
+                    worst[2].max(so),
+                    worst[3].max(sl),
+                ];
+            }
+        }
+    }
+    eprintln!(
+        "cooperative forward worst relative error: out {:.2e}, lse {:.2e} \
+         (scalar float16 kernels: out {:.2e}, lse {:.2e})",
+        worst[0], worst[1], worst[2], worst[3]
+    );
+}

@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 
 use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
-use flashport_core::gpu::tiles::{backward_kernels, choose, forward_kernel, DeviceCaps, Kernel};
+use flashport_core::gpu::tiles::{
+    backward_kernels, choose, coop_tiles, coop_workgroup_bytes, forward_kernel, DeviceCaps, Kernel,
+};
 use wgpu::naga;
 
 fn shader_dir() -> PathBuf {
@@ -114,8 +116,13 @@ fn every_shader_parses_and_validates() {
     );
     for path in &files {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name == "common.wgsl" || name.starts_with("row_reduce_") {
-            // Fragments: checked assembled with the kernels below.
+        if name == "common.wgsl"
+            || name.starts_with("row_reduce_")
+            || name == "forward_coop.wgsl"
+            || name == "coop_diagnostic.wgsl"
+        {
+            // Fragments: checked assembled with the kernels below; the
+            // cooperative forward needs its own capabilities (below).
             continue;
         }
         let kernel = EVERY_KERNEL
@@ -281,4 +288,106 @@ fn tiled_backward_kernels_validate_and_specialise() {
             }
         }
     }
+}
+
+/// The cooperative-matrix forward validates with the capabilities the
+/// device enables for it and specialises for the tiles the host picks.
+#[test]
+fn coop_forward_validates_and_specialises() {
+    let text = source(Kernel::ForwardCoop, true);
+    let mut v = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
+            | naga::valid::Capabilities::SHADER_FLOAT16
+            | naga::valid::Capabilities::SUBGROUP
+            | naga::valid::Capabilities::COOPERATIVE_MATRIX,
+    );
+    v.subgroup_stages(naga::valid::ShaderStages::COMPUTE);
+    v.subgroup_operations(naga::valid::SubgroupOperationSet::all());
+    let module = parse_text("forward_coop", &text);
+    let info = v.validate(&module).unwrap_or_else(|e| {
+        panic!(
+            "forward_coop does not validate:\n{}",
+            e.emit_to_string(&text)
+        )
+    });
+    let nvidia = DeviceCaps {
+        workgroup_storage_bytes: 48 * 1024,
+        max_invocations: 1024,
+        max_workgroup_size_x: 1024,
+        subgroups: true,
+    };
+    let mut specialised = 0;
+    for (d, dv) in [
+        (64, 64),
+        (128, 128),
+        (16, 16),
+        (16, 128),
+        (128, 16),
+        (32, 96),
+    ] {
+        let t = coop_tiles(d, dv, nvidia, None)
+            .unwrap_or_else(|| panic!("no cooperative tiles for d={d} dv={dv}"));
+        assert!(coop_workgroup_bytes(d, dv, t) <= 48 * 1024);
+        let mut constants: naga::back::PipelineConstants = Default::default();
+        for (k, val) in tile_overrides(Kernel::ForwardCoop, true, d, dv, t, true)
+            .into_iter()
+            .chain(variant_overrides(Kernel::ForwardCoop, Variants::default()))
+        {
+            constants.insert(k.to_string(), val);
+        }
+        naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            Some((naga::ShaderStage::Compute, "main")),
+            &constants,
+        )
+        .unwrap_or_else(|e| panic!("forward_coop d={d} dv={dv} {t:?}: {e:?}"));
+        specialised += 1;
+    }
+    assert_eq!(specialised, 6);
+    // Shapes it does not take.
+    for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
+        assert_eq!(coop_tiles(d, dv, nvidia, None), None);
+    }
+}
+
+/// The SPIR-V the cooperative forward is built from (src/gpu/spirv.rs):
+/// naga declares the Vulkan memory model for a module with cooperative
+/// matrices; the patched module declares GLSL450 and neither the
+/// VulkanMemoryModel capability nor its extension, and differs in nothing
+/// else. The diagnostic shader compiles the same way.
+#[test]
+fn coop_spirv_uses_the_glsl450_memory_model() {
+    use flashport_core::gpu::spirv::{compile, glsl450_memory_model, memory_model};
+    use flashport_core::gpu::tiles::Tiles;
+    let t = Tiles {
+        q_rows: 64,
+        k_rows: 64,
+        workgroup: 128,
+        kv_shared: false,
+        prefetch: 0,
+    };
+    let constants = tile_overrides(Kernel::ForwardCoop, true, 64, 64, t, true);
+    let text = source(Kernel::ForwardCoop, true);
+    for unchecked in [false, true] {
+        let naga_words = compile(&text, &constants, unchecked, false).unwrap().words;
+        assert_eq!(memory_model(&naga_words), Some(3), "naga's own: Vulkan");
+        let patched = compile(&text, &constants, unchecked, true).unwrap();
+        assert_eq!(memory_model(&patched.words), Some(1), "patched: GLSL450");
+        assert_eq!(patched.workgroup_size, [128, 1, 1]);
+        let bindings: Vec<u32> = patched.bindings.iter().map(|b| b.binding).collect();
+        assert_eq!(bindings, [0, 15, 1, 2, 3, 4, 5]);
+        // Two instructions fewer: OpCapability VulkanMemoryModel (2 words)
+        // and OpExtension "SPV_KHR_vulkan_memory_model" (1 + 7 words).
+        assert_eq!(naga_words.len() - patched.words.len(), 2 + 8);
+        let (again, changed) = glsl450_memory_model(&naga_words);
+        assert!(changed);
+        assert_eq!(again, patched.words);
+        // The patched module is already GLSL450: nothing to change.
+        assert!(!glsl450_memory_model(&patched.words).1);
+    }
+    let diag = std::fs::read_to_string(shader_dir().join("coop_diagnostic.wgsl")).unwrap();
+    let words = compile(&diag, &[], false, true).unwrap().words;
+    assert_eq!(memory_model(&words), Some(1));
 }

@@ -74,6 +74,9 @@ pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
     if features.contains(wgpu::Features::SUBGROUP) {
         feature_names.push("subgroups".to_string());
     }
+    if coop_f16_f32(adapter) {
+        feature_names.push("cooperative-matrix-f16".to_string());
+    }
     AdapterInfo {
         backend: info.backend.to_string(),
         name: info.name.clone(),
@@ -102,6 +105,37 @@ pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
     }
 }
 
+/// Whether the adapter multiplies 16x16x16 float16 cooperative matrices
+/// into float32 ones (what shaders/forward_coop.wgsl runs on).
+pub(crate) fn coop_f16_f32(adapter: &wgpu::Adapter) -> bool {
+    adapter
+        .features()
+        .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        && adapter.cooperative_matrix_properties().iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+                && c.ab_type == wgpu::CooperativeScalarType::F16
+                && c.cr_type == wgpu::CooperativeScalarType::F32
+        })
+}
+
+/// The cooperative-matrix forward is opt-in (FLASHPORT_GPU_COOP=1): it
+/// matches the reference on the H100 but runs slower there than the
+/// float32 tiled forward, and a process that ran it at N=4096 saw later
+/// float32 kernels slow down (benchmarks/GPU_NOTES.md). Without the switch
+/// the device is created as before, without cooperative matrices.
+fn coop_enabled_by_env() -> bool {
+    std::env::var("FLASHPORT_GPU_COOP").as_deref() == Ok("1")
+}
+
+/// Whether `kernel` runs without naga's index clamps: the register-tiled
+/// kernels and the cooperative forward in release builds, unless
+/// FLASHPORT_GPU_CHECKED=1 (see `Context::module`).
+fn unchecked(kernel: Kernel) -> bool {
+    (kernel.is_tiled() || kernel == Kernel::ForwardCoop)
+        && !cfg!(debug_assertions)
+        && std::env::var("FLASHPORT_GPU_CHECKED").as_deref() != Ok("1")
+}
+
 /// Which compiled pipeline a dispatch needs; everything that is a WGSL
 /// override is part of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -128,6 +162,17 @@ pub(crate) struct Context {
     pub subgroups: bool,
     /// Timestamp queries are enabled: kernel times are measured on the GPU.
     pub timestamps: bool,
+    /// The cooperative-matrix float16 forward can run: 16x16x16 f16 -> f32
+    /// cooperative matrices, shader f16 and subgroups of exactly 32 lanes
+    /// (its subgroups own 16 rows each, two lanes per row) are enabled.
+    pub coop: bool,
+    /// The cooperative forward is built from SPIR-V written here with the
+    /// GLSL450 memory model (src/gpu/spirv.rs says why) and handed to the
+    /// driver through wgpu's passthrough; false where the adapter offers no
+    /// passthrough or FLASHPORT_GPU_COOP_SPIRV=naga asks for wgpu's own
+    /// SPIR-V (Vulkan memory model without the operands it needs; gave the
+    /// same results as the GLSL450 module on the H100).
+    pub coop_passthrough: bool,
     lost: Arc<AtomicBool>,
     /// Errors outside any error scope (there should be none): kept for the
     /// next message instead of wgpu's default handler, which panics.
@@ -222,7 +267,23 @@ impl Context {
         // timestamps to report kernel time apart from transfers.
         let subgroups = offered.contains(wgpu::Features::SUBGROUP) && info.subgroup_min_size >= 8;
         let timestamps = offered.contains(wgpu::Features::TIMESTAMP_QUERY);
+        let coop = subgroups
+            && info.subgroup_min_size == 32
+            && info.subgroup_max_size == 32
+            && offered.contains(wgpu::Features::SHADER_F16)
+            && coop_f16_f32(adapter)
+            && coop_enabled_by_env();
+        let coop_passthrough = coop
+            && offered.contains(wgpu::Features::PASSTHROUGH_SHADERS)
+            && std::env::var("FLASHPORT_GPU_COOP_SPIRV").as_deref() != Ok("naga");
         let mut features = wgpu::Features::empty();
+        if coop {
+            features |=
+                wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        if coop_passthrough {
+            features |= wgpu::Features::PASSTHROUGH_SHADERS;
+        }
         if subgroups {
             features |= wgpu::Features::SUBGROUP;
         }
@@ -233,6 +294,14 @@ impl Context {
             label: Some("flashport"),
             required_features: features,
             required_limits: limits.clone(),
+            experimental_features: if coop {
+                // SAFETY: wgpu's opt-in for its experimental features; only
+                // the cooperative-matrix forward uses one, and only where
+                // the adapter reports the configuration it runs on.
+                unsafe { wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                wgpu::ExperimentalFeatures::disabled()
+            },
             ..Default::default()
         }))
         .map_err(|e| format!("{} ({}): {e}", described.name, described.backend))?;
@@ -255,6 +324,8 @@ impl Context {
             f16_inputs,
             subgroups,
             timestamps,
+            coop,
+            coop_passthrough,
             lost,
             uncaptured,
             modules: Default::default(),
@@ -359,9 +430,9 @@ impl Context {
         // bound, every workgroup index is below the host-computed array
         // size (tiles::tiled_workgroup_vec4s). Debug builds (the Rust
         // tests) and FLASHPORT_GPU_CHECKED=1 keep the clamps.
-        let unchecked = kernel.is_tiled()
-            && !cfg!(debug_assertions)
-            && std::env::var("FLASHPORT_GPU_CHECKED").as_deref() != Ok("1");
+        // The cooperative forward's indices are in bounds the same way
+        // (tiles::coop_elems sizes its arrays).
+        let unchecked = unchecked(kernel);
         let module = self.scoped("compiling a shader", || {
             Ok(if unchecked {
                 // SAFETY: see above; the tiled kernels' indices are bounded by
@@ -378,11 +449,83 @@ impl Context {
         Ok(module)
     }
 
+    /// A compute pipeline for `source` (entry point `main`) built from SPIR-V
+    /// written by naga here, with `constants` applied before, the memory
+    /// model switched to GLSL450 where `glsl450` (src/gpu/spirv.rs) and an
+    /// explicit layout of every group-0 binding the module declares.
+    pub fn spirv_pipeline(
+        &self,
+        label: &str,
+        source: &str,
+        constants: &[(&str, f64)],
+        unchecked: bool,
+        glsl450: bool,
+    ) -> Result<wgpu::ComputePipeline> {
+        let compiled = super::spirv::compile(source, constants, unchecked, glsl450)
+            .map_err(|e| Error::Gpu(format!("compiling {label} to SPIR-V: {e}")))?;
+        self.scoped("building a SPIR-V pipeline", || {
+            let [x, y, z] = compiled.workgroup_size;
+            let entry_points = [wgpu::PassthroughShaderEntryPoint {
+                name: "main".into(),
+                workgroup_size: (x, y, z),
+            }];
+            // SAFETY: the words are naga's own output for a module naga
+            // validated, changed only in the memory model it declares
+            // (spirv::glsl450_memory_model), which the device supports.
+            let module = unsafe {
+                self.device.create_shader_module_passthrough(
+                    wgpu::ShaderModuleDescriptorPassthrough {
+                        label: Some(label),
+                        entry_points: entry_points.as_slice().into(),
+                        spirv: Some(compiled.words.as_slice().into()),
+                        ..Default::default()
+                    },
+                )
+            };
+            let group = self
+                .device
+                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some(label),
+                    entries: &compiled.bindings,
+                });
+            let layout = self
+                .device
+                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: Some(label),
+                    bind_group_layouts: &[Some(&group)],
+                    immediate_size: 0,
+                });
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(label),
+                    layout: Some(&layout),
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                }))
+        })
+    }
+
     /// The pipeline for `key`, compiled once per process. Only pipelines
     /// that compiled without error are cached.
     pub fn pipeline(&self, key: PipelineKey) -> Result<wgpu::ComputePipeline> {
         if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
+        }
+        if key.kernel == Kernel::ForwardCoop && self.coop_passthrough {
+            let source = super::shaders::source(key.kernel, key.subgroups);
+            let constants = super::shaders::overrides(&key);
+            let pipeline = self.spirv_pipeline(
+                key.kernel.name(),
+                &source,
+                &constants,
+                unchecked(key.kernel),
+                true,
+            )?;
+            lock(&self.pipelines).insert(key, pipeline.clone());
+            return Ok(pipeline);
         }
         let module = self.module(key.kernel, key.subgroups)?;
         let constants = super::shaders::overrides(&key);

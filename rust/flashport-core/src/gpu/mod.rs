@@ -14,9 +14,12 @@
 //! as the CPU backend rounds them.
 
 mod context;
+mod coop_diag;
 mod plan;
 #[doc(hidden)]
 pub mod shaders;
+#[doc(hidden)]
+pub mod spirv;
 pub mod tiles;
 
 use std::cell::{Cell, RefCell};
@@ -94,6 +97,57 @@ thread_local! {
     static WORKGROUP_STORAGE_OVERRIDE: Cell<Option<u32>> = const { Cell::new(None) };
     static NO_SUBGROUPS: Cell<bool> = const { Cell::new(false) };
     static SIMPLE_KERNELS: Cell<bool> = const { Cell::new(false) };
+    static NO_COOP: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes the calling thread run the scalar float16 kernels where the
+/// cooperative-matrix forward would run, so tests can compare the two in
+/// one process (without FLASHPORT_GPU_COOP=1 it never runs).
+#[doc(hidden)]
+pub fn set_no_coop_for_this_thread(off: bool) {
+    NO_COOP.with(|c| c.set(off));
+}
+
+/// Runs the one-subgroup diagnostic of the cooperative-matrix builtins
+/// (shaders/coop_diagnostic.wgsl) and describes each case: through wgpu's
+/// own SPIR-V (`via_spirv` false) or through src/gpu/spirv.rs with the
+/// memory model switched to GLSL450 where `glsl450`.
+#[doc(hidden)]
+pub fn coop_diagnostic(via_spirv: bool, glsl450: bool) -> Result<Vec<String>> {
+    guarded("running the cooperative-matrix diagnostic", || {
+        coop_diag::run(via_spirv, glsl450)
+    })
+}
+
+/// Whether the current context builds the cooperative forward from the
+/// SPIR-V of src/gpu/spirv.rs (GLSL450 memory model).
+#[doc(hidden)]
+pub fn coop_passthrough() -> bool {
+    context::get().is_ok_and(|ctx| ctx.coop_passthrough)
+}
+
+/// Whether the current context runs the cooperative-matrix float16 forward
+/// (tests report where it is absent instead of passing untested).
+#[doc(hidden)]
+pub fn coop_available() -> bool {
+    context::get().is_ok_and(|ctx| ctx.coop)
+}
+
+/// The cooperative-matrix forward's tiles for this call, if it runs it:
+/// float16 inputs, plain or causal attention (the variants stay on the
+/// other kernels, which implement them), head dimensions it supports.
+fn coop_tiles(ctx: &Context, p: &Problem, caps: tiles::DeviceCaps) -> Option<tiles::Tiles> {
+    if !ctx.coop || p.dtype != DType::F16 || p.has_variants() || NO_COOP.with(Cell::get) {
+        return None;
+    }
+    // Benchmarks: FLASHPORT_GPU_COOP_TILES=subgroups,keys (e.g. 4,64).
+    let force = std::env::var("FLASHPORT_GPU_COOP_TILES")
+        .ok()
+        .and_then(|v| {
+            let (w, bk) = v.split_once(',')?;
+            Some((w.trim().parse().ok()?, bk.trim().parse().ok()?))
+        });
+    tiles::coop_tiles(p.head_dim as u32, p.value_dim as u32, caps, force)
 }
 
 /// Makes the calling thread run the simple kernels where the tiled ones
@@ -801,11 +855,14 @@ fn forward_on(
     let f16 = p.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
     let caps = caps(ctx);
+    let coop = coop_tiles(ctx, p, caps);
     let (kernel, tiles) = if forced_simple() {
         (
             Kernel::Forward,
             tiles::choose(Kernel::Forward, d as u32, dv as u32, caps),
         )
+    } else if let Some(t) = coop {
+        (Kernel::ForwardCoop, t)
     } else {
         let (kernel, mut tiles) = tiles::forward_kernel(d as u32, dv as u32, f16, caps);
         if no_prefetch() {

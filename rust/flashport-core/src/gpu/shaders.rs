@@ -14,6 +14,7 @@ pub(crate) const BACKWARD_DQ_TILED: &str =
 pub(crate) const BACKWARD_DKDV_TILED: &str =
     include_str!("../../../../shaders/backward_dkdv_tiled.wgsl");
 pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
+pub(crate) const FORWARD_COOP: &str = include_str!("../../../../shaders/forward_coop.wgsl");
 const COMMON: &str = include_str!("../../../../shaders/common.wgsl");
 const ROW_REDUCE_SUBGROUP: &str = include_str!("../../../../shaders/row_reduce_subgroup.wgsl");
 const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_workgroup.wgsl");
@@ -26,6 +27,16 @@ const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_
 /// even in a branch an override disables, so the two variants cannot be
 /// one text switched by an override.
 pub fn source(kernel: Kernel, subgroups: bool) -> String {
+    if kernel == Kernel::ForwardCoop {
+        // WGSL wants its `enable` directives before any declaration.
+        let split = FORWARD_COOP
+            .lines()
+            .take_while(|l| l.starts_with("enable "))
+            .map(|l| l.len() + 1)
+            .sum::<usize>();
+        let (enables, body) = FORWARD_COOP.split_at(split);
+        return format!("{enables}{COMMON}\n{body}");
+    }
     format!("{COMMON}\n{}", kernel_source(kernel, subgroups))
 }
 
@@ -45,6 +56,7 @@ fn kernel_source(kernel: Kernel, subgroups: bool) -> String {
             };
             format!("{reduce}\n{FORWARD_TILED}")
         }
+        Kernel::ForwardCoop => FORWARD_COOP.into(),
     }
 }
 
@@ -162,6 +174,19 @@ pub fn tile_overrides(
                 ("B1_ELEMS", b1.max(1) as f64),
                 ("W_ELEMS", w.max(1) as f64),
                 ("PF_N", t.prefetch as f64),
+            ]
+        }
+        Kernel::ForwardCoop => {
+            let [k, v, qp, f] = super::tiles::coop_elems(d, dv, t);
+            vec![
+                ("W", (t.workgroup / 32) as f64),
+                ("BK", bk as f64),
+                ("D", d as f64),
+                ("DV", dv as f64),
+                ("K_ELEMS", k as f64),
+                ("V_ELEMS", v as f64),
+                ("QP_ELEMS", qp as f64),
+                ("F_ELEMS", f as f64),
             ]
         }
         Kernel::BackwardPreprocess => vec![

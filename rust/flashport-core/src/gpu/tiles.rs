@@ -19,6 +19,10 @@ pub enum Kernel {
     /// `backward_kernels` chooses them where they fit.
     BackwardDqTiled,
     BackwardDkDvTiled,
+    /// The float16 forward on cooperative matrices (tensor cores,
+    /// shaders/forward_coop.wgsl); `coop_tiles` sizes it where the device
+    /// has them.
+    ForwardCoop,
 }
 
 impl Kernel {
@@ -46,6 +50,7 @@ impl Kernel {
             Kernel::ForwardTiled => "forward_tiled",
             Kernel::BackwardDqTiled => "backward_dq_tiled",
             Kernel::BackwardDkDvTiled => "backward_dkdv_tiled",
+            Kernel::ForwardCoop => "forward_coop",
         }
     }
 }
@@ -164,6 +169,7 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
                 .iter()
                 .sum::<u64>()
         }
+        Kernel::ForwardCoop => return coop_workgroup_bytes(d as u32, dv as u32, t),
     };
     4 * words
 }
@@ -305,6 +311,55 @@ pub fn forward_kernel(d: u32, dv: u32, f16_inputs: bool, caps: DeviceCaps) -> (K
         }
     }
     (Kernel::Forward, choose(Kernel::Forward, d, dv, caps))
+}
+
+/// Array sizes of the cooperative-matrix forward in elements, mirroring
+/// shaders/forward_coop.wgsl: [K, V, Q/P (f16), scratch (f32)]. Rows are
+/// padded by 16 bytes; `q_rows` is 16 per subgroup of 32 lanes.
+pub fn coop_elems(d: u32, dv: u32, t: Tiles) -> [u64; 4] {
+    let (bq, bk) = (t.q_rows as u64, t.k_rows as u64);
+    let (d, dv) = (d as u64, dv as u64);
+    [
+        bk * (d + 8),
+        bk * (dv + 8),
+        (bq * (d + 8)).max(bq * (bk + 8)),
+        (bq * (bk + 4)).max(bq * (dv + 4)),
+    ]
+}
+
+pub fn coop_workgroup_bytes(d: u32, dv: u32, t: Tiles) -> u64 {
+    let [k, v, qp, f] = coop_elems(d, dv, t);
+    // Plus the per-row l and m and the rescale flag.
+    2 * (k + v + qp) + 4 * f + 8 * t.q_rows as u64 + 4
+}
+
+/// Tiles of the cooperative-matrix forward for head dimensions d, dv
+/// (multiples of 16 up to 128), or None where no tile fits: the largest
+/// row block first (each staged K/V tile serves more rows), then the
+/// longer key tile (fewer barriers per key). `force` = (subgroups, keys)
+/// pins one (benchmarks).
+pub fn coop_tiles(d: u32, dv: u32, caps: DeviceCaps, force: Option<(u32, u32)>) -> Option<Tiles> {
+    let shape_ok =
+        d % 16 == 0 && dv % 16 == 0 && (16..=128).contains(&d) && (16..=128).contains(&dv);
+    if !shape_ok {
+        return None;
+    }
+    const CANDIDATES: [(u32, u32); 6] = [(4, 64), (4, 32), (2, 64), (2, 32), (1, 32), (1, 16)];
+    CANDIDATES
+        .into_iter()
+        .filter(|&c| force.is_none_or(|f| f == c))
+        .map(|(w, bk)| Tiles {
+            q_rows: 16 * w,
+            k_rows: bk,
+            workgroup: 32 * w,
+            kv_shared: false,
+            prefetch: 0,
+        })
+        .find(|&t| {
+            coop_workgroup_bytes(d, dv, t) <= caps.workgroup_storage_bytes as u64
+                && t.workgroup <= caps.max_invocations
+                && t.workgroup <= caps.max_workgroup_size_x
+        })
 }
 
 /// Chooses the tiles of `kernel` for head dimensions `d` (q, k) and `dv`
