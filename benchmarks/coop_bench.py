@@ -31,8 +31,8 @@ def reference(q, k, v, causal):
         s = np.where(np.tril(np.ones(s.shape, bool)), s, -np.inf)
     m = s.max(axis=1, keepdims=True)
     e = np.exp(s - m)
-    l = e.sum(axis=1, keepdims=True)
-    return (e @ v) / l, (m + np.log(l))[:, 0]
+    total = e.sum(axis=1, keepdims=True)
+    return (e @ v) / total, (m + np.log(total))[:, 0]
 
 
 for B, H, N, d in shapes:
@@ -48,7 +48,9 @@ for B, H, N, d in shapes:
         for causal in [False, True]:
             times = []
             for i in range(4):
-                o, lse = flashport.attention(qq, kk, vv, causal=causal, return_lse=True, device="gpu")
+                o, lse = flashport.attention(
+                    qq, kk, vv, causal=causal, return_lse=True, device="gpu"
+                )
                 kt = [(n, t) for n, t in _core._gpu_kernel_times() if not n.startswith("host:")]
                 if i > 0:
                     times.append(sum(t for _, t in kt))
@@ -57,8 +59,16 @@ for B, H, N, d in shapes:
             ro, rl = reference(q[0, 0], k[0, 0], v[0, 0], causal)
             eo = float(np.abs(o[0, 0].astype(np.float64) - ro).max() / np.abs(ro).max())
             el = float(np.abs(lse[0, 0] - rl).max() / np.abs(rl).max())
-            r = dict(label=label, shape=[B, H, N, d], dtype=run, causal=causal,
-                     kernels=sorted({n for n, _ in kt}), ms=t * 1e3, tflops=fl / t / 1e12,
-                     err_out=eo, err_lse=el)
+            r = dict(
+                label=label,
+                shape=[B, H, N, d],
+                dtype=run,
+                causal=causal,
+                kernels=sorted({n for n, _ in kt}),
+                ms=t * 1e3,
+                tflops=fl / t / 1e12,
+                err_out=eo,
+                err_lse=el,
+            )
             results.append(r)
             print(json.dumps(r), flush=True)
