@@ -296,3 +296,32 @@ def assert_close(
         f"{name}: max error {err:.3g} > 2 × naive {dtype.__name__} error "
         f"{naive_err:.3g} + floor {floor:.3g} (max |ref| {magnitude:.3g})"
     )
+
+
+def assert_backends_agree(case: Case, results: dict, q, k, v, do, dtype, **variants) -> None:
+    """``results`` maps "cpu" and the GPU to their ``(out, dq, dk, dv)``: the
+    two compute the same function, so they may differ by at most what each
+    may differ from the oracle (twice a naive same-precision implementation's
+    error, plus the floor of :func:`assert_close`), added up."""
+    want = (
+        oracle(case, q, k, v, dtype, **variants)[0],
+        *oracle_backward(case, do, q, k, v, dtype, **variants),
+    )
+    baseline = (
+        naive(case, q, k, v, dtype, **variants)[0],
+        *naive_backward(case, do, q, k, v, dtype, **variants),
+    )
+    scores = score_magnitude(case, q, k, **variants)
+    terms = term_magnitudes(case, do, q, k, v, **variants)
+    (cpu, *others) = ["cpu", *(name for name in results if name != "cpu")]
+    assert len(others) == 1, f"expected cpu and one GPU, got {list(results)}"
+    for i, name in enumerate(("o", "dq", "dk", "dv")):
+        on_cpu, on_gpu = (np.asarray(results[d][i], np.float64) for d in (cpu, others[0]))
+        ref, base = np.asarray(want[i], np.float64), np.asarray(baseline[i], np.float64)
+        if ref.size == 0:
+            continue
+        naive_err = np.abs(base - ref).max()
+        magnitude = max(np.abs(ref).max(), terms[name], 1e-30)
+        floor = 8 * np.finfo(dtype).eps * magnitude * max(1.0, scores)
+        gap = np.abs(on_cpu - on_gpu).max()
+        assert gap <= 2 * (2 * naive_err + floor), f"{name}: cpu and gpu differ by {gap:.3g}"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from cases import (
     Case,
+    assert_backends_agree,
     assert_close,
     cases,
     naive,
@@ -186,18 +187,4 @@ def test_cpu_and_gpu_agree(gpu, data, dtype):
             do, q, k, v, out, lse, causal=case.causal, scale=case.scale, device=device
         )
         results[device] = (out, *grads)
-    want = (oracle(case, q, k, v, dtype)[0], *oracle_backward(case, do, q, k, v, dtype))
-    naive_out = naive(case, q, k, v, dtype)[0]
-    baseline = (naive_out, *naive_backward(case, do, q, k, v, dtype))
-    scores = score_magnitude(case, q, k)
-    terms = term_magnitudes(case, do, q, k, v)
-    for i, name in enumerate(("o", "dq", "dk", "dv")):
-        on_cpu, on_gpu = (np.asarray(results[d][i], np.float64) for d in ("cpu", gpu))
-        ref, base = np.asarray(want[i], np.float64), np.asarray(baseline[i], np.float64)
-        if ref.size == 0:
-            continue
-        naive_err = np.abs(base - ref).max()
-        magnitude = max(np.abs(ref).max(), terms[name], 1e-30)
-        floor = 8 * np.finfo(dtype).eps * magnitude * max(1.0, scores)
-        gap = np.abs(on_cpu - on_gpu).max()
-        assert gap <= 2 * (2 * naive_err + floor), f"{name}: cpu and gpu differ by {gap:.3g}"
+    assert_backends_agree(case, results, q, k, v, do, dtype)

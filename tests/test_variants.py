@@ -15,6 +15,7 @@ from cases import (
     VARIANT_NAMES,
     Case,
     Variants,
+    assert_backends_agree,
     assert_close,
     cases,
     naive,
@@ -338,23 +339,7 @@ def test_cpu_and_gpu_agree_with_dropout(gpu, data):
         out, lse = flashport.attention(q, k, v, return_lse=True, device=device, **common)
         grads = flashport.attention_backward(do, q, k, v, out, lse, device=device, **common)
         results[device] = (out, *grads[:3])
-    want = (oracle(case, q, k, v, dtype, **kw)[0], *oracle_backward(case, do, q, k, v, dtype, **kw))
-    baseline = (
-        naive(case, q, k, v, dtype, **kw)[0],
-        *naive_backward(case, do, q, k, v, dtype, **kw),
-    )
-    scores = score_magnitude(case, q, k, **kw)
-    terms = term_magnitudes(case, do, q, k, v, **kw)
-    for i, name in enumerate(("o", "dq", "dk", "dv")):
-        on_cpu, on_gpu = (np.asarray(results[d][i], np.float64) for d in ("cpu", gpu))
-        ref, base = np.asarray(want[i], np.float64), np.asarray(baseline[i], np.float64)
-        if ref.size == 0:
-            continue
-        naive_err = np.abs(base - ref).max()
-        magnitude = max(np.abs(ref).max(), terms[name], 1e-30)
-        floor = 8 * np.finfo(dtype).eps * magnitude * max(1.0, scores)
-        gap = np.abs(on_cpu - on_gpu).max()
-        assert gap <= 2 * (2 * naive_err + floor), f"{name}: cpu and gpu differ by {gap:.3g}"
+    assert_backends_agree(case, results, q, k, v, do, dtype, **kw)
 
 
 # ------------------------------------------------------ finite differences
