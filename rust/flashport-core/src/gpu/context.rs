@@ -183,7 +183,18 @@ pub(crate) struct Context {
     /// call: allocating (and first touching) a fresh host buffer of the
     /// outputs' size cost more than copying out of it.
     readback_pool: Mutex<Vec<wgpu::Buffer>>,
+    /// Mapped staging buffers for uploads, remapped in the background after
+    /// each use: wgpu would stage every upload through a fresh host
+    /// allocation, whose first touch cost more than the copy.
+    upload_pool: Arc<Mutex<Vec<wgpu::Buffer>>>,
 }
+
+/// Upload staging buffers kept between calls, the largest one kept, and
+/// the most they hold in all: bounds the host memory a finished call
+/// leaves behind.
+const UPLOAD_POOL_BUFFERS: usize = 8;
+const UPLOAD_POOL_MAX_BYTES: u64 = 256 << 20;
+const UPLOAD_POOL_MAX_TOTAL: u64 = 512 << 20;
 
 /// Readback buffers kept between calls, and the largest one kept: bounds
 /// the host memory a finished call leaves behind.
@@ -331,7 +342,54 @@ impl Context {
             modules: Default::default(),
             pipelines: Default::default(),
             readback_pool: Default::default(),
+            upload_pool: Default::default(),
         })
+    }
+
+    /// A mapped MAP_WRITE | COPY_SRC buffer of at least `size` bytes: the
+    /// smallest kept one that fits, or a new one.
+    pub fn take_upload_staging(&self, size: u64) -> wgpu::Buffer {
+        let mut pool = lock(&self.upload_pool);
+        let best = (0..pool.len())
+            .filter(|&i| pool[i].size() >= size)
+            .min_by_key(|&i| pool[i].size());
+        match best {
+            Some(i) => pool.swap_remove(i),
+            None => self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("flashport upload"),
+                size,
+                usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: true,
+            }),
+        }
+    }
+
+    /// Maps an upload staging buffer again once the copy out of it (already
+    /// submitted) is done, and keeps it for later calls. The map completes
+    /// at the next poll, which every call makes while waiting for its
+    /// results.
+    pub fn recycle_upload_staging(&self, staging: wgpu::Buffer) {
+        if staging.size() > UPLOAD_POOL_MAX_BYTES {
+            return;
+        }
+        let pool = Arc::clone(&self.upload_pool);
+        let kept = staging.clone();
+        staging.map_async(wgpu::MapMode::Write, .., move |mapped| {
+            if mapped.is_err() {
+                return;
+            }
+            let mut pool = lock(&pool);
+            pool.push(kept);
+            while pool.len() > UPLOAD_POOL_BUFFERS
+                || pool.iter().map(wgpu::Buffer::size).sum::<u64>() > UPLOAD_POOL_MAX_TOTAL
+            {
+                let smallest = (0..pool.len()).min_by_key(|&i| pool[i].size());
+                match smallest {
+                    Some(i) => drop(pool.swap_remove(i)),
+                    None => break,
+                }
+            }
+        });
     }
 
     /// An unmapped MAP_READ | COPY_DST buffer of at least `size` bytes:

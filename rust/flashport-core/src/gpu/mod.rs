@@ -374,19 +374,35 @@ fn upload_as(
     bytes: &[u8],
     usage: wgpu::BufferUsages,
 ) -> Result<wgpu::Buffer> {
+    let size = padded(bytes.len() as u64);
     let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
-        size: padded(bytes.len() as u64),
-        usage,
-        mapped_at_creation: true,
+        size,
+        usage: usage | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
     });
+    let staging = ctx.take_upload_staging(size);
     {
-        let mut view = buffer
-            .get_mapped_range_mut(..)
+        let mut view = staging
+            .slice(..size)
+            .get_mapped_range_mut()
             .map_err(|e| Error::Gpu(format!("could not map the upload buffer {label}: {e}")))?;
         parallel_copy(view.slice(..bytes.len()), bytes);
+        // A reused staging buffer holds an earlier upload: the padding
+        // after the data must not carry it over.
+        view.slice(bytes.len()..).fill(0);
     }
-    buffer.unmap();
+    staging.unmap();
+    let mut encoder = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("flashport upload"),
+        });
+    encoder.copy_buffer_to_buffer(&staging, 0, &buffer, 0, size);
+    // Submissions run in order, so the kernels submitted after this see the
+    // data.
+    ctx.queue.submit([encoder.finish()]);
+    ctx.recycle_upload_staging(staging);
     Ok(buffer)
 }
 
