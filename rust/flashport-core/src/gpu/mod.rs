@@ -852,6 +852,44 @@ pub fn forward(
     })
 }
 
+/// An output assembled from the chunks' results. When one chunk covers it
+/// all (the usual case) its readback becomes the output as it is: copying
+/// it into a zero-filled array cost a pass over fresh memory per output.
+struct Assembled {
+    len: usize,
+    fill: f32,
+    data: Option<Vec<f32>>,
+}
+
+impl Assembled {
+    fn new(len: usize, fill: f32) -> Self {
+        Assembled {
+            len,
+            fill,
+            data: None,
+        }
+    }
+
+    /// The whole output, filled with `fill` where no chunk wrote yet.
+    fn slot(&mut self) -> &mut Vec<f32> {
+        let (len, fill) = (self.len, self.fill);
+        self.data.get_or_insert_with(|| vec![fill; len])
+    }
+
+    /// Puts one chunk's result at `offset`.
+    fn put(&mut self, offset: usize, part: Vec<f32>) {
+        if self.data.is_none() && offset == 0 && part.len() == self.len {
+            self.data = Some(part);
+        } else {
+            self.slot()[offset..offset + part.len()].copy_from_slice(&part);
+        }
+    }
+
+    fn into_vec(mut self) -> Vec<f32> {
+        std::mem::take(self.slot())
+    }
+}
+
 fn forward_on(
     ctx: &Context,
     p: &Problem,
@@ -859,12 +897,12 @@ fn forward_on(
     vd: &VariantData,
 ) -> Result<ForwardOutput> {
     check_f16(ctx, p)?;
-    let mut out = vec![0.0f32; p.out_len()];
-    let mut lse = vec![f32::NEG_INFINITY; p.lse_len()];
+    let mut out = Assembled::new(p.out_len(), 0.0);
+    let mut lse = Assembled::new(p.lse_len(), f32::NEG_INFINITY);
     if (p.out_len() == 0 && p.lse_len() == 0) || p.seq_k == 0 {
         return Ok(ForwardOutput {
-            out: to_buffer(out, p.dtype),
-            lse: Buffer::F32(lse),
+            out: to_buffer(out.into_vec(), p.dtype),
+            lse: Buffer::F32(lse.into_vec()),
         });
     }
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
@@ -946,12 +984,12 @@ fn forward_on(
             let o = r.pop().unwrap_or_default();
             Ok([o, l])
         })?;
-        out[q0 * sq * dv..(q0 + nq) * sq * dv].copy_from_slice(&o);
-        lse[q0 * sq..(q0 + nq) * sq].copy_from_slice(&l);
+        out.put(q0 * sq * dv, o);
+        lse.put(q0 * sq, l);
     }
     Ok(ForwardOutput {
-        out: to_buffer(out, p.dtype),
-        lse: Buffer::F32(lse),
+        out: to_buffer(out.into_vec(), p.dtype),
+        lse: Buffer::F32(lse.into_vec()),
     })
 }
 
@@ -1020,16 +1058,18 @@ fn backward_on(
             ctx.limits.max_storage_buffers_per_shader_stage, ctx.adapter.name
         )));
     }
-    let mut dq = vec![0.0f32; p.q_len()];
-    let mut dk = vec![0.0f32; p.k_len()];
-    let mut dv_all = vec![0.0f32; p.v_len()];
+    let mut dq = Assembled::new(p.q_len(), 0.0);
+    let mut dk = Assembled::new(p.k_len(), 0.0);
+    let mut dv_all = Assembled::new(p.v_len(), 0.0);
     let scores_len = p.batch * p.heads_q * p.seq_q * p.seq_k;
-    let mut d_scores = p.return_dmask.then(|| vec![0.0f32; scores_len]);
-    let done = |dq, dk, dv, d_scores: Option<Vec<f32>>| BackendGradients {
-        dq: to_buffer(dq, p.dtype),
-        dk: to_buffer(dk, p.dtype),
-        dv: to_buffer(dv, p.dtype),
-        d_scores: d_scores.map(Buffer::F32),
+    let mut d_scores = p.return_dmask.then(|| Assembled::new(scores_len, 0.0));
+    let done = |dq: Assembled, dk: Assembled, dv: Assembled, d_scores: Option<Assembled>| {
+        BackendGradients {
+            dq: to_buffer(dq.into_vec(), p.dtype),
+            dk: to_buffer(dk.into_vec(), p.dtype),
+            dv: to_buffer(dv.into_vec(), p.dtype),
+            d_scores: d_scores.map(|s| Buffer::F32(s.into_vec())),
+        }
     };
     if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
         return Ok(done(dq, dk, dv_all, d_scores));
@@ -1160,16 +1200,16 @@ fn backward_on(
             let cdq = r.pop().unwrap_or_default();
             Ok([cdq, cdk, cdv, cds])
         })?;
-        dq[q0 * sq * d..(q0 + nq) * sq * d].copy_from_slice(&cdq);
+        dq.put(q0 * sq * d, cdq);
         if let Some(all) = d_scores.as_mut() {
-            all[q0 * sq_sk..(q0 + nq) * sq_sk].copy_from_slice(&cds);
+            all.put(q0 * sq_sk, cds);
         }
-        let dk_rows = &mut dk[kv0 * sk * d..(kv0 + nkv) * sk * d];
-        let dv_rows = &mut dv_all[kv0 * sk * dv..(kv0 + nkv) * sk * dv];
         if chunk.g0 == 0 {
-            dk_rows.copy_from_slice(&cdk);
-            dv_rows.copy_from_slice(&cdv);
+            dk.put(kv0 * sk * d, cdk);
+            dv_all.put(kv0 * sk * dv, cdv);
         } else {
+            let dk_rows = &mut dk.slot()[kv0 * sk * d..(kv0 + nkv) * sk * d];
+            let dv_rows = &mut dv_all.slot()[kv0 * sk * dv..(kv0 + nkv) * sk * dv];
             // A group cut into pieces: its pieces are summed in order, so
             // the result is still reproducible.
             dk_rows.iter_mut().zip(&cdk).for_each(|(a, b)| *a += b);
