@@ -182,24 +182,63 @@ pub(crate) struct Context {
     /// Mappable buffers of earlier calls' readbacks, kept for the next
     /// call: allocating (and first touching) a fresh host buffer of the
     /// outputs' size cost more than copying out of it.
-    readback_pool: Mutex<Vec<wgpu::Buffer>>,
+    readback_pool: BufferPool,
     /// Mapped staging buffers for uploads, remapped in the background after
     /// each use: wgpu would stage every upload through a fresh host
     /// allocation, whose first touch cost more than the copy.
-    upload_pool: Arc<Mutex<Vec<wgpu::Buffer>>>,
+    upload_pool: BufferPool,
 }
 
-/// Upload staging buffers kept between calls, the largest one kept, and
-/// the most they hold in all: bounds the host memory a finished call
-/// leaves behind.
-const UPLOAD_POOL_BUFFERS: usize = 8;
-const UPLOAD_POOL_MAX_BYTES: u64 = 256 << 20;
-const UPLOAD_POOL_MAX_TOTAL: u64 = 512 << 20;
+/// Host-visible buffers kept between calls for reuse, within bounds on
+/// their count, the largest one kept and the bytes held in all: bounds the
+/// host memory a finished call leaves behind.
+#[derive(Clone)]
+struct BufferPool {
+    buffers: Arc<Mutex<Vec<wgpu::Buffer>>>,
+    max_buffers: usize,
+    max_buffer_bytes: u64,
+    max_total_bytes: u64,
+}
 
-/// Readback buffers kept between calls, and the largest one kept: bounds
-/// the host memory a finished call leaves behind.
-const READBACK_POOL_BUFFERS: usize = 2;
-const READBACK_POOL_MAX_BYTES: u64 = 256 << 20;
+impl BufferPool {
+    fn new(max_buffers: usize, max_buffer_bytes: u64, max_total_bytes: u64) -> Self {
+        BufferPool {
+            buffers: Default::default(),
+            max_buffers,
+            max_buffer_bytes,
+            max_total_bytes,
+        }
+    }
+
+    /// The smallest kept buffer of at least `size` bytes, or `create(size)`.
+    fn take(&self, size: u64, create: impl FnOnce(u64) -> wgpu::Buffer) -> wgpu::Buffer {
+        let mut pool = lock(&self.buffers);
+        let best = (0..pool.len())
+            .filter(|&i| pool[i].size() >= size)
+            .min_by_key(|&i| pool[i].size());
+        match best {
+            Some(i) => pool.swap_remove(i),
+            None => create(size),
+        }
+    }
+
+    /// Keeps `buffer`, dropping the smallest kept ones while over bounds.
+    fn keep(&self, buffer: wgpu::Buffer) {
+        if buffer.size() > self.max_buffer_bytes {
+            return;
+        }
+        let mut pool = lock(&self.buffers);
+        pool.push(buffer);
+        while pool.len() > self.max_buffers
+            || pool.iter().map(wgpu::Buffer::size).sum::<u64>() > self.max_total_bytes
+        {
+            match (0..pool.len()).min_by_key(|&i| pool[i].size()) {
+                Some(i) => drop(pool.swap_remove(i)),
+                None => break,
+            }
+        }
+    }
+}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // The guarded maps stay consistent even if a holder panicked.
@@ -341,27 +380,24 @@ impl Context {
             uncaptured,
             modules: Default::default(),
             pipelines: Default::default(),
-            readback_pool: Default::default(),
-            upload_pool: Default::default(),
+            // A call's outputs read back through one buffer; its inputs
+            // upload through one each (up to six, plus the parameters).
+            readback_pool: BufferPool::new(2, 256 << 20, 512 << 20),
+            upload_pool: BufferPool::new(8, 256 << 20, 512 << 20),
         })
     }
 
     /// A mapped MAP_WRITE | COPY_SRC buffer of at least `size` bytes: the
     /// smallest kept one that fits, or a new one.
     pub fn take_upload_staging(&self, size: u64) -> wgpu::Buffer {
-        let mut pool = lock(&self.upload_pool);
-        let best = (0..pool.len())
-            .filter(|&i| pool[i].size() >= size)
-            .min_by_key(|&i| pool[i].size());
-        match best {
-            Some(i) => pool.swap_remove(i),
-            None => self.device.create_buffer(&wgpu::BufferDescriptor {
+        self.upload_pool.take(size, |size| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("flashport upload"),
                 size,
                 usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: true,
-            }),
-        }
+            })
+        })
     }
 
     /// Maps an upload staging buffer again once the copy out of it (already
@@ -369,25 +405,14 @@ impl Context {
     /// at the next poll, which every call makes while waiting for its
     /// results.
     pub fn recycle_upload_staging(&self, staging: wgpu::Buffer) {
-        if staging.size() > UPLOAD_POOL_MAX_BYTES {
+        if staging.size() > self.upload_pool.max_buffer_bytes {
             return;
         }
-        let pool = Arc::clone(&self.upload_pool);
+        let pool = self.upload_pool.clone();
         let kept = staging.clone();
         staging.map_async(wgpu::MapMode::Write, .., move |mapped| {
-            if mapped.is_err() {
-                return;
-            }
-            let mut pool = lock(&pool);
-            pool.push(kept);
-            while pool.len() > UPLOAD_POOL_BUFFERS
-                || pool.iter().map(wgpu::Buffer::size).sum::<u64>() > UPLOAD_POOL_MAX_TOTAL
-            {
-                let smallest = (0..pool.len()).min_by_key(|&i| pool[i].size());
-                match smallest {
-                    Some(i) => drop(pool.swap_remove(i)),
-                    None => break,
-                }
+            if mapped.is_ok() {
+                pool.keep(kept);
             }
         });
     }
@@ -395,35 +420,19 @@ impl Context {
     /// An unmapped MAP_READ | COPY_DST buffer of at least `size` bytes:
     /// the smallest kept one that fits, or a new one.
     pub fn take_readback_buffer(&self, size: u64) -> wgpu::Buffer {
-        let mut pool = lock(&self.readback_pool);
-        let best = (0..pool.len())
-            .filter(|&i| pool[i].size() >= size)
-            .min_by_key(|&i| pool[i].size());
-        match best {
-            Some(i) => pool.swap_remove(i),
-            None => self.device.create_buffer(&wgpu::BufferDescriptor {
+        self.readback_pool.take(size, |size| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("flashport readback"),
                 size,
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
-            }),
-        }
+            })
+        })
     }
 
-    /// Keeps an unmapped readback buffer for later calls (the largest
-    /// few, up to a size).
+    /// Keeps an unmapped readback buffer for later calls.
     pub fn return_readback_buffer(&self, buffer: wgpu::Buffer) {
-        if buffer.size() > READBACK_POOL_MAX_BYTES {
-            return;
-        }
-        let mut pool = lock(&self.readback_pool);
-        pool.push(buffer);
-        if pool.len() > READBACK_POOL_BUFFERS {
-            let smallest = (0..pool.len()).min_by_key(|&i| pool[i].size());
-            if let Some(i) = smallest {
-                pool.swap_remove(i);
-            }
-        }
+        self.readback_pool.keep(buffer);
     }
 
     pub fn is_lost(&self) -> bool {
