@@ -126,13 +126,13 @@ def prefetch_load(t0, n, pad):
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
         out.append(f"{pad}    pk{u} = vec4(0.0);")
         out.append(
-            f"{pad}    if e < BK * D4 && e / D4 < {n} {{ pk{u} = k[(kv_row0 + {t0}) * D4 + e]; }}"
+            f"{pad}    if e < BK * D4 && e / D4 < {n} {{ pk{u} = widen(k[(kv_row0 + {t0}) * D4 + e]); }}"
         )
         out.append(f"{pad}    pv{u} = vec4(0.0);")
         out.append(f"{pad}    let j = e / (8u * NV);")
         out.append(f"{pad}    let c = e % (8u * NV);")
         out.append(
-            f"{pad}    if e < BK * 8u * NV && j < {n} && c < DV4 {{ pv{u} = v[(kv_row0 + {t0} + j) * DV4 + c]; }}"
+            f"{pad}    if e < BK * 8u * NV && j < {n} && c < DV4 {{ pv{u} = widen(v[(kv_row0 + {t0} + j) * DV4 + c]); }}"
         )
         out.append(f"{pad}}}")
     return "\n".join(out)

@@ -261,17 +261,45 @@ fn float16_matches_float64_reference() {
     if !gpu_present() {
         return;
     }
-    let mut worst = (0.0f64, 0.0f64);
-    for (i, &s) in SHAPES.iter().enumerate().skip(1).step_by(2) {
-        for causal in [false, true] {
-            let (f, b) = check(&case(s, causal, DType::F16, 7 + i as u64), 1e-2, 1e-2);
-            worst = (worst.0.max(f), worst.1.max(b));
+    // Both kernel sets: the tiled kernels widen float16 as they load it,
+    // the simple ones (every other head dim) unpack it element by element.
+    for simple in [true, false] {
+        gpu::set_simple_kernels_for_this_thread(simple);
+        let mut worst = (0.0f64, 0.0f64);
+        for (i, &s) in SHAPES.iter().enumerate().skip(1).step_by(2) {
+            for causal in [false, true] {
+                let (f, b) = check(&case(s, causal, DType::F16, 7 + i as u64), 1e-2, 1e-2);
+                worst = (worst.0.max(f), worst.1.max(b));
+                // Where the adapter has timestamp queries, they name the
+                // kernels of the last call (check's backward).
+                let ran: Vec<String> = gpu::last_kernel_times()
+                    .into_iter()
+                    .map(|(n, _)| n)
+                    .filter(|n| !n.starts_with("host:"))
+                    .collect();
+                assert!(
+                    ran.is_empty() || !simple || ran[1..] == ["backward_dq", "backward_dkdv"],
+                    "simple kernels expected, ran {ran:?}"
+                );
+                // d = 128's backward tiles do not fit lavapipe's 32 KiB.
+                let fits_everywhere = s.5 <= 64;
+                assert!(
+                    ran.is_empty()
+                        || simple
+                        || !fits_everywhere
+                        || ran[1..] == ["backward_dq_tiled", "backward_dkdv_tiled"],
+                    "tiled kernels expected for float16, ran {ran:?}"
+                );
+            }
         }
+        gpu::set_simple_kernels_for_this_thread(false);
+        eprintln!(
+            "float16 worst relative error ({}): forward {:e}, backward {:e}",
+            if simple { "simple" } else { "tiled" },
+            worst.0,
+            worst.1
+        );
     }
-    eprintln!(
-        "float16 worst relative error: forward {:e}, backward {:e}",
-        worst.0, worst.1
-    );
 }
 
 #[test]
@@ -1131,6 +1159,40 @@ fn variant_combinations() {
         check_spec(gqa_more_keys, DType::F32, &combos[2].1, 810, 1e-4, 4e-4)
     });
     gpu::set_binding_limit_for_this_thread(None);
+}
+
+/// Every variant where the backward's streamed tiles share workgroup memory
+/// (dK/dV: dO, then Q over it, then dO again, with one weight array): a 16
+/// KiB budget forces it (32-row blocks) and 12 KiB (16-row blocks), both
+/// with the register prefetch; d = 128 on lavapipe runs it without.
+#[test]
+fn variants_with_shared_streamed_tiles() {
+    if !gpu_present() {
+        return;
+    }
+    let spec = Spec {
+        causal: true,
+        window: Some((20, 3)),
+        softcap: Some(0.7),
+        mask: MaskArg::Float(vec![2, 1, 37, 53]),
+        dmask: true,
+        alibi: Some(vec![4]),
+        sinks: true,
+        dropout_p: 0.2,
+    };
+    for kib in [16, 12] {
+        gpu::set_workgroup_storage_for_this_thread(Some(kib * 1024));
+        let errs = check_spec(
+            VARIANT_SHAPES[0],
+            DType::F32,
+            &spec,
+            920 + kib as u64,
+            1e-4,
+            4e-4,
+        );
+        gpu::set_workgroup_storage_for_this_thread(None);
+        eprintln!("shared streamed tiles, {kib} KiB: {errs:?}");
+    }
 }
 
 #[test]

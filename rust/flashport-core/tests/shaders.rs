@@ -59,9 +59,9 @@ fn tiled_forward_variants_validate_and_specialise() {
         max_workgroup_size_x: 1024,
         subgroups: true,
     };
-    for subgroups in [false, true] {
-        let text = source(Kernel::ForwardTiled, subgroups);
-        let name = format!("forward_tiled (subgroups={subgroups})");
+    for (subgroups, f16) in [(false, false), (true, false), (false, true), (true, true)] {
+        let text = source(Kernel::ForwardTiled, subgroups, f16);
+        let name = format!("forward_tiled (subgroups={subgroups}, f16 inputs={f16})");
         let module = parse_text(&name, &text);
         let info = subgroup_validator()
             .validate(&module)
@@ -69,12 +69,12 @@ fn tiled_forward_variants_validate_and_specialise() {
         for base in [nvidia, lavapipe, DeviceCaps::WEBGPU_DEFAULT] {
             let caps = DeviceCaps { subgroups, ..base };
             for (d, dv) in [(64, 64), (128, 128), (4, 4), (256, 8), (16, 24), (60, 36)] {
-                let (kernel, t) = forward_kernel(d, dv, false, caps);
+                let (kernel, t) = forward_kernel(d, dv, caps);
                 if kernel != Kernel::ForwardTiled {
                     continue;
                 }
                 let mut constants: naga::back::PipelineConstants = Default::default();
-                for (k, v) in tile_overrides(kernel, false, d, dv, t, subgroups) {
+                for (k, v) in tile_overrides(kernel, f16, d, dv, t, subgroups) {
                     constants.insert(k.to_string(), v);
                 }
                 let result = naga::back::pipeline_constants::process_overrides(
@@ -118,6 +118,7 @@ fn every_shader_parses_and_validates() {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if name == "common.wgsl"
             || name.starts_with("row_reduce_")
+            || name.starts_with("input_")
             || name == "forward_coop.wgsl"
             || name == "coop_diagnostic.wgsl"
         {
@@ -132,14 +133,16 @@ fn every_shader_parses_and_validates() {
         // The kernels are valid as the host assembles them, after
         // shaders/common.wgsl (the tiled forward is checked with both of
         // its fragments in tiled_forward_variants_validate_and_specialise).
-        let text = source(kernel, false);
-        let module = parse_text(name, &text);
-        if let Err(e) = validator().validate(&module) {
-            panic!(
-                "{} does not validate:\n{}",
-                path.display(),
-                e.emit_to_string(&text)
-            );
+        for f16 in [false, true] {
+            let text = source(kernel, false, f16);
+            let module = parse_text(name, &text);
+            if let Err(e) = validator().validate(&module) {
+                panic!(
+                    "{} (f16 inputs={f16}) does not validate:\n{}",
+                    path.display(),
+                    e.emit_to_string(&text)
+                );
+            }
         }
     }
 }
@@ -163,19 +166,22 @@ fn kernels_specialise_with_every_variant() {
         max_workgroup_size_x: 1024,
         subgroups: false,
     };
-    for kernel in EVERY_KERNEL {
-        let text = source(kernel, false);
+    for (kernel, f16) in EVERY_KERNEL
+        .into_iter()
+        .flat_map(|k| [(k, false), (k, true)])
+    {
+        let text = source(kernel, false, f16);
         let module = parse_text(kernel.name(), &text);
         let info = validator().validate(&module).unwrap();
         let (d, dv) = (64, 32);
         let t = match kernel {
-            Kernel::ForwardTiled => forward_kernel(d, dv, false, caps).1,
-            Kernel::BackwardDqTiled => backward_kernels(d, dv, false, caps).unwrap().0,
-            Kernel::BackwardDkDvTiled => backward_kernels(d, dv, false, caps).unwrap().1,
+            Kernel::ForwardTiled => forward_kernel(d, dv, caps).1,
+            Kernel::BackwardDqTiled => backward_kernels(d, dv, caps).unwrap().0,
+            Kernel::BackwardDkDvTiled => backward_kernels(d, dv, caps).unwrap().1,
             _ => choose(kernel, d, dv, caps),
         };
         let mut constants: naga::back::PipelineConstants = Default::default();
-        for (k, v) in tile_overrides(kernel, false, d, dv, t, false)
+        for (k, v) in tile_overrides(kernel, f16, d, dv, t, false)
             .into_iter()
             .chain(variant_overrides(kernel, all))
         {
@@ -187,7 +193,7 @@ fn kernels_specialise_with_every_variant() {
             Some((naga::ShaderStage::Compute, "main")),
             &constants,
         ) {
-            panic!("{kernel:?} with every variant: {e:?}");
+            panic!("{kernel:?} (f16 inputs={f16}) with every variant: {e:?}");
         }
     }
 }
@@ -224,7 +230,7 @@ fn overrides(kernel: Kernel, d: u32, dv: u32, f16: bool) -> naga::back::Pipeline
 #[test]
 fn kernels_specialise_for_the_host_tiles() {
     for kernel in Kernel::ALL {
-        let text = source(kernel, false);
+        let text = source(kernel, false, false);
         let module = parse_text(kernel.name(), &text);
         let info = validator().validate(&module).unwrap();
         for (d, dv, f16) in [
@@ -250,10 +256,13 @@ fn kernels_specialise_for_the_host_tiles() {
 /// The tiled backward kernels specialise for the tiles the host picks.
 #[test]
 fn tiled_backward_kernels_validate_and_specialise() {
-    for kernel in [Kernel::BackwardDqTiled, Kernel::BackwardDkDvTiled] {
-        let text = source(kernel, false);
-        let name = kernel.name();
-        let module = parse_text(name, &text);
+    for (kernel, f16) in [Kernel::BackwardDqTiled, Kernel::BackwardDkDvTiled]
+        .into_iter()
+        .flat_map(|k| [(k, false), (k, true)])
+    {
+        let text = source(kernel, false, f16);
+        let name = format!("{} (f16 inputs={f16})", kernel.name());
+        let module = parse_text(&name, &text);
         let info = validator()
             .validate(&module)
             .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
@@ -265,7 +274,7 @@ fn tiled_backward_kernels_validate_and_specialise() {
                 subgroups: false,
             };
             for (d, dv) in [(64, 64), (128, 128), (4, 4), (16, 24), (60, 36), (128, 8)] {
-                let Some((tq, tkv)) = backward_kernels(d, dv, false, caps) else {
+                let Some((tq, tkv)) = backward_kernels(d, dv, caps) else {
                     continue;
                 };
                 let t = if kernel == Kernel::BackwardDqTiled {
@@ -274,7 +283,7 @@ fn tiled_backward_kernels_validate_and_specialise() {
                     tkv
                 };
                 let mut constants: naga::back::PipelineConstants = Default::default();
-                for (k, v) in tile_overrides(kernel, false, d, dv, t, false) {
+                for (k, v) in tile_overrides(kernel, f16, d, dv, t, false) {
                     constants.insert(k.to_string(), v);
                 }
                 if let Err(e) = naga::back::pipeline_constants::process_overrides(
@@ -294,7 +303,7 @@ fn tiled_backward_kernels_validate_and_specialise() {
 /// device enables for it and specialises for the tiles the host picks.
 #[test]
 fn coop_forward_validates_and_specialises() {
-    let text = source(Kernel::ForwardCoop, true);
+    let text = source(Kernel::ForwardCoop, true, true);
     let mut v = naga::valid::Validator::new(
         naga::valid::ValidationFlags::all(),
         naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
@@ -369,7 +378,7 @@ fn coop_spirv_uses_the_glsl450_memory_model() {
         prefetch: 0,
     };
     let constants = tile_overrides(Kernel::ForwardCoop, true, 64, 64, t, true);
-    let text = source(Kernel::ForwardCoop, true);
+    let text = source(Kernel::ForwardCoop, true, true);
     for unchecked in [false, true] {
         let naga_words = compile(&text, &constants, unchecked, false).unwrap().words;
         assert_eq!(memory_model(&naga_words), Some(3), "naga's own: Vulkan");

@@ -177,7 +177,7 @@ pub(crate) struct Context {
     /// Errors outside any error scope (there should be none): kept for the
     /// next message instead of wgpu's default handler, which panics.
     uncaptured: Arc<Mutex<Vec<String>>>,
-    modules: Mutex<HashMap<(Kernel, bool), wgpu::ShaderModule>>,
+    modules: Mutex<HashMap<(Kernel, bool, bool), wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     /// Mappable buffers of earlier calls' readbacks, kept for the next
     /// call: allocating (and first touching) a fresh host buffer of the
@@ -481,13 +481,15 @@ impl Context {
         result
     }
 
-    fn module(&self, kernel: Kernel, subgroups: bool) -> Result<wgpu::ShaderModule> {
-        if let Some(m) = lock(&self.modules).get(&(kernel, subgroups)) {
+    fn module(&self, kernel: Kernel, subgroups: bool, f16: bool) -> Result<wgpu::ShaderModule> {
+        // Only the tiled kernels' text depends on the input type.
+        let f16 = f16 && kernel.is_tiled();
+        if let Some(m) = lock(&self.modules).get(&(kernel, subgroups, f16)) {
             return Ok(m.clone());
         }
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(kernel.name()),
-            source: wgpu::ShaderSource::Wgsl(super::shaders::source(kernel, subgroups).into()),
+            source: wgpu::ShaderSource::Wgsl(super::shaders::source(kernel, subgroups, f16).into()),
         };
         // The register-tiled kernels run without the index clamps (and loop
         // bounds) naga adds to every array access: measured on the H100,
@@ -512,7 +514,7 @@ impl Context {
                 self.device.create_shader_module(desc)
             })
         })?;
-        lock(&self.modules).insert((kernel, subgroups), module.clone());
+        lock(&self.modules).insert((kernel, subgroups, f16), module.clone());
         Ok(module)
     }
 
@@ -582,7 +584,7 @@ impl Context {
             return Ok(p.clone());
         }
         if key.kernel == Kernel::ForwardCoop && self.coop_passthrough {
-            let source = super::shaders::source(key.kernel, key.subgroups);
+            let source = super::shaders::source(key.kernel, key.subgroups, key.f16_inputs);
             let constants = super::shaders::overrides(&key);
             let pipeline = self.spirv_pipeline(
                 key.kernel.name(),
@@ -594,7 +596,7 @@ impl Context {
             lock(&self.pipelines).insert(key, pipeline.clone());
             return Ok(pipeline);
         }
-        let module = self.module(key.kernel, key.subgroups)?;
+        let module = self.module(key.kernel, key.subgroups, key.f16_inputs)?;
         let constants = super::shaders::overrides(&key);
         let pipeline = self.scoped("building a pipeline", || {
             Ok(self

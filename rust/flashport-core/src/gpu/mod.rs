@@ -918,7 +918,7 @@ fn forward_on(
     } else if let Some(t) = coop {
         (Kernel::ForwardCoop, t)
     } else {
-        let (kernel, mut tiles) = tiles::forward_kernel(d as u32, dv as u32, f16, caps);
+        let (kernel, mut tiles) = tiles::forward_kernel(d as u32, dv as u32, caps);
         if no_prefetch() {
             tiles.prefetch = 0;
         }
@@ -1081,13 +1081,20 @@ fn backward_on(
     let tiled = if forced_simple() {
         None
     } else {
-        tiles::backward_kernels(d as u32, dv as u32, f16, caps).map(|(mut tq, mut tkv)| {
-            if no_prefetch() {
-                tq.prefetch = 0;
-                tkv.prefetch = 0;
-            }
-            (tq, tkv)
-        })
+        // Benchmarks: compare block heights on one adapter.
+        let max_rows = std::env::var("FLASHPORT_GPU_BACKWARD_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(u32::MAX);
+        tiles::backward_kernels_of_at_most(d as u32, dv as u32, caps, max_rows).map(
+            |(mut tq, mut tkv)| {
+                if no_prefetch() {
+                    tq.prefetch = 0;
+                    tkv.prefetch = 0;
+                }
+                (tq, tkv)
+            },
+        )
     };
     let key = |kernel, tiles| PipelineKey {
         kernel,

@@ -16,6 +16,8 @@ pub(crate) const BACKWARD_DKDV_TILED: &str =
 pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
 pub(crate) const FORWARD_COOP: &str = include_str!("../../../../shaders/forward_coop.wgsl");
 const COMMON: &str = include_str!("../../../../shaders/common.wgsl");
+const INPUT_F32: &str = include_str!("../../../../shaders/input_f32.wgsl");
+const INPUT_F16: &str = include_str!("../../../../shaders/input_f16.wgsl");
 const ROW_REDUCE_SUBGROUP: &str = include_str!("../../../../shaders/row_reduce_subgroup.wgsl");
 const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_workgroup.wgsl");
 
@@ -25,8 +27,12 @@ const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_
 /// tiled forward takes its row reductions from a fragment: a module that
 /// names subgroup operations does not validate on a device without them,
 /// even in a branch an override disables, so the two variants cannot be
-/// one text switched by an override.
-pub fn source(kernel: Kernel, subgroups: bool) -> String {
+/// one text switched by an override. The tiled kernels take the element
+/// type of their inputs from a fragment too (shaders/input_f32.wgsl or
+/// input_f16.wgsl, by `f16_inputs`), since a binding's type cannot be an
+/// override; the other kernels ignore `f16_inputs` (they switch on the
+/// `IN_F16` override).
+pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
     if kernel == Kernel::ForwardCoop {
         // WGSL wants its `enable` directives before any declaration.
         let split = FORWARD_COOP
@@ -37,7 +43,12 @@ pub fn source(kernel: Kernel, subgroups: bool) -> String {
         let (enables, body) = FORWARD_COOP.split_at(split);
         return format!("{enables}{COMMON}\n{body}");
     }
-    format!("{COMMON}\n{}", kernel_source(kernel, subgroups))
+    let body = kernel_source(kernel, subgroups);
+    if kernel.is_tiled() {
+        let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
+        return format!("{COMMON}\n{input}\n{body}");
+    }
+    format!("{COMMON}\n{body}")
 }
 
 fn kernel_source(kernel: Kernel, subgroups: bool) -> String {
@@ -156,23 +167,23 @@ pub fn tile_overrides(
             c
         }
         Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled => {
-            let [a0, a1, b0, b1, w] = super::tiles::backward_tiled_vec4s(kernel, d, dv, t);
-            let w = if kernel == Kernel::BackwardDkDvTiled {
-                w / 2
-            } else {
-                w
-            };
+            let l = super::tiles::BackwardLayout::new(kernel, d, dv, t);
             vec![
                 ("RG", (t.workgroup / super::tiles::TILED_CG) as f64),
                 ("D", d as f64),
                 ("DV", dv as f64),
                 ("ND", super::tiles::tiled_nv(d) as f64),
                 ("NV", super::tiles::tiled_nv(dv) as f64),
-                ("A0_ELEMS", a0.max(1) as f64),
-                ("A1_ELEMS", a1.max(1) as f64),
-                ("B0_ELEMS", b0.max(1) as f64),
-                ("B1_ELEMS", b1.max(1) as f64),
-                ("W_ELEMS", w.max(1) as f64),
+                ("A0_ELEMS", l.a0.max(1) as f64),
+                ("A1_ELEMS", l.a1.max(1) as f64),
+                ("B_ELEMS", l.b.max(1) as f64),
+                ("B1_OFF", l.b1_offset as f64),
+                ("SHARED", if t.kv_shared { 1.0 } else { 0.0 }),
+                ("W_ELEMS", l.w.max(1) as f64),
+                (
+                    "W2_ELEMS",
+                    if l.w_arrays == 2 { l.w.max(1) } else { 1 } as f64,
+                ),
                 ("PF_N", t.prefetch as f64),
             ]
         }

@@ -83,10 +83,13 @@ pub struct Tiles {
     pub q_rows: u32,
     pub k_rows: u32,
     pub workgroup: u32,
-    /// Tiled forward only: V is staged into K's workgroup memory after the
-    /// scores instead of beside it (for head dimensions that do not fit).
+    /// Tiled kernels: the two streamed tiles share workgroup memory, the
+    /// second loaded over the first once the products that read it are
+    /// done, instead of side by side (for head dimensions that do not fit).
+    /// The forward streams K then V; dQ streams V then K; dK/dV streams dO,
+    /// then Q, then dO again.
     pub kv_shared: bool,
-    /// Tiled forward only: vec4s of the next K (and V) tile each invocation
+    /// Tiled kernels: vec4s of the next streamed tiles each invocation
     /// prefetches into registers during the current tile (0: none).
     pub prefetch: u32,
 }
@@ -165,9 +168,7 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
             4 * (q + kv + p + red)
         }
         Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled => {
-            4 * backward_tiled_vec4s(kernel, d as u32, dv as u32, t)
-                .iter()
-                .sum::<u64>()
+            4 * BackwardLayout::new(kernel, d as u32, dv as u32, t).total()
         }
         Kernel::ForwardCoop => return coop_workgroup_bytes(d as u32, dv as u32, t),
     };
@@ -175,58 +176,94 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
 }
 
 /// Workgroup arrays of a tiled backward kernel in vec4s, mirroring
-/// shaders/backward_*_tiled.wgsl: [A0, A1, B0, B1, W] (the dK/dV kernel has
-/// two W arrays, counted in the last entry). Owned rows are `q_rows` for dQ
-/// and `k_rows` for dK/dV; the streamed side is TILED_BK rows.
-pub fn backward_tiled_vec4s(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> [u64; 5] {
-    let (d4, dv4) = (d as u64 / 4, dv as u64 / 4);
-    let (nd, nv) = (tiled_nv(d) as u64, tiled_nv(dv) as u64);
-    let bc = TILED_BK as u64;
-    match kernel {
-        Kernel::BackwardDqTiled => {
-            let br = t.q_rows as u64;
-            [
-                br * (d4 + 1),
-                br * (dv4 + 1),
-                bc * (8 * nd + 1),
-                bc * (dv4 + 1),
-                br * 9,
-            ]
-        }
-        _ => {
-            let br = t.k_rows as u64;
-            [
-                br * (d4 + 1),
-                br * (dv4 + 1),
-                bc * (8 * nd + 1),
+/// shaders/backward_*_tiled.wgsl. Owned rows are `q_rows` for dQ and
+/// `k_rows` for dK/dV; the streamed side is TILED_BK rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackwardLayout {
+    /// The owned tiles: Q and dO for dQ, K and V for dK/dV.
+    pub a0: u64,
+    pub a1: u64,
+    /// The streamed tiles, B0 (K for dQ, Q for dK/dV) and B1 (V, dO).
+    pub b0: u64,
+    pub b1: u64,
+    /// Where B1 starts in the streamed region: 0 when it shares B0's space.
+    pub b1_offset: u64,
+    /// The streamed region: both tiles, or the larger where they share.
+    pub b: u64,
+    /// P and dS: one array of `w` for dQ, two for dK/dV, except where its
+    /// streamed tiles share (then one array holds dS, later P).
+    pub w: u64,
+    pub w_arrays: u64,
+}
+
+impl BackwardLayout {
+    pub fn new(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> Self {
+        let (d4, dv4) = (d as u64 / 4, dv as u64 / 4);
+        let (nd, nv) = (tiled_nv(d) as u64, tiled_nv(dv) as u64);
+        let bc = TILED_BK as u64;
+        let (br, b1, w_arrays) = match kernel {
+            Kernel::BackwardDqTiled => (t.q_rows as u64, bc * (dv4 + 1), 1),
+            _ => (
+                t.k_rows as u64,
                 bc * (8 * nv + 1),
-                2 * br * 9,
-            ]
+                if t.kv_shared { 1 } else { 2 },
+            ),
+        };
+        let b0 = bc * (8 * nd + 1);
+        let (b1_offset, b) = if t.kv_shared {
+            (0, b0.max(b1))
+        } else {
+            (b0, b0 + b1)
+        };
+        BackwardLayout {
+            a0: br * (d4 + 1),
+            a1: br * (dv4 + 1),
+            b0,
+            b1,
+            b1_offset,
+            b,
+            w: br * 9,
+            w_arrays,
         }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.a0 + self.a1 + self.b + self.w_arrays * self.w
     }
 }
 
 /// The tiles of the tiled dQ and dK/dV kernels, or None where the simple
-/// backward kernels must run (float16, head dims not multiples of 4 or
-/// above 128, or tiles that do not fit the workgroup memory).
-pub fn backward_kernels(
+/// backward kernels must run (head dims not multiples of 4 or above 128,
+/// or tiles that do not fit the workgroup memory). float32 and float16
+/// inputs take the same tiles: float16 is widened as it is loaded.
+pub fn backward_kernels(d: u32, dv: u32, caps: DeviceCaps) -> Option<(Tiles, Tiles)> {
+    backward_kernels_of_at_most(d, dv, caps, u32::MAX)
+}
+
+/// `backward_kernels` with blocks of at most `max_rows` owned rows (the
+/// benchmarks compare block heights on one adapter).
+pub fn backward_kernels_of_at_most(
     d: u32,
     dv: u32,
-    f16_inputs: bool,
     caps: DeviceCaps,
+    max_rows: u32,
 ) -> Option<(Tiles, Tiles)> {
     let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(256);
-    let shape_ok = !f16_inputs
-        && d % 4 == 0
-        && dv % 4 == 0
-        && (4..=128).contains(&d)
-        && (4..=128).contains(&dv);
+    let shape_ok = d % 4 == 0 && dv % 4 == 0 && (4..=128).contains(&d) && (4..=128).contains(&dv);
     if !shape_ok {
         return None;
     }
     let pick = |kernel: Kernel| {
-        // 2: d = 128 fits 48 KiB only as 8-row blocks.
-        [16u32, 8, 4, 2].into_iter().find_map(|rg| {
+        // Larger row blocks first (more reuse of each streamed tile, more
+        // invocations per workgroup), and the streamed tiles side by side
+        // before sharing (fewer barriers and no second read of dO). In 48
+        // KiB, d = 64 fits as 48-row blocks and d = 128 as 16-row blocks
+        // only by sharing.
+        let candidates = [16u32, 12, 8, 4, 2]
+            .into_iter()
+            .filter(|rg| 4 * rg <= max_rows.max(8))
+            .flat_map(|rg| [(rg, false), (rg, true)]);
+        candidates.into_iter().find_map(|(rg, kv_shared)| {
             let (own, streamed) = (4 * rg, TILED_BK);
             let wg = TILED_CG * rg;
             // vec4s of the streamed tiles per invocation: prefetched into
@@ -246,18 +283,18 @@ pub fn backward_kernels(
                     q_rows: own,
                     k_rows: streamed,
                     workgroup: wg,
-                    kv_shared: false,
+                    kv_shared,
                     prefetch,
                 },
                 _ => Tiles {
                     q_rows: streamed,
                     k_rows: own,
                     workgroup: wg,
-                    kv_shared: false,
+                    kv_shared,
                     prefetch,
                 },
             };
-            let bytes = 16 * backward_tiled_vec4s(kernel, d, dv, t).iter().sum::<u64>();
+            let bytes = 16 * BackwardLayout::new(kernel, d, dv, t).total();
             (bytes <= budget
                 && t.workgroup <= caps.max_invocations
                 && t.workgroup <= caps.max_workgroup_size_x)
@@ -271,17 +308,13 @@ pub fn backward_kernels(
 }
 
 /// The forward kernel and its tiles for head dimensions `d`, `dv` on an
-/// adapter with `caps`: the register-tiled float32 kernel where its
-/// constraints hold (float32 inputs, head dimensions multiples of 4 up to
-/// 128 for the output, 256 for q/k, tiles within workgroup memory), else
-/// the simple kernel, which handles every shape and float16.
-pub fn forward_kernel(d: u32, dv: u32, f16_inputs: bool, caps: DeviceCaps) -> (Kernel, Tiles) {
+/// adapter with `caps`: the register-tiled kernel where its constraints
+/// hold (head dimensions multiples of 4 up to 128 for the output, 256 for
+/// q/k, tiles within workgroup memory; float32 or float16 inputs alike),
+/// else the simple kernel, which handles every shape.
+pub fn forward_kernel(d: u32, dv: u32, caps: DeviceCaps) -> (Kernel, Tiles) {
     let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(256);
-    let shape_ok = !f16_inputs
-        && d % 4 == 0
-        && dv % 4 == 0
-        && (4..=256).contains(&d)
-        && (4..=128).contains(&dv);
+    let shape_ok = d % 4 == 0 && dv % 4 == 0 && (4..=256).contains(&d) && (4..=128).contains(&dv);
     if shape_ok {
         // Larger row blocks first (more reuse of each K/V tile), and K and
         // V side by side before sharing (one barrier and load phase less).
@@ -441,6 +474,48 @@ mod tests {
     }
 
     #[test]
+    fn tiled_backward_shares_the_streamed_tiles_only_where_needed() {
+        let caps = |kib: u32| DeviceCaps {
+            workgroup_storage_bytes: kib * 1024,
+            max_invocations: 1024,
+            max_workgroup_size_x: 1024,
+            subgroups: true,
+        };
+        let shape = |t: Tiles, kernel| {
+            let own = if kernel == Kernel::BackwardDqTiled {
+                t.q_rows
+            } else {
+                t.k_rows
+            };
+            (own, t.kv_shared)
+        };
+        // d = 64 on NVIDIA's 48 KiB: 48-row blocks fit only by sharing;
+        // at most 32 rows, they fit side by side.
+        let (tq, tkv) = backward_kernels(64, 64, caps(48)).unwrap();
+        assert_eq!(shape(tq, Kernel::BackwardDqTiled), (48, true));
+        assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (48, true));
+        let (tq, tkv) = backward_kernels_of_at_most(64, 64, caps(48), 32).unwrap();
+        assert_eq!(shape(tq, Kernel::BackwardDqTiled), (32, false));
+        assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (32, false));
+        // d = 128: side by side only 8-row blocks fit; sharing fits 16.
+        let (tq, tkv) = backward_kernels(128, 128, caps(48)).unwrap();
+        assert_eq!(shape(tq, Kernel::BackwardDqTiled), (16, true));
+        assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (16, true));
+        // lavapipe's 32 KiB: d = 128 fits only by sharing.
+        let (tq, tkv) = backward_kernels(128, 128, caps(32)).unwrap();
+        assert!(tq.kv_shared && tkv.kv_shared);
+        for (kernel, t) in [
+            (Kernel::BackwardDqTiled, tq),
+            (Kernel::BackwardDkDvTiled, tkv),
+        ] {
+            let mut side_by_side = t;
+            side_by_side.kv_shared = false;
+            assert!(16 * BackwardLayout::new(kernel, 128, 128, t).total() <= 32 * 1024);
+            assert!(16 * BackwardLayout::new(kernel, 128, 128, side_by_side).total() > 32 * 1024);
+        }
+    }
+
+    #[test]
     fn tiled_forward_where_it_fits_else_the_simple_kernel() {
         let nvidia = DeviceCaps {
             workgroup_storage_bytes: 48 * 1024,
@@ -448,12 +523,12 @@ mod tests {
             max_workgroup_size_x: 1024,
             subgroups: true,
         };
-        let (k, t) = forward_kernel(64, 64, false, nvidia);
+        let (k, t) = forward_kernel(64, 64, nvidia);
         assert_eq!(
             (k, t.q_rows, t.kv_shared),
             (Kernel::ForwardTiled, 64, false)
         );
-        let (k, t) = forward_kernel(128, 128, false, nvidia);
+        let (k, t) = forward_kernel(128, 128, nvidia);
         assert_eq!(k, Kernel::ForwardTiled);
         assert!(
             16 * {
@@ -461,14 +536,13 @@ mod tests {
                 a + b + c + d
             } <= 48 * 1024
         );
-        // float16, odd head dims, wide values: the simple kernel.
-        assert_eq!(forward_kernel(64, 64, true, nvidia).0, Kernel::Forward);
-        assert_eq!(forward_kernel(62, 64, false, nvidia).0, Kernel::Forward);
-        assert_eq!(forward_kernel(64, 256, false, nvidia).0, Kernel::Forward);
+        // Odd head dims, wide values: the simple kernel.
+        assert_eq!(forward_kernel(62, 64, nvidia).0, Kernel::Forward);
+        assert_eq!(forward_kernel(64, 256, nvidia).0, Kernel::Forward);
         // Every head dim on the 16 KiB WebGPU default fits one or the other.
         for d in (4..=256).step_by(4) {
             for dv in [4, 8, 60, 64, 128] {
-                let (k, t) = forward_kernel(d, dv, false, DeviceCaps::WEBGPU_DEFAULT);
+                let (k, t) = forward_kernel(d, dv, DeviceCaps::WEBGPU_DEFAULT);
                 let bytes = if k == Kernel::ForwardTiled {
                     let (a, b, c, e) = tiled_workgroup_vec4s(d, dv, t, false);
                     16 * (a + b + c + e)
