@@ -200,8 +200,11 @@ fn caps(ctx: &Context) -> tiles::DeviceCaps {
 /// GPU time of each kernel of the calling thread's last forward or
 /// backward call, in seconds, in dispatch order (one entry per kernel and
 /// chunk), from timestamp queries (none where the adapter has none); and
-/// wall time of the call's host phases, named "host:upload",
-/// "host:submit_and_wait", "host:readback_copy".
+/// wall time of the call's host phases, named "host:upload" (recorded only
+/// when host data was uploaded: device-tensor inputs are not),
+/// "host:submit_and_wait", "host:readback_copy". An upload into or a
+/// readback of a device tensor (`to_device`, `DeviceTensor::to_host`) is a
+/// call too: it starts a new record with its own host phases.
 pub fn last_kernel_times() -> Vec<(String, f64)> {
     with_times(|times| times.clone())
 }
