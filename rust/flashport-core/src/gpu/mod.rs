@@ -1125,6 +1125,25 @@ fn finish_outputs<const N: usize>(
         .map_err(|_| Error::Gpu("an output went missing".to_string()))
 }
 
+/// Outputs kept on the device are assembled in float32 buffers of their
+/// whole size (float16 ones rounded afterwards), which must fit one GPU
+/// buffer even where the chunks' bindings are smaller.
+fn check_device_outputs(ctx: &Context, outputs: Placement, lens: &[(&str, usize)]) -> Result<()> {
+    if outputs == Placement::Host {
+        return Ok(());
+    }
+    let max = ctx.limits.max_buffer_size;
+    match lens.iter().find(|(_, len)| 4 * *len as u64 > max) {
+        Some((name, len)) => Err(Error::TooLarge(format!(
+            "keeping {name} on the GPU needs a buffer of {} bytes, more than the {max} of the \
+             GPU {}; pass NumPy arrays to have the results read back chunk by chunk",
+            4 * *len as u64,
+            ctx.adapter.name
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The outputs of an empty problem, filled with `fill`, where `outputs`
 /// says.
 fn empty_output(
@@ -1152,11 +1171,14 @@ fn forward_on(
 ) -> Result<ForwardArrays> {
     check_f16(ctx, p)?;
     if (p.out_len() == 0 && p.lse_len() == 0) || p.seq_k == 0 {
-        return Ok(ForwardArrays {
-            out: empty_output(ctx, outputs, p.dtype, p.out_shape(), 0.0),
-            lse: empty_output(ctx, outputs, DType::F32, p.lse_shape(), f32::NEG_INFINITY),
+        return ctx.scoped("making the outputs", || {
+            Ok(ForwardArrays {
+                out: empty_output(ctx, outputs, p.dtype, p.out_shape(), 0.0),
+                lse: empty_output(ctx, outputs, DType::F32, p.lse_shape(), f32::NEG_INFINITY),
+            })
         });
     }
+    check_device_outputs(ctx, outputs, &[("o", p.out_len()), ("lse", p.lse_len())])?;
     let mut out = Sink::new(outputs, p.out_len(), 0.0);
     let mut lse = Sink::new(outputs, p.lse_len(), f32::NEG_INFINITY);
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
@@ -1347,13 +1369,20 @@ fn backward_on(
     }
     let scores_len = p.batch * p.heads_q * p.seq_q * p.seq_k;
     if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
-        return Ok(BackendArrays {
-            dq: empty_output(ctx, outputs, p.dtype, p.q_shape(), 0.0),
-            dk: empty_output(ctx, outputs, p.dtype, p.k_shape(), 0.0),
-            dv: empty_output(ctx, outputs, p.dtype, p.v_shape(), 0.0),
-            d_scores: p.return_dmask.then(|| Buffer::F32(vec![0.0; scores_len])),
+        return ctx.scoped("making the outputs", || {
+            Ok(BackendArrays {
+                dq: empty_output(ctx, outputs, p.dtype, p.q_shape(), 0.0),
+                dk: empty_output(ctx, outputs, p.dtype, p.k_shape(), 0.0),
+                dv: empty_output(ctx, outputs, p.dtype, p.v_shape(), 0.0),
+                d_scores: p.return_dmask.then(|| Buffer::F32(vec![0.0; scores_len])),
+            })
         });
     }
+    check_device_outputs(
+        ctx,
+        outputs,
+        &[("dq", p.q_len()), ("dk", p.k_len()), ("dv", p.v_len())],
+    )?;
     let mut dq = Sink::new(outputs, p.q_len(), 0.0);
     let mut dk = Sink::new(outputs, p.k_len(), 0.0);
     let mut dv_all = Sink::new(outputs, p.v_len(), 0.0);
