@@ -5,6 +5,10 @@ Times, per shape and causal flag, forward and forward+backward of:
   (flashport._core._gpu_kernel_times(), summed over the call's kernels) and
   end-to-end wall time of the call, NumPy in to NumPy out (uploads,
   kernels, downloads); medians over --reps calls after one warm-up call;
+- flashport forward+backward on DeviceArrays: q, k, v and do uploaded once
+  (flashport.to_device, timed apart), the forward's o and lse passed to the
+  backward on the GPU; wall time of the two calls ("device-only", the calls
+  return when the GPU is done) and until dq, dk, dv are NumPy arrays;
 - PyTorch SDPA float32 (EFFICIENT_ATTENTION backend, TF32 inside) and
   bfloat16 / float16 FLASH_ATTENTION, on CUDA tensors: triton's do_bench,
   median (as in shared/anchors/torch_gpu_anchor.py).
@@ -53,10 +57,14 @@ def breakdown():
     return out
 
 
+def output_gradient(q, v):
+    rng = np.random.default_rng(7)
+    return rng.standard_normal((*q.shape[:3], v.shape[3]), dtype=np.float32)
+
+
 def time_flashport(q, k, v, causal, reps, backward):
     """(median kernel s, median end-to-end s, outputs of the last call)."""
-    rng = np.random.default_rng(7)
-    do = rng.standard_normal((*q.shape[:3], v.shape[3]), dtype=np.float32) if backward else None
+    do = output_gradient(q, v) if backward else None
     ks, es = [], []
     res = None
     for i in range(reps + 1):
@@ -76,6 +84,38 @@ def time_flashport(q, k, v, causal, reps, backward):
         res = (o, lse, do, grads)
     time_flashport.last_parts = parts
     return statistics.median(ks), statistics.median(es), res
+
+
+def time_flashport_device(q, k, v, causal, reps):
+    """Forward+backward on DeviceArrays: a dict of the one-time upload of q, k,
+    v, do and the medians of kernel time, device-only wall time (the two
+    calls) and wall time until dq, dk, dv are NumPy; and those gradients."""
+    do = output_gradient(q, v)
+    t0 = time.perf_counter()
+    tq, tk, tv, tdo = (flashport.to_device(x) for x in (q, k, v, do))
+    upload = time.perf_counter() - t0
+    ks, ds, es = [], [], []
+    grads = None
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        o, lse = flashport.attention(tq, tk, tv, causal=causal, return_lse=True)
+        kt = kernel_seconds()
+        dq, dk, dv = flashport.attention_backward(tdo, tq, tk, tv, o, lse, causal=causal)
+        kt += kernel_seconds()
+        t1 = time.perf_counter()
+        grads = tuple(g.numpy() for g in (dq, dk, dv))
+        t2 = time.perf_counter()
+        if i > 0:  # the first call compiles pipelines
+            ks.append(kt)
+            ds.append(t1 - t0)
+            es.append(t2 - t0)
+    times = {
+        "upload_s": upload,
+        "kernel_s": statistics.median(ks),
+        "device_s": statistics.median(ds),
+        "e2e_s": statistics.median(es),
+    }
+    return times, grads
 
 
 def rel(a, b):
@@ -140,6 +180,9 @@ def main():
         "--no-simple", action="store_true", help="skip the simple forward kernel for comparison"
     )
     ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument(
+        "--no-device-arrays", action="store_true", help="skip forward+backward on DeviceArrays"
+    )
     ap.add_argument("--shapes", default=None, help="e.g. 4x16x4096x64,1x16x16384x64")
     args = ap.parse_args()
     shapes = SHAPES
@@ -192,6 +235,15 @@ def main():
                 )
                 rec["fp_fwdbwd_kernel_s"], rec["fp_fwdbwd_e2e_s"] = kb, eb
                 rec["fp_fwdbwd_parts_s"] = time_flashport.last_parts
+                if not args.no_device_arrays:
+                    times, dev_grads = time_flashport_device(
+                        q, k, v, causal, max(2, args.reps // 2)
+                    )
+                    rec.update({f"fp_dev_fwdbwd_{n}": t for n, t in times.items()})
+                    # The same bits as the NumPy path.
+                    rec["dev_same_as_numpy"] = all(
+                        a.tobytes() == b.tobytes() for a, b in zip(dev_grads, resb[3], strict=True)
+                    )
             if not args.no_simple:
                 os.environ["FLASHPORT_GPU_KERNELS"] = "simple"
                 ks, es, ress = time_flashport(q, k, v, causal, 2, backward=False)
@@ -230,6 +282,7 @@ def main():
     )
     hdr = (
         f"{'shape':>16} {'c':>1} {'pass':>7} | {'kern ms':>8} {'kern TF/s':>9} {'e2e ms':>8} | "
+        f"{'dev ms':>7} {'dev>np ms':>9} | "
         f"{'t32 ms':>7} {'x t32':>6} | {'bf16 ms':>7} {'x bf16':>6} | {'f16 ms':>7} {'x f16':>6} | "
         f"{'simple ms':>9}"
     )
@@ -251,13 +304,30 @@ def main():
                     f"{t * 1e3:7.3f} {t / kern:6.3f}" if t and kern > 0 else f"{'-':>7} {'-':>6}"
                 )
             simple = r.get("fp_simple_fwd_kernel_s") if not bwd else None
+            dev = r.get("fp_dev_fwdbwd_device_s") if bwd else None
+            dev_np = r.get("fp_dev_fwdbwd_e2e_s") if bwd else None
+            dev_cols = (
+                f"{dev * 1e3:7.1f} {dev_np * 1e3:9.1f}" if dev is not None else f"{'-':>7} {'-':>9}"
+            )
             print(
                 f"{B}x{H}x{N}x{d:<4} {int(r['causal']):>1} {pas:>7} | "
-                f"{kern * 1e3:8.3f} {tf:9.2f} {e2e * 1e3:8.1f} | "
+                f"{kern * 1e3:8.3f} {tf:9.2f} {e2e * 1e3:8.1f} | {dev_cols} | "
                 + " | ".join(cols)
                 + f" | {simple * 1e3 if simple else float('nan'):9.3f}"
             )
     print("x <backend> = torch time / flashport kernel time (>1: flashport faster).")
+    print(
+        "dev ms: forward+backward on DeviceArrays (q, k, v, do uploaded once, o and lse kept "
+        "on the GPU), the two calls; dev>np ms: until dq, dk, dv are NumPy arrays."
+    )
+    for r in records:
+        if "fp_dev_fwdbwd_upload_s" in r:
+            print(
+                f"device arrays {r['shape']} causal={int(r['causal'])}: one-time upload of "
+                f"q, k, v, do {r['fp_dev_fwdbwd_upload_s'] * 1e3:.1f} ms; "
+                f"kernels {r['fp_dev_fwdbwd_kernel_s'] * 1e3:.3f} ms; "
+                f"same bits as NumPy in: {r['dev_same_as_numpy']}"
+            )
     for r in records:
         parts = r.get("fp_fwdbwd_parts_s") or r.get("fp_fwd_parts_s") or {}
         print(

@@ -6,6 +6,9 @@ on the CPU (multi-threaded, tiled) and on any GPU that wgpu reaches.
 >>> q, k, v = (rng.standard_normal((2, 8, 128, 64), dtype=np.float32) for _ in range(3))
 >>> o, lse = flashport.attention(q, k, v, causal=True, return_lse=True)
 >>> dq, dk, dv = flashport.attention_backward(np.ones_like(o), q, k, v, o, lse, causal=True)
+
+Arrays can stay on the GPU between calls (``flashport.to_device``): results
+live where the inputs live.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from . import reference
 from ._attention import attention, attention_backward, devices
 from ._core import __version__
+from ._device import DeviceArray, to_device
 from ._errors import (
     BackendUnavailableError,
     DTypeError,
@@ -27,6 +31,7 @@ from ._errors import (
 __all__ = [
     "BackendUnavailableError",
     "DTypeError",
+    "DeviceArray",
     "FlashportError",
     "GpuError",
     "InternalError",
@@ -38,4 +43,5 @@ __all__ = [
     "attention_backward",
     "devices",
     "reference",
+    "to_device",
 ]

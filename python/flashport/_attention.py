@@ -10,20 +10,38 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
+from ._device import DeviceArray, as_native_array
 from ._errors import InvalidArgumentError
 
 __all__ = ["attention", "attention_backward", "devices"]
 
 Device = Literal["cpu", "gpu", "auto"]
 
+# A main array argument (q, k, v; do, o, lse).
+Tensor = npt.ArrayLike | DeviceArray
 
-def _as_native_array(x: Any) -> np.ndarray:
-    """An ndarray view of ``x``; a copy only if its byte order is not the
-    machine's (the core reads native-order elements)."""
-    array = np.asarray(x)
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
-    return array
+
+def _main_array(x: Tensor) -> np.ndarray | _core.DeviceTensor:
+    """A main argument as the core takes it: a NumPy array, or the GPU
+    tensor of a DeviceArray (never read back here)."""
+    return x._tensor if isinstance(x, DeviceArray) else as_native_array(x)
+
+
+def _variant_array(name: str, x: npt.ArrayLike | None) -> np.ndarray | None:
+    """A variant array (mask, alibi_slopes, sinks): NumPy only, since the host
+    reads them; a DeviceArray is refused rather than silently read back."""
+    if x is None:
+        return None
+    if isinstance(x, DeviceArray):
+        raise InvalidArgumentError(
+            f"{name} is a flashport.DeviceArray: mask, alibi_slopes and sinks are read on "
+            f"the host and must be NumPy arrays (pass {name}.numpy(), a copy from the GPU)"
+        )
+    return as_native_array(x)
+
+
+def _result(x: np.ndarray | _core.DeviceTensor) -> np.ndarray | DeviceArray:
+    return DeviceArray(x) if isinstance(x, _core.DeviceTensor) else x
 
 
 def _scale_arg(scale: float | None) -> float | None:
@@ -54,15 +72,54 @@ def _variants(
         window = tuple(-1 if side is None else operator.index(side) for side in (left, right))
     return {
         "window": window,
-        "mask": None if mask is None else _as_native_array(mask),
-        "alibi_slopes": None if alibi_slopes is None else _as_native_array(alibi_slopes),
+        "mask": _variant_array("mask", mask),
+        "alibi_slopes": _variant_array("alibi_slopes", alibi_slopes),
         "softcap": None if softcap is None else float(softcap),
-        "sinks": None if sinks is None else _as_native_array(sinks),
+        "sinks": _variant_array("sinks", sinks),
         "dropout_p": float(dropout_p),
         "seed": None if seed is None else operator.index(seed),
     }
 
 
+# Static types follow q: a DeviceArray q gives DeviceArrays. (At run time
+# any main array that is a DeviceArray does; DeviceArray is also ArrayLike,
+# so a NumPy q with a DeviceArray k or v matches the NumPy overloads.)
+@overload
+def attention(
+    q: DeviceArray,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: Window | None = ...,
+    mask: npt.ArrayLike | None = ...,
+    alibi_slopes: npt.ArrayLike | None = ...,
+    softcap: float | None = ...,
+    sinks: npt.ArrayLike | None = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
+    return_lse: Literal[False] = ...,
+    device: Device | None = ...,
+) -> DeviceArray: ...
+@overload
+def attention(
+    q: DeviceArray,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: Window | None = ...,
+    mask: npt.ArrayLike | None = ...,
+    alibi_slopes: npt.ArrayLike | None = ...,
+    softcap: float | None = ...,
+    sinks: npt.ArrayLike | None = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
+    return_lse: Literal[True],
+    device: Device | None = ...,
+) -> tuple[DeviceArray, DeviceArray]: ...
 @overload
 def attention(
     q: npt.ArrayLike,
@@ -100,9 +157,9 @@ def attention(
     device: Device | None = ...,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def attention(
-    q: npt.ArrayLike,
-    k: npt.ArrayLike,
-    v: npt.ArrayLike,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -115,16 +172,16 @@ def attention(
     seed: int | None = None,
     return_lse: bool = False,
     device: Device | None = None,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
     """Exact scaled dot-product attention, ``softmax(scale · q kᵀ) v``, computed
     with FlashAttention-2's tiled online softmax: memory grows linearly with the
     sequence lengths, never as ``seq_q × seq_k``.
 
     Arguments
     ---------
-    q : array ``(batch, heads_q, seq_q, d)``
-    k : array ``(batch, heads_kv, seq_k, d)``
-    v : array ``(batch, heads_kv, seq_k, d_v)``
+    q : array or DeviceArray ``(batch, heads_q, seq_q, d)``
+    k : array or DeviceArray ``(batch, heads_kv, seq_k, d)``
+    v : array or DeviceArray ``(batch, heads_kv, seq_k, d_v)``
         The layout of PyTorch's ``scaled_dot_product_attention``. Unbatched
         ``(heads, seq, dim)`` and ``(seq, dim)`` are accepted too (all three
         arrays with the same number of dimensions). ``seq_q`` may differ from
@@ -132,6 +189,9 @@ def attention(
         ``heads_q`` must be a multiple of ``heads_kv``; query head ``h`` reads
         key/value head ``h // (heads_q // heads_kv)``.
         Any strides, byte order or writeability; inputs are never modified.
+        Each may be a :class:`DeviceArray` (see :func:`to_device`), already in
+        GPU memory: it is used there without a copy from the host, and the
+        call runs on the GPU. NumPy and device arrays may be mixed.
     causal : bool
         Bottom-right aligned causal mask (the FlashAttention-2 convention):
         query ``i`` sees keys ``j <= i + seq_k - seq_q``::
@@ -186,9 +246,18 @@ def attention(
         ``"auto"``: a hardware GPU when one exists and the problem is large
         enough to gain from it, otherwise the CPU (never a software adapter).
         The CPU uses ``$FLASHPORT_NUM_THREADS`` threads (default: all cores).
+        When ``q``, ``k`` or ``v`` is a DeviceArray, ``None`` and ``"auto"``
+        mean the GPU (whatever ``$FLASHPORT_DEVICE`` says) and ``"cpu"`` is an
+        error.
 
     Returns
     -------
+    Results live where the inputs live: NumPy arrays, or, when ``q``, ``k``
+    or ``v`` is a DeviceArray, DeviceArrays that stay in GPU memory (pass
+    them on to :func:`attention_backward` without a round trip through the
+    host; ``.numpy()`` reads one back). Either way the values are the same,
+    bit for bit.
+
     o : array ``(batch, heads_q, seq_q, d_v)``
         In the inputs' dtype. float32 and float64 are computed natively;
         float16 is accumulated in float32 and rounded once.
@@ -211,23 +280,52 @@ def attention(
     InvalidArgumentError (a ValueError)
         A non-finite ``scale``, an unknown ``device``, or a variant keyword out
         of range (``window``, ``softcap``, ``dropout_p``, ``seed``); the message
-        names the keyword and the value.
+        names the keyword and the value. Also ``device="cpu"`` with a
+        DeviceArray argument (the message names it; ``x.numpy()`` gives a
+        NumPy copy to compute on the CPU), and a DeviceArray as ``mask``,
+        ``alibi_slopes`` or ``sinks``, which must be NumPy arrays (they are
+        read on the host; flashport does not read them back silently).
     BackendUnavailableError, GpuError (RuntimeErrors)
         ``device="gpu"`` without a usable adapter or without support for a
-        variant (the message names it), or a GPU failure.
+        variant (the message names it), or a GPU failure. A DeviceArray whose
+        GPU device was lost or reset since it was made raises ``GpuError``
+        naming the argument; its data is gone, the CPU keeps working.
     """
     out, lse = _core.attention(
-        _as_native_array(q),
-        _as_native_array(k),
-        _as_native_array(v),
+        _main_array(q),
+        _main_array(k),
+        _main_array(v),
         bool(causal),
         _scale_arg(scale),
         device,
         _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed),
     )
-    return (out, lse) if return_lse else out
+    return (_result(out), _result(lse)) if return_lse else _result(out)
 
 
+# As for attention: static types follow q; dsinks and dmask are NumPy.
+@overload
+def attention_backward(
+    do: Tensor,
+    q: DeviceArray,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: Window | None = ...,
+    mask: npt.ArrayLike | None = ...,
+    alibi_slopes: npt.ArrayLike | None = ...,
+    softcap: float | None = ...,
+    sinks: npt.ArrayLike | None = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
+    return_dmask: bool = ...,
+    device: Device | None = ...,
+) -> tuple[DeviceArray | np.ndarray, ...]: ...
+@overload
 def attention_backward(
     do: npt.ArrayLike,
     q: npt.ArrayLike,
@@ -235,6 +333,26 @@ def attention_backward(
     v: npt.ArrayLike,
     o: npt.ArrayLike,
     lse: npt.ArrayLike,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    window: Window | None = ...,
+    mask: npt.ArrayLike | None = ...,
+    alibi_slopes: npt.ArrayLike | None = ...,
+    softcap: float | None = ...,
+    sinks: npt.ArrayLike | None = ...,
+    dropout_p: float = ...,
+    seed: int | None = ...,
+    return_dmask: bool = ...,
+    device: Device | None = ...,
+) -> tuple[np.ndarray, ...]: ...
+def attention_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -247,7 +365,7 @@ def attention_backward(
     seed: int | None = None,
     return_dmask: bool = False,
     device: Device | None = None,
-) -> tuple[np.ndarray, ...]:
+) -> tuple[np.ndarray | DeviceArray, ...]:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
 
     FlashAttention-2's backward: the attention probabilities are recomputed
@@ -255,7 +373,7 @@ def attention_backward(
 
     Arguments
     ---------
-    do : array shaped like ``o``
+    do : array or DeviceArray shaped like ``o``
         Gradient of the loss with respect to the attention output.
     q, k, v, causal, scale, window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, device
         Exactly as passed to :func:`attention`.
@@ -263,8 +381,22 @@ def attention_backward(
         The output and log-sum-exp :func:`attention` returned for them
         (``return_lse=True``). ``lse`` may be float32 or float64.
 
+    Any of ``do``, ``q``, ``k``, ``v``, ``o`` and ``lse`` may be a
+    :class:`DeviceArray` (the forward's DeviceArray outputs, passed back as
+    they are, never leave the GPU); then the call runs on the GPU, as for
+    :func:`attention`. ``mask``, ``alibi_slopes`` and ``sinks`` are NumPy only.
+
     Returns
     -------
+    Results live where the inputs live: when any of ``do``, ``q``, ``k``,
+    ``v``, ``o``, ``lse`` is a DeviceArray, ``dq``, ``dk`` and ``dv`` are
+    DeviceArrays (bit for bit the values NumPy inputs give). ``dsinks`` and
+    ``dmask`` are NumPy arrays either way: they are the gradients of NumPy
+    arguments and are computed on the host (``dsinks`` in float64 from
+    ``do``, ``o`` and ``lse``, which are read back from the GPU for it when
+    they are DeviceArrays; ``dmask`` from the full score gradient, which is
+    read back).
+
     dq : array shaped like ``q``
     dk : array shaped like ``k`` (``heads_kv`` heads: the gradients of the
         query heads that share a key/value head are summed)
@@ -287,19 +419,19 @@ def attention_backward(
     shape and dtype and ``lse`` the shape ``q.shape[:-1]``.
     """
     dq, dk, dv, dsinks, dmask = _core.attention_backward(
-        _as_native_array(do),
-        _as_native_array(q),
-        _as_native_array(k),
-        _as_native_array(v),
-        _as_native_array(o),
-        _as_native_array(lse),
+        _main_array(do),
+        _main_array(q),
+        _main_array(k),
+        _main_array(v),
+        _main_array(o),
+        _main_array(lse),
         bool(causal),
         _scale_arg(scale),
         device,
         _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed),
         bool(return_dmask),
     )
-    grads = [dq, dk, dv]
+    grads = [_result(dq), _result(dk), _result(dv)]
     if sinks is not None:
         grads.append(dsinks)
     if return_dmask:

@@ -1,38 +1,57 @@
 # Stubs of the compiled extension (rust/flashport-py). tests/test_stubs.py
 # checks them against the module with mypy.stubtest.
+from typing import final
+
 import numpy as np
 import numpy.typing as npt
 
 __version__: str
 
+@final
+class DeviceTensor:
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def adapter(self) -> str: ...
+    def numpy(self) -> npt.NDArray[np.floating]: ...
+
+# A main array argument or result: NumPy, or resident on the GPU.
+_Tensor = npt.NDArray[np.floating] | DeviceTensor
+
+def to_device(array: npt.NDArray[np.floating]) -> DeviceTensor: ...
 def attention(
-    q: npt.NDArray[np.floating],
-    k: npt.NDArray[np.floating],
-    v: npt.NDArray[np.floating],
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
     causal: bool,
     scale: float | None,
     device: str | None,
     variants: dict[str, object],
-) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]: ...
+) -> tuple[_Tensor, _Tensor]: ...
 def attention_backward(
-    d_out: npt.NDArray[np.floating],
-    q: npt.NDArray[np.floating],
-    k: npt.NDArray[np.floating],
-    v: npt.NDArray[np.floating],
-    out: npt.NDArray[np.floating],
-    lse: npt.NDArray[np.floating],
+    d_out: _Tensor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    lse: _Tensor,
     causal: bool,
     scale: float | None,
     device: str | None,
     variants: dict[str, object],
     return_dmask: bool,
 ) -> tuple[
-    npt.NDArray[np.floating],
-    npt.NDArray[np.floating],
-    npt.NDArray[np.floating],
+    _Tensor,
+    _Tensor,
+    _Tensor,
     npt.NDArray[np.floating] | None,
     npt.NDArray[np.floating] | None,
 ]: ...
 def devices() -> list[dict[str, object]]: ...
 def _gpu_kernel_times() -> list[tuple[str, float]]: ...
 def _gpu_lose_device_for_tests() -> None: ...
+def _gpu_set_binding_limit_for_tests(limit: int | None) -> None: ...

@@ -3,7 +3,10 @@
 //! This crate is pure Rust (no Python): validate a problem with
 //! [`validate_forward`] / [`validate_backward`], then run it with
 //! [`attention`] / [`attention_backward`] on contiguous row-major buffers in
-//! `(batch, heads, seq, dim)` order.
+//! `(batch, heads, seq, dim)` order. On the GPU, inputs may also be
+//! [`DeviceTensor`]s (uploaded once with [`to_device`]) and outputs may stay
+//! there: [`attention_arrays`] / [`attention_backward_arrays`] take
+//! [`Input`]s and return [`Array`]s where the [`Placement`] says.
 //!
 //! ```
 //! use flashport_core::{attention, validate_forward, ArrayInfo, Device, Options, Buffer, Slice};
@@ -28,6 +31,7 @@ pub mod problem;
 pub mod variants;
 
 pub use error::{Error, Result};
+pub use gpu::{to_device, DeviceTensor};
 pub use half::f16;
 pub use problem::{validate_backward, validate_forward, ArrayInfo, DType, Options, Problem};
 pub use variants::{MaskData, VariantArrays};
@@ -68,7 +72,92 @@ impl Slice<'_> {
     }
 }
 
+/// An input array: a host slice, or a tensor resident on the GPU.
+#[derive(Debug, Clone, Copy)]
+pub enum Input<'a> {
+    Host(Slice<'a>),
+    Device(&'a DeviceTensor),
+}
+
+impl<'a> From<Slice<'a>> for Input<'a> {
+    fn from(s: Slice<'a>) -> Self {
+        Input::Host(s)
+    }
+}
+
+impl<'a> From<&'a DeviceTensor> for Input<'a> {
+    fn from(t: &'a DeviceTensor) -> Self {
+        Input::Device(t)
+    }
+}
+
+impl Input<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Input::Host(s) => s.len(),
+            Input::Device(t) => t.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Input::Host(s) => s.dtype(),
+            Input::Device(t) => t.dtype(),
+        }
+    }
+    pub fn is_device(&self) -> bool {
+        matches!(self, Input::Device(_))
+    }
+}
+
+/// An output array: read back into host memory, or kept on the GPU.
+#[derive(Debug, Clone)]
+pub enum Array {
+    Host(Buffer),
+    Device(DeviceTensor),
+}
+
+impl Array {
+    /// The array in host memory, read back if it is on the GPU.
+    pub fn into_host(self) -> Result<Buffer> {
+        match self {
+            Array::Host(b) => Ok(b),
+            Array::Device(t) => t.read(),
+        }
+    }
+}
+
+/// Where a call leaves its outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Read back into host memory.
+    Host,
+    /// Kept on the GPU as [`DeviceTensor`]s.
+    Device,
+}
+
+impl Placement {
+    /// Results live where the inputs live: on the GPU if any input does.
+    pub fn of_inputs(inputs: &[Input<'_>]) -> Placement {
+        if inputs.iter().any(Input::is_device) {
+            Placement::Device
+        } else {
+            Placement::Host
+        }
+    }
+}
+
 impl Buffer {
+    /// The buffer as an input slice.
+    pub fn as_slice(&self) -> Slice<'_> {
+        match self {
+            Buffer::F16(x) => Slice::F16(x),
+            Buffer::F32(x) => Slice::F32(x),
+            Buffer::F64(x) => Slice::F64(x),
+        }
+    }
     pub fn len(&self) -> usize {
         match self {
             Buffer::F16(s) => s.len(),
@@ -99,6 +188,17 @@ pub const DEVICE_ENV: &str = "FLASHPORT_DEVICE";
 pub const AUTO_GPU_MIN_FLOPS: f64 = 1e9;
 
 impl Device {
+    /// Parses the `device=` argument of a call some of whose inputs are
+    /// device tensors (`on_gpu`): then `None` means the GPU, whatever
+    /// `FLASHPORT_DEVICE` says (the environment chooses where host arrays
+    /// compute; device tensors already are on the GPU).
+    pub fn parse_for(name: Option<&str>, on_gpu: bool) -> Result<Device> {
+        match (name, on_gpu) {
+            (None, true) => Ok(Device::Auto),
+            _ => Device::parse(name),
+        }
+    }
+
     /// Parses the `device=` argument of the Python API; `None` means the
     /// default, which `FLASHPORT_DEVICE` overrides.
     pub fn parse(name: Option<&str>) -> Result<Device> {
@@ -161,6 +261,26 @@ pub struct Gradients {
     pub dmask: Option<Buffer>,
 }
 
+/// Output of [`attention_arrays`]: as [`ForwardOutput`], each array where
+/// the call's [`Placement`] put it.
+#[derive(Debug, Clone)]
+pub struct ForwardArrays {
+    pub out: Array,
+    pub lse: Array,
+}
+
+/// Gradients of [`attention_backward_arrays`]: `dq`, `dk` and `dv` where the
+/// call's [`Placement`] put them. `dsinks` and `dmask` are computed on the
+/// host and stay there: they are the gradients of host arrays.
+#[derive(Debug, Clone)]
+pub struct GradientArrays {
+    pub dq: Array,
+    pub dk: Array,
+    pub dv: Array,
+    pub dsinks: Option<Vec<f64>>,
+    pub dmask: Option<Buffer>,
+}
+
 /// What a backend's backward returns before the shared variant gradients
 /// are added: `dS` over the full `(batch, heads_q, seq_q, seq_k)` when the
 /// mask's gradient is wanted.
@@ -172,7 +292,17 @@ pub struct BackendGradients {
     pub d_scores: Option<Buffer>,
 }
 
-fn check_len(argument: &str, got: &Slice<'_>, want: usize, dtype: DType) -> Result<()> {
+/// The GPU backward's results before the shared variant gradients: `dq`,
+/// `dk` and `dv` where the call's [`Placement`] put them.
+#[derive(Debug, Clone)]
+pub struct BackendArrays {
+    pub dq: Array,
+    pub dk: Array,
+    pub dv: Array,
+    pub d_scores: Option<Buffer>,
+}
+
+fn check_len(argument: &str, got: &Input<'_>, want: usize, dtype: DType) -> Result<()> {
     if got.len() != want {
         return Err(Error::Shape(format!(
             "{argument} holds {} elements but the problem needs {want}",
@@ -189,6 +319,71 @@ fn check_len(argument: &str, got: &Slice<'_>, want: usize, dtype: DType) -> Resu
     Ok(())
 }
 
+/// A host slice of an input, read back from the device if it is there.
+enum HostView<'a> {
+    Borrowed(Slice<'a>),
+    Read(Buffer),
+}
+
+impl<'a> HostView<'a> {
+    fn of(input: Input<'a>) -> Result<Self> {
+        Ok(match input {
+            Input::Host(s) => HostView::Borrowed(s),
+            Input::Device(t) => HostView::Read(t.read()?),
+        })
+    }
+    fn slice(&self) -> Slice<'_> {
+        match self {
+            HostView::Borrowed(s) => *s,
+            HostView::Read(b) => b.as_slice(),
+        }
+    }
+}
+
+/// The host slice of an input the CPU computes on (`resolve` sends calls
+/// with device inputs to the GPU).
+fn on_host<'a>(argument: &str, input: Input<'a>) -> Result<Slice<'a>> {
+    match input {
+        Input::Host(s) => Ok(s),
+        Input::Device(_) => Err(Error::Value {
+            argument: argument.to_string(),
+            value: "a device array".to_string(),
+            reason: "the CPU computes on host arrays; read it back first".to_string(),
+        }),
+    }
+}
+
+/// The device a call runs on: the GPU whenever an input is a device
+/// tensor or the outputs are to stay there; an error naming the argument
+/// if the caller asked for the CPU then.
+fn resolve(
+    device: Device,
+    problem: &Problem,
+    inputs: &[(&str, Input<'_>)],
+    outputs: Placement,
+) -> Result<Device> {
+    let on_gpu = inputs.iter().find(|(_, i)| i.is_device()).map(|(n, _)| *n);
+    if on_gpu.is_none() && outputs == Placement::Host {
+        return Ok(device.resolve(problem));
+    }
+    if device == Device::Cpu {
+        let reason = match on_gpu {
+            Some(name) => format!(
+                "{name} is a device array (it lives on the GPU): compute with device=\"gpu\" \
+                 or \"auto\", or read it back to the host ({name}.numpy()) to compute on \
+                 the CPU"
+            ),
+            None => "outputs kept on the GPU need device=\"gpu\" or \"auto\"".to_string(),
+        };
+        return Err(Error::Value {
+            argument: "device".to_string(),
+            value: "\"cpu\"".to_string(),
+            reason,
+        });
+    }
+    Ok(Device::Gpu)
+}
+
 /// Runs the forward pass of a validated problem.
 pub fn attention(
     device: Device,
@@ -198,13 +393,49 @@ pub fn attention(
     v: Slice<'_>,
     variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
+    let r = attention_arrays(
+        device,
+        problem,
+        [q.into(), k.into(), v.into()],
+        variants,
+        Placement::Host,
+    )?;
+    Ok(ForwardOutput {
+        out: r.out.into_host()?,
+        lse: r.lse.into_host()?,
+    })
+}
+
+/// Runs the forward pass of a validated problem on inputs that may be
+/// device tensors, leaving the outputs where `outputs` says. Device inputs
+/// or outputs run on the GPU (`device` may then be `Gpu` or `Auto`).
+pub fn attention_arrays(
+    device: Device,
+    problem: &Problem,
+    [q, k, v]: [Input<'_>; 3],
+    variants: &VariantArrays<'_>,
+    outputs: Placement,
+) -> Result<ForwardArrays> {
     check_len("q", &q, problem.q_len(), problem.dtype)?;
     check_len("k", &k, problem.k_len(), problem.dtype)?;
     check_len("v", &v, problem.v_len(), problem.dtype)?;
     variants.check(problem)?;
-    match device.resolve(problem) {
-        Device::Gpu => gpu::forward(problem, q, k, v, variants),
-        _ => cpu::forward(problem, q, k, v, variants),
+    let named = [("q", q), ("k", k), ("v", v)];
+    match resolve(device, problem, &named, outputs)? {
+        Device::Gpu => gpu::forward_arrays(problem, [q, k, v], variants, outputs),
+        _ => {
+            let r = cpu::forward(
+                problem,
+                on_host("q", q)?,
+                on_host("k", k)?,
+                on_host("v", v)?,
+                variants,
+            )?;
+            Ok(ForwardArrays {
+                out: Array::Host(r.out),
+                lse: Array::Host(r.lse),
+            })
+        }
     }
 }
 
@@ -222,6 +453,34 @@ pub fn attention_backward(
     lse: Slice<'_>,
     variants: &VariantArrays<'_>,
 ) -> Result<Gradients> {
+    let g = attention_backward_arrays(
+        device,
+        problem,
+        [d_out, q, k, v, out, lse].map(Input::Host),
+        variants,
+        Placement::Host,
+    )?;
+    Ok(Gradients {
+        dq: g.dq.into_host()?,
+        dk: g.dk.into_host()?,
+        dv: g.dv.into_host()?,
+        dsinks: g.dsinks,
+        dmask: g.dmask,
+    })
+}
+
+/// The backward pass on inputs `[do, q, k, v, o, lse]` that may be device
+/// tensors, leaving `dq`, `dk` and `dv` where `outputs` says (see
+/// [`attention_arrays`]). With sinks, `do`, `o` and `lse` are read back
+/// from the device for the sinks' gradient, which the host computes.
+pub fn attention_backward_arrays(
+    device: Device,
+    problem: &Problem,
+    inputs: [Input<'_>; 6],
+    variants: &VariantArrays<'_>,
+    outputs: Placement,
+) -> Result<GradientArrays> {
+    let [d_out, q, k, v, out, lse] = inputs;
     check_len("do", &d_out, problem.out_len(), problem.dtype)?;
     check_len("q", &q, problem.q_len(), problem.dtype)?;
     check_len("k", &k, problem.k_len(), problem.dtype)?;
@@ -236,23 +495,51 @@ pub fn attention_backward(
         )));
     }
     variants.check(problem)?;
-    let inputs = [d_out, q, k, v, out, lse];
-    let grads = match device.resolve(problem) {
-        Device::Gpu => gpu::backward(problem, inputs, variants)?,
-        _ => cpu::backward(problem, inputs, variants)?,
+    let named = [
+        ("do", d_out),
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("o", out),
+        ("lse", lse),
+    ];
+    let grads = match resolve(device, problem, &named, outputs)? {
+        Device::Gpu => gpu::backward_arrays(problem, inputs, variants, outputs)?,
+        _ => {
+            let [d_out, q, k, v, out, lse] = named.map(|(name, input)| on_host(name, input));
+            let g = cpu::backward(problem, [d_out?, q?, k?, v?, out?, lse?], variants)?;
+            BackendArrays {
+                dq: Array::Host(g.dq),
+                dk: Array::Host(g.dk),
+                dv: Array::Host(g.dv),
+                d_scores: g.d_scores,
+            }
+        }
     };
     let dmask = match grads.d_scores {
         Some(Buffer::F32(full)) => Some(Buffer::F32(variants::reduce_to_mask(problem, &full))),
         Some(Buffer::F64(full)) => Some(Buffer::F64(variants::reduce_to_mask(problem, &full))),
         _ => None,
     };
-    Ok(Gradients {
+    let dsinks = match variants.sinks {
+        Some(sinks) => {
+            // The host computes it in float64 from do, o and lse.
+            let (d_out, out, lse) = (HostView::of(d_out)?, HostView::of(out)?, HostView::of(lse)?);
+            Some(variants::sink_gradient(
+                problem,
+                &d_out.slice(),
+                &out.slice(),
+                &lse.slice(),
+                sinks,
+            ))
+        }
+        None => None,
+    };
+    Ok(GradientArrays {
         dq: grads.dq,
         dk: grads.dk,
         dv: grads.dv,
-        dsinks: variants
-            .sinks
-            .map(|sinks| variants::sink_gradient(problem, &d_out, &out, &lse, sinks)),
+        dsinks,
         dmask,
     })
 }

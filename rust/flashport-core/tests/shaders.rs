@@ -121,9 +121,11 @@ fn every_shader_parses_and_validates() {
             || name.starts_with("input_")
             || name == "forward_coop.wgsl"
             || name == "coop_diagnostic.wgsl"
+            || name == "device_arrays.wgsl"
         {
             // Fragments: checked assembled with the kernels below; the
-            // cooperative forward needs its own capabilities (below).
+            // cooperative forward needs its own capabilities (below); the
+            // device-array moves stand alone (below).
             continue;
         }
         let kernel = EVERY_KERNEL
@@ -145,6 +147,33 @@ fn every_shader_parses_and_validates() {
             }
         }
     }
+}
+
+/// The device-array moves (copies, sums, float16 rounding between a
+/// DeviceArray and the kernels' buffers) are one module of their own, with
+/// no overrides: it must validate with WebGPU's core capabilities.
+#[test]
+fn device_array_moves_validate() {
+    let path = shader_dir().join("device_arrays.wgsl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let module = parse_text("device_arrays.wgsl", &text);
+    let plain =
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
+            .validate(&module);
+    if let Err(e) = plain {
+        panic!(
+            "{} does not validate:\n{}",
+            path.display(),
+            e.emit_to_string(&text)
+        );
+    }
+    let mut entries: Vec<&str> = module
+        .entry_points
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["add_f32", "copy_f16", "to_f16"]);
 }
 
 /// Every kernel specialises with every attention variant switched on (and

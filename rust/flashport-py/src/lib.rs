@@ -8,14 +8,15 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use flashport_core as core;
 use flashport_core::problem::MaskDType;
 use flashport_core::{
-    f16, ArrayInfo, Buffer, DType, Device, MaskData, Options, Problem, Slice, VariantArrays,
+    f16, Array, ArrayInfo, Buffer, DType, Device, Input, MaskData, Options, Placement, Problem,
+    Slice, VariantArrays,
 };
 use numpy::{
     Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 /// Raises the flashport exception class (defined in `flashport._errors`)
 /// that corresponds to a core error.
@@ -75,6 +76,20 @@ struct ArgMeta {
 }
 
 impl ArgMeta {
+    /// A NumPy array's, or a device tensor's: validation treats both alike.
+    fn read_main(name: &str, array: &Bound<'_, PyAny>) -> PyResult<ArgMeta> {
+        match array.cast::<DeviceTensor>() {
+            Ok(t) => {
+                let t = &t.get().inner;
+                Ok(ArgMeta {
+                    shape: t.shape().to_vec(),
+                    dtype: t.dtype().numpy_name().to_string(),
+                })
+            }
+            Err(_) => ArgMeta::read(name, array),
+        }
+    }
+
     fn read(name: &str, array: &Bound<'_, PyAny>) -> PyResult<ArgMeta> {
         let untyped = array.cast::<PyUntypedArray>().map_err(|_| {
             PyTypeError::new_err(format!(
@@ -146,6 +161,55 @@ impl Contiguous<'_> {
     }
 }
 
+/// A main array argument held for a call: a NumPy array, or a device
+/// tensor.
+enum HeldArg<'py> {
+    Host(Held<'py>),
+    Device(Bound<'py, DeviceTensor>),
+}
+
+impl<'py> HeldArg<'py> {
+    fn new(array: &Bound<'py, PyAny>, dtype: DType) -> PyResult<Self> {
+        match array.cast::<DeviceTensor>() {
+            Ok(t) => Ok(HeldArg::Device(t.clone())),
+            Err(_) => Ok(HeldArg::Host(Held::new(array, dtype)?)),
+        }
+    }
+    fn contiguous(&self) -> ContiguousArg<'_> {
+        match self {
+            HeldArg::Host(h) => ContiguousArg::Host(h.contiguous()),
+            HeldArg::Device(t) => ContiguousArg::Device(&t.get().inner),
+        }
+    }
+}
+
+enum ContiguousArg<'a> {
+    Host(Contiguous<'a>),
+    Device(&'a core::DeviceTensor),
+}
+
+impl ContiguousArg<'_> {
+    fn input(&self) -> Input<'_> {
+        match self {
+            ContiguousArg::Host(c) => Input::Host(c.slice()),
+            ContiguousArg::Device(t) => Input::Device(t),
+        }
+    }
+}
+
+fn is_device(array: &Bound<'_, PyAny>) -> bool {
+    array.is_instance_of::<DeviceTensor>()
+}
+
+/// An output: a NumPy array of `shape`, or a device tensor (which has its
+/// shape).
+fn to_python<'py>(py: Python<'py>, array: Array, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+    match array {
+        Array::Host(buffer) => to_numpy(py, buffer, shape),
+        Array::Device(inner) => Ok(Bound::new(py, DeviceTensor { inner })?.into_any()),
+    }
+}
+
 fn lse_dtype(meta: &ArgMeta) -> DType {
     // validate_backward has accepted only float32 and float64 here.
     DType::from_numpy_name(&meta.dtype).unwrap_or(DType::F32)
@@ -158,10 +222,6 @@ fn to_numpy<'py>(py: Python<'py>, buffer: Buffer, shape: &[usize]) -> PyResult<B
         Buffer::F64(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
     };
     Ok(array)
-}
-
-fn parse_device(py: Python<'_>, device: Option<&str>) -> PyResult<Device> {
-    Device::parse(device).map_err(|e| to_py_err(py, e))
 }
 
 fn validated<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
@@ -284,9 +344,9 @@ fn attention<'py>(
     variants: VariantArgs<'py>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let metas = [
-        ArgMeta::read("q", q)?,
-        ArgMeta::read("k", k)?,
-        ArgMeta::read("v", v)?,
+        ArgMeta::read_main("q", q)?,
+        ArgMeta::read_main("k", k)?,
+        ArgMeta::read_main("v", v)?,
     ];
     let variant_metas = variants.metas()?;
     let options = variants.options(&variant_metas, causal, scale);
@@ -294,22 +354,24 @@ fn attention<'py>(
         py,
         core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
     )?;
-    let device = parse_device(py, device)?;
-    let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
+    let on_gpu = [q, k, v].into_iter().any(is_device);
+    let device = validated(py, Device::parse_for(device, on_gpu))?;
+    let held = [q, k, v].map(|a| HeldArg::new(a, problem.dtype));
     let [q, k, v] = held;
     let (q, k, v) = (q?, k?, v?);
     let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
-    let (qs, ks, vs) = (qc.slice(), kc.slice(), vc.slice());
+    let inputs = [qc.input(), kc.input(), vc.input()];
     let held_variants = HeldVariants::new(&variants, &problem)?;
     let mask_bool = held_variants.mask_bool.as_ref().map(contiguous_of);
     let mask_float = held_variants.mask_float.as_ref().map(Held::contiguous);
     let arrays = variant_arrays(&held_variants, &mask_bool, &mask_float);
+    let placement = Placement::of_inputs(&inputs);
     let result = run_detached(py, || {
-        core::attention(device, &problem, qs, ks, vs, &arrays)
+        core::attention_arrays(device, &problem, inputs, &arrays, placement)
     })?;
     Ok((
-        to_numpy(py, result.out, &problem.out_shape())?,
-        to_numpy(py, result.lse, &problem.lse_shape())?,
+        to_python(py, result.out, &problem.out_shape())?,
+        to_python(py, result.lse, &problem.lse_shape())?,
     ))
 }
 
@@ -364,7 +426,7 @@ fn attention_backward<'py>(
     let metas = names
         .iter()
         .zip(arrays)
-        .map(|(name, a)| ArgMeta::read(name, a))
+        .map(|(name, a)| ArgMeta::read_main(name, a))
         .collect::<PyResult<Vec<_>>>()?;
     let variant_metas = variants.metas()?;
     let options = Options {
@@ -383,7 +445,8 @@ fn attention_backward<'py>(
             &options,
         ),
     )?;
-    let device = parse_device(py, device)?;
+    let on_gpu = arrays.into_iter().any(is_device);
+    let device = validated(py, Device::parse_for(device, on_gpu))?;
     let held = arrays
         .iter()
         .enumerate()
@@ -393,27 +456,19 @@ fn attention_backward<'py>(
             } else {
                 problem.dtype
             };
-            Held::new(a, dtype)
+            HeldArg::new(a, dtype)
         })
         .collect::<PyResult<Vec<_>>>()?;
-    let contiguous: Vec<Contiguous<'_>> = held.iter().map(Held::contiguous).collect();
-    let s: Vec<Slice<'_>> = contiguous.iter().map(Contiguous::slice).collect();
+    let contiguous: Vec<ContiguousArg<'_>> = held.iter().map(HeldArg::contiguous).collect();
+    let s: Vec<Input<'_>> = contiguous.iter().map(ContiguousArg::input).collect();
+    let inputs = [s[0], s[1], s[2], s[3], s[4], s[5]];
     let held_variants = HeldVariants::new(&variants, &problem)?;
     let mask_bool = held_variants.mask_bool.as_ref().map(contiguous_of);
     let mask_float = held_variants.mask_float.as_ref().map(Held::contiguous);
     let variant_data = variant_arrays(&held_variants, &mask_bool, &mask_float);
+    let placement = Placement::of_inputs(&inputs);
     let grads = run_detached(py, || {
-        core::attention_backward(
-            device,
-            &problem,
-            s[0],
-            s[1],
-            s[2],
-            s[3],
-            s[4],
-            s[5],
-            &variant_data,
-        )
+        core::attention_backward_arrays(device, &problem, inputs, &variant_data, placement)
     })?;
     let dsinks = grads
         .dsinks
@@ -430,9 +485,9 @@ fn attention_backward<'py>(
         _ => None,
     };
     Ok((
-        to_numpy(py, grads.dq, &problem.q_shape())?,
-        to_numpy(py, grads.dk, &problem.k_shape())?,
-        to_numpy(py, grads.dv, &problem.v_shape())?,
+        to_python(py, grads.dq, &problem.q_shape())?,
+        to_python(py, grads.dk, &problem.k_shape())?,
+        to_python(py, grads.dv, &problem.v_shape())?,
         dsinks,
         dmask,
     ))
@@ -440,6 +495,71 @@ fn attention_backward<'py>(
 
 fn contiguous_of<'a>(array: &'a PyReadonlyArrayDyn<'_, bool>) -> Cow<'a, [bool]> {
     contiguous(array)
+}
+
+/// DeviceTensor: a float32 or float16 array resident on the GPU, made by
+/// to_device or kept there by attention / attention_backward.
+/// flashport.DeviceArray wraps it; immutable.
+#[pyclass(frozen, module = "flashport._core")]
+struct DeviceTensor {
+    inner: core::DeviceTensor,
+}
+
+#[pymethods]
+impl DeviceTensor {
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.inner.shape())
+    }
+    /// The NumPy dtype name: "float32" or "float16".
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype().numpy_name()
+    }
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+    /// The name of the GPU adapter that holds it.
+    #[getter]
+    fn adapter(&self) -> String {
+        self.inner.adapter_name().to_string()
+    }
+    /// numpy() -> ndarray: a new NumPy array with the tensor's values.
+    fn numpy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let buffer = run_detached(py, || self.inner.to_host())?;
+        to_numpy(py, buffer, self.inner.shape())
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "DeviceTensor(shape={:?}, dtype={}, adapter={:?})",
+            self.inner.shape(),
+            self.inner.dtype().numpy_name(),
+            self.inner.adapter_name()
+        )
+    }
+}
+
+/// to_device(array) -> DeviceTensor: uploads a float32 or float16 NumPy
+/// array to the GPU. The private entry point behind flashport.to_device.
+#[pyfunction]
+fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceTensor> {
+    let meta = ArgMeta::read("array", array)?;
+    let dtype = DType::from_numpy_name(&meta.dtype).ok_or_else(|| {
+        to_py_err(
+            py,
+            core::Error::DType {
+                argument: "array".to_string(),
+                dtype: meta.dtype.clone(),
+                reason: "the GPU computes in float32 or float16".to_string(),
+            },
+        )
+    })?;
+    let held = Held::new(array, dtype)?;
+    let contiguous = held.contiguous();
+    let slice = contiguous.slice();
+    let inner = run_detached(py, || core::to_device("array", slice, &meta.shape))?;
+    Ok(DeviceTensor { inner })
 }
 
 /// devices() -> list[dict]: the CPU and every GPU adapter flashport can use.
@@ -495,8 +615,20 @@ fn _gpu_lose_device_for_tests(py: Python<'_>) {
     });
 }
 
+/// _gpu_set_binding_limit_for_tests(limit): caps the GPU binding size the
+/// calling thread plans with (None: the adapter's), so that tests run the
+/// split into chunks of heads on small arrays.
+#[pyfunction]
+#[pyo3(signature = (limit))]
+fn _gpu_set_binding_limit_for_tests(limit: Option<u64>) {
+    core::gpu::set_binding_limit_for_this_thread(limit);
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<DeviceTensor>()?;
+    m.add_function(wrap_pyfunction!(to_device, m)?)?;
+    m.add_function(wrap_pyfunction!(_gpu_set_binding_limit_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;

@@ -179,6 +179,9 @@ pub(crate) struct Context {
     uncaptured: Arc<Mutex<Vec<String>>>,
     modules: Mutex<HashMap<(Kernel, bool, bool), wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    /// Pipelines of the device-array moves (shaders/device_arrays.wgsl),
+    /// by entry point.
+    array_pipelines: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
     /// Mappable buffers of earlier calls' readbacks, kept for the next
     /// call: allocating (and first touching) a fresh host buffer of the
     /// outputs' size cost more than copying out of it.
@@ -380,6 +383,7 @@ impl Context {
             uncaptured,
             modules: Default::default(),
             pipelines: Default::default(),
+            array_pipelines: Default::default(),
             // A call's outputs read back through one buffer; its inputs
             // upload through one each (up to six, plus the parameters).
             readback_pool: BufferPool::new(2, 256 << 20, 512 << 20),
@@ -575,6 +579,38 @@ impl Context {
                     cache: None,
                 }))
         })
+    }
+
+    /// The pipeline of entry point `entry` of `source` (one module per
+    /// entry: the device-array moves), compiled once per context.
+    pub fn array_pipeline(
+        &self,
+        entry: &'static str,
+        source: &'static str,
+    ) -> Result<wgpu::ComputePipeline> {
+        if let Some(p) = lock(&self.array_pipelines).get(entry) {
+            return Ok(p.clone());
+        }
+        let pipeline = self.scoped("building a device-array pipeline", || {
+            let module = self
+                .device
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(entry),
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                });
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(entry),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some(entry),
+                    compilation_options: Default::default(),
+                    cache: None,
+                }))
+        })?;
+        lock(&self.array_pipelines).insert(entry, pipeline.clone());
+        Ok(pipeline)
     }
 
     /// The pipeline for `key`, compiled once per process. Only pipelines

@@ -4,9 +4,11 @@
 //!
 //! One context (device, queue, compiled pipelines) is created lazily per
 //! process and shared by all threads; a lost device is dropped so that the
-//! next call opens a new one. Every call uploads its inputs, runs one
+//! next call opens a new one. Every call uploads its host inputs, runs one
 //! submission per chunk of heads (one in all unless the arrays exceed the
-//! adapter's binding size) and reads the outputs back.
+//! adapter's binding size) and reads the outputs back; inputs that are
+//! device tensors (`resident.rs`) are bound or copied on the device
+//! instead, and outputs can stay there as new device tensors.
 //!
 //! Inputs are read on the GPU in their own dtype (float16 as packed pairs,
 //! which needs no shader-f16 support); all arithmetic and every output is
@@ -16,6 +18,7 @@
 mod context;
 mod coop_diag;
 mod plan;
+mod resident;
 #[doc(hidden)]
 pub mod shaders;
 #[doc(hidden)]
@@ -29,12 +32,15 @@ use std::sync::{Arc, OnceLock};
 
 use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask};
 use crate::{
-    BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
+    Array, BackendArrays, BackendGradients, Buffer, DType, Error, ForwardArrays, ForwardOutput,
+    Input, Placement, Problem, Result, Slice, VariantArrays,
 };
 use context::{Context, PipelineKey};
 use plan::Chunk;
 use shaders::Variants;
 use tiles::Kernel;
+
+pub use resident::{round_to_f16_on_device, to_device, DeviceTensor};
 
 /// What `flashport.devices()` reports about one adapter.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,8 +200,11 @@ fn caps(ctx: &Context) -> tiles::DeviceCaps {
 /// GPU time of each kernel of the calling thread's last forward or
 /// backward call, in seconds, in dispatch order (one entry per kernel and
 /// chunk), from timestamp queries (none where the adapter has none); and
-/// wall time of the call's host phases, named "host:upload",
-/// "host:submit_and_wait", "host:readback_copy".
+/// wall time of the call's host phases, named "host:upload" (recorded only
+/// when host data was uploaded: device-tensor inputs are not),
+/// "host:submit_and_wait", "host:readback_copy". An upload into or a
+/// readback of a device tensor (`to_device`, `DeviceTensor::to_host`) is a
+/// call too: it starts a new record with its own host phases.
 pub fn last_kernel_times() -> Vec<(String, f64)> {
     with_times(|times| times.clone())
 }
@@ -327,15 +336,33 @@ fn binding_limit(ctx: &Context) -> u64 {
     limit & !3
 }
 
+/// The error for float64 data offered to the GPU, naming the argument.
+fn float64_error(argument: &str) -> Error {
+    Error::DType {
+        argument: argument.to_string(),
+        dtype: "float64".to_string(),
+        reason: "the GPU backend computes in float32 or float16; float64 runs on \
+                 device=\"cpu\" (or cast the inputs to float32)"
+            .to_string(),
+    }
+}
+
+/// The error for float16 data on an adapter that cannot unpack it.
+fn float16_error(ctx: &Context, argument: &str) -> Error {
+    Error::DType {
+        argument: argument.to_string(),
+        dtype: "float16".to_string(),
+        reason: format!(
+            "the GPU adapter {} cannot unpack float16 in shaders; cast the inputs to \
+             float32 or use device=\"cpu\"",
+            ctx.adapter.name
+        ),
+    }
+}
+
 fn check_dtype(problem: &Problem) -> Result<()> {
     if problem.dtype == DType::F64 {
-        return Err(Error::DType {
-            argument: "q".to_string(),
-            dtype: "float64".to_string(),
-            reason: "the GPU backend computes in float32 or float16; float64 runs on \
-                     device=\"cpu\" (or cast the inputs to float32)"
-                .to_string(),
-        });
+        return Err(float64_error("q"));
     }
     Ok(())
 }
@@ -345,12 +372,7 @@ fn input_bytes<'a>(name: &str, s: &Slice<'a>) -> Result<&'a [u8]> {
     match *s {
         Slice::F32(x) => Ok(bytemuck::cast_slice(x)),
         Slice::F16(x) => Ok(bytemuck::cast_slice(x)),
-        Slice::F64(_) => Err(Error::DType {
-            argument: name.to_string(),
-            dtype: "float64".to_string(),
-            reason: "the GPU backend computes in float32 or float16; use device=\"cpu\""
-                .to_string(),
-        }),
+        Slice::F64(_) => Err(float64_error(name)),
     }
 }
 
@@ -774,15 +796,7 @@ fn grid(count: usize, tile: u32, ctx: &Context, what: &str) -> Result<u32> {
 
 fn check_f16(ctx: &Context, problem: &Problem) -> Result<()> {
     if problem.dtype == DType::F16 && !ctx.f16_inputs {
-        return Err(Error::DType {
-            argument: "q".to_string(),
-            dtype: "float16".to_string(),
-            reason: format!(
-                "the GPU adapter {} cannot unpack float16 in shaders; cast the inputs to \
-                 float32 or use device=\"cpu\"",
-                ctx.adapter.name
-            ),
-        });
+        return Err(float16_error(ctx, "q"));
     }
     Ok(())
 }
@@ -800,28 +814,85 @@ fn check_sizes(problem: &Problem) -> Result<()> {
 /// Runs `f` on the shared context; a device that failed is dropped so that
 /// the next call creates a new one.
 fn with_context<T>(what: &str, f: impl FnOnce(&Arc<Context>) -> Result<T>) -> Result<T> {
+    guarded(what, || run_on(&context::get()?, f))
+}
+
+/// Runs `f` on `ctx`, dropping the context if the GPU fails.
+fn run_on<T>(ctx: &Arc<Context>, f: impl FnOnce(&Arc<Context>) -> Result<T>) -> Result<T> {
+    match f(ctx) {
+        Err(Error::Gpu(message)) => {
+            // Whatever failed first (often a buffer the dead device
+            // refuses), the user needs to know the device is gone and
+            // that the next call will open a new one.
+            // A poll delivers a pending device-lost callback.
+            let _ = ctx.device.poll(wgpu::PollType::Poll);
+            let lost = ctx.is_lost();
+            context::discard(ctx);
+            Err(Error::Gpu(if lost {
+                format!(
+                    "the GPU device {} was lost ({message}); the next GPU call opens it again",
+                    ctx.adapter.name
+                )
+            } else {
+                format!("{message}; the next GPU call starts on a fresh device")
+            }))
+        }
+        result => result,
+    }
+}
+
+/// Runs `f` on the context of the call's device inputs (all of one
+/// context, which must still be alive: an error names the argument
+/// otherwise), or on the shared context when there are none.
+fn with_inputs<T>(
+    what: &str,
+    inputs: &[(&str, Source<'_>)],
+    f: impl FnOnce(&Arc<Context>) -> Result<T>,
+) -> Result<T> {
     guarded(what, || {
-        let ctx = context::get()?;
-        match f(&ctx) {
+        let tensors: Vec<(&str, &DeviceTensor)> = inputs
+            .iter()
+            .filter_map(|(name, s)| match s {
+                Source::Device(t) => Some((*name, *t)),
+                Source::Host(_) => None,
+            })
+            .collect();
+        let Some(&(_, first)) = tensors.first() else {
+            return run_on(&context::get()?, f);
+        };
+        for (name, t) in &tensors {
+            t.alive(name)?;
+        }
+        let ctx = first.context().clone();
+        if let Some((name, _)) = tensors
+            .iter()
+            .find(|(_, t)| !Arc::ptr_eq(t.context(), &ctx))
+        {
+            return Err(Error::Value {
+                argument: name.to_string(),
+                value: "a device array of another GPU context".to_string(),
+                reason: format!(
+                    "the device arrays of one call must come from the same GPU context \
+                     (this one is on {})",
+                    ctx.adapter.name
+                ),
+            });
+        }
+        run_on(&ctx, |ctx| match f(ctx) {
             Err(Error::Gpu(message)) => {
-                // Whatever failed first (often a buffer the dead device
-                // refuses), the user needs to know the device is gone and
-                // that the next call will open a new one.
-                // A poll delivers a pending device-lost callback.
                 let _ = ctx.device.poll(wgpu::PollType::Poll);
-                let lost = ctx.is_lost();
-                context::discard(&ctx);
-                Err(Error::Gpu(if lost {
-                    format!(
-                        "the GPU device {} was lost ({message}); the next GPU call opens it again",
-                        ctx.adapter.name
-                    )
-                } else {
-                    format!("{message}; the next GPU call starts on a fresh device")
-                }))
+                if !ctx.is_lost() {
+                    return Err(Error::Gpu(message));
+                }
+                // Lost during the call: the arrays went with the device.
+                let names: Vec<&str> = tensors.iter().map(|(name, _)| *name).collect();
+                Err(Error::Gpu(format!(
+                    "{message}; the device arrays {} were lost with it: upload them again",
+                    names.join(", ")
+                )))
             }
             result => result,
-        }
+        })
     })
 }
 
@@ -832,6 +903,47 @@ fn to_buffer(values: Vec<f32>, dtype: DType) -> Buffer {
     }
 }
 
+/// Where a call's input comes from: host bytes uploaded chunk by chunk, or
+/// a tensor already on the device.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Host(&'a [u8]),
+    Device(&'a DeviceTensor),
+}
+
+fn source<'a>(name: &str, input: Input<'a>) -> Result<Source<'a>> {
+    match input {
+        Input::Host(s) => Ok(Source::Host(input_bytes(name, &s)?)),
+        Input::Device(t) if t.dtype() == DType::F64 => Err(float64_error(name)),
+        Input::Device(t) => Ok(Source::Device(t)),
+    }
+}
+
+/// Heads `first..first + count` of an input, `per_head` elements of `eb`
+/// bytes each, as a buffer the chunk binds: uploaded from the host (and
+/// `uploaded` set), or taken from the device tensor by commands recorded
+/// in `encoder`.
+#[allow(clippy::too_many_arguments)]
+fn chunk_input(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    name: &str,
+    input: Source<'_>,
+    per_head: usize,
+    eb: usize,
+    first: usize,
+    count: usize,
+    uploaded: &mut bool,
+) -> Result<wgpu::Buffer> {
+    match input {
+        Source::Host(bytes) => {
+            *uploaded = true;
+            upload(ctx, name, heads_of(bytes, per_head, eb, first, count))
+        }
+        Source::Device(t) => resident::heads(ctx, encoder, t, per_head, first, count),
+    }
+}
+
 pub fn forward(
     problem: &Problem,
     q: Slice<'_>,
@@ -839,16 +951,33 @@ pub fn forward(
     v: Slice<'_>,
     variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
+    let r = forward_arrays(
+        problem,
+        [q.into(), k.into(), v.into()],
+        variants,
+        Placement::Host,
+    )?;
+    Ok(ForwardOutput {
+        out: r.out.into_host()?,
+        lse: r.lse.into_host()?,
+    })
+}
+
+/// The forward pass on host or device inputs, its outputs left where
+/// `outputs` says.
+pub fn forward_arrays(
+    problem: &Problem,
+    [q, k, v]: [Input<'_>; 3],
+    variants: &VariantArrays<'_>,
+    outputs: Placement,
+) -> Result<ForwardArrays> {
     check_dtype(problem)?;
     check_sizes(problem)?;
-    let (q, k, v) = (
-        input_bytes("q", &q)?,
-        input_bytes("k", &k)?,
-        input_bytes("v", &v)?,
-    );
+    let sources = [source("q", q)?, source("k", k)?, source("v", v)?];
     let vd = variant_data(problem, variants)?;
-    with_context("running the forward pass", |ctx| {
-        forward_on(ctx, problem, [q, k, v], &vd)
+    let named = [("q", sources[0]), ("k", sources[1]), ("v", sources[2])];
+    with_inputs("running the forward pass", &named, |ctx| {
+        forward_on(ctx, problem, sources, &vd, outputs)
     })
 }
 
@@ -885,26 +1014,173 @@ impl Assembled {
         }
     }
 
+    /// Adds one chunk's result to the one at `offset` (the pieces of a GQA
+    /// group cut across chunks, summed in chunk order so the result is
+    /// still reproducible).
+    fn add(&mut self, offset: usize, part: &[f32]) {
+        let rows = &mut self.slot()[offset..offset + part.len()];
+        rows.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+    }
+
     fn into_vec(mut self) -> Vec<f32> {
         std::mem::take(self.slot())
     }
 }
 
+/// One output of a call: assembled in host memory from the chunks'
+/// readbacks, or kept on the device.
+enum Sink {
+    Host(Assembled),
+    Device(resident::Resident),
+}
+
+impl Sink {
+    fn new(outputs: Placement, len: usize, fill: f32) -> Self {
+        match outputs {
+            Placement::Host => Sink::Host(Assembled::new(len, fill)),
+            Placement::Device => Sink::Device(resident::Resident::new(len)),
+        }
+    }
+
+    /// Records the commands that keep a chunk's `n` results (at element
+    /// `offset`, added to what is there when `add`) on the device; a host
+    /// sink asks for the buffer to be read back into `reads` instead.
+    #[allow(clippy::too_many_arguments)]
+    fn collect<'b>(
+        &mut self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        part: &'b wgpu::Buffer,
+        offset: usize,
+        n: usize,
+        add: bool,
+        reads: &mut Vec<(&'b wgpu::Buffer, usize)>,
+    ) -> Result<()> {
+        match self {
+            Sink::Host(_) => reads.push((part, n)),
+            Sink::Device(r) if add => r.add(ctx, encoder, offset, part, n)?,
+            Sink::Device(r) => r.put(ctx, encoder, offset, part, n),
+        }
+        Ok(())
+    }
+
+    /// Places a chunk's readback (the next of `reads`) into a host sink.
+    fn place(&mut self, offset: usize, add: bool, reads: &mut std::vec::IntoIter<Vec<f32>>) {
+        if let Sink::Host(a) = self {
+            let part = reads.next().unwrap_or_default();
+            if add {
+                a.add(offset, &part);
+            } else {
+                a.put(offset, part);
+            }
+        }
+    }
+
+    /// The output: host values rounded to `dtype`, or a device tensor
+    /// rounded on the device by commands recorded in `encoder`.
+    fn finish(
+        self,
+        ctx: &Arc<Context>,
+        encoder: &mut wgpu::CommandEncoder,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> Result<Array> {
+        Ok(match self {
+            Sink::Host(a) => Array::Host(to_buffer(a.into_vec(), dtype)),
+            Sink::Device(r) => Array::Device(r.finish(ctx, encoder, dtype, shape)?),
+        })
+    }
+}
+
+/// Finishes the outputs of a call (`(sink, dtype, shape)` each): device
+/// outputs' last commands are submitted and waited for, so the call's
+/// work is done when it returns.
+fn finish_outputs<const N: usize>(
+    ctx: &Arc<Context>,
+    sinks: [(Sink, DType, Vec<usize>); N],
+) -> Result<[Array; N]> {
+    let mut encoder = ctx.device.create_command_encoder(&Default::default());
+    let mut arrays = Vec::with_capacity(N);
+    let mut on_device = false;
+    for (sink, dtype, shape) in sinks {
+        on_device |= matches!(sink, Sink::Device(_));
+        arrays.push(sink.finish(ctx, &mut encoder, dtype, shape)?);
+    }
+    if on_device {
+        let index = ctx.queue.submit([encoder.finish()]);
+        ctx.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: None,
+            })
+            .map_err(|e| {
+                Error::Gpu(format!(
+                    "waiting for the GPU failed on {}: {e}",
+                    ctx.adapter.name
+                ))
+            })?;
+    }
+    arrays
+        .try_into()
+        .map_err(|_| Error::Gpu("an output went missing".to_string()))
+}
+
+/// Outputs kept on the device are assembled in float32 buffers of their
+/// whole size (float16 ones rounded afterwards), which must fit one GPU
+/// buffer even where the chunks' bindings are smaller.
+fn check_device_outputs(ctx: &Context, outputs: Placement, lens: &[(&str, usize)]) -> Result<()> {
+    if outputs == Placement::Host {
+        return Ok(());
+    }
+    let max = ctx.limits.max_buffer_size;
+    match lens.iter().find(|(_, len)| 4 * *len as u64 > max) {
+        Some((name, len)) => Err(Error::TooLarge(format!(
+            "keeping {name} on the GPU needs a buffer of {} bytes, more than the {max} of the \
+             GPU {}; pass NumPy arrays to have the results read back chunk by chunk",
+            4 * *len as u64,
+            ctx.adapter.name
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The outputs of an empty problem, filled with `fill`, where `outputs`
+/// says.
+fn empty_output(
+    ctx: &Arc<Context>,
+    outputs: Placement,
+    dtype: DType,
+    shape: Vec<usize>,
+    fill: f32,
+) -> Array {
+    match outputs {
+        Placement::Host => {
+            let len = shape.iter().product();
+            Array::Host(to_buffer(vec![fill; len], dtype))
+        }
+        Placement::Device => Array::Device(resident::filled(ctx, dtype, shape, fill)),
+    }
+}
+
 fn forward_on(
-    ctx: &Context,
+    ctx: &Arc<Context>,
     p: &Problem,
-    [q, k, v]: [&[u8]; 3],
+    [q, k, v]: [Source<'_>; 3],
     vd: &VariantData,
-) -> Result<ForwardOutput> {
+    outputs: Placement,
+) -> Result<ForwardArrays> {
     check_f16(ctx, p)?;
-    let mut out = Assembled::new(p.out_len(), 0.0);
-    let mut lse = Assembled::new(p.lse_len(), f32::NEG_INFINITY);
     if (p.out_len() == 0 && p.lse_len() == 0) || p.seq_k == 0 {
-        return Ok(ForwardOutput {
-            out: to_buffer(out.into_vec(), p.dtype),
-            lse: Buffer::F32(lse.into_vec()),
+        return ctx.scoped("making the outputs", || {
+            Ok(ForwardArrays {
+                out: empty_output(ctx, outputs, p.dtype, p.out_shape(), 0.0),
+                lse: empty_output(ctx, outputs, DType::F32, p.lse_shape(), f32::NEG_INFINITY),
+            })
         });
     }
+    check_device_outputs(ctx, outputs, &[("o", p.out_len()), ("lse", p.lse_len())])?;
+    let mut out = Sink::new(outputs, p.out_len(), 0.0);
+    let mut lse = Sink::new(outputs, p.lse_len(), f32::NEG_INFINITY);
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let f16 = p.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
@@ -949,13 +1225,18 @@ fn forward_on(
     for chunk in &chunks {
         let (q0, nq) = (chunk.q0(g), chunk.q_count());
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
-        let [o, l] = ctx.scoped("running the forward pass", || {
+        let reads = ctx.scoped("running the forward pass", || {
             let uniform = params(ctx, p, chunk, vd)?;
+            let mut encoder = ctx.device.create_command_encoder(&Default::default());
             let t_up = std::time::Instant::now();
-            let qb = upload(ctx, "q", heads_of(q, sq * d, eb, q0, nq))?;
-            let kb = upload(ctx, "k", heads_of(k, sk * d, eb, kv0, nkv))?;
-            let vb = upload(ctx, "v", heads_of(v, sk * dv, eb, kv0, nkv))?;
-            record_host("upload", t_up);
+            let mut up = false;
+            let enc = &mut encoder;
+            let qb = chunk_input(ctx, enc, "q", q, sq * d, eb, q0, nq, &mut up)?;
+            let kb = chunk_input(ctx, enc, "k", k, sk * d, eb, kv0, nkv, &mut up)?;
+            let vb = chunk_input(ctx, enc, "v", v, sk * dv, eb, kv0, nkv, &mut up)?;
+            if up {
+                record_host("upload", t_up);
+            }
             let ob = output(ctx, "out", nq * sq * dv);
             let lb = output(ctx, "lse", nq * sq);
             let group = bind(
@@ -964,7 +1245,6 @@ fn forward_on(
                 &[&uniform, &qb, &kb, &vb, &ob, &lb],
                 Some(&vx),
             );
-            let mut encoder = ctx.device.create_command_encoder(&Default::default());
             let mut timer = Timer::new(ctx);
             dispatch(
                 &mut encoder,
@@ -974,23 +1254,26 @@ fn forward_on(
                 nq as u32,
                 timer.as_mut().map(|t| (t, kernel.name())),
             );
-            let mut r = submit_and_read(
-                ctx,
-                encoder,
-                &[(&ob, nq * sq * dv), (&lb, nq * sq)],
-                timer.as_ref(),
-            )?;
-            let l = r.pop().unwrap_or_default();
-            let o = r.pop().unwrap_or_default();
-            Ok([o, l])
+            let mut reads = Vec::new();
+            let enc = &mut encoder;
+            out.collect(ctx, enc, &ob, q0 * sq * dv, nq * sq * dv, false, &mut reads)?;
+            lse.collect(ctx, enc, &lb, q0 * sq, nq * sq, false, &mut reads)?;
+            submit_and_read(ctx, encoder, &reads, timer.as_ref())
         })?;
-        out.put(q0 * sq * dv, o);
-        lse.put(q0 * sq, l);
+        let mut reads = reads.into_iter();
+        out.place(q0 * sq * dv, false, &mut reads);
+        lse.place(q0 * sq, false, &mut reads);
     }
-    Ok(ForwardOutput {
-        out: to_buffer(out.into_vec(), p.dtype),
-        lse: Buffer::F32(lse.into_vec()),
-    })
+    let [out, lse] = ctx.scoped("keeping the outputs on the device", || {
+        finish_outputs(
+            ctx,
+            [
+                (out, p.dtype, p.out_shape()),
+                (lse, DType::F32, p.lse_shape()),
+            ],
+        )
+    })?;
+    Ok(ForwardArrays { out, lse })
 }
 
 pub fn backward(
@@ -998,56 +1281,82 @@ pub fn backward(
     inputs: [Slice<'_>; 6],
     variants: &VariantArrays<'_>,
 ) -> Result<BackendGradients> {
+    let g = backward_arrays(problem, inputs.map(Input::Host), variants, Placement::Host)?;
+    Ok(BackendGradients {
+        dq: g.dq.into_host()?,
+        dk: g.dk.into_host()?,
+        dv: g.dv.into_host()?,
+        d_scores: g.d_scores,
+    })
+}
+
+/// The backward pass on host or device inputs `[do, q, k, v, o, lse]`,
+/// `dq`, `dk` and `dv` left where `outputs` says (the score gradient, for
+/// the mask's, is always read back: the host reduces it).
+pub fn backward_arrays(
+    problem: &Problem,
+    inputs: [Input<'_>; 6],
+    variants: &VariantArrays<'_>,
+    outputs: Placement,
+) -> Result<BackendArrays> {
     let [d_out, q, k, v, out, lse] = inputs;
     check_dtype(problem)?;
     check_sizes(problem)?;
-    let d_out = input_bytes("do", &d_out)?;
-    let (q, k, v) = (
-        input_bytes("q", &q)?,
-        input_bytes("k", &k)?,
-        input_bytes("v", &v)?,
-    );
-    let out = input_bytes("o", &out)?;
-    let lse: std::borrow::Cow<'_, [f32]> = match lse {
-        Slice::F32(x) => x.into(),
-        Slice::F64(x) => x.iter().map(|&l| l as f32).collect::<Vec<_>>().into(),
-        Slice::F16(_) => {
+    let lse_f32: Vec<f32>;
+    let lse = match lse {
+        Input::Host(Slice::F32(x)) => Source::Host(bytemuck::cast_slice(x)),
+        Input::Host(Slice::F64(x)) => {
+            lse_f32 = x.iter().map(|&l| l as f32).collect();
+            Source::Host(bytemuck::cast_slice(&lse_f32))
+        }
+        Input::Device(t) if t.dtype() == DType::F32 => Source::Device(t),
+        other => {
             return Err(Error::DType {
                 argument: "lse".to_string(),
-                dtype: "float16".to_string(),
+                dtype: other.dtype().numpy_name().to_string(),
                 reason: "lse must be float32 or float64 (as returned by attention)".to_string(),
             })
         }
     };
     let inputs = BackwardInputs {
-        d_out,
-        q,
-        k,
-        v,
-        out,
-        lse: bytemuck::cast_slice(&lse),
+        d_out: source("do", d_out)?,
+        q: source("q", q)?,
+        k: source("k", k)?,
+        v: source("v", v)?,
+        out: source("o", out)?,
+        lse,
     };
     let vd = variant_data(problem, variants)?;
-    with_context("running the backward pass", |ctx| {
-        backward_on(ctx, problem, &inputs, &vd)
+    let named = [
+        ("do", inputs.d_out),
+        ("q", inputs.q),
+        ("k", inputs.k),
+        ("v", inputs.v),
+        ("o", inputs.out),
+        ("lse", inputs.lse),
+    ];
+    with_inputs("running the backward pass", &named, |ctx| {
+        backward_on(ctx, problem, &inputs, &vd, outputs)
     })
 }
 
 struct BackwardInputs<'a> {
-    d_out: &'a [u8],
-    q: &'a [u8],
-    k: &'a [u8],
-    v: &'a [u8],
-    out: &'a [u8],
-    lse: &'a [u8],
+    d_out: Source<'a>,
+    q: Source<'a>,
+    k: Source<'a>,
+    v: Source<'a>,
+    out: Source<'a>,
+    /// float32.
+    lse: Source<'a>,
 }
 
 fn backward_on(
-    ctx: &Context,
+    ctx: &Arc<Context>,
     p: &Problem,
     x: &BackwardInputs<'_>,
     vd: &VariantData,
-) -> Result<BackendGradients> {
+    outputs: Placement,
+) -> Result<BackendArrays> {
     check_f16(ctx, p)?;
     // d_out, q, k, v, lse, delta, two outputs, and vx.
     const STORAGE_BUFFERS: u32 = 9;
@@ -1058,22 +1367,28 @@ fn backward_on(
             ctx.limits.max_storage_buffers_per_shader_stage, ctx.adapter.name
         )));
     }
-    let mut dq = Assembled::new(p.q_len(), 0.0);
-    let mut dk = Assembled::new(p.k_len(), 0.0);
-    let mut dv_all = Assembled::new(p.v_len(), 0.0);
     let scores_len = p.batch * p.heads_q * p.seq_q * p.seq_k;
-    let mut d_scores = p.return_dmask.then(|| Assembled::new(scores_len, 0.0));
-    let done = |dq: Assembled, dk: Assembled, dv: Assembled, d_scores: Option<Assembled>| {
-        BackendGradients {
-            dq: to_buffer(dq.into_vec(), p.dtype),
-            dk: to_buffer(dk.into_vec(), p.dtype),
-            dv: to_buffer(dv.into_vec(), p.dtype),
-            d_scores: d_scores.map(|s| Buffer::F32(s.into_vec())),
-        }
-    };
     if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
-        return Ok(done(dq, dk, dv_all, d_scores));
+        return ctx.scoped("making the outputs", || {
+            Ok(BackendArrays {
+                dq: empty_output(ctx, outputs, p.dtype, p.q_shape(), 0.0),
+                dk: empty_output(ctx, outputs, p.dtype, p.k_shape(), 0.0),
+                dv: empty_output(ctx, outputs, p.dtype, p.v_shape(), 0.0),
+                d_scores: p.return_dmask.then(|| Buffer::F32(vec![0.0; scores_len])),
+            })
+        });
     }
+    check_device_outputs(
+        ctx,
+        outputs,
+        &[("dq", p.q_len()), ("dk", p.k_len()), ("dv", p.v_len())],
+    )?;
+    let mut dq = Sink::new(outputs, p.q_len(), 0.0);
+    let mut dk = Sink::new(outputs, p.k_len(), 0.0);
+    let mut dv_all = Sink::new(outputs, p.v_len(), 0.0);
+    // Read back whatever the placement: the host reduces it to the mask's
+    // shape.
+    let mut d_scores = p.return_dmask.then(|| Assembled::new(scores_len, 0.0));
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let f16 = p.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
@@ -1130,16 +1445,24 @@ fn backward_on(
     for chunk in &chunks {
         let (q0, nq) = (chunk.q0(g), chunk.q_count());
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
-        let [cdq, cdk, cdv, cds] = ctx.scoped("running the backward pass", || {
+        // A group cut into pieces: its pieces are summed in order, so the
+        // result is still reproducible.
+        let add = chunk.g0 != 0;
+        let reads = ctx.scoped("running the backward pass", || {
             let uniform = params(ctx, p, chunk, vd)?;
+            let mut encoder = ctx.device.create_command_encoder(&Default::default());
             let t_up = std::time::Instant::now();
-            let dob = upload(ctx, "do", heads_of(x.d_out, sq * dv, eb, q0, nq))?;
-            let ob = upload(ctx, "o", heads_of(x.out, sq * dv, eb, q0, nq))?;
-            let qb = upload(ctx, "q", heads_of(x.q, sq * d, eb, q0, nq))?;
-            let kb = upload(ctx, "k", heads_of(x.k, sk * d, eb, kv0, nkv))?;
-            let vb = upload(ctx, "v", heads_of(x.v, sk * dv, eb, kv0, nkv))?;
-            let lb = upload(ctx, "lse", heads_of(x.lse, sq, 4, q0, nq))?;
-            record_host("upload", t_up);
+            let mut up = false;
+            let enc = &mut encoder;
+            let dob = chunk_input(ctx, enc, "do", x.d_out, sq * dv, eb, q0, nq, &mut up)?;
+            let ob = chunk_input(ctx, enc, "o", x.out, sq * dv, eb, q0, nq, &mut up)?;
+            let qb = chunk_input(ctx, enc, "q", x.q, sq * d, eb, q0, nq, &mut up)?;
+            let kb = chunk_input(ctx, enc, "k", x.k, sk * d, eb, kv0, nkv, &mut up)?;
+            let vb = chunk_input(ctx, enc, "v", x.v, sk * dv, eb, kv0, nkv, &mut up)?;
+            let lb = chunk_input(ctx, enc, "lse", x.lse, sq, 4, q0, nq, &mut up)?;
+            if up {
+                record_host("upload", t_up);
+            }
             let delta = output(ctx, "delta", nq * sq);
             let dqb = output(ctx, "dq", nq * sq * d);
             let dkb = output(ctx, "dk", nkv * sk * d);
@@ -1162,7 +1485,6 @@ fn backward_on(
                 &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dkb, &dvb],
                 Some(&vx),
             );
-            let mut encoder = ctx.device.create_command_encoder(&Default::default());
             let mut timer = Timer::new(ctx);
             dispatch(
                 &mut encoder,
@@ -1188,40 +1510,39 @@ fn backward_on(
                 nkv as u32,
                 timer.as_mut().map(|t| (t, kkv.kernel.name())),
             );
-            let mut outputs = vec![
-                (&dqb, nq * sq * d),
-                (&dkb, nkv * sk * d),
-                (&dvb, nkv * sk * dv),
-            ];
+            let mut reads = Vec::new();
+            let enc = &mut encoder;
+            dq.collect(ctx, enc, &dqb, q0 * sq * d, nq * sq * d, false, &mut reads)?;
+            let (k_off, v_off) = (kv0 * sk * d, kv0 * sk * dv);
+            dk.collect(ctx, enc, &dkb, k_off, nkv * sk * d, add, &mut reads)?;
+            dv_all.collect(ctx, enc, &dvb, v_off, nkv * sk * dv, add, &mut reads)?;
             if dmask {
-                outputs.push((&dsb, nq * sq_sk));
+                reads.push((&dsb, nq * sq_sk));
             }
-            let mut r = submit_and_read(ctx, encoder, &outputs, timer.as_ref())?;
-            let cds = if dmask {
-                r.pop().unwrap_or_default()
-            } else {
-                Vec::new()
-            };
-            let cdv = r.pop().unwrap_or_default();
-            let cdk = r.pop().unwrap_or_default();
-            let cdq = r.pop().unwrap_or_default();
-            Ok([cdq, cdk, cdv, cds])
+            submit_and_read(ctx, encoder, &reads, timer.as_ref())
         })?;
-        dq.put(q0 * sq * d, cdq);
+        let mut reads = reads.into_iter();
+        dq.place(q0 * sq * d, false, &mut reads);
+        dk.place(kv0 * sk * d, add, &mut reads);
+        dv_all.place(kv0 * sk * dv, add, &mut reads);
         if let Some(all) = d_scores.as_mut() {
-            all.put(q0 * sq_sk, cds);
-        }
-        if chunk.g0 == 0 {
-            dk.put(kv0 * sk * d, cdk);
-            dv_all.put(kv0 * sk * dv, cdv);
-        } else {
-            let dk_rows = &mut dk.slot()[kv0 * sk * d..(kv0 + nkv) * sk * d];
-            let dv_rows = &mut dv_all.slot()[kv0 * sk * dv..(kv0 + nkv) * sk * dv];
-            // A group cut into pieces: its pieces are summed in order, so
-            // the result is still reproducible.
-            dk_rows.iter_mut().zip(&cdk).for_each(|(a, b)| *a += b);
-            dv_rows.iter_mut().zip(&cdv).for_each(|(a, b)| *a += b);
+            all.put(q0 * sq_sk, reads.next().unwrap_or_default());
         }
     }
-    Ok(done(dq, dk, dv_all, d_scores))
+    let [dq, dk, dv] = ctx.scoped("keeping the outputs on the device", || {
+        finish_outputs(
+            ctx,
+            [
+                (dq, p.dtype, p.q_shape()),
+                (dk, p.dtype, p.k_shape()),
+                (dv_all, p.dtype, p.v_shape()),
+            ],
+        )
+    })?;
+    Ok(BackendArrays {
+        dq,
+        dk,
+        dv,
+        d_scores: d_scores.map(|s| Buffer::F32(s.into_vec())),
+    })
 }

@@ -1,0 +1,135 @@
+"""Arrays that stay in GPU memory between calls: :class:`DeviceArray` and
+:func:`to_device`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _core
+
+__all__ = ["DeviceArray", "to_device"]
+
+
+class DeviceArray:
+    """A float32 or float16 array resident in GPU memory.
+
+    Made by :func:`to_device`, or returned by :func:`flashport.attention` and
+    :func:`flashport.attention_backward` when one of their main arrays is a
+    ``DeviceArray`` (results live where the inputs live). Passing it to those
+    functions again binds its GPU buffer directly: a forward followed by its
+    backward uploads q, k and v once, and the forward's ``o`` and ``lse`` need
+    never leave the GPU.
+
+    Immutable: it has no methods that modify it, and no flashport call writes
+    into an array it was given. To read it, call :meth:`numpy` (or
+    ``np.asarray(x)``): each returns a new NumPy array copied back from the
+    GPU. It holds GPU memory until it is garbage-collected. If the GPU device
+    is lost or reset (a driver reset, a removed GPU), its data is gone:
+    using it raises :class:`flashport.GpuError` naming the argument.
+    """
+
+    __slots__ = ("_tensor",)
+
+    _tensor: _core.DeviceTensor
+
+    def __init__(self, tensor: _core.DeviceTensor) -> None:
+        if not isinstance(tensor, _core.DeviceTensor):
+            raise TypeError(
+                "DeviceArray is made by flashport.to_device(array), not constructed directly"
+            )
+        object.__setattr__(self, "_tensor", tensor)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"DeviceArray is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"DeviceArray is immutable: cannot delete {name!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._tensor.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """``numpy.float32`` or ``numpy.float16``."""
+        return np.dtype(self._tensor.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._tensor.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._tensor.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the elements in GPU memory."""
+        return self._tensor.nbytes
+
+    @property
+    def device(self) -> str:
+        """The name of the GPU adapter that holds the array."""
+        return self._tensor.adapter
+
+    def numpy(self) -> np.ndarray:
+        """A new NumPy array with the values, copied back from the GPU."""
+        return self._tensor.numpy()
+
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
+        # NumPy's protocol: np.asarray(x) and np.array(x) read the array back.
+        if copy is False:
+            raise ValueError(
+                "a DeviceArray lives in GPU memory: converting it to NumPy always copies "
+                "(use x.numpy())"
+            )
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype.name}, device={self.device!r})"
+
+
+def to_device(array: npt.ArrayLike | DeviceArray) -> DeviceArray:
+    """Uploads ``array`` to the GPU, where it stays until garbage-collected.
+
+    Arguments
+    ---------
+    array : float32 or float16 array
+        Any strides, byte order or writeability (it is copied, never
+        modified). A ``DeviceArray`` is returned as it is (they are
+        immutable, so sharing one is safe).
+
+    Returns
+    -------
+    DeviceArray
+        On the GPU flashport computes on (``device="gpu"``).
+
+    Raises
+    ------
+    DTypeError (a TypeError)
+        Any dtype other than float32 and float16 (the GPU does not compute
+        in float64: keep float64 arrays in NumPy and use ``device="cpu"``),
+        or float16 on an adapter that cannot read it.
+    BackendUnavailableError
+        No usable GPU adapter.
+    ProblemTooLargeError
+        The array is larger than the adapter's largest buffer.
+    GpuError
+        The GPU failed while uploading.
+    """
+    if isinstance(array, DeviceArray):
+        return array
+    return DeviceArray(_core.to_device(as_native_array(array)))
+
+
+def as_native_array(x: Any) -> np.ndarray:
+    """An ndarray view of ``x``; a copy only if its byte order is not the
+    machine's (the core reads native-order elements)."""
+    array = np.asarray(x)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array

@@ -1,0 +1,124 @@
+// Moves between device-resident arrays (flashport.DeviceArray) and the
+// attention kernels' per-chunk buffers, without a trip through the host:
+//
+// - copy_f16: the float16 elements of a chunk of heads into a buffer of
+//   its own. copy_buffer_to_buffer needs 4-byte offsets, which a float16
+//   head of odd size does not start at.
+// - add_f32: a dK/dV piece of a GQA group cut across chunks, summed into
+//   the whole output in chunk order (as the host sums the pieces).
+// - to_f16: float32 results rounded to float16 exactly as the host rounds
+//   them (half::f16::from_f32, round to nearest even), so an output kept
+//   on the device has the bits a NumPy output has. WGSL's pack2x16float
+//   leaves the rounding to the implementation, so it is done on the bits.
+//
+// Each binding is a window of a buffer bound at an aligned offset; `span`
+// locates the elements inside the windows. Float16 elements are packed in
+// pairs into u32 words, the low half first, as the attention kernels read
+// them.
+
+struct Span {
+    // Offsets, in elements of each window's own type (float16 or float32).
+    // A float16 destination offset is even: each invocation owns one word.
+    src_offset: u32,
+    dst_offset: u32,
+    count: u32,
+}
+
+@group(0) @binding(0) var<uniform> span: Span;
+@group(0) @binding(1) var<storage, read> src: array<u32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<u32>;
+
+const WG: u32 = 64u;
+
+// The grid is two-dimensional when one dimension cannot hold the count.
+fn invocation(wid: vec3<u32>, groups: vec3<u32>, lid: u32) -> u32 {
+    return (wid.y * groups.x + wid.x) * WG + lid;
+}
+
+fn src_half(i: u32) -> u32 {
+    return (src[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu;
+}
+
+@compute @workgroup_size(WG)
+fn copy_f16(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) groups: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let first = 2u * invocation(wid, groups, lid);
+    if first >= span.count {
+        return;
+    }
+    let lo = src_half(span.src_offset + first);
+    var hi = 0u;
+    if first + 1u < span.count {
+        hi = src_half(span.src_offset + first + 1u);
+    }
+    dst[(span.dst_offset + first) >> 1u] = lo | (hi << 16u);
+}
+
+@compute @workgroup_size(WG)
+fn add_f32(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) groups: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = invocation(wid, groups, lid);
+    if i >= span.count {
+        return;
+    }
+    let sum = bitcast<f32>(dst[span.dst_offset + i]) + bitcast<f32>(src[span.src_offset + i]);
+    dst[span.dst_offset + i] = bitcast<u32>(sum);
+}
+
+// half::f16::from_f32's software conversion, step for step.
+fn f32_to_f16_bits(x: u32) -> u32 {
+    let sign = (x & 0x80000000u) >> 16u;
+    let exp = x & 0x7f800000u;
+    let man = x & 0x007fffffu;
+    if exp == 0x7f800000u {
+        // Infinity, or NaN kept quiet with its top mantissa bits.
+        let nan_bit = select(0x0200u, 0u, man == 0u);
+        return sign | 0x7c00u | nan_bit | (man >> 13u);
+    }
+    let half_exp = i32(exp >> 23u) - 127 + 15;
+    if half_exp >= 0x1f {
+        return sign | 0x7c00u;
+    }
+    if half_exp <= 0 {
+        if 14 - half_exp > 24 {
+            return sign;
+        }
+        let full = man | 0x00800000u;
+        var half_man = full >> u32(14 - half_exp);
+        let round_bit = 1u << u32(13 - half_exp);
+        if (full & round_bit) != 0u && (full & (3u * round_bit - 1u)) != 0u {
+            half_man += 1u;
+        }
+        return sign | half_man;
+    }
+    let bits = sign | (u32(half_exp) << 10u) | (man >> 13u);
+    let round_bit = 0x00001000u;
+    if (man & round_bit) != 0u && (man & (3u * round_bit - 1u)) != 0u {
+        return bits + 1u;
+    }
+    return bits;
+}
+
+@compute @workgroup_size(WG)
+fn to_f16(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) groups: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let first = 2u * invocation(wid, groups, lid);
+    if first >= span.count {
+        return;
+    }
+    let lo = f32_to_f16_bits(src[span.src_offset + first]);
+    var hi = 0u;
+    if first + 1u < span.count {
+        hi = f32_to_f16_bits(src[span.src_offset + first + 1u]);
+    }
+    dst[(span.dst_offset + first) >> 1u] = lo | (hi << 16u);
+}
