@@ -1,7 +1,8 @@
 """flashport's GPU backend against PyTorch SDPA on the same GPU, in one run.
 
 Times, per shape and causal flag, forward and forward+backward of:
-- flashport (device="gpu", float32): GPU kernel time from timestamp queries
+- flashport (device="gpu", float32, or float16 with --dtype float16): GPU
+  kernel time from timestamp queries
   (flashport._core._gpu_kernel_times(), summed over the call's kernels) and
   end-to-end wall time of the call, NumPy in to NumPy out (uploads,
   kernels, downloads); medians over --reps calls after one warm-up call;
@@ -59,7 +60,7 @@ def breakdown():
 
 def output_gradient(q, v):
     rng = np.random.default_rng(7)
-    return rng.standard_normal((*q.shape[:3], v.shape[3]), dtype=np.float32)
+    return rng.standard_normal((*q.shape[:3], v.shape[3]), dtype=np.float32).astype(q.dtype)
 
 
 def time_flashport(q, k, v, causal, reps, backward):
@@ -184,6 +185,12 @@ def main():
         "--no-device-arrays", action="store_true", help="skip forward+backward on DeviceArrays"
     )
     ap.add_argument("--shapes", default=None, help="e.g. 4x16x4096x64,1x16x16384x64")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16"],
+        help="flashport's input dtype (the PyTorch columns are the same either way)",
+    )
     args = ap.parse_args()
     shapes = SHAPES
     if args.shapes:
@@ -222,7 +229,9 @@ def main():
     records = []
     rng = np.random.default_rng(0)
     for B, H, N, d in shapes:
-        q, k, v = (rng.standard_normal((B, H, N, d), dtype=np.float32) for _ in range(3))
+        q, k, v = (
+            rng.standard_normal((B, H, N, d), dtype=np.float32).astype(args.dtype) for _ in range(3)
+        )
         for causal in (False, True):
             rec = {"shape": [B, H, N, d], "causal": causal}
             kf, ef, res = time_flashport(q, k, v, causal, args.reps, backward=False)
@@ -277,7 +286,7 @@ def main():
     # The table, last.
     print()
     print(
-        f"flashport GPU (float32) vs PyTorch SDPA, {info.get('cuda_device', '?')}, "
+        f"flashport GPU ({args.dtype}) vs PyTorch SDPA, {info.get('cuda_device', '?')}, "
         f"driver {info['flashport_gpu'] and info['flashport_gpu'].get('driver')}, {info['date']}"
     )
     hdr = (
