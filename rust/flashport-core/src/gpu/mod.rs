@@ -306,6 +306,15 @@ impl Timer {
     }
 }
 
+/// A cap on the block height from the environment (benchmarks compare
+/// block heights on one adapter); none by default.
+fn env_rows(name: &str) -> u32 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(u32::MAX)
+}
+
 fn no_prefetch() -> bool {
     // Measures what the register prefetch gains (benchmarks).
     std::env::var("FLASHPORT_GPU_PREFETCH").as_deref() == Ok("0")
@@ -1396,11 +1405,7 @@ fn backward_on(
     let tiled = if forced_simple() {
         None
     } else {
-        // Benchmarks: compare block heights on one adapter.
-        let max_rows = std::env::var("FLASHPORT_GPU_BACKWARD_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-            .unwrap_or(u32::MAX);
+        let max_rows = env_rows("FLASHPORT_GPU_BACKWARD_ROWS");
         tiles::backward_kernels_of_at_most(d as u32, dv as u32, caps, max_rows).map(
             |(mut tq, mut tkv)| {
                 if no_prefetch() {
