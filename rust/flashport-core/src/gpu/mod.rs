@@ -1203,7 +1203,12 @@ fn forward_on(
     } else if let Some(t) = coop {
         (Kernel::ForwardCoop, t)
     } else {
-        let (kernel, mut tiles) = tiles::forward_kernel(d as u32, dv as u32, caps);
+        let (kernel, mut tiles) = tiles::forward_kernel_of_at_most(
+            d as u32,
+            dv as u32,
+            caps,
+            env_rows("FLASHPORT_GPU_FORWARD_ROWS"),
+        );
         if no_prefetch() {
             tiles.prefetch = 0;
         }

@@ -260,7 +260,7 @@ pub fn backward_kernels_of_at_most(
         // KiB, d = 64 fits as 56-row blocks and d = 128 as 16-row blocks
         // only by sharing. Measured on the H100 at d = 64: 48-row shared
         // blocks ran forward+backward in 73.1 ms, 32-row side by side 95.2.
-        let candidates = [16u32, 14, 12, 8, 4, 2]
+        let candidates = [16u32, 14, 12, 10, 8, 6, 4, 2]
             .into_iter()
             .filter(|rg| 4 * rg <= max_rows.max(8))
             .flat_map(|rg| [(rg, false), (rg, true)]);
@@ -314,38 +314,62 @@ pub fn backward_kernels_of_at_most(
 /// q/k, tiles within workgroup memory; float32 or float16 inputs alike),
 /// else the simple kernel, which handles every shape.
 pub fn forward_kernel(d: u32, dv: u32, caps: DeviceCaps) -> (Kernel, Tiles) {
+    forward_kernel_of_at_most(d, dv, caps, u32::MAX)
+}
+
+/// `forward_kernel` with blocks of at most `max_rows` query rows (the
+/// benchmarks compare block heights on one adapter).
+pub fn forward_kernel_of_at_most(
+    d: u32,
+    dv: u32,
+    caps: DeviceCaps,
+    max_rows: u32,
+) -> (Kernel, Tiles) {
     let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(256);
     let shape_ok = d % 4 == 0 && dv % 4 == 0 && (4..=256).contains(&d) && (4..=128).contains(&dv);
     if shape_ok {
-        // Larger row blocks first (more reuse of each K/V tile), and K and
-        // V side by side before sharing (one barrier and load phase less).
-        // Not larger than 64 rows: on the H100 at d = 64, 96- and 80-row
-        // blocks (which fit only with V over K, so without the register
-        // prefetch) ran 15.2 and 18.1 ms against 13.1 at (4,16,4096,64)
-        // (benchmarks/GPU_NOTES.md, session 3).
-        for rg in [16u32, 8, 4] {
-            for kv_shared in [false, true] {
-                let wg = TILED_CG * rg;
-                // Prefetch where the tiles split into at most 8 vec4s per
-                // invocation (the named registers pk0..pk7, pv0..pv7).
-                let per = (TILED_BK * (d / 4))
-                    .max(TILED_BK * 8 * tiled_nv(dv))
-                    .div_ceil(wg);
-                let t = Tiles {
-                    q_rows: 4 * rg,
-                    k_rows: TILED_BK,
-                    workgroup: wg,
-                    kv_shared,
-                    prefetch: if !kv_shared && per <= 8 { per } else { 0 },
-                };
-                let (q, kv, p, red) = tiled_workgroup_vec4s(d, dv, t, caps.subgroups);
-                let fits = 16 * (q + kv + p + red) <= budget
-                    && t.workgroup <= caps.max_invocations
-                    && t.workgroup <= caps.max_workgroup_size_x;
-                if fits {
-                    return (Kernel::ForwardTiled, t);
-                }
+        let tiles = |rg: u32, kv_shared: bool| {
+            let wg = TILED_CG * rg;
+            // Prefetch where the tiles split into at most 8 vec4s per
+            // invocation (the named registers pk0..pk7, pv0..pv7).
+            let per = (TILED_BK * (d / 4))
+                .max(TILED_BK * 8 * tiled_nv(dv))
+                .div_ceil(wg);
+            Tiles {
+                q_rows: 4 * rg,
+                k_rows: TILED_BK,
+                workgroup: wg,
+                kv_shared,
+                prefetch: if !kv_shared && per <= 8 { per } else { 0 },
             }
+        };
+        let fits = |t: &Tiles| {
+            let (q, kv, p, red) = tiled_workgroup_vec4s(d, dv, *t, caps.subgroups);
+            16 * (q + kv + p + red) <= budget
+                && t.workgroup <= caps.max_invocations
+                && t.workgroup <= caps.max_workgroup_size_x
+        };
+        let heights = [16u32, 12, 11, 10, 8, 4]
+            .into_iter()
+            .filter(|rg| 4 * rg <= max_rows.max(16));
+        // First K and V side by side with the register prefetch, tallest
+        // first; else the tallest block at all (V over K where needed). On
+        // the H100 at d = 64 (4,16,4096,64), 64 rows with the prefetch ran
+        // 13.1 ms, 96 and 80 rows with V over K (no prefetch) 15.2 and 18.1
+        // (benchmarks/GPU_NOTES.md, session 3); d = 128 fits 44 rows only
+        // with V over K.
+        let prefetching = heights
+            .clone()
+            .map(|rg| tiles(rg, false))
+            .find(|t| t.prefetch > 0 && fits(t));
+        let tallest = || {
+            heights
+                .clone()
+                .flat_map(|rg| [tiles(rg, false), tiles(rg, true)])
+                .find(fits)
+        };
+        if let Some(t) = prefetching.or_else(tallest) {
+            return (Kernel::ForwardTiled, t);
         }
     }
     (Kernel::Forward, choose(Kernel::Forward, d, dv, caps))
@@ -502,10 +526,10 @@ mod tests {
         let (tq, tkv) = backward_kernels_of_at_most(64, 64, caps(48), 32).unwrap();
         assert_eq!(shape(tq, Kernel::BackwardDqTiled), (32, false));
         assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (32, false));
-        // d = 128: side by side only 8-row blocks fit; sharing fits 16.
+        // d = 128: side by side only 8-row blocks fit; sharing fits 24.
         let (tq, tkv) = backward_kernels(128, 128, caps(48)).unwrap();
-        assert_eq!(shape(tq, Kernel::BackwardDqTiled), (16, true));
-        assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (16, true));
+        assert_eq!(shape(tq, Kernel::BackwardDqTiled), (24, true));
+        assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (24, true));
         // lavapipe's 32 KiB: d = 128 fits only by sharing.
         let (tq, tkv) = backward_kernels(128, 128, caps(32)).unwrap();
         assert!(tq.kv_shared && tkv.kv_shared);
@@ -534,13 +558,20 @@ mod tests {
             (Kernel::ForwardTiled, 64, false, true)
         );
         let (k, t) = forward_kernel(128, 128, nvidia);
-        assert_eq!(k, Kernel::ForwardTiled);
+        assert_eq!((k, t.q_rows, t.kv_shared), (Kernel::ForwardTiled, 44, true));
         assert!(
             16 * {
                 let (a, b, c, d) = tiled_workgroup_vec4s(128, 128, t, true);
                 a + b + c + d
             } <= 48 * 1024
         );
+        // lavapipe's 32 KiB at d = 64: side by side with the prefetch.
+        let lavapipe = DeviceCaps {
+            workgroup_storage_bytes: 32 * 1024,
+            ..nvidia
+        };
+        let (_, t) = forward_kernel(64, 64, lavapipe);
+        assert!(!t.kv_shared && t.prefetch > 0);
         // Odd head dims, wide values: the simple kernel.
         assert_eq!(forward_kernel(62, 64, nvidia).0, Kernel::Forward);
         assert_eq!(forward_kernel(64, 256, nvidia).0, Kernel::Forward);
