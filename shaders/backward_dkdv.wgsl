@@ -30,10 +30,11 @@ override ROW_ELEMS: u32 = 16u;
 @group(0) @binding(2) var<storage, read> q: array<u32>;
 @group(0) @binding(3) var<storage, read> k: array<u32>;
 @group(0) @binding(4) var<storage, read> v: array<u32>;
-@group(0) @binding(5) var<storage, read> lse: array<f32>;
-@group(0) @binding(6) var<storage, read> delta: array<f32>;
-@group(0) @binding(7) var<storage, read_write> dk: array<f32>;
-@group(0) @binding(8) var<storage, read_write> dv: array<f32>;
+// (lse, D) of each query row, in one buffer (the pre-pass writes it) so
+// that the kernel binds 8 storage buffers, WebGPU's default limit.
+@group(0) @binding(5) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(6) var<storage, read_write> dk: array<f32>;
+@group(0) @binding(7) var<storage, read_write> dv: array<f32>;
 
 var<workgroup> sk: array<f32, K_ELEMS>;
 var<workgroup> sv: array<f32, V_ELEMS>;
@@ -149,8 +150,9 @@ fn main(
                 var dl = 0.0;
                 var ok = 0u;
                 if i < nr {
-                    l = lse[l_base + i];
-                    dl = delta[l_base + i];
+                    let st = stats[l_base + i];
+                    l = st.x;
+                    dl = st.y;
                     ok = select(0u, 1u, is_finite(l));
                 }
                 slse[i] = select(0.0, l, ok == 1u);

@@ -58,10 +58,10 @@ fn dot_acc(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
 @group(0) @binding(2) var<storage, read> q: array<In4>;
 @group(0) @binding(3) var<storage, read> k: array<In4>;
 @group(0) @binding(4) var<storage, read> v: array<In4>;
-@group(0) @binding(5) var<storage, read> lse: array<f32>;
-@group(0) @binding(6) var<storage, read> delta: array<f32>;
-@group(0) @binding(7) var<storage, read_write> dk: array<vec4<f32>>;
-@group(0) @binding(8) var<storage, read_write> dv: array<vec4<f32>>;
+// (lse, D) of each query row, from the pre-pass.
+@group(0) @binding(5) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(6) var<storage, read_write> dk: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read_write> dv: array<vec4<f32>>;
 
 var<workgroup> ks: array<vec4<f32>, A0_ELEMS>;
 var<workgroup> vs: array<vec4<f32>, A1_ELEMS>;
@@ -401,34 +401,38 @@ fn main(
             var vend = vec4(0u);
             var vstart = vec4(0u);
             if cols.x < nr {
-                let l = lse[head * p.seq_q + r0 + cols.x];
+                let st = stats[head * p.seq_q + r0 + cols.x];
+                let l = st.x;
                 ok.x = is_finite(l);
                 lse2.x = select(0.0, l * LOG2E, ok.x);
-                dl.x = delta[head * p.seq_q + r0 + cols.x];
+                dl.x = st.y;
                 vend.x = visible_end(r0 + cols.x);
                 vstart.x = visible_start(r0 + cols.x);
             }
             if cols.y < nr {
-                let l = lse[head * p.seq_q + r0 + cols.y];
+                let st = stats[head * p.seq_q + r0 + cols.y];
+                let l = st.x;
                 ok.y = is_finite(l);
                 lse2.y = select(0.0, l * LOG2E, ok.y);
-                dl.y = delta[head * p.seq_q + r0 + cols.y];
+                dl.y = st.y;
                 vend.y = visible_end(r0 + cols.y);
                 vstart.y = visible_start(r0 + cols.y);
             }
             if cols.z < nr {
-                let l = lse[head * p.seq_q + r0 + cols.z];
+                let st = stats[head * p.seq_q + r0 + cols.z];
+                let l = st.x;
                 ok.z = is_finite(l);
                 lse2.z = select(0.0, l * LOG2E, ok.z);
-                dl.z = delta[head * p.seq_q + r0 + cols.z];
+                dl.z = st.y;
                 vend.z = visible_end(r0 + cols.z);
                 vstart.z = visible_start(r0 + cols.z);
             }
             if cols.w < nr {
-                let l = lse[head * p.seq_q + r0 + cols.w];
+                let st = stats[head * p.seq_q + r0 + cols.w];
+                let l = st.x;
                 ok.w = is_finite(l);
                 lse2.w = select(0.0, l * LOG2E, ok.w);
-                dl.w = delta[head * p.seq_q + r0 + cols.w];
+                dl.w = st.y;
                 vend.w = visible_end(r0 + cols.w);
                 vstart.w = visible_start(r0 + cols.w);
             }

@@ -29,12 +29,13 @@ override ROW_ELEMS: u32 = 16u;
 @group(0) @binding(2) var<storage, read> q: array<u32>;
 @group(0) @binding(3) var<storage, read> k: array<u32>;
 @group(0) @binding(4) var<storage, read> v: array<u32>;
-@group(0) @binding(5) var<storage, read> lse: array<f32>;
-@group(0) @binding(6) var<storage, read> delta: array<f32>;
-@group(0) @binding(7) var<storage, read_write> dq: array<f32>;
+// (lse, D) of each query row, in one buffer (the pre-pass writes it) so
+// that the kernel binds 8 storage buffers, WebGPU's default limit.
+@group(0) @binding(5) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(6) var<storage, read_write> dq: array<f32>;
 // The full score gradient dS, (heads, seq_q, seq_k), for the float mask's
 // gradient (with DMASK; a dummy otherwise). Every element is written.
-@group(0) @binding(8) var<storage, read_write> dmask: array<f32>;
+@group(0) @binding(7) var<storage, read_write> dmask: array<f32>;
 
 override DMASK: bool = false;
 
@@ -118,8 +119,9 @@ fn main(
         var dl = 0.0;
         var ok = 0u;
         if i < rows {
-            l = lse[l_base + i];
-            dl = delta[l_base + i];
+            let st = stats[l_base + i];
+            l = st.x;
+            dl = st.y;
             ok = select(0u, 1u, is_finite(l));
         }
         slse[i] = select(0.0, l, ok == 1u);

@@ -58,12 +58,12 @@ fn dot_acc(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
 @group(0) @binding(2) var<storage, read> q: array<In4>;
 @group(0) @binding(3) var<storage, read> k: array<In4>;
 @group(0) @binding(4) var<storage, read> v: array<In4>;
-@group(0) @binding(5) var<storage, read> lse: array<f32>;
-@group(0) @binding(6) var<storage, read> delta: array<f32>;
-@group(0) @binding(7) var<storage, read_write> dq: array<vec4<f32>>;
+// (lse, D) of each query row, from the pre-pass.
+@group(0) @binding(5) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(6) var<storage, read_write> dq: array<vec4<f32>>;
 // The full score gradient dS, (heads, seq_q, seq_k), for the float mask's
 // gradient (with DMASK; a dummy otherwise). Every element is written.
-@group(0) @binding(8) var<storage, read_write> dmask: array<f32>;
+@group(0) @binding(7) var<storage, read_write> dmask: array<f32>;
 
 override DMASK: bool = false;
 
@@ -132,34 +132,38 @@ fn main(
     var vend = vec4(0u);
     var vstart = vec4(0u);
     if rv.x < rows {
-        let l = lse[head * p.seq_q + row0 + rv.x];
+        let st = stats[head * p.seq_q + row0 + rv.x];
+        let l = st.x;
         ok.x = is_finite(l);
         lse2.x = select(0.0, l * LOG2E, ok.x);
-        dl.x = delta[head * p.seq_q + row0 + rv.x];
+        dl.x = st.y;
         vend.x = visible_end(row0 + rv.x);
         vstart.x = visible_start(row0 + rv.x);
     }
     if rv.y < rows {
-        let l = lse[head * p.seq_q + row0 + rv.y];
+        let st = stats[head * p.seq_q + row0 + rv.y];
+        let l = st.x;
         ok.y = is_finite(l);
         lse2.y = select(0.0, l * LOG2E, ok.y);
-        dl.y = delta[head * p.seq_q + row0 + rv.y];
+        dl.y = st.y;
         vend.y = visible_end(row0 + rv.y);
         vstart.y = visible_start(row0 + rv.y);
     }
     if rv.z < rows {
-        let l = lse[head * p.seq_q + row0 + rv.z];
+        let st = stats[head * p.seq_q + row0 + rv.z];
+        let l = st.x;
         ok.z = is_finite(l);
         lse2.z = select(0.0, l * LOG2E, ok.z);
-        dl.z = delta[head * p.seq_q + row0 + rv.z];
+        dl.z = st.y;
         vend.z = visible_end(row0 + rv.z);
         vstart.z = visible_start(row0 + rv.z);
     }
     if rv.w < rows {
-        let l = lse[head * p.seq_q + row0 + rv.w];
+        let st = stats[head * p.seq_q + row0 + rv.w];
+        let l = st.x;
         ok.w = is_finite(l);
         lse2.w = select(0.0, l * LOG2E, ok.w);
-        dl.w = delta[head * p.seq_q + row0 + rv.w];
+        dl.w = st.y;
         vend.w = visible_end(row0 + rv.w);
         vstart.w = visible_start(row0 + rv.w);
     }

@@ -1,6 +1,7 @@
 // Backward pre-pass: D = rowsum(dO ∘ O), the per-row term of
-// dS = P ∘ (dP − D). One thread per query row; the sum runs in column
-// order, so it is reproducible.
+// dS = P ∘ (dP − D), written with the row's lse as (lse, D) into one
+// buffer, which the dQ and dK/dV kernels bind in place of two. One thread
+// per query row; the sum runs in column order, so it is reproducible.
 
 override WG: u32 = 64u;
 override DV: u32 = 64u;
@@ -10,7 +11,8 @@ override IN_F16: bool = false;
 
 @group(0) @binding(1) var<storage, read> d_out: array<u32>;
 @group(0) @binding(2) var<storage, read> o: array<u32>;
-@group(0) @binding(3) var<storage, read_write> delta: array<f32>;
+@group(0) @binding(3) var<storage, read> lse: array<f32>;
+@group(0) @binding(4) var<storage, read_write> stats: array<vec2<f32>>;
 
 fn half_of(w: u32, i: u32) -> f32 {
     let h = unpack2x16float(w);
@@ -45,5 +47,5 @@ fn main(
     for (var c = 0u; c < DV; c++) {
         acc += ld_do(r * DV + c) * ld_o(r * DV + c);
     }
-    delta[r] = acc;
+    stats[r] = vec2(lse[r], acc);
 }

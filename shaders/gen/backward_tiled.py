@@ -154,12 +154,12 @@ override SB1: u32 = DV4 + 1u;
 @group(0) @binding(2) var<storage, read> q: array<In4>;
 @group(0) @binding(3) var<storage, read> k: array<In4>;
 @group(0) @binding(4) var<storage, read> v: array<In4>;
-@group(0) @binding(5) var<storage, read> lse: array<f32>;
-@group(0) @binding(6) var<storage, read> delta: array<f32>;
-@group(0) @binding(7) var<storage, read_write> dq: array<vec4<f32>>;
+// (lse, D) of each query row, from the pre-pass.
+@group(0) @binding(5) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(6) var<storage, read_write> dq: array<vec4<f32>>;
 // The full score gradient dS, (heads, seq_q, seq_k), for the float mask's
 // gradient (with DMASK; a dummy otherwise). Every element is written.
-@group(0) @binding(8) var<storage, read_write> dmask: array<f32>;
+@group(0) @binding(7) var<storage, read_write> dmask: array<f32>;
 
 override DMASK: bool = false;
 
@@ -341,10 +341,10 @@ override SB1: u32 = 8u * NV + 1u;
 @group(0) @binding(2) var<storage, read> q: array<In4>;
 @group(0) @binding(3) var<storage, read> k: array<In4>;
 @group(0) @binding(4) var<storage, read> v: array<In4>;
-@group(0) @binding(5) var<storage, read> lse: array<f32>;
-@group(0) @binding(6) var<storage, read> delta: array<f32>;
-@group(0) @binding(7) var<storage, read_write> dk: array<vec4<f32>>;
-@group(0) @binding(8) var<storage, read_write> dv: array<vec4<f32>>;
+// (lse, D) of each query row, from the pre-pass.
+@group(0) @binding(5) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(6) var<storage, read_write> dk: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read_write> dv: array<vec4<f32>>;
 
 var<workgroup> ks: array<vec4<f32>, A0_ELEMS>;
 var<workgroup> vs: array<vec4<f32>, A1_ELEMS>;
@@ -612,10 +612,11 @@ def stats(idx, bound, base, row, pad):
     out = []
     for c in "xyzw":
         out.append(f"{pad}if {idx}.{c} < {bound} {{")
-        out.append(f"{pad}    let l = lse[{base} + {idx}.{c}];")
+        out.append(f"{pad}    let st = stats[{base} + {idx}.{c}];")
+        out.append(f"{pad}    let l = st.x;")
         out.append(f"{pad}    ok.{c} = is_finite(l);")
         out.append(f"{pad}    lse2.{c} = select(0.0, l * LOG2E, ok.{c});")
-        out.append(f"{pad}    dl.{c} = delta[{base} + {idx}.{c}];")
+        out.append(f"{pad}    dl.{c} = st.y;")
         out.append(f"{pad}    vend.{c} = visible_end({row} + {idx}.{c});")
         out.append(f"{pad}    vstart.{c} = visible_start({row} + {idx}.{c});")
         out.append(f"{pad}}}")

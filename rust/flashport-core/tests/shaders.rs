@@ -176,6 +176,28 @@ fn device_array_moves_validate() {
     assert_eq!(entries, ["add_f32", "copy_f16", "to_f16"]);
 }
 
+/// Every kernel binds at most 8 storage buffers per stage, WebGPU's default
+/// limit (`wgpu::Limits::default()`), so that no adapter is refused for it.
+#[test]
+fn every_kernel_binds_at_most_eight_storage_buffers() {
+    for (kernel, f16) in EVERY_KERNEL
+        .into_iter()
+        .flat_map(|k| [(k, false), (k, true)])
+    {
+        let text = source(kernel, false, f16);
+        let module = parse_text(kernel.name(), &text);
+        let storage = module
+            .global_variables
+            .iter()
+            .filter(|(_, g)| matches!(g.space, naga::AddressSpace::Storage { .. }))
+            .count();
+        assert!(
+            storage <= 8,
+            "{kernel:?} (f16 inputs={f16}) binds {storage} storage buffers"
+        );
+    }
+}
+
 /// Every kernel specialises with every attention variant switched on (and
 /// off, in the tests above).
 #[test]

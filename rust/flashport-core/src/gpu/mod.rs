@@ -1372,8 +1372,8 @@ fn backward_on(
     outputs: Placement,
 ) -> Result<BackendArrays> {
     check_f16(ctx, p)?;
-    // d_out, q, k, v, lse, delta, two outputs, and vx.
-    const STORAGE_BUFFERS: u32 = 9;
+    // d_out, q, k, v, (lse, D), two outputs, and vx.
+    const STORAGE_BUFFERS: u32 = 8;
     if ctx.limits.max_storage_buffers_per_shader_stage < STORAGE_BUFFERS {
         return Err(Error::BackendUnavailable(format!(
             "the GPU backward binds {STORAGE_BUFFERS} storage buffers, more than the {} of \
@@ -1473,7 +1473,8 @@ fn backward_on(
             if up {
                 record_host("upload", t_up);
             }
-            let delta = output(ctx, "delta", nq * sq);
+            // (lse, D) per query row: written by the pre-pass.
+            let stats = output(ctx, "stats", 2 * nq * sq);
             let dqb = output(ctx, "dq", nq * sq * d);
             let dkb = output(ctx, "dk", nkv * sk * d);
             let dvb = output(ctx, "dv", nkv * sk * dv);
@@ -1482,17 +1483,17 @@ fn backward_on(
             } else {
                 dummy_output(ctx)
             };
-            let g_pre = bind(ctx, &pre, &[&uniform, &dob, &ob, &delta], None);
+            let g_pre = bind(ctx, &pre, &[&uniform, &dob, &ob, &lb, &stats], None);
             let g_dq = bind(
                 ctx,
                 &dq_pipe,
-                &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dqb, &dsb],
+                &[&uniform, &dob, &qb, &kb, &vb, &stats, &dqb, &dsb],
                 Some(&vx),
             );
             let g_kv = bind(
                 ctx,
                 &dkdv_pipe,
-                &[&uniform, &dob, &qb, &kb, &vb, &lb, &delta, &dkb, &dvb],
+                &[&uniform, &dob, &qb, &kb, &vb, &stats, &dkb, &dvb],
                 Some(&vx),
             );
             let mut timer = Timer::new(ctx);
