@@ -4,6 +4,9 @@ use std::borrow::Cow;
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
+#[cfg(target_arch = "x86_64")]
+use super::buffers::BufferPool;
+use super::buffers::Pooled;
 use super::kernels;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
@@ -15,6 +18,7 @@ use crate::{Buffer, Slice};
 pub trait Element:
     MaskScalar
     + Copy
+    + Default
     + Debug
     + Send
     + Sync
@@ -44,7 +48,7 @@ pub trait Element:
     /// Packs each of `heads` blocks of `rows × cols` (key or value rows)
     /// for [`Element::matmul_nt`]'s `b_packed`, or `None` when the kernels
     /// read the rows directly. Done once per call instead of once per tile.
-    fn pack_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Vec<Self>> {
+    fn pack_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Pooled<Self>> {
         let _ = (x, heads, rows, cols);
         None
     }
@@ -81,7 +85,7 @@ pub trait Element:
     /// rows directly; a tile starting at row `start` of a head starts
     /// `start * 16` elements into the head, whose panels lie
     /// [`Element::row_panel_stride`] apart.
-    fn pack_rows_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Vec<Self>> {
+    fn pack_rows_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Pooled<Self>> {
         let _ = (x, heads, rows, cols);
         None
     }
@@ -144,7 +148,7 @@ impl Element for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn pack_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
+    fn pack_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Pooled<f32>> {
         let head_len = simd::panels_len(cols, rows);
         pack_each_head(x, heads, rows * cols, head_len, |src, dst| {
             simd::pack_transposed_panels(src, rows, cols, dst)
@@ -155,7 +159,7 @@ impl Element for f32 {
         simd::panels_len(cols, rows)
     }
     #[cfg(target_arch = "x86_64")]
-    fn pack_rows_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
+    fn pack_rows_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Pooled<f32>> {
         let head_len = simd::panels_len(rows, cols);
         pack_each_head(x, heads, rows * cols, head_len, |src, dst| {
             simd::pack_panels(src, rows, cols, dst)
@@ -287,6 +291,10 @@ impl Element for f32 {
     }
 }
 
+/// The packed inputs of float32 calls, kept between calls.
+#[cfg(target_arch = "x86_64")]
+static F32_PACKS: BufferPool<f32> = BufferPool::new();
+
 /// Packs each head of `x` (`src_len` elements a head) into `dst_len`
 /// elements with `pack`, heads in parallel; `None` without AVX2 kernels.
 #[cfg(target_arch = "x86_64")]
@@ -296,12 +304,12 @@ fn pack_each_head(
     src_len: usize,
     dst_len: usize,
     pack: impl Fn(&[f32], &mut [f32]) + Sync,
-) -> Option<Vec<f32>> {
+) -> Option<Pooled<f32>> {
     use rayon::prelude::*;
     if !simd::available() {
         return None;
     }
-    let mut out = vec![0.0; heads * dst_len];
+    let mut out = F32_PACKS.take(heads * dst_len);
     if src_len > 0 && dst_len > 0 {
         out.par_chunks_mut(dst_len)
             .zip(x.par_chunks(src_len))

@@ -6,6 +6,7 @@
 //! tile height follows the thread count, and no sum runs across query
 //! rows in a way that depends on it), so results are bitwise reproducible.
 
+mod buffers;
 pub mod element;
 mod kernels;
 pub mod scores;
@@ -14,6 +15,8 @@ mod simd;
 pub mod softmax;
 pub mod tiles;
 
+use std::any::Any;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -240,24 +243,72 @@ struct Scratch<T> {
 
 impl<T: Element> Scratch<T> {
     fn new(problem: &Problem, tiles: TileSizes) -> Self {
+        let mut s = Scratch {
+            q_scaled: Vec::new(),
+            pack: Vec::new(),
+            scores: Vec::new(),
+            d_scores: Vec::new(),
+            tanh: Vec::new(),
+            acc: Vec::new(),
+            acc2: Vec::new(),
+            states: Vec::new(),
+            key_tiles: Vec::new(),
+        };
+        s.fit(problem, tiles);
+        s
+    }
+
+    /// Grows the buffers to what `problem` needs (they never shrink: the
+    /// tile sizes bound them).
+    fn fit(&mut self, problem: &Problem, tiles: TileSizes) {
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let (bq, bk) = (tiles.q_rows.max(tiles.q_block), tiles.k_rows);
         let widest = d.max(dv);
-        Scratch {
-            q_scaled: vec![T::ZERO; bq * d],
-            pack: vec![T::ZERO; widest * bk.next_multiple_of(16)],
-            scores: vec![T::ZERO; bq * bk],
-            d_scores: vec![T::ZERO; bq * bk],
-            tanh: match problem.softcap {
-                Some(_) => vec![T::ZERO; bq * bk],
-                None => Vec::new(),
-            },
-            acc: vec![T::ZERO; bq.max(bk) * widest],
-            acc2: vec![T::ZERO; bk * dv],
-            states: vec![RowState::EMPTY; bq],
-            key_tiles: Vec::new(),
+        let grow = |v: &mut Vec<T>, len: usize| {
+            if v.len() < len {
+                v.resize(len, T::ZERO);
+            }
+        };
+        grow(&mut self.q_scaled, bq * d);
+        grow(&mut self.pack, widest * bk.next_multiple_of(16));
+        grow(&mut self.scores, bq * bk);
+        grow(&mut self.d_scores, bq * bk);
+        if problem.softcap.is_some() {
+            grow(&mut self.tanh, bq * bk);
+        }
+        grow(&mut self.acc, bq.max(bk) * widest);
+        grow(&mut self.acc2, bk * dv);
+        if self.states.len() < bq {
+            self.states.resize(bq, RowState::EMPTY);
         }
     }
+}
+
+thread_local! {
+    /// Each worker thread's [`Scratch`], kept between tasks and calls (see
+    /// `buffers.rs` for why); boxed as `Any` to serve both element types.
+    static SCRATCH: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's scratch, sized for `problem`.
+fn with_scratch<T: Element, R>(
+    problem: &Problem,
+    tiles: TileSizes,
+    f: impl FnOnce(&mut Scratch<T>) -> R,
+) -> R {
+    // Taken out of the cell while `f` runs, so that a nested call (none
+    // today) would get fresh memory instead of a borrow panic.
+    let kept = SCRATCH.with(|cell| cell.borrow_mut().take());
+    let mut scratch = match kept.and_then(|b| b.downcast::<Scratch<T>>().ok()) {
+        Some(mut s) => {
+            s.fit(problem, tiles);
+            s
+        }
+        None => Box::new(Scratch::new(problem, tiles)),
+    };
+    let result = f(&mut scratch);
+    SCRATCH.with(|cell| *cell.borrow_mut() = Some(scratch));
+    result
 }
 
 /// Index helpers of one problem in canonical layout.
@@ -370,81 +421,81 @@ fn forward_typed<T: Element>(
     let v_packed = T::pack_rows_heads(v, kv_heads, problem.seq_k, dv);
     let scale = T::from_f64(problem.scale);
 
-    tasks.into_par_iter().for_each_init(
-        || Scratch::<T>::new(problem, tiles),
-        |s,
-         RowTile {
+    tasks.into_par_iter().for_each(
+        |RowTile {
              head,
              rows,
              outputs: [out, lse],
          }| {
-            let m = rows.len();
-            let kv_head = layout.kv_head(head);
-            let q_scaled = &mut s.q_scaled[..m * d];
-            scale_into(layout.q_rows(q, head, &rows), scale, q_scaled);
-            let states = &mut s.states[..m];
-            states.fill(RowState::EMPTY);
-            let acc = &mut s.acc[..m * dv];
-            acc.fill(T::ZERO);
+            with_scratch(problem, tiles, |s: &mut Scratch<T>| {
+                let m = rows.len();
+                let kv_head = layout.kv_head(head);
+                let q_scaled = &mut s.q_scaled[..m * d];
+                scale_into(layout.q_rows(q, head, &rows), scale, q_scaled);
+                let states = &mut s.states[..m];
+                states.fill(RowState::EMPTY);
+                let acc = &mut s.acc[..m * dv];
+                acc.fill(T::ZERO);
 
-            let mut key_tiles = std::mem::take(&mut s.key_tiles);
-            rules.key_tiles(
-                head,
-                &rows,
-                rules.key_range(&rows),
-                tiles.k_rows,
-                &mut key_tiles,
-            );
-            for keys in key_tiles.drain(..) {
-                let visibility = rules.classify(head, &rows, &keys);
-                if visibility == TileVisibility::Hidden {
-                    continue;
-                }
-                let n = keys.len();
-                let scores = &mut s.scores[..m * n];
-                let k_rows = layout.k_rows(k, kv_head, &keys);
-                let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
-                T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
-                if visibility == TileVisibility::Partial || rules.modifies_scores() {
-                    rules.apply(head, visibility, &rows, &keys, scores, n, None);
-                }
-                for (i, (state, row)) in states
-                    .iter_mut()
-                    .zip(scores.chunks_exact_mut(n))
-                    .enumerate()
-                {
-                    let correction = state.absorb(row);
-                    if correction != T::ONE {
-                        acc[i * dv..(i + 1) * dv]
-                            .iter_mut()
-                            .for_each(|x| *x *= correction);
+                let mut key_tiles = std::mem::take(&mut s.key_tiles);
+                rules.key_tiles(
+                    head,
+                    &rows,
+                    rules.key_range(&rows),
+                    tiles.k_rows,
+                    &mut key_tiles,
+                );
+                for keys in key_tiles.drain(..) {
+                    let visibility = rules.classify(head, &rows, &keys);
+                    if visibility == TileVisibility::Hidden {
+                        continue;
                     }
+                    let n = keys.len();
+                    let scores = &mut s.scores[..m * n];
+                    let k_rows = layout.k_rows(k, kv_head, &keys);
+                    let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
+                    T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
+                    if visibility == TileVisibility::Partial || rules.modifies_scores() {
+                        rules.apply(head, visibility, &rows, &keys, scores, n, None);
+                    }
+                    for (i, (state, row)) in states
+                        .iter_mut()
+                        .zip(scores.chunks_exact_mut(n))
+                        .enumerate()
+                    {
+                        let correction = state.absorb(row);
+                        if correction != T::ONE {
+                            acc[i * dv..(i + 1) * dv]
+                                .iter_mut()
+                                .for_each(|x| *x *= correction);
+                        }
+                    }
+                    // The softmax sums above saw every probability; only the
+                    // values are weighted by the dropout mask (and by 1/(1-p),
+                    // folded into the normaliser below).
+                    rules.apply_dropout(head, &rows, &keys, scores, n, true);
+                    let v_rows = layout.v_rows(v, kv_head, &keys);
+                    let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
+                    T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
                 }
-                // The softmax sums above saw every probability; only the
-                // values are weighted by the dropout mask (and by 1/(1-p),
-                // folded into the normaliser below).
-                rules.apply_dropout(head, &rows, &keys, scores, n, true);
-                let v_rows = layout.v_rows(v, kv_head, &keys);
-                let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
-                T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
-            }
-            s.key_tiles = key_tiles;
+                s.key_tiles = key_tiles;
 
-            let sink = rules.sink(head);
-            for (i, state) in states.iter().enumerate() {
-                let (normaliser, row_lse) = match sink {
-                    Some(sink) => state.finish_with_sink(sink),
-                    None => state.finish(),
-                };
-                let normaliser = normaliser * rules.keep_scale();
-                for (o, &a) in out[i * dv..(i + 1) * dv]
-                    .iter_mut()
-                    .zip(&acc[i * dv..(i + 1) * dv])
-                {
-                    *o = a * normaliser;
+                let sink = rules.sink(head);
+                for (i, state) in states.iter().enumerate() {
+                    let (normaliser, row_lse) = match sink {
+                        Some(sink) => state.finish_with_sink(sink),
+                        None => state.finish(),
+                    };
+                    let normaliser = normaliser * rules.keep_scale();
+                    for (o, &a) in out[i * dv..(i + 1) * dv]
+                        .iter_mut()
+                        .zip(&acc[i * dv..(i + 1) * dv])
+                    {
+                        *o = a * normaliser;
+                    }
+                    lse[i] = row_lse;
                 }
-                lse[i] = row_lse;
-            }
+            })
         },
     );
     (out, lse)
@@ -724,9 +775,8 @@ fn backward_typed<T: Element>(
         delta: &delta,
         d_scores_sink: d_scores_sink.as_ref(),
     };
-    tasks.into_par_iter().for_each_init(
-        || Scratch::<T>::new(problem, tiles),
-        |s, task| {
+    tasks.into_par_iter().for_each(|task| {
+        with_scratch(problem, tiles, |s: &mut Scratch<T>| {
             let [dk_chunk, dv_chunk, partial] = task.outputs;
             for keys in key_tiles(task.keys.clone(), tiles.k_rows) {
                 let local = keys.start - task.keys.start..keys.end - task.keys.start;
@@ -739,8 +789,8 @@ fn backward_typed<T: Element>(
                     partial,
                 );
             }
-        },
-    );
+        })
+    });
 
     let mut dq = vec![T::ZERO; problem.q_len()];
     if group_len > 0 {

@@ -62,6 +62,12 @@ pub fn pack_transposed_panels(src: &[f32], rows: usize, k: usize, dst: &mut [f32
     for (panel, block) in dst.chunks_exact_mut(PANEL * k).enumerate() {
         let first = panel * PANEL;
         let width = PANEL.min(rows - first);
+        if width == PANEL && available() {
+            // SAFETY: AVX2 is present (checked); the panel's 16 source rows
+            // and its `k × 16` destination are in bounds (sliced here).
+            unsafe { transpose_panel_avx2(&src[first * k..(first + PANEL) * k], k, block) };
+            continue;
+        }
         for p in 0..k {
             let out = &mut block[p * PANEL..(p + 1) * PANEL];
             for (c, slot) in out.iter_mut().enumerate() {
@@ -75,6 +81,63 @@ pub fn pack_transposed_panels(src: &[f32], rows: usize, k: usize, dst: &mut [f32
     }
 }
 
+/// Transposes 16 rows of `k` floats (`src`) into `k` rows of 16 (`dst`),
+/// eight by eight in registers: the packing of every key of a call runs
+/// once per call, and element by element it cost as much as a small
+/// causal problem's softmax.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose_panel_avx2(src: &[f32], k: usize, dst: &mut [f32]) {
+    debug_assert!(src.len() >= PANEL * k && dst.len() >= PANEL * k);
+    let k8 = k / 8 * 8;
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    for half in 0..2 {
+        let rows = s.add(half * 8 * k);
+        for p0 in (0..k8).step_by(8) {
+            let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(rows.add(i * k + p0)));
+            for (j, column) in transpose8(r).into_iter().enumerate() {
+                _mm256_storeu_ps(d.add((p0 + j) * PANEL + half * 8), column);
+            }
+        }
+        for p in k8..k {
+            for i in 0..8 {
+                *d.add(p * PANEL + half * 8 + i) = *rows.add(i * k + p);
+            }
+        }
+    }
+}
+
+/// The transpose of an 8 × 8 block held as eight rows.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
+
 /// Packs `src` (`rows × cols`, row-major) as [`Rhs::Panels`] of depth
 /// `rows` and `cols` columns, with a panel stride of `rows * PANEL`, into
 /// `dst` (`panels_len(rows, cols)`).
@@ -84,7 +147,18 @@ pub fn pack_panels(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
         let first = panel * PANEL;
         let width = PANEL.min(cols - first);
         for (r, out) in block.chunks_exact_mut(PANEL).enumerate() {
-            out[..width].copy_from_slice(&src[r * cols + first..r * cols + first + width]);
+            let line = &src[r * cols + first..r * cols + first + width];
+            // A whole panel row as one fixed-size copy (two vector moves,
+            // where a slice copy of run-time length is a call).
+            let whole = (
+                <&mut [f32; PANEL]>::try_from(&mut *out),
+                <&[f32; PANEL]>::try_from(line),
+            );
+            if let (Ok(out), Ok(line)) = whole {
+                *out = *line;
+                continue;
+            }
+            out[..width].copy_from_slice(line);
             out[width..].fill(0.0);
         }
     }
@@ -485,6 +559,32 @@ mod tests {
                     );
                     assert_eq!(c[i * n + j], c_t[i * n + j]);
                     assert!((c_p[i * n + j] + c0[i * n + j] - c[i * n + j]).abs() < 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packing_places_every_element() {
+        for (rows, k) in [(16, 8), (37, 13), (48, 64), (5, 3)] {
+            let src = filled(rows * k, 4);
+            let mut dst = vec![f32::NAN; panels_len(k, rows)];
+            pack_transposed_panels(&src, rows, k, &mut dst);
+            for j in 0..rows.next_multiple_of(PANEL) {
+                for p in 0..k {
+                    let got = dst[(j / PANEL) * PANEL * k + p * PANEL + j % PANEL];
+                    let want = if j < rows { src[j * k + p] } else { 0.0 };
+                    assert_eq!(got.to_bits(), want.to_bits(), "{rows}x{k} at {j},{p}");
+                }
+            }
+            // The same rows as a (depth × columns) matrix packed directly.
+            let mut dst = vec![f32::NAN; panels_len(rows, k)];
+            pack_panels(&src, rows, k, &mut dst);
+            for p in 0..rows {
+                for j in 0..k.next_multiple_of(PANEL) {
+                    let got = dst[(j / PANEL) * PANEL * rows + p * PANEL + j % PANEL];
+                    let want = if j < k { src[p * k + j] } else { 0.0 };
+                    assert_eq!(got.to_bits(), want.to_bits(), "{rows}x{k} at {p},{j}");
                 }
             }
         }
