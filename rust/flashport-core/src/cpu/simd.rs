@@ -374,37 +374,52 @@ unsafe fn panel<const R: usize, const V: usize>(
     }
 }
 
-/// `exp(x)` for 8 lanes: range reduction `x = n·ln2 + r` with `ln2` split
-/// in two so `r` stays exact, a degree-6 polynomial for `exp(r)` on
-/// `|r| <= ln2/2` (Cephes' coefficients, ~1 ulp), and `2^n` built in the
-/// exponent bits. Inputs below -87.3 (including -inf from masks) give
-/// exactly 0, so masked scores contribute nothing.
+/// `1.5 · 2^23 + 127`: adding it to a float of magnitude below 2^21 rounds
+/// it to an integer `n` held in the low mantissa bits, already offset by
+/// the exponent bias, so that shifting those bits left by 23 builds `2^n`.
+const SHIFTER: f32 = 12_583_039.0;
+/// `log2(e)` split in two, so that `x·log2(e) - n` is exact to a few
+/// units in the last place of the reduced argument even for `|x|` near 88.
+const LOG2E_HI: f32 = std::f32::consts::LOG2_E;
+const LOG2E_LO: f32 = 1.925_963e-8;
+/// `2^f` on `|f| <= 1/2`: minimax for the relative error with the constant
+/// term 1 (so that `exp(0)` is exactly 1), within 0.7 ulp evaluated by
+/// Horner's rule in float32.
+const EXP2_POLY: [f32; 6] = [
+    0.693_147_24,
+    0.240_226_51,
+    5.550_297_3e-2,
+    9.618_031e-3,
+    1.341_000_1e-3,
+    1.546_973_2e-4,
+];
+
+/// `exp(x)` for 8 lanes as `2^(x·log2 e)`: `n` = the nearest integer to
+/// `x·log2 e` and the exponent bits of `2^n` come from one rounding
+/// addition (see [`SHIFTER`]), the fraction `f` (|f| <= 1/2) from two
+/// FMAs with the split constant, then a degree-6 polynomial for `2^f`:
+/// 15 vector operations, where a natural-base reduction with a separate
+/// rounding, conversion and underflow mask took 21. Inputs at or below
+/// about -87.7 (including `-inf` from masks) give exactly 0: the clamp
+/// makes `n = -127`, whose `2^n` bits are all zero. NaN stays NaN.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn exp8(x: __m256) -> __m256 {
-    let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
-    let x = _mm256_min_ps(x, _mm256_set1_ps(88.3));
-    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-    let r2 = _mm256_mul_ps(r, r);
-    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    let result = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-    _mm256_andnot_ps(underflow, result)
+    // The constant first: `min`/`max` return their second operand when
+    // either is NaN.
+    let x = _mm256_min_ps(_mm256_set1_ps(88.3), x);
+    let x = _mm256_max_ps(_mm256_set1_ps(-88.0), x);
+    let t = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_HI), _mm256_set1_ps(SHIFTER));
+    let n = _mm256_sub_ps(t, _mm256_set1_ps(SHIFTER));
+    let f = _mm256_fmsub_ps(x, _mm256_set1_ps(LOG2E_HI), n);
+    let f = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_LO), f);
+    let mut p = _mm256_set1_ps(EXP2_POLY[5]);
+    for &c in EXP2_POLY[..5].iter().rev() {
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    }
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
+    let pow2 = _mm256_slli_epi32::<23>(_mm256_castps_si256(t));
+    _mm256_mul_ps(p, _mm256_castsi256_ps(pow2))
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -595,19 +610,23 @@ mod tests {
         if !available() {
             return;
         }
-        let mut x: Vec<f32> = (0..1001).map(|i| -90.0 + i as f32 * 0.09).collect();
+        let mut x: Vec<f32> = (0..100_001).map(|i| -90.0 + i as f32 * 0.0009).collect();
         x.push(f32::NEG_INFINITY);
         let original = x.clone();
         let sum = exp_shifted_sum(&mut x, 0.0);
         for (&e, &v) in x.iter().zip(&original) {
             let want = (v as f64).exp();
-            if v < -87.3 {
-                assert_eq!(e, 0.0);
-            } else {
+            if v <= -87.7 {
+                assert_eq!(e, 0.0, "exp({v})");
+            } else if want >= f32::MIN_POSITIVE as f64 {
                 assert!(
                     ((e as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
                     "exp({v})"
                 );
+            } else {
+                // Between the flush and the smallest normal float: zero or
+                // a subnormal, off by less than the smallest normal.
+                assert!(((e as f64) - want).abs() <= f32::MIN_POSITIVE as f64, "exp({v})");
             }
         }
         let want: f64 = original
@@ -616,7 +635,15 @@ mod tests {
             .map(|&v| (v as f64).exp())
             .sum();
         assert!((sum as f64 - want).abs() < 1e-5 * want);
-        assert_eq!(row_max(&original), original[1000]);
+        // The shift is subtracted before the exponential, exp(0) is exactly
+        // 1, and NaN stays NaN.
+        let mut y = [3.5f32, 2.5, f32::NAN, 1.0, 3.5, 3.5, 3.5, 3.5, 3.5];
+        exp_shifted_sum(&mut y, 3.5);
+        assert_eq!(y[0], 1.0);
+        assert_eq!(y[8], 1.0);
+        assert!(((y[1] as f64) - (-1.0f64).exp()).abs() <= 4.0 * f32::EPSILON as f64);
+        assert!(y[2].is_nan());
+        assert_eq!(row_max(&original), original[100_000]);
         assert_eq!(row_max(&[f32::NEG_INFINITY; 3]), f32::NEG_INFINITY);
     }
 }
