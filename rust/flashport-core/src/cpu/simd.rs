@@ -405,21 +405,35 @@ const EXP2_POLY: [f32; 6] = [
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn exp8(x: __m256) -> __m256 {
+    exp8xn([x])[0]
+}
+
+/// [`exp8`] of `N` vectors, each step applied to all of them before the
+/// next: one exponential is a chain of a dozen dependent operations (~45
+/// cycles), and written one vector at a time the out-of-order window held
+/// too few chains to keep the FMA pipes busy.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp8xn<const N: usize>(x: [__m256; N]) -> [__m256; N] {
     // The constant first: `min`/`max` return their second operand when
     // either is NaN.
-    let x = _mm256_min_ps(_mm256_set1_ps(88.3), x);
-    let x = _mm256_max_ps(_mm256_set1_ps(-88.0), x);
-    let t = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_HI), _mm256_set1_ps(SHIFTER));
-    let n = _mm256_sub_ps(t, _mm256_set1_ps(SHIFTER));
-    let f = _mm256_fmsub_ps(x, _mm256_set1_ps(LOG2E_HI), n);
-    let f = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_LO), f);
-    let mut p = _mm256_set1_ps(EXP2_POLY[5]);
+    let x = x.map(|x| _mm256_min_ps(_mm256_set1_ps(88.3), x));
+    let x = x.map(|x| _mm256_max_ps(_mm256_set1_ps(-88.0), x));
+    let t = x.map(|x| _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_HI), _mm256_set1_ps(SHIFTER)));
+    let n = t.map(|t| _mm256_sub_ps(t, _mm256_set1_ps(SHIFTER)));
+    let f: [__m256; N] =
+        std::array::from_fn(|i| _mm256_fmsub_ps(x[i], _mm256_set1_ps(LOG2E_HI), n[i]));
+    let f: [__m256; N] =
+        std::array::from_fn(|i| _mm256_fmadd_ps(x[i], _mm256_set1_ps(LOG2E_LO), f[i]));
+    let mut p = [_mm256_set1_ps(EXP2_POLY[5]); N];
     for &c in EXP2_POLY[..5].iter().rev() {
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+        p = std::array::from_fn(|i| _mm256_fmadd_ps(p[i], f[i], _mm256_set1_ps(c)));
     }
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
-    let pow2 = _mm256_slli_epi32::<23>(_mm256_castps_si256(t));
-    _mm256_mul_ps(p, _mm256_castsi256_ps(pow2))
+    std::array::from_fn(|i| {
+        let p = _mm256_fmadd_ps(p[i], f[i], _mm256_set1_ps(1.0));
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_castps_si256(t[i]));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(pow2))
+    })
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -470,7 +484,18 @@ pub fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 unsafe fn exp_shifted_sum_avx2(x: &mut [f32], shift: f32) -> f32 {
     let shift_v = _mm256_set1_ps(shift);
     let mut sum = _mm256_setzero_ps();
-    let mut chunks = x.chunks_exact_mut(8);
+    let mut quads = x.chunks_exact_mut(32);
+    for quad in &mut quads {
+        let p = quad.as_mut_ptr();
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| _mm256_sub_ps(_mm256_loadu_ps(p.add(8 * i)), shift_v));
+        // Added in element order, as one vector at a time would.
+        for (i, e) in exp8xn(v).into_iter().enumerate() {
+            _mm256_storeu_ps(p.add(8 * i), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+    }
+    let mut chunks = quads.into_remainder().chunks_exact_mut(8);
     for chunk in &mut chunks {
         let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), shift_v));
         _mm256_storeu_ps(chunk.as_mut_ptr(), e);
