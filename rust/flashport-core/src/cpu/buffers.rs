@@ -5,10 +5,16 @@
 //! per-thread tiles cost it about a tenth of that: each call's pages were
 //! zeroed by the allocator and then faulted in by the kernel, one 4 KiB
 //! page at a time. Keeping them makes the second call reuse warm pages.
-//! What is kept is bounded: the packed copies of inputs up to
-//! [`MAX_KEPT_BYTES`] in all (a large problem computes for long enough not
-//! to notice), and one set of tiles per worker thread.
+//! What is kept is bounded: the packed copies of inputs and the backward's
+//! dQ partials up to [`MAX_KEPT_BYTES`] in all (a large problem computes
+//! for long enough not to notice), and one set of tiles per worker thread.
+//!
+//! Memory that is new (outputs, which go to the caller, and buffers too
+//! large to keep) is not zeroed up front: the parallel tasks that own its
+//! parts initialise them (see [`zero_init`]), so that its page faults are
+//! taken by all threads at once instead of by one before the tasks start.
 
+use std::mem::MaybeUninit;
 use std::ops::{Deref, DerefMut};
 use std::sync::Mutex;
 
@@ -27,23 +33,26 @@ impl<T: Copy + Default> BufferPool<T> {
         }
     }
 
-    /// A buffer of `len` elements whose contents are unspecified (the
-    /// caller overwrites all of it), returned to the pool when dropped.
-    pub fn take(&'static self, len: usize) -> Pooled<T> {
-        let reused = {
-            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-            // The smallest buffer that fits, so that a large one stays
-            // available for a large request.
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.capacity() >= len)
-                .min_by_key(|(_, b)| b.capacity())
-                .map(|(i, _)| i);
-            best.map(|i| free.swap_remove(i))
-        };
-        let mut data = reused.unwrap_or_default();
-        data.resize(len, T::default());
+    /// The smallest kept buffer with room for `len` (so that a large one
+    /// stays available for a large request), or a new empty one.
+    fn reuse(&self, len: usize) -> Vec<T> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let best = free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        best.map(|i| free.swap_remove(i)).unwrap_or_default()
+    }
+
+    /// An empty buffer with room for `len` elements, returned to the pool
+    /// when dropped: its spare capacity is handed to parallel tasks (see
+    /// [`spare`]).
+    pub fn take_empty(&'static self, len: usize) -> Pooled<T> {
+        let mut data = self.reuse(len);
+        data.clear();
+        data.reserve(len);
         Pooled { data, pool: self }
     }
 
@@ -72,6 +81,27 @@ pub struct Pooled<T: Copy + Default + 'static> {
     pool: &'static BufferPool<T>,
 }
 
+impl<T: Copy + Default + 'static> Pooled<T> {
+    pub fn vec_mut(&mut self) -> &mut Vec<T> {
+        &mut self.data
+    }
+}
+
+/// The first `len` elements of `v`'s spare capacity (`v` must be empty
+/// with room for `len`), to be initialised by the tasks that own them.
+pub fn spare<T>(v: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<T>] {
+    debug_assert!(v.is_empty());
+    &mut v.spare_capacity_mut()[..len]
+}
+
+/// Zero-fills `part` and views it as initialised.
+pub fn zero_init<T: Copy + Default>(part: &mut [MaybeUninit<T>]) -> &mut [T] {
+    part.fill(MaybeUninit::new(T::default()));
+    // SAFETY: every element was written just above, and `MaybeUninit<T>`
+    // has the layout of `T`.
+    unsafe { &mut *(part as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
 impl<T: Copy + Default + 'static> Deref for Pooled<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
@@ -98,16 +128,22 @@ mod tests {
     #[test]
     fn buffers_are_reused_and_bounded() {
         static POOL: BufferPool<f32> = BufferPool::new();
-        let first = POOL.take(1000);
-        let address = first.as_ptr();
-        assert_eq!(first.len(), 1000);
+        let mut first = POOL.take_empty(1000);
+        let address = first.vec_mut().as_ptr();
+        assert!(first.vec_mut().capacity() >= 1000);
+        let part = zero_init(spare(first.vec_mut(), 1000));
+        assert!(part.iter().all(|&x| x == 0.0));
         drop(first);
-        let second = POOL.take(500);
-        assert_eq!(second.len(), 500);
-        assert_eq!(second.as_ptr(), address, "the kept buffer is reused");
+        let mut second = POOL.take_empty(500);
+        assert!(second.is_empty());
+        assert_eq!(
+            second.vec_mut().as_ptr(),
+            address,
+            "the kept buffer is reused"
+        );
         drop(second);
         // Too large to keep: the pool still holds only the first buffer.
-        drop(POOL.take(MAX_KEPT_BYTES / 4 + 1));
+        drop(POOL.take_empty(MAX_KEPT_BYTES / 4 + 1));
         let free = POOL.free.lock().unwrap();
         assert_eq!(free.len(), 1);
         assert!(free.iter().all(|b| b.capacity() * 4 <= MAX_KEPT_BYTES));

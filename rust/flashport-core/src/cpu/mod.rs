@@ -26,6 +26,7 @@ use rayon::prelude::*;
 use crate::{
     BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
 };
+use buffers::{spare, zero_init};
 use element::Element;
 use scores::{ScoreRules, TileVisibility};
 use softmax::RowState;
@@ -235,7 +236,10 @@ struct Scratch<T> {
     /// `tanh(u / softcap)` of the tile, for the softcap gradient.
     tanh: Vec<T>,
     acc: Vec<T>,
-    acc2: Vec<T>,
+    /// A block of (scaled) query rows and of output-gradient rows, packed
+    /// for the backward's `dK += dSᵀ Q` and `dV += Pᵀ dO`.
+    q_panels: Vec<T>,
+    d_out_panels: Vec<T>,
     states: Vec<RowState<T>>,
     /// The key tiles of the current query tile.
     key_tiles: Vec<Range<usize>>,
@@ -250,7 +254,8 @@ impl<T: Element> Scratch<T> {
             d_scores: Vec::new(),
             tanh: Vec::new(),
             acc: Vec::new(),
-            acc2: Vec::new(),
+            q_panels: Vec::new(),
+            d_out_panels: Vec::new(),
             states: Vec::new(),
             key_tiles: Vec::new(),
         };
@@ -276,8 +281,9 @@ impl<T: Element> Scratch<T> {
         if problem.softcap.is_some() {
             grow(&mut self.tanh, bq * bk);
         }
-        grow(&mut self.acc, bq.max(bk) * widest);
-        grow(&mut self.acc2, bk * dv);
+        grow(&mut self.acc, bq * dv);
+        grow(&mut self.q_panels, bq * d.next_multiple_of(16));
+        grow(&mut self.d_out_panels, bq * dv.next_multiple_of(16));
         if self.states.len() < bq {
             self.states.resize(bq, RowState::EMPTY);
         }
@@ -405,14 +411,15 @@ fn forward_typed<T: Element>(
     v: &[T],
 ) -> (Vec<T>, Vec<T>) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
-    let mut out = vec![T::ZERO; problem.out_len()];
-    let mut lse = vec![T::ZERO; problem.lse_len()];
+    let (out_len, lse_len) = (problem.out_len(), problem.lse_len());
+    let mut out = Vec::with_capacity(out_len);
+    let mut lse = Vec::with_capacity(lse_len);
     let heads = problem.batch * problem.heads_q;
     let tasks = row_tiles(
         heads,
         problem.seq_q,
         tiles.q_rows,
-        [&mut out, &mut lse],
+        [spare(&mut out, out_len), spare(&mut lse, lse_len)],
         [dv, 1],
     );
     let layout = Layout { p: problem };
@@ -428,6 +435,7 @@ fn forward_typed<T: Element>(
              outputs: [out, lse],
          }| {
             with_scratch(problem, tiles, |s: &mut Scratch<T>| {
+                let (out, lse) = (zero_init(out), zero_init(lse));
                 let m = rows.len();
                 let kv_head = layout.kv_head(head);
                 let q_scaled = &mut s.q_scaled[..m * d];
@@ -498,6 +506,12 @@ fn forward_typed<T: Element>(
             })
         },
     );
+    // SAFETY: the tasks' rows partition both outputs, and each task
+    // initialised its rows (`zero_init`) before anything else.
+    unsafe {
+        out.set_len(out_len);
+        lse.set_len(lse_len);
+    }
     (out, lse)
 }
 
@@ -632,10 +646,11 @@ fn recompute_tile<T: Element>(
     }
 }
 
-/// One key tile of one key/value head in the backward: recomputes P and
-/// dS against every query row that reads the tile, writes the tile's dK and
-/// dV, and adds its contribution to the head group's dQ (unscaled).
-struct KeyTileStep<'a, T: Clone> {
+/// One chunk of key tiles of one key/value head in the backward:
+/// recomputes P and dS against every query row that reads the chunk,
+/// accumulates the chunk's dK and dV, and adds its contribution to the
+/// head group's dQ partial (unscaled).
+struct ChunkStep<'a, T: Clone> {
     problem: &'a Problem,
     rules: &'a ScoreRules<'a, T>,
     tiles: TileSizes,
@@ -644,13 +659,20 @@ struct KeyTileStep<'a, T: Clone> {
     d_scores_sink: Option<&'a ScoreGradientSink<T>>,
 }
 
-impl<T: Element> KeyTileStep<'_, T> {
+impl<T: Element> ChunkStep<'_, T> {
+    /// `dk` and `dv` are the chunk's rows of dK and dV (zero on entry).
+    ///
+    /// Query blocks outside, key tiles inside: a block's rows are scaled and
+    /// packed once for all the chunk's tiles. Each gradient still receives
+    /// its terms in the order of the tile-outside loop (for a key tile:
+    /// head, then query block; for a block of dQ: key tile), so the bits
+    /// are those of that order.
     fn run(
         &self,
         s: &mut Scratch<T>,
         kv_head: usize,
-        keys: &Range<usize>,
-        dk_out: &mut [T],
+        chunk: &Range<usize>,
+        dk: &mut [T],
         dv_out: &mut [T],
         dq_group: &mut [T],
     ) {
@@ -658,66 +680,79 @@ impl<T: Element> KeyTileStep<'_, T> {
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let layout = Layout { p: problem };
         let scale = T::from_f64(problem.scale);
-        let n_tile = keys.len();
-        let mut dk_acc = std::mem::take(&mut s.acc);
-        let mut dv_acc = std::mem::take(&mut s.acc2);
-        dk_acc[..n_tile * d].fill(T::ZERO);
-        dv_acc[..n_tile * dv].fill(T::ZERO);
         let mut q_scaled = std::mem::take(&mut s.q_scaled);
+        let mut q_panels = std::mem::take(&mut s.q_panels);
+        let mut d_out_panels = std::mem::take(&mut s.d_out_panels);
         let mut segments = std::mem::take(&mut s.key_tiles);
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
+        let k_rows = self.tiles.k_rows;
         for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
             for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
-                // With a block-sparse mask, only the visible parts of the
-                // key tile (the whole tile without a mask).
-                let k_rows = self.tiles.k_rows;
-                self.rules
-                    .key_tiles(head, &rows, keys.clone(), k_rows, &mut segments);
-                let mut q_ready = false;
-                for part in segments.iter() {
-                    let visibility = self.rules.classify(head, &rows, part);
-                    if visibility == TileVisibility::Hidden {
-                        continue;
+                let m = rows.len();
+                let d_out_rows = layout.o_rows(x.d_out, head, &rows);
+                // Panel strides of the packed rows, once a tile needs them.
+                let mut packed: Option<(Option<usize>, Option<usize>)> = None;
+                for keys in key_tiles(chunk.clone(), k_rows) {
+                    // With a block-sparse mask, only the visible parts of
+                    // the key tile (the whole tile without a mask).
+                    self.rules
+                        .key_tiles(head, &rows, keys, k_rows, &mut segments);
+                    for part in segments.iter() {
+                        let visibility = self.rules.classify(head, &rows, part);
+                        if visibility == TileVisibility::Hidden {
+                            continue;
+                        }
+                        let n = part.len();
+                        let (q_stride, d_out_stride) = *packed.get_or_insert_with(|| {
+                            let q_rows = layout.q_rows(x.q, head, &rows);
+                            scale_into(q_rows, scale, &mut q_scaled[..m * d]);
+                            (
+                                T::pack_rows(&q_scaled[..m * d], m, d, &mut q_panels),
+                                T::pack_rows(d_out_rows, m, dv, &mut d_out_panels),
+                            )
+                        });
+                        let kv = layout.kv_tile(x, kv_head, part);
+                        let tile = TileRows {
+                            head,
+                            rows: &rows,
+                            keys: part,
+                            visibility,
+                            q_scaled: &q_scaled[..m * d],
+                            d_out_rows,
+                            lse_rows: layout.row_scalars(x.lse, head, &rows),
+                            delta_rows: layout.row_scalars(self.delta, head, &rows),
+                        };
+                        recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
+                        let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
+                        let local = part.start - chunk.start..part.end - chunk.start;
+                        T::matmul_t_acc_packed(
+                            scores,
+                            d_out_rows,
+                            d_out_stride.map(|stride| (&d_out_panels[..], stride)),
+                            &mut dv_out[local.start * dv..local.end * dv],
+                            (m, n, dv),
+                        );
+                        // q_scaled carries the softmax scale: dK = scale · dSᵀ Q.
+                        T::matmul_t_acc_packed(
+                            d_scores,
+                            &q_scaled[..m * d],
+                            q_stride.map(|stride| (&q_panels[..], stride)),
+                            &mut dk[local.start * d..local.end * d],
+                            (m, n, d),
+                        );
+                        let first = g * problem.seq_q;
+                        let dq_rows =
+                            &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
+                        T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
                     }
-                    let (m, n) = (rows.len(), part.len());
-                    if !q_ready {
-                        let q_rows = layout.q_rows(x.q, head, &rows);
-                        scale_into(q_rows, scale, &mut q_scaled[..m * d]);
-                        q_ready = true;
-                    }
-                    let kv = layout.kv_tile(x, kv_head, part);
-                    let d_out_rows = layout.o_rows(x.d_out, head, &rows);
-                    let tile = TileRows {
-                        head,
-                        rows: &rows,
-                        keys: part,
-                        visibility,
-                        q_scaled: &q_scaled[..m * d],
-                        d_out_rows,
-                        lse_rows: layout.row_scalars(x.lse, head, &rows),
-                        delta_rows: layout.row_scalars(self.delta, head, &rows),
-                    };
-                    recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
-                    let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
-                    let local = part.start - keys.start..part.end - keys.start;
-                    let dv_part = &mut dv_acc[local.start * dv..local.end * dv];
-                    T::matmul_t_acc(scores, d_out_rows, dv_part, m, n, dv);
-                    // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
-                    let dk_part = &mut dk_acc[local.start * d..local.end * d];
-                    T::matmul_t_acc(d_scores, &q_scaled[..m * d], dk_part, m, n, d);
-                    let first = g * problem.seq_q;
-                    let dq_rows = &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
-                    T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
                 }
             }
         }
-        dk_out.copy_from_slice(&dk_acc[..n_tile * d]);
-        dv_out.copy_from_slice(&dv_acc[..n_tile * dv]);
-        s.acc = dk_acc;
-        s.acc2 = dv_acc;
         s.q_scaled = q_scaled;
+        s.q_panels = q_panels;
+        s.d_out_panels = d_out_panels;
         s.key_tiles = segments;
     }
 }
@@ -754,10 +789,26 @@ fn backward_typed<T: Element>(
     let key_tile_count = problem.seq_k.div_ceil(tiles.k_rows);
     let chunks = tiles::backward_key_chunks(kv_heads, key_tile_count);
     let group_len = problem.group_size() * problem.seq_q * d;
-    let mut dk = vec![T::ZERO; problem.k_len()];
-    let mut dvv = vec![T::ZERO; problem.v_len()];
-    let mut partials = vec![T::ZERO; kv_heads * chunks * group_len];
-    let tasks = chunk_tasks(problem, tiles, chunks, [&mut dk, &mut dvv, &mut partials]);
+    let (q_len, k_len, v_len) = (problem.q_len(), problem.k_len(), problem.v_len());
+    let (mut dq, mut dk, mut dvv) = (
+        Vec::with_capacity(q_len),
+        Vec::with_capacity(k_len),
+        Vec::with_capacity(v_len),
+    );
+    // The first chunk of a head accumulates straight into dQ (0 + its
+    // partial is its partial), the others into partials of their own.
+    let partials_len = kv_heads * (chunks - 1) * group_len;
+    let mut partials = T::pool().take_empty(partials_len);
+    let tasks = chunk_tasks(
+        problem,
+        tiles,
+        chunks,
+        [spare(&mut dk, k_len), spare(&mut dvv, v_len)],
+        [
+            spare(&mut dq, q_len),
+            spare(partials.vec_mut(), partials_len),
+        ],
+    );
     // Scores no task visits (hidden tiles) have a zero gradient.
     let mut d_scores_full = problem
         .return_dmask
@@ -767,7 +818,7 @@ fn backward_typed<T: Element>(
         seq_q: problem.seq_q,
         seq_k: problem.seq_k,
     });
-    let step = KeyTileStep {
+    let step = ChunkStep {
         problem,
         rules,
         tiles,
@@ -777,26 +828,26 @@ fn backward_typed<T: Element>(
     };
     tasks.into_par_iter().for_each(|task| {
         with_scratch(problem, tiles, |s: &mut Scratch<T>| {
-            let [dk_chunk, dv_chunk, partial] = task.outputs;
-            for keys in key_tiles(task.keys.clone(), tiles.k_rows) {
-                let local = keys.start - task.keys.start..keys.end - task.keys.start;
-                step.run(
-                    s,
-                    task.kv_head,
-                    &keys,
-                    &mut dk_chunk[local.start * d..local.end * d],
-                    &mut dv_chunk[local.start * dv..local.end * dv],
-                    partial,
-                );
-            }
+            let [dk_chunk, dv_chunk, partial] = task.outputs.map(zero_init);
+            step.run(s, task.kv_head, &task.keys, dk_chunk, dv_chunk, partial);
         })
     });
+    // SAFETY: the tasks' chunks partition dK and dV, their dQ groups and
+    // partials partition dQ and the partials, and each task initialised
+    // its parts (`zero_init`) before anything else.
+    unsafe {
+        dq.set_len(q_len);
+        dk.set_len(k_len);
+        dvv.set_len(v_len);
+        partials.vec_mut().set_len(partials_len);
+    }
 
-    let mut dq = vec![T::ZERO; problem.q_len()];
     if group_len > 0 {
+        let per_head = (chunks - 1) * group_len;
         dq.par_chunks_mut(group_len)
-            .zip(partials.par_chunks(chunks * group_len))
-            .for_each(|(dq_group, head_partials)| {
+            .enumerate()
+            .for_each(|(kv_head, dq_group)| {
+                let head_partials = &partials[kv_head * per_head..(kv_head + 1) * per_head];
                 for partial in head_partials.chunks_exact(group_len) {
                     dq_group.iter_mut().zip(partial).for_each(|(q, &p)| *q += p);
                 }
@@ -807,24 +858,33 @@ fn backward_typed<T: Element>(
 }
 
 /// A backward task: one key/value head, the keys of a chunk of its key
-/// tiles, and the outputs it owns: those keys' rows of dK and dV, and a dQ
-/// partial for the head's query group.
+/// tiles, and the outputs it owns: those keys' rows of dK and dV, and the
+/// head group's dQ (first chunk) or a dQ partial (the others).
 struct ChunkTask<'a, T> {
     kv_head: usize,
     keys: Range<usize>,
     outputs: [&'a mut [T]; 3],
 }
 
+/// Cuts `[dK, dV]` by chunks of keys and `[dQ, partials]` by head group
+/// and chunk (partials hold chunks 1.. of each head).
 fn chunk_tasks<'a, T>(
     problem: &Problem,
     tiles: TileSizes,
     chunks: usize,
-    outputs: [&'a mut [T]; 3],
+    key_outputs: [&'a mut [T]; 2],
+    query_outputs: [&'a mut [T]; 2],
 ) -> Vec<ChunkTask<'a, T>> {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let group_len = problem.group_size() * problem.seq_q * d;
     let key_tile_count = problem.seq_k.div_ceil(tiles.k_rows);
-    let mut rest = outputs;
+    let [mut dk, mut dv_rest] = key_outputs;
+    let [mut dq, mut partials] = query_outputs;
+    let cut = |rest: &mut &'a mut [T], len: usize| {
+        let (mine, tail) = std::mem::take(rest).split_at_mut(len);
+        *rest = tail;
+        mine
+    };
     let mut tasks = Vec::new();
     for kv_head in 0..problem.batch * problem.heads_kv {
         for chunk in 0..chunks {
@@ -832,16 +892,17 @@ fn chunk_tasks<'a, T>(
             let end_tile = (chunk + 1) * key_tile_count / chunks;
             let keys = (first_tile * tiles.k_rows).min(problem.seq_k)
                 ..(end_tile * tiles.k_rows).min(problem.seq_k);
-            let sizes = [keys.len() * d, keys.len() * dv, group_len];
-            let outputs = [0, 1, 2].map(|i| {
-                let (mine, tail) = std::mem::take(&mut rest[i]).split_at_mut(sizes[i]);
-                rest[i] = tail;
-                mine
-            });
+            let dk_part = cut(&mut dk, keys.len() * d);
+            let dv_part = cut(&mut dv_rest, keys.len() * dv);
+            let dq_part = if chunk == 0 {
+                cut(&mut dq, group_len)
+            } else {
+                cut(&mut partials, group_len)
+            };
             tasks.push(ChunkTask {
                 kv_head,
                 keys,
-                outputs,
+                outputs: [dk_part, dv_part, dq_part],
             });
         }
     }

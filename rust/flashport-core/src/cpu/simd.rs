@@ -651,7 +651,10 @@ mod tests {
             } else {
                 // Between the flush and the smallest normal float: zero or
                 // a subnormal, off by less than the smallest normal.
-                assert!(((e as f64) - want).abs() <= f32::MIN_POSITIVE as f64, "exp({v})");
+                assert!(
+                    ((e as f64) - want).abs() <= f32::MIN_POSITIVE as f64,
+                    "exp({v})"
+                );
             }
         }
         let want: f64 = original
