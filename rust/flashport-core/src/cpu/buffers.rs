@@ -46,13 +46,18 @@ impl<T: Copy + Default> BufferPool<T> {
         best.map(|i| free.swap_remove(i)).unwrap_or_default()
     }
 
-    /// An empty buffer with room for `len` elements, returned to the pool
-    /// when dropped: its spare capacity is handed to parallel tasks (see
-    /// [`spare`]).
-    pub fn take_empty(&'static self, len: usize) -> Pooled<T> {
+    /// A buffer with room for `len` elements, returned to the pool when
+    /// dropped: either `len` elements long, holding what an earlier call
+    /// left there (for a caller that overwrites all of them), or empty, its
+    /// spare capacity to be initialised by parallel tasks (see [`spare`]).
+    pub fn take(&'static self, len: usize) -> Pooled<T> {
         let mut data = self.reuse(len);
-        data.clear();
-        data.reserve(len);
+        if data.len() >= len {
+            data.truncate(len);
+        } else {
+            data.clear();
+            data.reserve(len);
+        }
         Pooled { data, pool: self }
     }
 
@@ -128,14 +133,14 @@ mod tests {
     #[test]
     fn buffers_are_reused_and_bounded() {
         static POOL: BufferPool<f32> = BufferPool::new();
-        let mut first = POOL.take_empty(1000);
+        let mut first = POOL.take(1000);
         let address = first.vec_mut().as_ptr();
         assert!(first.vec_mut().capacity() >= 1000);
         let part = zero_init(spare(first.vec_mut(), 1000));
         assert!(part.iter().all(|&x| x == 0.0));
         drop(first);
-        let mut second = POOL.take_empty(500);
-        assert!(second.is_empty());
+        let mut second = POOL.take(500);
+        assert_eq!(second.len(), 0, "never initialised: empty");
         assert_eq!(
             second.vec_mut().as_ptr(),
             address,
@@ -143,7 +148,7 @@ mod tests {
         );
         drop(second);
         // Too large to keep: the pool still holds only the first buffer.
-        drop(POOL.take_empty(MAX_KEPT_BYTES / 4 + 1));
+        drop(POOL.take(MAX_KEPT_BYTES / 4 + 1));
         let free = POOL.free.lock().unwrap();
         assert_eq!(free.len(), 1);
         assert!(free.iter().all(|b| b.capacity() * 4 <= MAX_KEPT_BYTES));

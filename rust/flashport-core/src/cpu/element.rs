@@ -76,6 +76,26 @@ pub trait Element:
         let _ = (b_packed, pack);
         kernels::matmul_nt(a, b, c, m, k, n)
     }
+    /// [`Element::matmul_nt`] that also sets `maxes[i]` to the largest
+    /// element of row `i` of `c` (`-inf` for no columns); `lanes` is
+    /// scratch of `8 m`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_nt_row_max(
+        a: &[Self],
+        b: &[Self],
+        b_packed: Option<&[Self]>,
+        c: &mut [Self],
+        (m, k, n): (usize, usize, usize),
+        pack: &mut [Self],
+        maxes: &mut [Self],
+        lanes: &mut [Self],
+    ) {
+        let _ = lanes;
+        Self::matmul_nt(a, b, b_packed, c, m, k, n, pack);
+        for (i, max) in maxes[..m].iter_mut().enumerate() {
+            *max = Self::row_max(&c[i * n..(i + 1) * n]);
+        }
+    }
     /// `c += a · b`, `a` `m × k`, `b` `k × n`, `c` `m × n`.
     fn matmul_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
         kernels::matmul_acc(a, b, c, m, k, n)
@@ -257,6 +277,42 @@ impl Element for f32 {
         );
     }
     #[cfg(target_arch = "x86_64")]
+    fn matmul_nt_row_max(
+        a: &[f32],
+        b: &[f32],
+        b_packed: Option<&[f32]>,
+        c: &mut [f32],
+        (m, k, n): (usize, usize, usize),
+        pack: &mut [f32],
+        maxes: &mut [f32],
+        lanes: &mut [f32],
+    ) {
+        if !simd::available() {
+            kernels::matmul_nt(a, b, c, m, k, n);
+            for (i, max) in maxes[..m].iter_mut().enumerate() {
+                *max = kernels::row_max(&c[i * n..(i + 1) * n]);
+            }
+            return;
+        }
+        let packed = match b_packed {
+            Some(packed) => packed,
+            None => {
+                simd::pack_transposed_panels(b, n, k, pack);
+                &*pack
+            }
+        };
+        let lhs = simd::Lhs {
+            data: a,
+            row_stride: k,
+            depth_stride: 1,
+        };
+        let rhs = simd::Rhs::Panels {
+            data: packed,
+            panel_stride: simd::PANEL * k,
+        };
+        simd::gemm_row_max(m, n, k, lhs, rhs, c, n, maxes, lanes);
+    }
+    #[cfg(target_arch = "x86_64")]
     fn matmul_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
         if !simd::available() {
             return kernels::matmul_acc(a, b, c, m, k, n);
@@ -364,17 +420,26 @@ fn pack_each_head(
         return None;
     }
     let len = heads * dst_len;
-    let mut out = F32_POOL.take_empty(len);
+    let mut out = F32_POOL.take(len);
     debug_assert!(len == 0 || (src_len > 0 && dst_len > 0));
-    if src_len > 0 && dst_len > 0 {
+    if len == 0 {
+        return Some(out);
+    }
+    if out.len() == len {
+        // Kept from an earlier call: overwritten in place.
+        out.par_chunks_mut(dst_len)
+            .zip(x.par_chunks(src_len))
+            .for_each(|(dst, src)| pack(src, dst));
+    } else {
         buffers::spare(out.vec_mut(), len)
             .par_chunks_mut(dst_len)
             .zip(x.par_chunks(src_len))
             .for_each(|(dst, src)| pack(src, buffers::zero_init(dst)));
+        // SAFETY: the chunks above cover all `len` elements (`len` is
+        // `heads * dst_len`, `x` holds `heads * src_len`), and each was
+        // initialised by `zero_init`.
+        unsafe { out.vec_mut().set_len(len) };
     }
-    // SAFETY: the chunks above cover all `len` elements (or `len` is 0),
-    // and each was initialised by `zero_init`.
-    unsafe { out.vec_mut().set_len(len) };
     Some(out)
 }
 

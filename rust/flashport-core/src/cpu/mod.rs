@@ -241,6 +241,9 @@ struct Scratch<T> {
     q_panels: Vec<T>,
     d_out_panels: Vec<T>,
     states: Vec<RowState<T>>,
+    /// Each row's largest score of a tile, and 8 lanes a row to find it.
+    maxes: Vec<T>,
+    lanes: Vec<T>,
     /// The key tiles of the current query tile.
     key_tiles: Vec<Range<usize>>,
 }
@@ -257,6 +260,8 @@ impl<T: Element> Scratch<T> {
             q_panels: Vec::new(),
             d_out_panels: Vec::new(),
             states: Vec::new(),
+            maxes: Vec::new(),
+            lanes: Vec::new(),
             key_tiles: Vec::new(),
         };
         s.fit(problem, tiles);
@@ -284,6 +289,8 @@ impl<T: Element> Scratch<T> {
         grow(&mut self.acc, bq * dv);
         grow(&mut self.q_panels, bq * d.next_multiple_of(16));
         grow(&mut self.d_out_panels, bq * dv.next_multiple_of(16));
+        grow(&mut self.maxes, bq);
+        grow(&mut self.lanes, 8 * bq);
         if self.states.len() < bq {
             self.states.resize(bq, RowState::EMPTY);
         }
@@ -435,7 +442,6 @@ fn forward_typed<T: Element>(
              outputs: [out, lse],
          }| {
             with_scratch(problem, tiles, |s: &mut Scratch<T>| {
-                let (out, lse) = (zero_init(out), zero_init(lse));
                 let m = rows.len();
                 let kv_head = layout.kv_head(head);
                 let q_scaled = &mut s.q_scaled[..m * d];
@@ -462,8 +468,23 @@ fn forward_typed<T: Element>(
                     let scores = &mut s.scores[..m * n];
                     let k_rows = layout.k_rows(k, kv_head, &keys);
                     let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
-                    T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
-                    if visibility == TileVisibility::Partial || rules.modifies_scores() {
+                    // Scores the rules leave alone: their row maxima come
+                    // with the product, saving a pass over the tile.
+                    let plain = visibility == TileVisibility::Full && !rules.modifies_scores();
+                    let maxes = &mut s.maxes[..m];
+                    if plain {
+                        T::matmul_nt_row_max(
+                            q_scaled,
+                            k_rows,
+                            k_t,
+                            scores,
+                            (m, d, n),
+                            &mut s.pack,
+                            maxes,
+                            &mut s.lanes,
+                        );
+                    } else {
+                        T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
                         rules.apply(head, visibility, &rows, &keys, scores, n, None);
                     }
                     for (i, (state, row)) in states
@@ -471,7 +492,11 @@ fn forward_typed<T: Element>(
                         .zip(scores.chunks_exact_mut(n))
                         .enumerate()
                     {
-                        let correction = state.absorb(row);
+                        let correction = if plain {
+                            state.absorb_with_max(row, maxes[i])
+                        } else {
+                            state.absorb(row)
+                        };
                         if correction != T::ONE {
                             acc[i * dv..(i + 1) * dv]
                                 .iter_mut()
@@ -499,15 +524,15 @@ fn forward_typed<T: Element>(
                         .iter_mut()
                         .zip(&acc[i * dv..(i + 1) * dv])
                     {
-                        *o = a * normaliser;
+                        o.write(a * normaliser);
                     }
-                    lse[i] = row_lse;
+                    lse[i].write(row_lse);
                 }
             })
         },
     );
-    // SAFETY: the tasks' rows partition both outputs, and each task
-    // initialised its rows (`zero_init`) before anything else.
+    // SAFETY: the tasks' rows partition both outputs, and each task wrote
+    // every element of its rows (the loop over its rows' states above).
     unsafe {
         out.set_len(out_len);
         lse.set_len(lse_len);
@@ -798,7 +823,9 @@ fn backward_typed<T: Element>(
     // The first chunk of a head accumulates straight into dQ (0 + its
     // partial is its partial), the others into partials of their own.
     let partials_len = kv_heads * (chunks - 1) * group_len;
-    let mut partials = T::pool().take_empty(partials_len);
+    let mut partials = T::pool().take(partials_len);
+    // Zeroed by their tasks, whatever an earlier call left in them.
+    partials.vec_mut().clear();
     let tasks = chunk_tasks(
         problem,
         tiles,

@@ -194,9 +194,29 @@ pub fn gemm(
         }
         return;
     }
+    check_operands(m, n, k, &a, &b);
+    // SAFETY: the CPU has AVX2 and FMA, and every access below stays
+    // within the bounds (both checked above).
+    unsafe {
+        gemm_avx2(
+            m,
+            n,
+            k,
+            a,
+            b,
+            c.as_mut_ptr(),
+            ldc,
+            accumulate,
+            std::ptr::null_mut(),
+        )
+    }
+}
+
+/// The checks of [`gemm`] on its inputs, for `m, n, k > 0`.
+fn check_operands(m: usize, n: usize, k: usize, a: &Lhs<'_>, b: &Rhs<'_>) {
     let a_last = (m - 1) * a.row_stride + (k - 1) * a.depth_stride;
     assert!(a_last < a.data.len(), "lhs too short");
-    match b {
+    match *b {
         Rhs::RowMajor { data, ld } => assert!((k - 1) * ld + n <= data.len(), "rhs too short"),
         Rhs::Panels { data, panel_stride } => assert!(
             (n - 1) / PANEL * panel_stride + k * PANEL <= data.len(),
@@ -204,9 +224,51 @@ pub fn gemm(
         ),
     }
     assert!(available(), "AVX2/FMA kernel called on a CPU without them");
-    // SAFETY: the CPU has AVX2 and FMA (asserted), and every access below
-    // stays within the bounds asserted above.
-    unsafe { gemm_avx2(m, n, k, a, b, c.as_mut_ptr(), ldc, accumulate) }
+}
+
+/// `C = A·B` ([`gemm`] without accumulation) that also sets `row_max[i]`
+/// to the largest element of row `i` of C, taken from the registers as
+/// each block is stored instead of in a pass over C afterwards. `lanes`
+/// (at least `8 m`) holds each row's running maximum per vector lane.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_row_max(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Lhs<'_>,
+    b: Rhs<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    row_max: &mut [f32],
+    lanes: &mut [f32],
+) {
+    let (row_max, lanes) = (&mut row_max[..m], &mut lanes[..8 * m]);
+    if m == 0 || n == 0 || k == 0 {
+        gemm(m, n, k, a, b, c, ldc, false);
+        row_max.fill(if n == 0 { f32::NEG_INFINITY } else { 0.0 });
+        return;
+    }
+    assert!((m - 1) * ldc + n <= c.len(), "output too short");
+    check_operands(m, n, k, &a, &b);
+    lanes.fill(f32::NEG_INFINITY);
+    // SAFETY: as in `gemm` (same checks, above), and `lanes` holds 8
+    // floats for each of the `m` rows.
+    unsafe {
+        gemm_avx2(
+            m,
+            n,
+            k,
+            a,
+            b,
+            c.as_mut_ptr(),
+            ldc,
+            false,
+            lanes.as_mut_ptr(),
+        )
+    };
+    for (max, row) in row_max.iter_mut().zip(lanes.chunks_exact(8)) {
+        *max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    }
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -220,6 +282,7 @@ unsafe fn gemm_avx2(
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
+    row_max: *mut f32,
 ) {
     let op = Operands {
         a,
@@ -227,6 +290,7 @@ unsafe fn gemm_avx2(
         ldc,
         k,
         accumulate,
+        row_max,
     };
     // Column panels outside, row blocks inside: a panel of B (k × 16) stays
     // in L1 while every row block of A streams past it.
@@ -273,6 +337,10 @@ unsafe fn gemm_avx2(
                     }
                     let out = c.add(i * ldc + col);
                     *out = if accumulate { *out + sum } else { sum };
+                    if !row_max.is_null() {
+                        let lane = row_max.add(i * 8 + col % 8);
+                        *lane = lane.read().max(sum);
+                    }
                 }
             }
         }
@@ -287,6 +355,9 @@ struct Operands<'a> {
     ldc: usize,
     k: usize,
     accumulate: bool,
+    /// Null, or 8 lanes a row of C: each lane's running maximum over the
+    /// columns stored so far.
+    row_max: *mut f32,
 }
 
 impl Operands<'_> {
@@ -348,6 +419,67 @@ unsafe fn panel<const R: usize, const V: usize>(
             }
         }
         b_row = b_row.add(b_step);
+    }
+    if width < 8 * V {
+        return store_block(op, i0, j0, width, acc);
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        let out = op.c.add((i0 + r) * op.ldc + j0);
+        for (v, acc_v) in acc_r.iter().enumerate() {
+            let dst = out.add(8 * v);
+            let value = if op.accumulate {
+                _mm256_add_ps(_mm256_loadu_ps(dst), *acc_v)
+            } else {
+                *acc_v
+            };
+            _mm256_storeu_ps(dst, value);
+        }
+        if !op.row_max.is_null() {
+            let lanes = op.row_max.add((i0 + r) * 8);
+            let mut max = _mm256_loadu_ps(lanes);
+            for acc_v in acc_r {
+                max = _mm256_max_ps(max, *acc_v);
+            }
+            _mm256_storeu_ps(lanes, max);
+        }
+    }
+}
+
+/// The epilogue of [`panel`] for a block narrower than its registers:
+/// stores (or adds) the `width` columns and updates the row maxima from
+/// them. Out of line and given the accumulators by value: in the same
+/// function as the depth loop, these loops over them made LLVM keep all
+/// twelve in memory throughout it (2.4 times slower).
+#[target_feature(enable = "avx2,fma")]
+#[inline(never)]
+unsafe fn store_block<const R: usize, const V: usize>(
+    op: &Operands<'_>,
+    i0: usize,
+    j0: usize,
+    width: usize,
+    acc: [[__m256; V]; R],
+) {
+    if !op.row_max.is_null() {
+        for (r, acc_r) in acc.iter().enumerate() {
+            let lanes = op.row_max.add((i0 + r) * 8);
+            if width == 8 * V {
+                let mut max = _mm256_loadu_ps(lanes);
+                for acc_v in acc_r {
+                    max = _mm256_max_ps(max, *acc_v);
+                }
+                _mm256_storeu_ps(lanes, max);
+            } else {
+                // Padding columns (zeros) must not count.
+                let mut spill = [0.0f32; 16];
+                for (v, acc_v) in acc_r.iter().enumerate() {
+                    _mm256_storeu_ps(spill.as_mut_ptr().add(8 * v), *acc_v);
+                }
+                for (col, &value) in spill.iter().take(width).enumerate() {
+                    let lane = lanes.add(col % 8);
+                    *lane = lane.read().max(value);
+                }
+            }
+        }
     }
     for (r, acc_r) in acc.iter().enumerate() {
         let out = op.c.add((i0 + r) * op.ldc + j0);
@@ -587,6 +719,21 @@ mod tests {
                 n,
                 false,
             );
+            // The same product with its row maxima from the registers.
+            let mut c_m = vec![f32::NAN; m * n];
+            let (mut maxes, mut lanes) = (vec![f32::NAN; m], vec![f32::NAN; 8 * m]);
+            let panels = Rhs::Panels {
+                data: &packed,
+                panel_stride: PANEL * k,
+            };
+            gemm_row_max(m, n, k, lhs, panels, &mut c_m, n, &mut maxes, &mut lanes);
+            assert_eq!(c_m, c_p);
+            for (i, &max) in maxes.iter().enumerate() {
+                let want = c_p[i * n..(i + 1) * n]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                assert_eq!(max, want, "{m}x{n}x{k} row {i}");
+            }
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = c0[i * n + j] as f64
