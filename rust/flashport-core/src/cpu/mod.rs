@@ -719,7 +719,17 @@ impl<T: Element> ChunkStep<'_, T> {
                 let d_out_rows = layout.o_rows(x.d_out, head, &rows);
                 // Panel strides of the packed rows, once a tile needs them.
                 let mut packed: Option<(Option<usize>, Option<usize>)> = None;
+                // Keys past the block's last visible one (causal) or before
+                // its first (window) are not computed at all: a tile across
+                // the diagonal is cut where the block stops seeing keys, not
+                // computed whole and masked (a fifth of the work at
+                // (1,8,1024,64) causal).
+                let visible = self.rules.key_range(&rows);
                 for keys in key_tiles(chunk.clone(), k_rows) {
+                    let keys = keys.start.max(visible.start)..keys.end.min(visible.end);
+                    if keys.is_empty() {
+                        continue;
+                    }
                     // With a block-sparse mask, only the visible parts of
                     // the key tile (the whole tile without a mask).
                     self.rules
