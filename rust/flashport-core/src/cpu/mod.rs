@@ -9,6 +9,7 @@
 mod buffers;
 pub mod element;
 mod kernels;
+mod parallel;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;
@@ -21,13 +22,11 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use rayon::prelude::*;
-
 use crate::{
     BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
 };
 use buffers::{spare, zero_init};
-use element::Element;
+use element::{Element, PackInput, Packing};
 use scores::{ScoreRules, TileVisibility};
 use softmax::RowState;
 use tiles::TileSizes;
@@ -52,6 +51,7 @@ pub fn num_threads() -> Result<usize> {
     }
 }
 
+/// A pool of `threads` helper threads, started on first use and kept.
 fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
     let mut pools = POOLS
@@ -75,7 +75,8 @@ fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     Ok(pool)
 }
 
-/// Runs `f` on the pool of the configured size, with tiles chosen for it.
+/// Runs `f` on this thread with the configured number of threads in all
+/// (see `parallel.rs`), with tiles chosen for them.
 fn run_on_pool<R: Send>(
     problem: &Problem,
     element_bytes: usize,
@@ -83,7 +84,11 @@ fn run_on_pool<R: Send>(
 ) -> Result<R> {
     let threads = num_threads()?;
     let tiles = tiles::choose(problem, threads, element_bytes);
-    Ok(thread_pool(threads)?.install(|| f(tiles)))
+    let helpers = match threads {
+        1 => None,
+        _ => Some(thread_pool(threads - 1)?),
+    };
+    Ok(parallel::with_helpers(helpers, || f(tiles)))
 }
 
 /// Forward pass on the CPU.
@@ -164,9 +169,18 @@ fn backward_as<T: Element>(
         let rules = ScoreRules::<T>::new(problem, variants);
         let kv_heads = problem.batch * problem.heads_kv;
         let (seq_k, d, dv) = (problem.seq_k, problem.head_dim, problem.value_dim);
-        let k_packed = T::pack_heads(&k, kv_heads, seq_k, d);
-        let v_packed = T::pack_heads(&v, kv_heads, seq_k, dv);
-        let k_row_panels = T::pack_rows_heads(&k, kv_heads, seq_k, d);
+        let input = |x, cols, packing| PackInput {
+            x,
+            heads: kv_heads,
+            rows: seq_k,
+            cols,
+            packing,
+        };
+        let [k_packed, v_packed, k_row_panels] = T::pack_inputs([
+            input(&k, d, Packing::Transposed),
+            input(&v, dv, Packing::Transposed),
+            input(&k, d, Packing::Rows),
+        ]);
         let inputs = BackwardInputs {
             d_out: &d_out,
             q: &q,
@@ -240,6 +254,8 @@ struct Scratch<T> {
     /// for the backward's `dK += dSᵀ Q` and `dV += Pᵀ dO`.
     q_panels: Vec<T>,
     d_out_panels: Vec<T>,
+    /// `rowsum(dO ∘ O)` of a block of query rows.
+    delta: Vec<T>,
     states: Vec<RowState<T>>,
     /// Each row's largest score of a tile, and 8 lanes a row to find it.
     maxes: Vec<T>,
@@ -259,6 +275,7 @@ impl<T: Element> Scratch<T> {
             acc: Vec::new(),
             q_panels: Vec::new(),
             d_out_panels: Vec::new(),
+            delta: Vec::new(),
             states: Vec::new(),
             maxes: Vec::new(),
             lanes: Vec::new(),
@@ -290,6 +307,7 @@ impl<T: Element> Scratch<T> {
         grow(&mut self.q_panels, bq * d.next_multiple_of(16));
         grow(&mut self.d_out_panels, bq * dv.next_multiple_of(16));
         grow(&mut self.maxes, bq);
+        grow(&mut self.delta, bq);
         grow(&mut self.lanes, 8 * bq);
         if self.states.len() < bq {
             self.states.resize(bq, RowState::EMPTY);
@@ -351,7 +369,7 @@ impl Layout<'_> {
         let dv = self.p.value_dim;
         &v[(kv_head * self.p.seq_k + keys.start) * dv..(kv_head * self.p.seq_k + keys.end) * dv]
     }
-    /// The tile `keys` of one head of an `Element::pack_heads` result.
+    /// The tile `keys` of one head of a `Packing::Transposed` result.
     fn packed_tile<'a, T: Element>(
         &self,
         packed: Option<&'a [T]>,
@@ -363,8 +381,8 @@ impl Layout<'_> {
         let base = kv_head * head_len;
         packed.map(|p| &p[base + keys.start * width..base + head_len])
     }
-    /// The tile `keys` of one head of an `Element::pack_rows_heads`
-    /// result, with its panel stride.
+    /// The tile `keys` of one head of a `Packing::Rows` result, with its
+    /// panel stride.
     fn row_panels<'a, T: Element>(
         &self,
         packed: Option<&'a [T]>,
@@ -422,20 +440,34 @@ fn forward_typed<T: Element>(
     let mut out = Vec::with_capacity(out_len);
     let mut lse = Vec::with_capacity(lse_len);
     let heads = problem.batch * problem.heads_q;
-    let tasks = row_tiles(
+    let mut tasks = row_tiles(
         heads,
         problem.seq_q,
         tiles.q_rows,
         [spare(&mut out, out_len), spare(&mut lse, lse_len)],
         [dv, 1],
     );
+    // Threads take tasks in order: the longest first (causal rows late in
+    // the sequence see more keys), so that the last ones are short and the
+    // threads finish together.
+    tasks.sort_by_key(|t| std::cmp::Reverse(t.rows.len() * rules.key_range(&t.rows).len()));
     let layout = Layout { p: problem };
     let kv_heads = problem.batch * problem.heads_kv;
-    let k_packed = T::pack_heads(k, kv_heads, problem.seq_k, d);
-    let v_packed = T::pack_rows_heads(v, kv_heads, problem.seq_k, dv);
+    let input = |x, cols, packing| PackInput {
+        x,
+        heads: kv_heads,
+        rows: problem.seq_k,
+        cols,
+        packing,
+    };
+    let [k_packed, v_packed] = T::pack_inputs([
+        input(k, d, Packing::Transposed),
+        input(v, dv, Packing::Rows),
+    ]);
     let scale = T::from_f64(problem.scale);
 
-    tasks.into_par_iter().for_each(
+    parallel::for_each(
+        tasks,
         |RowTile {
              head,
              rows,
@@ -680,7 +712,6 @@ struct ChunkStep<'a, T: Clone> {
     rules: &'a ScoreRules<'a, T>,
     tiles: TileSizes,
     x: &'a BackwardInputs<'a, T>,
-    delta: &'a [T],
     d_scores_sink: Option<&'a ScoreGradientSink<T>>,
 }
 
@@ -708,6 +739,7 @@ impl<T: Element> ChunkStep<'_, T> {
         let mut q_scaled = std::mem::take(&mut s.q_scaled);
         let mut q_panels = std::mem::take(&mut s.q_panels);
         let mut d_out_panels = std::mem::take(&mut s.d_out_panels);
+        let mut delta = std::mem::take(&mut s.delta);
         let mut segments = std::mem::take(&mut s.key_tiles);
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
@@ -743,6 +775,18 @@ impl<T: Element> ChunkStep<'_, T> {
                         let (q_stride, d_out_stride) = *packed.get_or_insert_with(|| {
                             let q_rows = layout.q_rows(x.q, head, &rows);
                             scale_into(q_rows, scale, &mut q_scaled[..m * d]);
+                            // D = rowsum(dO ∘ O): the term of dS that comes
+                            // from the softmax normaliser, once per block
+                            // (here rather than in a pass of its own: a pass
+                            // costs a hand-over to the helper threads).
+                            let o_rows = layout.o_rows(x.out, head, &rows);
+                            for (i, delta) in delta[..m].iter_mut().enumerate() {
+                                let (o, g) = (
+                                    &o_rows[i * dv..(i + 1) * dv],
+                                    &d_out_rows[i * dv..(i + 1) * dv],
+                                );
+                                *delta = o.iter().zip(g).fold(T::ZERO, |a, (&o, &g)| a + o * g);
+                            }
                             (
                                 T::pack_rows(&q_scaled[..m * d], m, d, &mut q_panels),
                                 T::pack_rows(d_out_rows, m, dv, &mut d_out_panels),
@@ -757,7 +801,7 @@ impl<T: Element> ChunkStep<'_, T> {
                             q_scaled: &q_scaled[..m * d],
                             d_out_rows,
                             lse_rows: layout.row_scalars(x.lse, head, &rows),
-                            delta_rows: layout.row_scalars(self.delta, head, &rows),
+                            delta_rows: &delta[..m],
                         };
                         recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
                         let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
@@ -788,6 +832,7 @@ impl<T: Element> ChunkStep<'_, T> {
         s.q_scaled = q_scaled;
         s.q_panels = q_panels;
         s.d_out_panels = d_out_panels;
+        s.delta = delta;
         s.key_tiles = segments;
     }
 }
@@ -800,18 +845,8 @@ fn backward_typed<T: Element>(
     tiles: TileSizes,
     x: &BackwardInputs<'_, T>,
 ) -> BackwardResult<T> {
-    let (d, dv) = (problem.head_dim, problem.value_dim);
+    let d = problem.head_dim;
     let scale = T::from_f64(problem.scale);
-
-    // D = rowsum(dO ∘ O): the term of dS that comes from the softmax
-    // normaliser, computed once instead of in every tile.
-    let delta: Vec<T> = (0..problem.lse_len())
-        .into_par_iter()
-        .map(|r| {
-            let (o, g) = (&x.out[r * dv..(r + 1) * dv], &x.d_out[r * dv..(r + 1) * dv]);
-            o.iter().zip(g).fold(T::ZERO, |a, (&o, &g)| a + o * g)
-        })
-        .collect();
 
     // One task per (key/value head, chunk of its key tiles): it owns dK and
     // dV of those keys, and loops over every query row that reads them (all
@@ -836,7 +871,7 @@ fn backward_typed<T: Element>(
     let mut partials = T::pool().take(partials_len);
     // Zeroed by their tasks, whatever an earlier call left in them.
     partials.vec_mut().clear();
-    let tasks = chunk_tasks(
+    let mut tasks = chunk_tasks(
         problem,
         tiles,
         chunks,
@@ -846,6 +881,18 @@ fn backward_typed<T: Element>(
             spare(partials.vec_mut(), partials_len),
         ],
     );
+    // The longest first (see the forward).
+    tasks.sort_by_cached_key(|t| {
+        let blocks = key_tiles(0..problem.seq_q, tiles.q_block);
+        let pairs: usize = blocks
+            .map(|rows| {
+                let seen = rules.key_range(&rows);
+                let keys = seen.start.max(t.keys.start)..seen.end.min(t.keys.end);
+                rows.len() * keys.len()
+            })
+            .sum();
+        std::cmp::Reverse(pairs)
+    });
     // Scores no task visits (hidden tiles) have a zero gradient.
     let mut d_scores_full = problem
         .return_dmask
@@ -860,10 +907,9 @@ fn backward_typed<T: Element>(
         rules,
         tiles,
         x,
-        delta: &delta,
         d_scores_sink: d_scores_sink.as_ref(),
     };
-    tasks.into_par_iter().for_each(|task| {
+    parallel::for_each(tasks, |task| {
         with_scratch(problem, tiles, |s: &mut Scratch<T>| {
             let [dk_chunk, dv_chunk, partial] = task.outputs.map(zero_init);
             step.run(s, task.kv_head, &task.keys, dk_chunk, dv_chunk, partial);
@@ -881,15 +927,16 @@ fn backward_typed<T: Element>(
 
     if group_len > 0 {
         let per_head = (chunks - 1) * group_len;
-        dq.par_chunks_mut(group_len)
-            .enumerate()
-            .for_each(|(kv_head, dq_group)| {
+        parallel::for_each(
+            dq.chunks_mut(group_len).enumerate().collect(),
+            |(kv_head, dq_group)| {
                 let head_partials = &partials[kv_head * per_head..(kv_head + 1) * per_head];
                 for partial in head_partials.chunks_exact(group_len) {
                     dq_group.iter_mut().zip(partial).for_each(|(q, &p)| *q += p);
                 }
                 dq_group.iter_mut().for_each(|q| *q *= scale);
-            });
+            },
+        );
     }
     (dq, dk, dvv, d_scores_full)
 }
