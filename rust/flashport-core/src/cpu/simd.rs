@@ -12,10 +12,19 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-/// Whether the running CPU has AVX2 and FMA (checked once).
+/// Environment variable that turns these kernels off when set to `0`, so
+/// that the portable kernels (what a CPU without AVX2 and FMA runs) can be
+/// tested and compared on one that has them. Read once per process.
+pub const SIMD_ENV: &str = "FLASHPORT_CPU_SIMD";
+
+/// Whether these kernels run: the CPU has AVX2 and FMA and [`SIMD_ENV`]
+/// does not turn them off (checked once).
 pub fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    *AVAILABLE.get_or_init(|| {
+        let allowed = std::env::var(SIMD_ENV).map_or(true, |v| v.trim() != "0");
+        allowed && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    })
 }
 
 /// A strided view of the left operand: element (row `i`, depth `p`) is at
