@@ -447,10 +447,15 @@ fn forward_typed<T: Element>(
         [spare(&mut out, out_len), spare(&mut lse, lse_len)],
         [dv, 1],
     );
-    // Threads take tasks in order: the longest first (causal rows late in
-    // the sequence see more keys), so that the last ones are short and the
-    // threads finish together.
-    tasks.sort_by_key(|t| std::cmp::Reverse(t.rows.len() * rules.key_range(&t.rows).len()));
+    // Threads take tasks in order: head by head, so that they share the
+    // head's keys and values in cache (one head each, at (1,4,8192,128)
+    // causal, ran 7% slower), and in a head the longest first (causal rows
+    // late in the sequence see more keys), so that the threads finish
+    // together.
+    tasks.sort_by_key(|t| {
+        let work = t.rows.len() * rules.key_range(&t.rows).len();
+        (t.head, std::cmp::Reverse(work))
+    });
     let layout = Layout { p: problem };
     let kv_heads = problem.batch * problem.heads_kv;
     let input = |x, cols, packing| PackInput {
@@ -881,7 +886,7 @@ fn backward_typed<T: Element>(
             spare(partials.vec_mut(), partials_len),
         ],
     );
-    // The longest first (see the forward).
+    // Head by head, the longest first (see the forward).
     tasks.sort_by_cached_key(|t| {
         let blocks = key_tiles(0..problem.seq_q, tiles.q_block);
         let pairs: usize = blocks
@@ -891,7 +896,7 @@ fn backward_typed<T: Element>(
                 rows.len() * keys.len()
             })
             .sum();
-        std::cmp::Reverse(pairs)
+        (t.kv_head, std::cmp::Reverse(pairs))
     });
     // Scores no task visits (hidden tiles) have a zero gradient.
     let mut d_scores_full = problem
