@@ -7,7 +7,8 @@
 //! page at a time. Keeping them makes the second call reuse warm pages.
 //! What is kept is bounded: the packed copies of inputs and the backward's
 //! dQ partials up to [`MAX_KEPT_BYTES`] in all (a large problem computes
-//! for long enough not to notice), and one set of tiles per worker thread.
+//! for long enough not to notice), and one set of tiles per thread that
+//! computes (the helper threads and each thread that calls in).
 //!
 //! Memory that is new (outputs, which go to the caller, and buffers too
 //! large to keep) is not zeroed up front: the parallel tasks that own its

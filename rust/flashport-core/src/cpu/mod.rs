@@ -1,5 +1,6 @@
 //! The CPU backend: FlashAttention-2's tiled forward and recomputing
-//! backward, parallel over (batch·head, tile) with rayon.
+//! backward, parallel over (batch·head, tile) on the calling thread and
+//! helper threads (`parallel.rs`).
 //!
 //! Every output element is produced by exactly one task, in an order that
 //! depends neither on scheduling nor on the thread count (only the query
@@ -316,7 +317,7 @@ impl<T: Element> Scratch<T> {
 }
 
 thread_local! {
-    /// Each worker thread's [`Scratch`], kept between tasks and calls (see
+    /// Each computing thread's [`Scratch`], kept between tasks and calls (see
     /// `buffers.rs` for why); boxed as `Any` to serve both element types.
     static SCRATCH: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
 }
