@@ -4,7 +4,10 @@ use std::borrow::Cow;
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
+use super::buffers::{self, BufferPool, Pooled};
 use super::kernels;
+#[cfg(target_arch = "x86_64")]
+use super::parallel;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
 use crate::variants::MaskScalar;
@@ -15,6 +18,7 @@ use crate::{Buffer, Slice};
 pub trait Element:
     MaskScalar
     + Copy
+    + Default
     + Debug
     + Send
     + Sync
@@ -28,6 +32,8 @@ pub trait Element:
     + 'static
 {
     const ONE: Self;
+    /// Where buffers of this type are kept between calls.
+    fn pool() -> &'static BufferPool<Self>;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn tanh(self) -> Self;
@@ -41,21 +47,20 @@ pub trait Element:
     // overrides them with SIMD kernels where the CPU has them. Shapes are
     // rows × columns of row-major contiguous matrices.
 
-    /// Packs each of `heads` blocks of `rows × cols` (key or value rows)
-    /// for [`Element::matmul_nt`]'s `b_packed`, or `None` when the kernels
-    /// read the rows directly. Done once per call instead of once per tile.
-    fn pack_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Vec<Self>> {
-        let _ = (x, heads, rows, cols);
-        None
+    /// Packs each input (see [`PackInput`]), all in one parallel pass, or
+    /// gives `None` for those the kernels read as rows. Done once per call
+    /// instead of once per tile.
+    fn pack_inputs<const N: usize>(inputs: [PackInput<'_, Self>; N]) -> [Option<Pooled<Self>>; N] {
+        inputs.map(|_| None)
     }
-    /// Elements one head takes in [`Element::pack_heads`]' result; the
+    /// Elements one head takes in a [`Packing::Transposed`] result; the
     /// tile of a head that starts at row `start` (a multiple of 16) starts
     /// `start * cols` elements into it.
     fn packed_head_len(rows: usize, cols: usize) -> usize {
         rows * cols
     }
     /// `c = a · bᵀ`, `a` `m × k`, `b` `n × k`, `c` `m × n`. `b_packed`,
-    /// when given, is the same tile as packed by [`Element::pack_heads`];
+    /// when given, is the same tile as packed [`Packing::Transposed`];
     /// otherwise `pack` (scratch of `k × n` rounded up to 16 columns) may
     /// be used to pack it here.
     #[allow(clippy::too_many_arguments)]
@@ -72,25 +77,38 @@ pub trait Element:
         let _ = (b_packed, pack);
         kernels::matmul_nt(a, b, c, m, k, n)
     }
+    /// [`Element::matmul_nt`] that also sets `maxes[i]` to the largest
+    /// element of row `i` of `c` (`-inf` for no columns); `lanes` is
+    /// scratch of `8 m`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_nt_row_max(
+        a: &[Self],
+        b: &[Self],
+        b_packed: Option<&[Self]>,
+        c: &mut [Self],
+        (m, k, n): (usize, usize, usize),
+        pack: &mut [Self],
+        maxes: &mut [Self],
+        lanes: &mut [Self],
+    ) {
+        let _ = lanes;
+        Self::matmul_nt(a, b, b_packed, c, m, k, n, pack);
+        for (i, max) in maxes[..m].iter_mut().enumerate() {
+            *max = Self::row_max(&c[i * n..(i + 1) * n]);
+        }
+    }
     /// `c += a · b`, `a` `m × k`, `b` `k × n`, `c` `m × n`.
     fn matmul_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
         kernels::matmul_acc(a, b, c, m, k, n)
     }
-    /// Packs each of `heads` blocks of `rows × cols` (value rows) for
-    /// [`Element::matmul_acc_packed`], or `None` when the kernels read the
-    /// rows directly; a tile starting at row `start` of a head starts
-    /// `start * 16` elements into the head, whose panels lie
-    /// [`Element::row_panel_stride`] apart.
-    fn pack_rows_heads(x: &[Self], heads: usize, rows: usize, cols: usize) -> Option<Vec<Self>> {
-        let _ = (x, heads, rows, cols);
-        None
-    }
-    /// Elements one head takes in [`Element::pack_rows_heads`]' result.
+    /// Elements one head takes in a [`Packing::Rows`] result; a tile
+    /// starting at row `start` of a head starts `start * 16` elements into
+    /// the head, whose panels lie `rows * 16` apart.
     fn rows_head_len(rows: usize, cols: usize) -> usize {
         rows * cols
     }
     /// `c += a · b` like [`Element::matmul_acc`], with `b` optionally given as
-    /// packed by [`Element::pack_rows_heads`]: `(tile start, panel stride)`.
+    /// packed [`Packing::Rows`]: `(tile start, panel stride)`.
     fn matmul_acc_packed(
         a: &[Self],
         b: &[Self],
@@ -105,6 +123,26 @@ pub trait Element:
     fn matmul_t_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
         kernels::matmul_t_acc(a, b, c, m, k, n)
     }
+    /// Packs `x` (`rows × cols`) into `dst` (at least
+    /// [`Element::rows_head_len`]`(rows, cols)` long) for the `b_packed` of
+    /// [`Element::matmul_t_acc_packed`], returning the panel stride, or
+    /// `None` (and leaves `dst` alone) when the kernels read rows directly.
+    fn pack_rows(x: &[Self], rows: usize, cols: usize, dst: &mut [Self]) -> Option<usize> {
+        let _ = (x, rows, cols, dst);
+        None
+    }
+    /// [`Element::matmul_t_acc`] with `b` optionally as packed by
+    /// [`Element::pack_rows`]: `(panels, panel stride)`.
+    fn matmul_t_acc_packed(
+        a: &[Self],
+        b: &[Self],
+        b_packed: Option<(&[Self], usize)>,
+        c: &mut [Self],
+        (m, k, n): (usize, usize, usize),
+    ) {
+        let _ = b_packed;
+        Self::matmul_t_acc(a, b, c, m, k, n)
+    }
     /// The largest element; `-inf` for an empty or fully masked row.
     fn row_max(x: &[Self]) -> Self {
         kernels::row_max(x)
@@ -115,8 +153,14 @@ pub trait Element:
     }
 }
 
+static F32_POOL: BufferPool<f32> = BufferPool::new();
+static F64_POOL: BufferPool<f64> = BufferPool::new();
+
 impl Element for f32 {
     const ONE: Self = 1.0;
+    fn pool() -> &'static BufferPool<f32> {
+        &F32_POOL
+    }
     fn tanh(self) -> Self {
         f32::tanh(self)
     }
@@ -144,22 +188,15 @@ impl Element for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn pack_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
-        let head_len = simd::panels_len(cols, rows);
-        pack_each_head(x, heads, rows * cols, head_len, |src, dst| {
-            simd::pack_transposed_panels(src, rows, cols, dst)
-        })
+    fn pack_inputs<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> [Option<Pooled<f32>>; N] {
+        if !simd::available() {
+            return inputs.map(|_| None);
+        }
+        pack_f32(inputs).map(Some)
     }
     #[cfg(target_arch = "x86_64")]
     fn packed_head_len(rows: usize, cols: usize) -> usize {
         simd::panels_len(cols, rows)
-    }
-    #[cfg(target_arch = "x86_64")]
-    fn pack_rows_heads(x: &[f32], heads: usize, rows: usize, cols: usize) -> Option<Vec<f32>> {
-        let head_len = simd::panels_len(rows, cols);
-        pack_each_head(x, heads, rows * cols, head_len, |src, dst| {
-            simd::pack_panels(src, rows, cols, dst)
-        })
     }
     #[cfg(target_arch = "x86_64")]
     fn rows_head_len(rows: usize, cols: usize) -> usize {
@@ -227,6 +264,42 @@ impl Element for f32 {
         );
     }
     #[cfg(target_arch = "x86_64")]
+    fn matmul_nt_row_max(
+        a: &[f32],
+        b: &[f32],
+        b_packed: Option<&[f32]>,
+        c: &mut [f32],
+        (m, k, n): (usize, usize, usize),
+        pack: &mut [f32],
+        maxes: &mut [f32],
+        lanes: &mut [f32],
+    ) {
+        if !simd::available() {
+            kernels::matmul_nt(a, b, c, m, k, n);
+            for (i, max) in maxes[..m].iter_mut().enumerate() {
+                *max = kernels::row_max(&c[i * n..(i + 1) * n]);
+            }
+            return;
+        }
+        let packed = match b_packed {
+            Some(packed) => packed,
+            None => {
+                simd::pack_transposed_panels(b, n, k, pack);
+                &*pack
+            }
+        };
+        let lhs = simd::Lhs {
+            data: a,
+            row_stride: k,
+            depth_stride: 1,
+        };
+        let rhs = simd::Rhs::Panels {
+            data: packed,
+            panel_stride: simd::PANEL * k,
+        };
+        simd::gemm_row_max(m, n, k, lhs, rhs, c, n, maxes, lanes);
+    }
+    #[cfg(target_arch = "x86_64")]
     fn matmul_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
         if !simd::available() {
             return kernels::matmul_acc(a, b, c, m, k, n);
@@ -270,6 +343,38 @@ impl Element for f32 {
         );
     }
     #[cfg(target_arch = "x86_64")]
+    fn pack_rows(x: &[f32], rows: usize, cols: usize, dst: &mut [f32]) -> Option<usize> {
+        if !simd::available() {
+            return None;
+        }
+        simd::pack_panels(x, rows, cols, dst);
+        Some(rows * simd::PANEL)
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_t_acc_packed(
+        a: &[f32],
+        b: &[f32],
+        b_packed: Option<(&[f32], usize)>,
+        c: &mut [f32],
+        (m, k, n): (usize, usize, usize),
+    ) {
+        match b_packed {
+            Some((data, panel_stride)) if simd::available() => {
+                // Row r of aᵀ is column r of a; b in panels, not rows a
+                // head dimension apart (at d = 128 such rows conflict in
+                // L1: 79 GFLOP/s for this product, 88 from panels).
+                let lhs = simd::Lhs {
+                    data: a,
+                    row_stride: 1,
+                    depth_stride: k,
+                };
+                let rhs = simd::Rhs::Panels { data, panel_stride };
+                simd::gemm(k, n, m, lhs, rhs, c, n, true);
+            }
+            _ => Self::matmul_t_acc(a, b, c, m, k, n),
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
     fn row_max(x: &[f32]) -> f32 {
         if simd::available() {
             simd::row_max(x)
@@ -287,31 +392,88 @@ impl Element for f32 {
     }
 }
 
-/// Packs each head of `x` (`src_len` elements a head) into `dst_len`
-/// elements with `pack`, heads in parallel; `None` without AVX2 kernels.
+/// How [`Element::pack_inputs`] lays out an input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Packing {
+    /// Transposed into panels, for [`Element::matmul_nt`]'s `b_packed`.
+    Transposed,
+    /// In row panels, for [`Element::matmul_acc_packed`]'s `b_packed`.
+    Rows,
+}
+
+/// One input of [`Element::pack_inputs`]: `heads` blocks of `rows × cols`.
+pub struct PackInput<'a, T> {
+    pub x: &'a [T],
+    pub heads: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub packing: Packing,
+}
+
+/// Packs every head of every input in one parallel pass (each pass costs
+/// the caller a hand-over to the helper threads and back), into buffers
+/// kept from earlier calls where they fit.
 #[cfg(target_arch = "x86_64")]
-fn pack_each_head(
-    x: &[f32],
-    heads: usize,
-    src_len: usize,
-    dst_len: usize,
-    pack: impl Fn(&[f32], &mut [f32]) + Sync,
-) -> Option<Vec<f32>> {
-    use rayon::prelude::*;
-    if !simd::available() {
-        return None;
+fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> [Pooled<f32>; N] {
+    use std::mem::MaybeUninit;
+    enum Dst<'a> {
+        Kept(&'a mut [f32]),
+        New(&'a mut [MaybeUninit<f32>]),
     }
-    let mut out = vec![0.0; heads * dst_len];
-    if src_len > 0 && dst_len > 0 {
-        out.par_chunks_mut(dst_len)
-            .zip(x.par_chunks(src_len))
-            .for_each(|(dst, src)| pack(src, dst));
+    let head_len = |i: &PackInput<'_, f32>| match i.packing {
+        Packing::Transposed => simd::panels_len(i.cols, i.rows),
+        Packing::Rows => simd::panels_len(i.rows, i.cols),
+    };
+    let lens = inputs.each_ref().map(|i| i.heads * head_len(i));
+    let mut outs = lens.map(|len| F32_POOL.take(len));
+    let kept: [bool; N] = std::array::from_fn(|n| outs[n].len() == lens[n]);
+    let mut items = Vec::new();
+    for (n, (input, out)) in inputs.iter().zip(outs.iter_mut()).enumerate() {
+        let (dst_len, src_len) = (head_len(input), input.rows * input.cols);
+        if lens[n] == 0 {
+            continue;
+        }
+        // Each head's source and destination (both non-empty here).
+        let sources = input.x.chunks(src_len);
+        let dsts: Vec<Dst<'_>> = if kept[n] {
+            out.chunks_mut(dst_len).map(Dst::Kept).collect()
+        } else {
+            buffers::spare(out.vec_mut(), lens[n])
+                .chunks_mut(dst_len)
+                .map(Dst::New)
+                .collect()
+        };
+        for (dst, src) in dsts.into_iter().zip(sources) {
+            items.push((input, dst, src));
+        }
     }
-    Some(out)
+    parallel::for_each(items, |(input, dst, src)| {
+        let dst = match dst {
+            Dst::Kept(dst) => dst,
+            Dst::New(dst) => buffers::zero_init(dst),
+        };
+        match input.packing {
+            Packing::Transposed => simd::pack_transposed_panels(src, input.rows, input.cols, dst),
+            Packing::Rows => simd::pack_panels(src, input.rows, input.cols, dst),
+        }
+    });
+    for (n, out) in outs.iter_mut().enumerate() {
+        if !kept[n] {
+            // SAFETY: the heads' chunks above cover all `lens[n]` elements
+            // (`lens[n]` is `heads` destination chunks, and `x` holds
+            // `heads` source chunks), or `lens[n]` is 0; each chunk was
+            // initialised by `zero_init`.
+            unsafe { out.vec_mut().set_len(lens[n]) };
+        }
+    }
+    outs
 }
 
 impl Element for f64 {
     const ONE: Self = 1.0;
+    fn pool() -> &'static BufferPool<f64> {
+        &F64_POOL
+    }
     fn tanh(self) -> Self {
         f64::tanh(self)
     }

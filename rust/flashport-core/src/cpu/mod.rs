@@ -1,29 +1,33 @@
 //! The CPU backend: FlashAttention-2's tiled forward and recomputing
-//! backward, parallel over (batch·head, tile) with rayon.
+//! backward, parallel over (batch·head, tile) on the calling thread and
+//! helper threads (`parallel.rs`).
 //!
 //! Every output element is produced by exactly one task, in an order that
 //! depends neither on scheduling nor on the thread count (only the query
 //! tile height follows the thread count, and no sum runs across query
 //! rows in a way that depends on it), so results are bitwise reproducible.
 
+mod buffers;
 pub mod element;
 mod kernels;
+mod parallel;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 pub mod softmax;
 pub mod tiles;
 
+use std::any::Any;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use rayon::prelude::*;
-
 use crate::{
     BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
 };
-use element::Element;
+use buffers::{spare, zero_init};
+use element::{Element, PackInput, Packing};
 use scores::{ScoreRules, TileVisibility};
 use softmax::RowState;
 use tiles::TileSizes;
@@ -48,6 +52,7 @@ pub fn num_threads() -> Result<usize> {
     }
 }
 
+/// A pool of `threads` helper threads, started on first use and kept.
 fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
     let mut pools = POOLS
@@ -71,7 +76,8 @@ fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     Ok(pool)
 }
 
-/// Runs `f` on the pool of the configured size, with tiles chosen for it.
+/// Runs `f` on this thread with the configured number of threads in all
+/// (see `parallel.rs`), with tiles chosen for them.
 fn run_on_pool<R: Send>(
     problem: &Problem,
     element_bytes: usize,
@@ -79,7 +85,11 @@ fn run_on_pool<R: Send>(
 ) -> Result<R> {
     let threads = num_threads()?;
     let tiles = tiles::choose(problem, threads, element_bytes);
-    Ok(thread_pool(threads)?.install(|| f(tiles)))
+    let helpers = match threads {
+        1 => None,
+        _ => Some(thread_pool(threads - 1)?),
+    };
+    Ok(parallel::with_helpers(helpers, || f(tiles)))
 }
 
 /// Forward pass on the CPU.
@@ -160,9 +170,18 @@ fn backward_as<T: Element>(
         let rules = ScoreRules::<T>::new(problem, variants);
         let kv_heads = problem.batch * problem.heads_kv;
         let (seq_k, d, dv) = (problem.seq_k, problem.head_dim, problem.value_dim);
-        let k_packed = T::pack_heads(&k, kv_heads, seq_k, d);
-        let v_packed = T::pack_heads(&v, kv_heads, seq_k, dv);
-        let k_row_panels = T::pack_rows_heads(&k, kv_heads, seq_k, d);
+        let input = |x, cols, packing| PackInput {
+            x,
+            heads: kv_heads,
+            rows: seq_k,
+            cols,
+            packing,
+        };
+        let [k_packed, v_packed, k_row_panels] = T::pack_inputs([
+            input(&k, d, Packing::Transposed),
+            input(&v, dv, Packing::Transposed),
+            input(&k, d, Packing::Rows),
+        ]);
         let inputs = BackwardInputs {
             d_out: &d_out,
             q: &q,
@@ -232,32 +251,96 @@ struct Scratch<T> {
     /// `tanh(u / softcap)` of the tile, for the softcap gradient.
     tanh: Vec<T>,
     acc: Vec<T>,
-    acc2: Vec<T>,
+    /// A block of (scaled) query rows and of output-gradient rows, packed
+    /// for the backward's `dK += dSᵀ Q` and `dV += Pᵀ dO`.
+    q_panels: Vec<T>,
+    d_out_panels: Vec<T>,
+    /// `rowsum(dO ∘ O)` of a block of query rows.
+    delta: Vec<T>,
     states: Vec<RowState<T>>,
+    /// Each row's largest score of a tile, and 8 lanes a row to find it.
+    maxes: Vec<T>,
+    lanes: Vec<T>,
     /// The key tiles of the current query tile.
     key_tiles: Vec<Range<usize>>,
 }
 
 impl<T: Element> Scratch<T> {
     fn new(problem: &Problem, tiles: TileSizes) -> Self {
+        let mut s = Scratch {
+            q_scaled: Vec::new(),
+            pack: Vec::new(),
+            scores: Vec::new(),
+            d_scores: Vec::new(),
+            tanh: Vec::new(),
+            acc: Vec::new(),
+            q_panels: Vec::new(),
+            d_out_panels: Vec::new(),
+            delta: Vec::new(),
+            states: Vec::new(),
+            maxes: Vec::new(),
+            lanes: Vec::new(),
+            key_tiles: Vec::new(),
+        };
+        s.fit(problem, tiles);
+        s
+    }
+
+    /// Grows the buffers to what `problem` needs (they never shrink: the
+    /// tile sizes bound them).
+    fn fit(&mut self, problem: &Problem, tiles: TileSizes) {
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let (bq, bk) = (tiles.q_rows.max(tiles.q_block), tiles.k_rows);
         let widest = d.max(dv);
-        Scratch {
-            q_scaled: vec![T::ZERO; bq * d],
-            pack: vec![T::ZERO; widest * bk.next_multiple_of(16)],
-            scores: vec![T::ZERO; bq * bk],
-            d_scores: vec![T::ZERO; bq * bk],
-            tanh: match problem.softcap {
-                Some(_) => vec![T::ZERO; bq * bk],
-                None => Vec::new(),
-            },
-            acc: vec![T::ZERO; bq.max(bk) * widest],
-            acc2: vec![T::ZERO; bk * dv],
-            states: vec![RowState::EMPTY; bq],
-            key_tiles: Vec::new(),
+        let grow = |v: &mut Vec<T>, len: usize| {
+            if v.len() < len {
+                v.resize(len, T::ZERO);
+            }
+        };
+        grow(&mut self.q_scaled, bq * d);
+        grow(&mut self.pack, widest * bk.next_multiple_of(16));
+        grow(&mut self.scores, bq * bk);
+        grow(&mut self.d_scores, bq * bk);
+        if problem.softcap.is_some() {
+            grow(&mut self.tanh, bq * bk);
+        }
+        grow(&mut self.acc, bq * dv);
+        grow(&mut self.q_panels, bq * d.next_multiple_of(16));
+        grow(&mut self.d_out_panels, bq * dv.next_multiple_of(16));
+        grow(&mut self.maxes, bq);
+        grow(&mut self.delta, bq);
+        grow(&mut self.lanes, 8 * bq);
+        if self.states.len() < bq {
+            self.states.resize(bq, RowState::EMPTY);
         }
     }
+}
+
+thread_local! {
+    /// Each computing thread's [`Scratch`], kept between tasks and calls (see
+    /// `buffers.rs` for why); boxed as `Any` to serve both element types.
+    static SCRATCH: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's scratch, sized for `problem`.
+fn with_scratch<T: Element, R>(
+    problem: &Problem,
+    tiles: TileSizes,
+    f: impl FnOnce(&mut Scratch<T>) -> R,
+) -> R {
+    // Taken out of the cell while `f` runs, so that a nested call (none
+    // today) would get fresh memory instead of a borrow panic.
+    let kept = SCRATCH.with(|cell| cell.borrow_mut().take());
+    let mut scratch = match kept.and_then(|b| b.downcast::<Scratch<T>>().ok()) {
+        Some(mut s) => {
+            s.fit(problem, tiles);
+            s
+        }
+        None => Box::new(Scratch::new(problem, tiles)),
+    };
+    let result = f(&mut scratch);
+    SCRATCH.with(|cell| *cell.borrow_mut() = Some(scratch));
+    result
 }
 
 /// Index helpers of one problem in canonical layout.
@@ -287,7 +370,7 @@ impl Layout<'_> {
         let dv = self.p.value_dim;
         &v[(kv_head * self.p.seq_k + keys.start) * dv..(kv_head * self.p.seq_k + keys.end) * dv]
     }
-    /// The tile `keys` of one head of an `Element::pack_heads` result.
+    /// The tile `keys` of one head of a `Packing::Transposed` result.
     fn packed_tile<'a, T: Element>(
         &self,
         packed: Option<&'a [T]>,
@@ -299,8 +382,8 @@ impl Layout<'_> {
         let base = kv_head * head_len;
         packed.map(|p| &p[base + keys.start * width..base + head_len])
     }
-    /// The tile `keys` of one head of an `Element::pack_rows_heads`
-    /// result, with its panel stride.
+    /// The tile `keys` of one head of a `Packing::Rows` result, with its
+    /// panel stride.
     fn row_panels<'a, T: Element>(
         &self,
         packed: Option<&'a [T]>,
@@ -354,99 +437,144 @@ fn forward_typed<T: Element>(
     v: &[T],
 ) -> (Vec<T>, Vec<T>) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
-    let mut out = vec![T::ZERO; problem.out_len()];
-    let mut lse = vec![T::ZERO; problem.lse_len()];
+    let (out_len, lse_len) = (problem.out_len(), problem.lse_len());
+    let mut out = Vec::with_capacity(out_len);
+    let mut lse = Vec::with_capacity(lse_len);
     let heads = problem.batch * problem.heads_q;
-    let tasks = row_tiles(
+    let mut tasks = row_tiles(
         heads,
         problem.seq_q,
         tiles.q_rows,
-        [&mut out, &mut lse],
+        [spare(&mut out, out_len), spare(&mut lse, lse_len)],
         [dv, 1],
     );
+    // Threads take tasks in order: head by head, so that they share the
+    // head's keys and values in cache (one head each, at (1,4,8192,128)
+    // causal, ran 7% slower), and in a head the longest first (causal rows
+    // late in the sequence see more keys), so that the threads finish
+    // together.
+    tasks.sort_by_key(|t| {
+        let work = t.rows.len() * rules.key_range(&t.rows).len();
+        (t.head, std::cmp::Reverse(work))
+    });
     let layout = Layout { p: problem };
     let kv_heads = problem.batch * problem.heads_kv;
-    let k_packed = T::pack_heads(k, kv_heads, problem.seq_k, d);
-    let v_packed = T::pack_rows_heads(v, kv_heads, problem.seq_k, dv);
+    let input = |x, cols, packing| PackInput {
+        x,
+        heads: kv_heads,
+        rows: problem.seq_k,
+        cols,
+        packing,
+    };
+    let [k_packed, v_packed] = T::pack_inputs([
+        input(k, d, Packing::Transposed),
+        input(v, dv, Packing::Rows),
+    ]);
     let scale = T::from_f64(problem.scale);
 
-    tasks.into_par_iter().for_each_init(
-        || Scratch::<T>::new(problem, tiles),
-        |s,
-         RowTile {
+    parallel::for_each(
+        tasks,
+        |RowTile {
              head,
              rows,
              outputs: [out, lse],
          }| {
-            let m = rows.len();
-            let kv_head = layout.kv_head(head);
-            let q_scaled = &mut s.q_scaled[..m * d];
-            scale_into(layout.q_rows(q, head, &rows), scale, q_scaled);
-            let states = &mut s.states[..m];
-            states.fill(RowState::EMPTY);
-            let acc = &mut s.acc[..m * dv];
-            acc.fill(T::ZERO);
+            with_scratch(problem, tiles, |s: &mut Scratch<T>| {
+                let m = rows.len();
+                let kv_head = layout.kv_head(head);
+                let q_scaled = &mut s.q_scaled[..m * d];
+                scale_into(layout.q_rows(q, head, &rows), scale, q_scaled);
+                let states = &mut s.states[..m];
+                states.fill(RowState::EMPTY);
+                let acc = &mut s.acc[..m * dv];
+                acc.fill(T::ZERO);
 
-            let mut key_tiles = std::mem::take(&mut s.key_tiles);
-            rules.key_tiles(
-                head,
-                &rows,
-                rules.key_range(&rows),
-                tiles.k_rows,
-                &mut key_tiles,
-            );
-            for keys in key_tiles.drain(..) {
-                let visibility = rules.classify(head, &rows, &keys);
-                if visibility == TileVisibility::Hidden {
-                    continue;
-                }
-                let n = keys.len();
-                let scores = &mut s.scores[..m * n];
-                let k_rows = layout.k_rows(k, kv_head, &keys);
-                let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
-                T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
-                if visibility == TileVisibility::Partial || rules.modifies_scores() {
-                    rules.apply(head, visibility, &rows, &keys, scores, n, None);
-                }
-                for (i, (state, row)) in states
-                    .iter_mut()
-                    .zip(scores.chunks_exact_mut(n))
-                    .enumerate()
-                {
-                    let correction = state.absorb(row);
-                    if correction != T::ONE {
-                        acc[i * dv..(i + 1) * dv]
-                            .iter_mut()
-                            .for_each(|x| *x *= correction);
+                let mut key_tiles = std::mem::take(&mut s.key_tiles);
+                rules.key_tiles(
+                    head,
+                    &rows,
+                    rules.key_range(&rows),
+                    tiles.k_rows,
+                    &mut key_tiles,
+                );
+                for keys in key_tiles.drain(..) {
+                    let visibility = rules.classify(head, &rows, &keys);
+                    if visibility == TileVisibility::Hidden {
+                        continue;
                     }
+                    let n = keys.len();
+                    let scores = &mut s.scores[..m * n];
+                    let k_rows = layout.k_rows(k, kv_head, &keys);
+                    let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
+                    // Scores the rules leave alone: their row maxima come
+                    // with the product, saving a pass over the tile.
+                    let plain = visibility == TileVisibility::Full && !rules.modifies_scores();
+                    let maxes = &mut s.maxes[..m];
+                    if plain {
+                        T::matmul_nt_row_max(
+                            q_scaled,
+                            k_rows,
+                            k_t,
+                            scores,
+                            (m, d, n),
+                            &mut s.pack,
+                            maxes,
+                            &mut s.lanes,
+                        );
+                    } else {
+                        T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
+                        rules.apply(head, visibility, &rows, &keys, scores, n, None);
+                    }
+                    for (i, (state, row)) in states
+                        .iter_mut()
+                        .zip(scores.chunks_exact_mut(n))
+                        .enumerate()
+                    {
+                        let correction = if plain {
+                            state.absorb_with_max(row, maxes[i])
+                        } else {
+                            state.absorb(row)
+                        };
+                        if correction != T::ONE {
+                            acc[i * dv..(i + 1) * dv]
+                                .iter_mut()
+                                .for_each(|x| *x *= correction);
+                        }
+                    }
+                    // The softmax sums above saw every probability; only the
+                    // values are weighted by the dropout mask (and by 1/(1-p),
+                    // folded into the normaliser below).
+                    rules.apply_dropout(head, &rows, &keys, scores, n, true);
+                    let v_rows = layout.v_rows(v, kv_head, &keys);
+                    let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
+                    T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
                 }
-                // The softmax sums above saw every probability; only the
-                // values are weighted by the dropout mask (and by 1/(1-p),
-                // folded into the normaliser below).
-                rules.apply_dropout(head, &rows, &keys, scores, n, true);
-                let v_rows = layout.v_rows(v, kv_head, &keys);
-                let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
-                T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
-            }
-            s.key_tiles = key_tiles;
+                s.key_tiles = key_tiles;
 
-            let sink = rules.sink(head);
-            for (i, state) in states.iter().enumerate() {
-                let (normaliser, row_lse) = match sink {
-                    Some(sink) => state.finish_with_sink(sink),
-                    None => state.finish(),
-                };
-                let normaliser = normaliser * rules.keep_scale();
-                for (o, &a) in out[i * dv..(i + 1) * dv]
-                    .iter_mut()
-                    .zip(&acc[i * dv..(i + 1) * dv])
-                {
-                    *o = a * normaliser;
+                let sink = rules.sink(head);
+                for (i, state) in states.iter().enumerate() {
+                    let (normaliser, row_lse) = match sink {
+                        Some(sink) => state.finish_with_sink(sink),
+                        None => state.finish(),
+                    };
+                    let normaliser = normaliser * rules.keep_scale();
+                    for (o, &a) in out[i * dv..(i + 1) * dv]
+                        .iter_mut()
+                        .zip(&acc[i * dv..(i + 1) * dv])
+                    {
+                        o.write(a * normaliser);
+                    }
+                    lse[i].write(row_lse);
                 }
-                lse[i] = row_lse;
-            }
+            })
         },
     );
+    // SAFETY: the tasks' rows partition both outputs, and each task wrote
+    // every element of its rows (the loop over its rows' states above).
+    unsafe {
+        out.set_len(out_len);
+        lse.set_len(lse_len);
+    }
     (out, lse)
 }
 
@@ -581,25 +709,32 @@ fn recompute_tile<T: Element>(
     }
 }
 
-/// One key tile of one key/value head in the backward: recomputes P and
-/// dS against every query row that reads the tile, writes the tile's dK and
-/// dV, and adds its contribution to the head group's dQ (unscaled).
-struct KeyTileStep<'a, T: Clone> {
+/// One chunk of key tiles of one key/value head in the backward:
+/// recomputes P and dS against every query row that reads the chunk,
+/// accumulates the chunk's dK and dV, and adds its contribution to the
+/// head group's dQ partial (unscaled).
+struct ChunkStep<'a, T: Clone> {
     problem: &'a Problem,
     rules: &'a ScoreRules<'a, T>,
     tiles: TileSizes,
     x: &'a BackwardInputs<'a, T>,
-    delta: &'a [T],
     d_scores_sink: Option<&'a ScoreGradientSink<T>>,
 }
 
-impl<T: Element> KeyTileStep<'_, T> {
+impl<T: Element> ChunkStep<'_, T> {
+    /// `dk` and `dv` are the chunk's rows of dK and dV (zero on entry).
+    ///
+    /// Query blocks outside, key tiles inside: a block's rows are scaled and
+    /// packed once for all the chunk's tiles. Each gradient still receives
+    /// its terms in the order of the tile-outside loop (for a key tile:
+    /// head, then query block; for a block of dQ: key tile), so the bits
+    /// are those of that order.
     fn run(
         &self,
         s: &mut Scratch<T>,
         kv_head: usize,
-        keys: &Range<usize>,
-        dk_out: &mut [T],
+        chunk: &Range<usize>,
+        dk: &mut [T],
         dv_out: &mut [T],
         dq_group: &mut [T],
     ) {
@@ -607,66 +742,103 @@ impl<T: Element> KeyTileStep<'_, T> {
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let layout = Layout { p: problem };
         let scale = T::from_f64(problem.scale);
-        let n_tile = keys.len();
-        let mut dk_acc = std::mem::take(&mut s.acc);
-        let mut dv_acc = std::mem::take(&mut s.acc2);
-        dk_acc[..n_tile * d].fill(T::ZERO);
-        dv_acc[..n_tile * dv].fill(T::ZERO);
         let mut q_scaled = std::mem::take(&mut s.q_scaled);
+        let mut q_panels = std::mem::take(&mut s.q_panels);
+        let mut d_out_panels = std::mem::take(&mut s.d_out_panels);
+        let mut delta = std::mem::take(&mut s.delta);
         let mut segments = std::mem::take(&mut s.key_tiles);
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
+        let k_rows = self.tiles.k_rows;
         for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
             for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
-                // With a block-sparse mask, only the visible parts of the
-                // key tile (the whole tile without a mask).
-                let k_rows = self.tiles.k_rows;
-                self.rules
-                    .key_tiles(head, &rows, keys.clone(), k_rows, &mut segments);
-                let mut q_ready = false;
-                for part in segments.iter() {
-                    let visibility = self.rules.classify(head, &rows, part);
-                    if visibility == TileVisibility::Hidden {
+                let m = rows.len();
+                let d_out_rows = layout.o_rows(x.d_out, head, &rows);
+                // Panel strides of the packed rows, once a tile needs them.
+                let mut packed: Option<(Option<usize>, Option<usize>)> = None;
+                // Keys past the block's last visible one (causal) or before
+                // its first (window) are not computed at all: a tile across
+                // the diagonal is cut where the block stops seeing keys, not
+                // computed whole and masked (a fifth of the work at
+                // (1,8,1024,64) causal).
+                let visible = self.rules.key_range(&rows);
+                for keys in key_tiles(chunk.clone(), k_rows) {
+                    let keys = keys.start.max(visible.start)..keys.end.min(visible.end);
+                    if keys.is_empty() {
                         continue;
                     }
-                    let (m, n) = (rows.len(), part.len());
-                    if !q_ready {
-                        let q_rows = layout.q_rows(x.q, head, &rows);
-                        scale_into(q_rows, scale, &mut q_scaled[..m * d]);
-                        q_ready = true;
+                    // With a block-sparse mask, only the visible parts of
+                    // the key tile (the whole tile without a mask).
+                    self.rules
+                        .key_tiles(head, &rows, keys, k_rows, &mut segments);
+                    for part in segments.iter() {
+                        let visibility = self.rules.classify(head, &rows, part);
+                        if visibility == TileVisibility::Hidden {
+                            continue;
+                        }
+                        let n = part.len();
+                        let (q_stride, d_out_stride) = *packed.get_or_insert_with(|| {
+                            let q_rows = layout.q_rows(x.q, head, &rows);
+                            scale_into(q_rows, scale, &mut q_scaled[..m * d]);
+                            // D = rowsum(dO ∘ O): the term of dS that comes
+                            // from the softmax normaliser, once per block
+                            // (here rather than in a pass of its own: a pass
+                            // costs a hand-over to the helper threads).
+                            let o_rows = layout.o_rows(x.out, head, &rows);
+                            for (i, delta) in delta[..m].iter_mut().enumerate() {
+                                let (o, g) = (
+                                    &o_rows[i * dv..(i + 1) * dv],
+                                    &d_out_rows[i * dv..(i + 1) * dv],
+                                );
+                                *delta = o.iter().zip(g).fold(T::ZERO, |a, (&o, &g)| a + o * g);
+                            }
+                            (
+                                T::pack_rows(&q_scaled[..m * d], m, d, &mut q_panels),
+                                T::pack_rows(d_out_rows, m, dv, &mut d_out_panels),
+                            )
+                        });
+                        let kv = layout.kv_tile(x, kv_head, part);
+                        let tile = TileRows {
+                            head,
+                            rows: &rows,
+                            keys: part,
+                            visibility,
+                            q_scaled: &q_scaled[..m * d],
+                            d_out_rows,
+                            lse_rows: layout.row_scalars(x.lse, head, &rows),
+                            delta_rows: &delta[..m],
+                        };
+                        recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
+                        let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
+                        let local = part.start - chunk.start..part.end - chunk.start;
+                        T::matmul_t_acc_packed(
+                            scores,
+                            d_out_rows,
+                            d_out_stride.map(|stride| (&d_out_panels[..], stride)),
+                            &mut dv_out[local.start * dv..local.end * dv],
+                            (m, n, dv),
+                        );
+                        // q_scaled carries the softmax scale: dK = scale · dSᵀ Q.
+                        T::matmul_t_acc_packed(
+                            d_scores,
+                            &q_scaled[..m * d],
+                            q_stride.map(|stride| (&q_panels[..], stride)),
+                            &mut dk[local.start * d..local.end * d],
+                            (m, n, d),
+                        );
+                        let first = g * problem.seq_q;
+                        let dq_rows =
+                            &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
+                        T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
                     }
-                    let kv = layout.kv_tile(x, kv_head, part);
-                    let d_out_rows = layout.o_rows(x.d_out, head, &rows);
-                    let tile = TileRows {
-                        head,
-                        rows: &rows,
-                        keys: part,
-                        visibility,
-                        q_scaled: &q_scaled[..m * d],
-                        d_out_rows,
-                        lse_rows: layout.row_scalars(x.lse, head, &rows),
-                        delta_rows: layout.row_scalars(self.delta, head, &rows),
-                    };
-                    recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
-                    let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
-                    let local = part.start - keys.start..part.end - keys.start;
-                    let dv_part = &mut dv_acc[local.start * dv..local.end * dv];
-                    T::matmul_t_acc(scores, d_out_rows, dv_part, m, n, dv);
-                    // q_scaled already carries the softmax scale: dK = scale · dSᵀ Q.
-                    let dk_part = &mut dk_acc[local.start * d..local.end * d];
-                    T::matmul_t_acc(d_scores, &q_scaled[..m * d], dk_part, m, n, d);
-                    let first = g * problem.seq_q;
-                    let dq_rows = &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
-                    T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
                 }
             }
         }
-        dk_out.copy_from_slice(&dk_acc[..n_tile * d]);
-        dv_out.copy_from_slice(&dv_acc[..n_tile * dv]);
-        s.acc = dk_acc;
-        s.acc2 = dv_acc;
         s.q_scaled = q_scaled;
+        s.q_panels = q_panels;
+        s.d_out_panels = d_out_panels;
+        s.delta = delta;
         s.key_tiles = segments;
     }
 }
@@ -679,18 +851,8 @@ fn backward_typed<T: Element>(
     tiles: TileSizes,
     x: &BackwardInputs<'_, T>,
 ) -> BackwardResult<T> {
-    let (d, dv) = (problem.head_dim, problem.value_dim);
+    let d = problem.head_dim;
     let scale = T::from_f64(problem.scale);
-
-    // D = rowsum(dO ∘ O): the term of dS that comes from the softmax
-    // normaliser, computed once instead of in every tile.
-    let delta: Vec<T> = (0..problem.lse_len())
-        .into_par_iter()
-        .map(|r| {
-            let (o, g) = (&x.out[r * dv..(r + 1) * dv], &x.d_out[r * dv..(r + 1) * dv]);
-            o.iter().zip(g).fold(T::ZERO, |a, (&o, &g)| a + o * g)
-        })
-        .collect();
 
     // One task per (key/value head, chunk of its key tiles): it owns dK and
     // dV of those keys, and loops over every query row that reads them (all
@@ -703,10 +865,40 @@ fn backward_typed<T: Element>(
     let key_tile_count = problem.seq_k.div_ceil(tiles.k_rows);
     let chunks = tiles::backward_key_chunks(kv_heads, key_tile_count);
     let group_len = problem.group_size() * problem.seq_q * d;
-    let mut dk = vec![T::ZERO; problem.k_len()];
-    let mut dvv = vec![T::ZERO; problem.v_len()];
-    let mut partials = vec![T::ZERO; kv_heads * chunks * group_len];
-    let tasks = chunk_tasks(problem, tiles, chunks, [&mut dk, &mut dvv, &mut partials]);
+    let (q_len, k_len, v_len) = (problem.q_len(), problem.k_len(), problem.v_len());
+    let (mut dq, mut dk, mut dvv) = (
+        Vec::with_capacity(q_len),
+        Vec::with_capacity(k_len),
+        Vec::with_capacity(v_len),
+    );
+    // The first chunk of a head accumulates straight into dQ (0 + its
+    // partial is its partial), the others into partials of their own.
+    let partials_len = kv_heads * (chunks - 1) * group_len;
+    let mut partials = T::pool().take(partials_len);
+    // Zeroed by their tasks, whatever an earlier call left in them.
+    partials.vec_mut().clear();
+    let mut tasks = chunk_tasks(
+        problem,
+        tiles,
+        chunks,
+        [spare(&mut dk, k_len), spare(&mut dvv, v_len)],
+        [
+            spare(&mut dq, q_len),
+            spare(partials.vec_mut(), partials_len),
+        ],
+    );
+    // Head by head, the longest first (see the forward).
+    tasks.sort_by_cached_key(|t| {
+        let blocks = key_tiles(0..problem.seq_q, tiles.q_block);
+        let pairs: usize = blocks
+            .map(|rows| {
+                let seen = rules.key_range(&rows);
+                let keys = seen.start.max(t.keys.start)..seen.end.min(t.keys.end);
+                rows.len() * keys.len()
+            })
+            .sum();
+        (t.kv_head, std::cmp::Reverse(pairs))
+    });
     // Scores no task visits (hidden tiles) have a zero gradient.
     let mut d_scores_full = problem
         .return_dmask
@@ -716,65 +908,73 @@ fn backward_typed<T: Element>(
         seq_q: problem.seq_q,
         seq_k: problem.seq_k,
     });
-    let step = KeyTileStep {
+    let step = ChunkStep {
         problem,
         rules,
         tiles,
         x,
-        delta: &delta,
         d_scores_sink: d_scores_sink.as_ref(),
     };
-    tasks.into_par_iter().for_each_init(
-        || Scratch::<T>::new(problem, tiles),
-        |s, task| {
-            let [dk_chunk, dv_chunk, partial] = task.outputs;
-            for keys in key_tiles(task.keys.clone(), tiles.k_rows) {
-                let local = keys.start - task.keys.start..keys.end - task.keys.start;
-                step.run(
-                    s,
-                    task.kv_head,
-                    &keys,
-                    &mut dk_chunk[local.start * d..local.end * d],
-                    &mut dv_chunk[local.start * dv..local.end * dv],
-                    partial,
-                );
-            }
-        },
-    );
+    parallel::for_each(tasks, |task| {
+        with_scratch(problem, tiles, |s: &mut Scratch<T>| {
+            let [dk_chunk, dv_chunk, partial] = task.outputs.map(zero_init);
+            step.run(s, task.kv_head, &task.keys, dk_chunk, dv_chunk, partial);
+        })
+    });
+    // SAFETY: the tasks' chunks partition dK and dV, their dQ groups and
+    // partials partition dQ and the partials, and each task initialised
+    // its parts (`zero_init`) before anything else.
+    unsafe {
+        dq.set_len(q_len);
+        dk.set_len(k_len);
+        dvv.set_len(v_len);
+        partials.vec_mut().set_len(partials_len);
+    }
 
-    let mut dq = vec![T::ZERO; problem.q_len()];
     if group_len > 0 {
-        dq.par_chunks_mut(group_len)
-            .zip(partials.par_chunks(chunks * group_len))
-            .for_each(|(dq_group, head_partials)| {
+        let per_head = (chunks - 1) * group_len;
+        parallel::for_each(
+            dq.chunks_mut(group_len).enumerate().collect(),
+            |(kv_head, dq_group)| {
+                let head_partials = &partials[kv_head * per_head..(kv_head + 1) * per_head];
                 for partial in head_partials.chunks_exact(group_len) {
                     dq_group.iter_mut().zip(partial).for_each(|(q, &p)| *q += p);
                 }
                 dq_group.iter_mut().for_each(|q| *q *= scale);
-            });
+            },
+        );
     }
     (dq, dk, dvv, d_scores_full)
 }
 
 /// A backward task: one key/value head, the keys of a chunk of its key
-/// tiles, and the outputs it owns: those keys' rows of dK and dV, and a dQ
-/// partial for the head's query group.
+/// tiles, and the outputs it owns: those keys' rows of dK and dV, and the
+/// head group's dQ (first chunk) or a dQ partial (the others).
 struct ChunkTask<'a, T> {
     kv_head: usize,
     keys: Range<usize>,
     outputs: [&'a mut [T]; 3],
 }
 
+/// Cuts `[dK, dV]` by chunks of keys and `[dQ, partials]` by head group
+/// and chunk (partials hold chunks 1.. of each head).
 fn chunk_tasks<'a, T>(
     problem: &Problem,
     tiles: TileSizes,
     chunks: usize,
-    outputs: [&'a mut [T]; 3],
+    key_outputs: [&'a mut [T]; 2],
+    query_outputs: [&'a mut [T]; 2],
 ) -> Vec<ChunkTask<'a, T>> {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let group_len = problem.group_size() * problem.seq_q * d;
     let key_tile_count = problem.seq_k.div_ceil(tiles.k_rows);
-    let mut rest = outputs;
+    let [mut dk, mut dv_rest] = key_outputs;
+    let [mut dq, mut partials] = query_outputs;
+    let cut = |rest: &mut &'a mut [T], len: usize| {
+        let (mine, tail) = std::mem::take(rest).split_at_mut(len);
+        *rest = tail;
+        mine
+    };
     let mut tasks = Vec::new();
     for kv_head in 0..problem.batch * problem.heads_kv {
         for chunk in 0..chunks {
@@ -782,16 +982,17 @@ fn chunk_tasks<'a, T>(
             let end_tile = (chunk + 1) * key_tile_count / chunks;
             let keys = (first_tile * tiles.k_rows).min(problem.seq_k)
                 ..(end_tile * tiles.k_rows).min(problem.seq_k);
-            let sizes = [keys.len() * d, keys.len() * dv, group_len];
-            let outputs = [0, 1, 2].map(|i| {
-                let (mine, tail) = std::mem::take(&mut rest[i]).split_at_mut(sizes[i]);
-                rest[i] = tail;
-                mine
-            });
+            let dk_part = cut(&mut dk, keys.len() * d);
+            let dv_part = cut(&mut dv_rest, keys.len() * dv);
+            let dq_part = if chunk == 0 {
+                cut(&mut dq, group_len)
+            } else {
+                cut(&mut partials, group_len)
+            };
             tasks.push(ChunkTask {
                 kv_head,
                 keys,
-                outputs,
+                outputs: [dk_part, dv_part, dq_part],
             });
         }
     }

@@ -293,12 +293,15 @@ impl<'p, T: Element> ScoreRules<'p, T> {
                 mask.add_row(batch, h, r, keys, line);
             }
             if visibility == TileVisibility::Partial {
+                // The visible keys of a row are one range: hide what lies
+                // before and after it as two runs (a per-key test costs as
+                // much as the rest of the tile's softmax).
                 let seen = p.visible_keys(r);
-                for (j, s) in keys.clone().zip(line.iter_mut()) {
-                    if !seen.contains(&j) {
-                        *s = T::NEG_INFINITY;
-                    }
-                }
+                let lo = seen.start.clamp(keys.start, keys.end) - keys.start;
+                let hi = seen.end.clamp(keys.start, keys.end) - keys.start;
+                let hi = hi.max(lo);
+                line[..lo].fill(T::NEG_INFINITY);
+                line[hi..].fill(T::NEG_INFINITY);
             }
         }
     }

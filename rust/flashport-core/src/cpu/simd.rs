@@ -12,10 +12,19 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-/// Whether the running CPU has AVX2 and FMA (checked once).
+/// Environment variable that turns these kernels off when set to `0`, so
+/// that the portable kernels (what a CPU without AVX2 and FMA runs) can be
+/// tested and compared on one that has them. Read once per process.
+pub const SIMD_ENV: &str = "FLASHPORT_CPU_SIMD";
+
+/// Whether these kernels run: the CPU has AVX2 and FMA and [`SIMD_ENV`]
+/// does not turn them off (checked once).
 pub fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    *AVAILABLE.get_or_init(|| {
+        let allowed = std::env::var(SIMD_ENV).map_or(true, |v| v.trim() != "0");
+        allowed && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    })
 }
 
 /// A strided view of the left operand: element (row `i`, depth `p`) is at
@@ -62,6 +71,12 @@ pub fn pack_transposed_panels(src: &[f32], rows: usize, k: usize, dst: &mut [f32
     for (panel, block) in dst.chunks_exact_mut(PANEL * k).enumerate() {
         let first = panel * PANEL;
         let width = PANEL.min(rows - first);
+        if width == PANEL && available() {
+            // SAFETY: AVX2 is present (checked); the panel's 16 source rows
+            // and its `k × 16` destination are in bounds (sliced here).
+            unsafe { transpose_panel_avx2(&src[first * k..(first + PANEL) * k], k, block) };
+            continue;
+        }
         for p in 0..k {
             let out = &mut block[p * PANEL..(p + 1) * PANEL];
             for (c, slot) in out.iter_mut().enumerate() {
@@ -75,6 +90,63 @@ pub fn pack_transposed_panels(src: &[f32], rows: usize, k: usize, dst: &mut [f32
     }
 }
 
+/// Transposes 16 rows of `k` floats (`src`) into `k` rows of 16 (`dst`),
+/// eight by eight in registers: the packing of every key of a call runs
+/// once per call, and element by element it cost as much as a small
+/// causal problem's softmax.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose_panel_avx2(src: &[f32], k: usize, dst: &mut [f32]) {
+    debug_assert!(src.len() >= PANEL * k && dst.len() >= PANEL * k);
+    let k8 = k / 8 * 8;
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    for half in 0..2 {
+        let rows = s.add(half * 8 * k);
+        for p0 in (0..k8).step_by(8) {
+            let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(rows.add(i * k + p0)));
+            for (j, column) in transpose8(r).into_iter().enumerate() {
+                _mm256_storeu_ps(d.add((p0 + j) * PANEL + half * 8), column);
+            }
+        }
+        for p in k8..k {
+            for i in 0..8 {
+                *d.add(p * PANEL + half * 8 + i) = *rows.add(i * k + p);
+            }
+        }
+    }
+}
+
+/// The transpose of an 8 × 8 block held as eight rows.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
+
 /// Packs `src` (`rows × cols`, row-major) as [`Rhs::Panels`] of depth
 /// `rows` and `cols` columns, with a panel stride of `rows * PANEL`, into
 /// `dst` (`panels_len(rows, cols)`).
@@ -84,7 +156,18 @@ pub fn pack_panels(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
         let first = panel * PANEL;
         let width = PANEL.min(cols - first);
         for (r, out) in block.chunks_exact_mut(PANEL).enumerate() {
-            out[..width].copy_from_slice(&src[r * cols + first..r * cols + first + width]);
+            let line = &src[r * cols + first..r * cols + first + width];
+            // A whole panel row as one fixed-size copy (two vector moves,
+            // where a slice copy of run-time length is a call).
+            let whole = (
+                <&mut [f32; PANEL]>::try_from(&mut *out),
+                <&[f32; PANEL]>::try_from(line),
+            );
+            if let (Ok(out), Ok(line)) = whole {
+                *out = *line;
+                continue;
+            }
+            out[..width].copy_from_slice(line);
             out[width..].fill(0.0);
         }
     }
@@ -120,9 +203,29 @@ pub fn gemm(
         }
         return;
     }
+    check_operands(m, n, k, &a, &b);
+    // SAFETY: the CPU has AVX2 and FMA, and every access below stays
+    // within the bounds (both checked above).
+    unsafe {
+        gemm_avx2(
+            m,
+            n,
+            k,
+            a,
+            b,
+            c.as_mut_ptr(),
+            ldc,
+            accumulate,
+            std::ptr::null_mut(),
+        )
+    }
+}
+
+/// The checks of [`gemm`] on its inputs, for `m, n, k > 0`.
+fn check_operands(m: usize, n: usize, k: usize, a: &Lhs<'_>, b: &Rhs<'_>) {
     let a_last = (m - 1) * a.row_stride + (k - 1) * a.depth_stride;
     assert!(a_last < a.data.len(), "lhs too short");
-    match b {
+    match *b {
         Rhs::RowMajor { data, ld } => assert!((k - 1) * ld + n <= data.len(), "rhs too short"),
         Rhs::Panels { data, panel_stride } => assert!(
             (n - 1) / PANEL * panel_stride + k * PANEL <= data.len(),
@@ -130,9 +233,51 @@ pub fn gemm(
         ),
     }
     assert!(available(), "AVX2/FMA kernel called on a CPU without them");
-    // SAFETY: the CPU has AVX2 and FMA (asserted), and every access below
-    // stays within the bounds asserted above.
-    unsafe { gemm_avx2(m, n, k, a, b, c.as_mut_ptr(), ldc, accumulate) }
+}
+
+/// `C = A·B` ([`gemm`] without accumulation) that also sets `row_max[i]`
+/// to the largest element of row `i` of C, taken from the registers as
+/// each block is stored instead of in a pass over C afterwards. `lanes`
+/// (at least `8 m`) holds each row's running maximum per vector lane.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_row_max(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Lhs<'_>,
+    b: Rhs<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    row_max: &mut [f32],
+    lanes: &mut [f32],
+) {
+    let (row_max, lanes) = (&mut row_max[..m], &mut lanes[..8 * m]);
+    if m == 0 || n == 0 || k == 0 {
+        gemm(m, n, k, a, b, c, ldc, false);
+        row_max.fill(if n == 0 { f32::NEG_INFINITY } else { 0.0 });
+        return;
+    }
+    assert!((m - 1) * ldc + n <= c.len(), "output too short");
+    check_operands(m, n, k, &a, &b);
+    lanes.fill(f32::NEG_INFINITY);
+    // SAFETY: as in `gemm` (same checks, above), and `lanes` holds 8
+    // floats for each of the `m` rows.
+    unsafe {
+        gemm_avx2(
+            m,
+            n,
+            k,
+            a,
+            b,
+            c.as_mut_ptr(),
+            ldc,
+            false,
+            lanes.as_mut_ptr(),
+        )
+    };
+    for (max, row) in row_max.iter_mut().zip(lanes.chunks_exact(8)) {
+        *max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    }
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -146,6 +291,7 @@ unsafe fn gemm_avx2(
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
+    row_max: *mut f32,
 ) {
     let op = Operands {
         a,
@@ -153,6 +299,7 @@ unsafe fn gemm_avx2(
         ldc,
         k,
         accumulate,
+        row_max,
     };
     // Column panels outside, row blocks inside: a panel of B (k × 16) stays
     // in L1 while every row block of A streams past it.
@@ -199,6 +346,10 @@ unsafe fn gemm_avx2(
                     }
                     let out = c.add(i * ldc + col);
                     *out = if accumulate { *out + sum } else { sum };
+                    if !row_max.is_null() {
+                        let lane = row_max.add(i * 8 + col % 8);
+                        *lane = lane.read().max(sum);
+                    }
                 }
             }
         }
@@ -213,6 +364,9 @@ struct Operands<'a> {
     ldc: usize,
     k: usize,
     accumulate: bool,
+    /// Null, or 8 lanes a row of C: each lane's running maximum over the
+    /// columns stored so far.
+    row_max: *mut f32,
 }
 
 impl Operands<'_> {
@@ -275,6 +429,67 @@ unsafe fn panel<const R: usize, const V: usize>(
         }
         b_row = b_row.add(b_step);
     }
+    if width < 8 * V {
+        return store_block(op, i0, j0, width, acc);
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        let out = op.c.add((i0 + r) * op.ldc + j0);
+        for (v, acc_v) in acc_r.iter().enumerate() {
+            let dst = out.add(8 * v);
+            let value = if op.accumulate {
+                _mm256_add_ps(_mm256_loadu_ps(dst), *acc_v)
+            } else {
+                *acc_v
+            };
+            _mm256_storeu_ps(dst, value);
+        }
+        if !op.row_max.is_null() {
+            let lanes = op.row_max.add((i0 + r) * 8);
+            let mut max = _mm256_loadu_ps(lanes);
+            for acc_v in acc_r {
+                max = _mm256_max_ps(max, *acc_v);
+            }
+            _mm256_storeu_ps(lanes, max);
+        }
+    }
+}
+
+/// The epilogue of [`panel`] for a block narrower than its registers:
+/// stores (or adds) the `width` columns and updates the row maxima from
+/// them. Out of line and given the accumulators by value: in the same
+/// function as the depth loop, these loops over them made LLVM keep all
+/// twelve in memory throughout it (2.4 times slower).
+#[target_feature(enable = "avx2,fma")]
+#[inline(never)]
+unsafe fn store_block<const R: usize, const V: usize>(
+    op: &Operands<'_>,
+    i0: usize,
+    j0: usize,
+    width: usize,
+    acc: [[__m256; V]; R],
+) {
+    if !op.row_max.is_null() {
+        for (r, acc_r) in acc.iter().enumerate() {
+            let lanes = op.row_max.add((i0 + r) * 8);
+            if width == 8 * V {
+                let mut max = _mm256_loadu_ps(lanes);
+                for acc_v in acc_r {
+                    max = _mm256_max_ps(max, *acc_v);
+                }
+                _mm256_storeu_ps(lanes, max);
+            } else {
+                // Padding columns (zeros) must not count.
+                let mut spill = [0.0f32; 16];
+                for (v, acc_v) in acc_r.iter().enumerate() {
+                    _mm256_storeu_ps(spill.as_mut_ptr().add(8 * v), *acc_v);
+                }
+                for (col, &value) in spill.iter().take(width).enumerate() {
+                    let lane = lanes.add(col % 8);
+                    *lane = lane.read().max(value);
+                }
+            }
+        }
+    }
     for (r, acc_r) in acc.iter().enumerate() {
         let out = op.c.add((i0 + r) * op.ldc + j0);
         if width == 8 * V {
@@ -300,37 +515,66 @@ unsafe fn panel<const R: usize, const V: usize>(
     }
 }
 
-/// `exp(x)` for 8 lanes: range reduction `x = n·ln2 + r` with `ln2` split
-/// in two so `r` stays exact, a degree-6 polynomial for `exp(r)` on
-/// `|r| <= ln2/2` (Cephes' coefficients, ~1 ulp), and `2^n` built in the
-/// exponent bits. Inputs below -87.3 (including -inf from masks) give
-/// exactly 0, so masked scores contribute nothing.
+/// `1.5 · 2^23 + 127`: adding it to a float of magnitude below 2^21 rounds
+/// it to an integer `n` held in the low mantissa bits, already offset by
+/// the exponent bias, so that shifting those bits left by 23 builds `2^n`.
+const SHIFTER: f32 = 12_583_039.0;
+/// `log2(e)` split in two, so that `x·log2(e) - n` is exact to a few
+/// units in the last place of the reduced argument even for `|x|` near 88.
+const LOG2E_HI: f32 = std::f32::consts::LOG2_E;
+const LOG2E_LO: f32 = 1.925_963e-8;
+/// `2^f` on `|f| <= 1/2`: minimax for the relative error with the constant
+/// term 1 (so that `exp(0)` is exactly 1), within 0.7 ulp evaluated by
+/// Horner's rule in float32.
+const EXP2_POLY: [f32; 6] = [
+    0.693_147_24,
+    0.240_226_5,
+    5.550_297_3e-2,
+    9.618_031e-3,
+    1.341_000_1e-3,
+    1.546_973_2e-4,
+];
+
+/// `exp(x)` for 8 lanes as `2^(x·log2 e)`: `n` = the nearest integer to
+/// `x·log2 e` and the exponent bits of `2^n` come from one rounding
+/// addition (see [`SHIFTER`]), the fraction `f` (|f| <= 1/2) from two
+/// FMAs with the split constant, then a degree-6 polynomial for `2^f`:
+/// 15 vector operations, where a natural-base reduction with a separate
+/// rounding, conversion and underflow mask took 21. Inputs at or below
+/// about -87.7 (including `-inf` from masks) give exactly 0: the clamp
+/// makes `n = -127`, whose `2^n` bits are all zero. NaN stays NaN.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn exp8(x: __m256) -> __m256 {
-    let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
-    let x = _mm256_min_ps(x, _mm256_set1_ps(88.3));
-    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-    let r2 = _mm256_mul_ps(r, r);
-    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    let result = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-    _mm256_andnot_ps(underflow, result)
+    exp8xn([x])[0]
+}
+
+/// [`exp8`] of `N` vectors, each step applied to all of them before the
+/// next: one exponential is a chain of a dozen dependent operations (~45
+/// cycles), and written one vector at a time the out-of-order window held
+/// too few chains to keep the FMA pipes busy.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp8xn<const N: usize>(x: [__m256; N]) -> [__m256; N] {
+    // The constant first: `min`/`max` return their second operand when
+    // either is NaN.
+    let x = x.map(|x| _mm256_min_ps(_mm256_set1_ps(88.3), x));
+    let x = x.map(|x| _mm256_max_ps(_mm256_set1_ps(-88.0), x));
+    let t = x.map(|x| _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_HI), _mm256_set1_ps(SHIFTER)));
+    let n = t.map(|t| _mm256_sub_ps(t, _mm256_set1_ps(SHIFTER)));
+    let f: [__m256; N] =
+        std::array::from_fn(|i| _mm256_fmsub_ps(x[i], _mm256_set1_ps(LOG2E_HI), n[i]));
+    let f: [__m256; N] =
+        std::array::from_fn(|i| _mm256_fmadd_ps(x[i], _mm256_set1_ps(LOG2E_LO), f[i]));
+    let mut p = [_mm256_set1_ps(EXP2_POLY[5]); N];
+    for &c in EXP2_POLY[..5].iter().rev() {
+        p = std::array::from_fn(|i| _mm256_fmadd_ps(p[i], f[i], _mm256_set1_ps(c)));
+    }
+    std::array::from_fn(|i| {
+        let p = _mm256_fmadd_ps(p[i], f[i], _mm256_set1_ps(1.0));
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_castps_si256(t[i]));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(pow2))
+    })
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -381,7 +625,18 @@ pub fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 unsafe fn exp_shifted_sum_avx2(x: &mut [f32], shift: f32) -> f32 {
     let shift_v = _mm256_set1_ps(shift);
     let mut sum = _mm256_setzero_ps();
-    let mut chunks = x.chunks_exact_mut(8);
+    let mut quads = x.chunks_exact_mut(32);
+    for quad in &mut quads {
+        let p = quad.as_mut_ptr();
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| _mm256_sub_ps(_mm256_loadu_ps(p.add(8 * i)), shift_v));
+        // Added in element order, as one vector at a time would.
+        for (i, e) in exp8xn(v).into_iter().enumerate() {
+            _mm256_storeu_ps(p.add(8 * i), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+    }
+    let mut chunks = quads.into_remainder().chunks_exact_mut(8);
     for chunk in &mut chunks {
         let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), shift_v));
         _mm256_storeu_ps(chunk.as_mut_ptr(), e);
@@ -473,6 +728,21 @@ mod tests {
                 n,
                 false,
             );
+            // The same product with its row maxima from the registers.
+            let mut c_m = vec![f32::NAN; m * n];
+            let (mut maxes, mut lanes) = (vec![f32::NAN; m], vec![f32::NAN; 8 * m]);
+            let panels = Rhs::Panels {
+                data: &packed,
+                panel_stride: PANEL * k,
+            };
+            gemm_row_max(m, n, k, lhs, panels, &mut c_m, n, &mut maxes, &mut lanes);
+            assert_eq!(c_m, c_p);
+            for (i, &max) in maxes.iter().enumerate() {
+                let want = c_p[i * n..(i + 1) * n]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                assert_eq!(max, want, "{m}x{n}x{k} row {i}");
+            }
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = c0[i * n + j] as f64
@@ -491,21 +761,54 @@ mod tests {
     }
 
     #[test]
+    fn packing_places_every_element() {
+        for (rows, k) in [(16, 8), (37, 13), (48, 64), (5, 3)] {
+            let src = filled(rows * k, 4);
+            let mut dst = vec![f32::NAN; panels_len(k, rows)];
+            pack_transposed_panels(&src, rows, k, &mut dst);
+            for j in 0..rows.next_multiple_of(PANEL) {
+                for p in 0..k {
+                    let got = dst[(j / PANEL) * PANEL * k + p * PANEL + j % PANEL];
+                    let want = if j < rows { src[j * k + p] } else { 0.0 };
+                    assert_eq!(got.to_bits(), want.to_bits(), "{rows}x{k} at {j},{p}");
+                }
+            }
+            // The same rows as a (depth × columns) matrix packed directly.
+            let mut dst = vec![f32::NAN; panels_len(rows, k)];
+            pack_panels(&src, rows, k, &mut dst);
+            for p in 0..rows {
+                for j in 0..k.next_multiple_of(PANEL) {
+                    let got = dst[(j / PANEL) * PANEL * rows + p * PANEL + j % PANEL];
+                    let want = if j < k { src[p * k + j] } else { 0.0 };
+                    assert_eq!(got.to_bits(), want.to_bits(), "{rows}x{k} at {p},{j}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn exp_is_accurate_and_masks_to_zero() {
         if !available() {
             return;
         }
-        let mut x: Vec<f32> = (0..1001).map(|i| -90.0 + i as f32 * 0.09).collect();
+        let mut x: Vec<f32> = (0..100_001).map(|i| -90.0 + i as f32 * 0.0009).collect();
         x.push(f32::NEG_INFINITY);
         let original = x.clone();
         let sum = exp_shifted_sum(&mut x, 0.0);
         for (&e, &v) in x.iter().zip(&original) {
             let want = (v as f64).exp();
-            if v < -87.3 {
-                assert_eq!(e, 0.0);
-            } else {
+            if v <= -87.7 {
+                assert_eq!(e, 0.0, "exp({v})");
+            } else if want >= f32::MIN_POSITIVE as f64 {
                 assert!(
                     ((e as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
+                    "exp({v})"
+                );
+            } else {
+                // Between the flush and the smallest normal float: zero or
+                // a subnormal, off by less than the smallest normal.
+                assert!(
+                    ((e as f64) - want).abs() <= f32::MIN_POSITIVE as f64,
                     "exp({v})"
                 );
             }
@@ -516,7 +819,15 @@ mod tests {
             .map(|&v| (v as f64).exp())
             .sum();
         assert!((sum as f64 - want).abs() < 1e-5 * want);
-        assert_eq!(row_max(&original), original[1000]);
+        // The shift is subtracted before the exponential, exp(0) is exactly
+        // 1, and NaN stays NaN.
+        let mut y = [3.5f32, 2.5, f32::NAN, 1.0, 3.5, 3.5, 3.5, 3.5, 3.5];
+        exp_shifted_sum(&mut y, 3.5);
+        assert_eq!(y[0], 1.0);
+        assert_eq!(y[8], 1.0);
+        assert!(((y[1] as f64) - (-1.0f64).exp()).abs() <= 4.0 * f32::EPSILON as f64);
+        assert!(y[2].is_nan());
+        assert_eq!(row_max(&original), original[100_000]);
         assert_eq!(row_max(&[f32::NEG_INFINITY; 3]), f32::NEG_INFINITY);
     }
 }

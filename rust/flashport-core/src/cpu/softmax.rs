@@ -27,7 +27,12 @@ impl<T: Element> RowState<T> {
     /// to its output accumulator is returned.
     #[inline]
     pub fn absorb(&mut self, scores: &mut [T]) -> T {
-        let tile_max = T::row_max(scores);
+        self.absorb_with_max(scores, T::row_max(scores))
+    }
+
+    /// [`RowState::absorb`] for a tile whose largest score is known.
+    #[inline]
+    pub fn absorb_with_max(&mut self, scores: &mut [T], tile_max: T) -> T {
         let new_max = self.max.max(tile_max);
         if new_max == T::NEG_INFINITY {
             // Every key seen so far is masked. Subtracting the maximum would
