@@ -1,0 +1,252 @@
+//! What the Vulkan driver compiled each register-tiled kernel into:
+//! registers per invocation, spills, instruction counts, as far as the
+//! driver reports them through VK_KHR_pipeline_executable_properties.
+//!
+//! Why: the tiled kernels are tuned by timing on the lent GPU, and a
+//! timing alone cannot tell register pressure (fewer workgroups per SM,
+//! or spills) from a memory or latency limit. wgpu does not expose these
+//! statistics, so this builds each pipeline directly with ash, from the
+//! SPIR-V that naga writes for the same source and overrides the backend
+//! uses (src/gpu/spirv.rs), for the tiles the backend would choose on this
+//! adapter.
+//!
+//! Run: cargo run --release -p flashport-core --example kernel_stats [d ...]
+//! (default d = 64 128; float32 inputs, no variants).
+
+use ash::vk;
+use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
+use flashport_core::gpu::spirv;
+use flashport_core::gpu::tiles::{backward_kernels, forward_kernel, DeviceCaps, Kernel, Tiles};
+use std::ffi::CStr;
+
+type Error = Box<dyn std::error::Error>;
+
+fn main() -> Result<(), Error> {
+    let dims: Vec<u32> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse())
+        .collect::<Result<_, _>>()?;
+    let dims = if dims.is_empty() { vec![64, 128] } else { dims };
+    // SAFETY: plain Vulkan calls on objects created here, destroyed in
+    // reverse order before returning; no handle outlives its parent.
+    unsafe { run(&dims) }
+}
+
+unsafe fn run(dims: &[u32]) -> Result<(), Error> {
+    let entry = ash::Entry::load()?;
+    let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_3);
+    let instance = entry.create_instance(
+        &vk::InstanceCreateInfo::default().application_info(&app),
+        None,
+    )?;
+    let result = with_instance(&instance, dims);
+    instance.destroy_instance(None);
+    result
+}
+
+unsafe fn with_instance(instance: &ash::Instance, dims: &[u32]) -> Result<(), Error> {
+    let ext = ash::khr::pipeline_executable_properties::NAME;
+    let physical = instance
+        .enumerate_physical_devices()?
+        .into_iter()
+        .max_by_key(|&pd| {
+            let kind = instance.get_physical_device_properties(pd).device_type;
+            (
+                kind == vk::PhysicalDeviceType::DISCRETE_GPU,
+                kind == vk::PhysicalDeviceType::INTEGRATED_GPU,
+            )
+        })
+        .ok_or("no Vulkan device")?;
+    let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
+    let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroup);
+    instance.get_physical_device_properties2(physical, &mut props2);
+    let props = props2.properties;
+    let name = CStr::from_ptr(props.device_name.as_ptr()).to_string_lossy();
+    println!("device: {name}, driver version {:#x}", props.driver_version);
+    let has_ext = instance
+        .enumerate_device_extension_properties(physical)?
+        .iter()
+        .any(|e| CStr::from_ptr(e.extension_name.as_ptr()) == ext);
+    if !has_ext {
+        return Err(format!("{name} does not offer {}", ext.to_string_lossy()).into());
+    }
+    let limits = props.limits;
+    let caps = DeviceCaps {
+        workgroup_storage_bytes: limits.max_compute_shared_memory_size,
+        max_invocations: limits.max_compute_work_group_invocations,
+        max_workgroup_size_x: limits.max_compute_work_group_size[0],
+        subgroups: subgroup.subgroup_size >= 8
+            && subgroup
+                .supported_operations
+                .contains(vk::SubgroupFeatureFlags::SHUFFLE),
+    };
+    println!("{caps:?}");
+
+    let queue_family = instance
+        .get_physical_device_queue_family_properties(physical)
+        .iter()
+        .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
+        .ok_or("no compute queue")? as u32;
+    let priorities = [1.0];
+    let queues = [vk::DeviceQueueCreateInfo::default()
+        .queue_family_index(queue_family)
+        .queue_priorities(&priorities)];
+    let extensions = [ext.as_ptr()];
+    let mut exec_info = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default()
+        .pipeline_executable_info(true);
+    let device = instance.create_device(
+        physical,
+        &vk::DeviceCreateInfo::default()
+            .queue_create_infos(&queues)
+            .enabled_extension_names(&extensions)
+            .push_next(&mut exec_info),
+        None,
+    )?;
+    let result = with_device(instance, &device, caps, dims);
+    device.destroy_device(None);
+    result
+}
+
+unsafe fn with_device(
+    instance: &ash::Instance,
+    device: &ash::Device,
+    caps: DeviceCaps,
+    dims: &[u32],
+) -> Result<(), Error> {
+    let stats = ash::khr::pipeline_executable_properties::Device::new(instance, device);
+    for &d in dims {
+        let (forward, tiles) = forward_kernel(d, d, caps);
+        let mut kernels: Vec<(Kernel, Tiles)> = vec![(forward, tiles)];
+        if tiles.prefetch > 0 {
+            // What the register prefetch costs in registers.
+            kernels.push((
+                forward,
+                Tiles {
+                    prefetch: 0,
+                    ..tiles
+                },
+            ));
+        }
+        if let Some((dq, dkdv)) = backward_kernels(d, d, caps) {
+            kernels.push((Kernel::BackwardDqTiled, dq));
+            kernels.push((Kernel::BackwardDkDvTiled, dkdv));
+        }
+        for (kernel, tiles) in kernels {
+            println!("\n{} d={d} {tiles:?}", kernel.name());
+            let constants: Vec<(&str, f64)> =
+                tile_overrides(kernel, false, d, d, tiles, caps.subgroups)
+                    .into_iter()
+                    .chain(variant_overrides(kernel, Variants::default()))
+                    .collect();
+            let compiled = spirv::compile(
+                &source(kernel, caps.subgroups, false),
+                &constants,
+                kernel.is_tiled(),
+                false,
+            )?;
+            for line in pipeline_statistics(device, &stats, &compiled)? {
+                println!("  {line}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Builds the compute pipeline of `compiled` with statistics captured and
+/// returns them as "executable: name = value" lines.
+unsafe fn pipeline_statistics(
+    device: &ash::Device,
+    stats: &ash::khr::pipeline_executable_properties::Device,
+    compiled: &spirv::Compiled,
+) -> Result<Vec<String>, Error> {
+    let module = device.create_shader_module(
+        &vk::ShaderModuleCreateInfo::default().code(&compiled.words),
+        None,
+    )?;
+    let bindings: Vec<vk::DescriptorSetLayoutBinding> = compiled
+        .bindings
+        .iter()
+        .map(|b| {
+            let ty = match b.ty {
+                wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    ..
+                } => vk::DescriptorType::UNIFORM_BUFFER,
+                _ => vk::DescriptorType::STORAGE_BUFFER,
+            };
+            vk::DescriptorSetLayoutBinding::default()
+                .binding(b.binding)
+                .descriptor_type(ty)
+                .descriptor_count(1)
+                .stage_flags(vk::ShaderStageFlags::COMPUTE)
+        })
+        .collect();
+    let set_layout = device.create_descriptor_set_layout(
+        &vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings),
+        None,
+    )?;
+    let set_layouts = [set_layout];
+    let layout = device.create_pipeline_layout(
+        &vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts),
+        None,
+    )?;
+    let stage = vk::PipelineShaderStageCreateInfo::default()
+        .stage(vk::ShaderStageFlags::COMPUTE)
+        .module(module)
+        .name(c"main");
+    let info = vk::ComputePipelineCreateInfo::default()
+        .stage(stage)
+        .layout(layout)
+        .flags(vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR);
+    let created = device.create_compute_pipelines(vk::PipelineCache::null(), &[info], None);
+    let mut lines = Vec::new();
+    let outcome = match created {
+        Ok(pipelines) => {
+            let pipeline = pipelines[0];
+            let found = collect(stats, pipeline, &mut lines);
+            device.destroy_pipeline(pipeline, None);
+            found
+        }
+        Err((_, e)) => Err(e.into()),
+    };
+    device.destroy_pipeline_layout(layout, None);
+    device.destroy_descriptor_set_layout(set_layout, None);
+    device.destroy_shader_module(module, None);
+    outcome.map(|()| lines)
+}
+
+unsafe fn collect(
+    stats: &ash::khr::pipeline_executable_properties::Device,
+    pipeline: vk::Pipeline,
+    lines: &mut Vec<String>,
+) -> Result<(), Error> {
+    let executables = stats
+        .get_pipeline_executable_properties(&vk::PipelineInfoKHR::default().pipeline(pipeline))?;
+    for (index, exe) in executables.iter().enumerate() {
+        let exe_name = exe
+            .name_as_c_str()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let info = vk::PipelineExecutableInfoKHR::default()
+            .pipeline(pipeline)
+            .executable_index(index as u32);
+        for s in stats.get_pipeline_executable_statistics(&info)? {
+            let name = s
+                .name_as_c_str()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let value = match s.format {
+                vk::PipelineExecutableStatisticFormatKHR::BOOL32 => format!("{}", s.value.b32 != 0),
+                vk::PipelineExecutableStatisticFormatKHR::INT64 => format!("{}", s.value.i64),
+                vk::PipelineExecutableStatisticFormatKHR::UINT64 => format!("{}", s.value.u64),
+                vk::PipelineExecutableStatisticFormatKHR::FLOAT64 => format!("{}", s.value.f64),
+                _ => "?".to_string(),
+            };
+            lines.push(format!(
+                "{exe_name} (subgroup {}): {name} = {value}",
+                exe.subgroup_size
+            ));
+        }
+    }
+    Ok(())
+}
