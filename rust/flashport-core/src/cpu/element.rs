@@ -59,23 +59,22 @@ pub trait Element:
     fn packed_head_len(rows: usize, cols: usize) -> usize {
         rows * cols
     }
-    /// `c = a · bᵀ`, `a` `m × k`, `b` `n × k`, `c` `m × n`. `b_packed`,
-    /// when given, is the same tile as packed [`Packing::Transposed`];
-    /// otherwise `pack` (scratch of `k × n` rounded up to 16 columns) may
-    /// be used to pack it here.
+    /// `c = a · bᵀ`, `a` `m × k`, `b` `n × k`, `c` `m × n` with rows `ldc`
+    /// apart. `b_packed`, when given, is the same tile as packed
+    /// [`Packing::Transposed`]; otherwise `pack` (scratch of `k × n` rounded
+    /// up to 16 columns) may be used to pack it here.
     #[allow(clippy::too_many_arguments)]
     fn matmul_nt(
         a: &[Self],
         b: &[Self],
         b_packed: Option<&[Self]>,
         c: &mut [Self],
-        m: usize,
-        k: usize,
-        n: usize,
+        ldc: usize,
+        (m, k, n): (usize, usize, usize),
         pack: &mut [Self],
     ) {
         let _ = (b_packed, pack);
-        kernels::matmul_nt(a, b, c, m, k, n)
+        kernels::matmul_nt(a, b, c, ldc, m, k, n)
     }
     /// [`Element::matmul_nt`] that also sets `maxes[i]` to the largest
     /// element of row `i` of `c` (`-inf` for no columns); `lanes` is
@@ -92,14 +91,24 @@ pub trait Element:
         lanes: &mut [Self],
     ) {
         let _ = lanes;
-        Self::matmul_nt(a, b, b_packed, c, m, k, n, pack);
+        Self::matmul_nt(a, b, b_packed, c, n, (m, k, n), pack);
         for (i, max) in maxes[..m].iter_mut().enumerate() {
             *max = Self::row_max(&c[i * n..(i + 1) * n]);
         }
     }
-    /// `c += a · b`, `a` `m × k`, `b` `k × n`, `c` `m × n`.
-    fn matmul_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
-        kernels::matmul_acc(a, b, c, m, k, n)
+    /// `c += a · b`, `a` `m × k` with rows `lda` apart, `b` `k × n`, `c`
+    /// `m × n`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_acc(
+        a: &[Self],
+        lda: usize,
+        b: &[Self],
+        c: &mut [Self],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) {
+        kernels::matmul_acc(a, lda, b, c, m, k, n)
     }
     /// Elements one head takes in a [`Packing::Rows`] result; a tile
     /// starting at row `start` of a head starts `start * 16` elements into
@@ -111,17 +120,28 @@ pub trait Element:
     /// packed [`Packing::Rows`]: `(tile start, panel stride)`.
     fn matmul_acc_packed(
         a: &[Self],
+        lda: usize,
         b: &[Self],
         b_packed: Option<(&[Self], usize)>,
         c: &mut [Self],
         (m, k, n): (usize, usize, usize),
     ) {
         let _ = b_packed;
-        Self::matmul_acc(a, b, c, m, k, n)
+        Self::matmul_acc(a, lda, b, c, m, k, n)
     }
-    /// `c += aᵀ · b`, `a` `m × k`, `b` `m × n`, `c` `k × n`.
-    fn matmul_t_acc(a: &[Self], b: &[Self], c: &mut [Self], m: usize, k: usize, n: usize) {
-        kernels::matmul_t_acc(a, b, c, m, k, n)
+    /// `c += aᵀ · b`, `a` `m × k` with rows `lda` apart, `b` `m × n`, `c`
+    /// `k × n`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_t_acc(
+        a: &[Self],
+        lda: usize,
+        b: &[Self],
+        c: &mut [Self],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) {
+        kernels::matmul_t_acc(a, lda, b, c, m, k, n)
     }
     /// Packs `x` (`rows × cols`) into `dst` (at least
     /// [`Element::rows_head_len`]`(rows, cols)` long) for the `b_packed` of
@@ -135,13 +155,14 @@ pub trait Element:
     /// [`Element::pack_rows`]: `(panels, panel stride)`.
     fn matmul_t_acc_packed(
         a: &[Self],
+        lda: usize,
         b: &[Self],
         b_packed: Option<(&[Self], usize)>,
         c: &mut [Self],
         (m, k, n): (usize, usize, usize),
     ) {
         let _ = b_packed;
-        Self::matmul_t_acc(a, b, c, m, k, n)
+        Self::matmul_t_acc(a, lda, b, c, m, k, n)
     }
     /// The largest element; `-inf` for an empty or fully masked row.
     fn row_max(x: &[Self]) -> Self {
@@ -205,6 +226,7 @@ impl Element for f32 {
     #[cfg(target_arch = "x86_64")]
     fn matmul_acc_packed(
         a: &[f32],
+        lda: usize,
         b: &[f32],
         b_packed: Option<(&[f32], usize)>,
         c: &mut [f32],
@@ -214,13 +236,13 @@ impl Element for f32 {
             Some((data, panel_stride)) if simd::available() => {
                 let lhs = simd::Lhs {
                     data: a,
-                    row_stride: k,
+                    row_stride: lda,
                     depth_stride: 1,
                 };
                 let rhs = simd::Rhs::Panels { data, panel_stride };
                 simd::gemm(m, n, k, lhs, rhs, c, n, true);
             }
-            _ => Self::matmul_acc(a, b, c, m, k, n),
+            _ => Self::matmul_acc(a, lda, b, c, m, k, n),
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -229,13 +251,12 @@ impl Element for f32 {
         b: &[f32],
         b_packed: Option<&[f32]>,
         c: &mut [f32],
-        m: usize,
-        k: usize,
-        n: usize,
+        ldc: usize,
+        (m, k, n): (usize, usize, usize),
         pack: &mut [f32],
     ) {
         if !simd::available() {
-            return kernels::matmul_nt(a, b, c, m, k, n);
+            return kernels::matmul_nt(a, b, c, ldc, m, k, n);
         }
         let packed = match b_packed {
             Some(packed) => packed,
@@ -259,7 +280,7 @@ impl Element for f32 {
                 panel_stride: simd::PANEL * k,
             },
             c,
-            n,
+            ldc,
             false,
         );
     }
@@ -275,7 +296,7 @@ impl Element for f32 {
         lanes: &mut [f32],
     ) {
         if !simd::available() {
-            kernels::matmul_nt(a, b, c, m, k, n);
+            kernels::matmul_nt(a, b, c, n, m, k, n);
             for (i, max) in maxes[..m].iter_mut().enumerate() {
                 *max = kernels::row_max(&c[i * n..(i + 1) * n]);
             }
@@ -300,13 +321,13 @@ impl Element for f32 {
         simd::gemm_row_max(m, n, k, lhs, rhs, c, n, maxes, lanes);
     }
     #[cfg(target_arch = "x86_64")]
-    fn matmul_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
+    fn matmul_acc(a: &[f32], lda: usize, b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
         if !simd::available() {
-            return kernels::matmul_acc(a, b, c, m, k, n);
+            return kernels::matmul_acc(a, lda, b, c, m, k, n);
         }
         let lhs = simd::Lhs {
             data: a,
-            row_stride: k,
+            row_stride: lda,
             depth_stride: 1,
         };
         simd::gemm(
@@ -321,15 +342,16 @@ impl Element for f32 {
         );
     }
     #[cfg(target_arch = "x86_64")]
-    fn matmul_t_acc(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
+    fn matmul_t_acc(a: &[f32], lda: usize, b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
         if !simd::available() {
-            return kernels::matmul_t_acc(a, b, c, m, k, n);
+            return kernels::matmul_t_acc(a, lda, b, c, m, k, n);
         }
-        // Row r of aᵀ is column r of a: unit stride across rows, k along depth.
+        // Row r of aᵀ is column r of a: unit stride across rows, lda along
+        // depth.
         let lhs = simd::Lhs {
             data: a,
             row_stride: 1,
-            depth_stride: k,
+            depth_stride: lda,
         };
         simd::gemm(
             k,
@@ -353,6 +375,7 @@ impl Element for f32 {
     #[cfg(target_arch = "x86_64")]
     fn matmul_t_acc_packed(
         a: &[f32],
+        lda: usize,
         b: &[f32],
         b_packed: Option<(&[f32], usize)>,
         c: &mut [f32],
@@ -366,12 +389,12 @@ impl Element for f32 {
                 let lhs = simd::Lhs {
                     data: a,
                     row_stride: 1,
-                    depth_stride: k,
+                    depth_stride: lda,
                 };
                 let rhs = simd::Rhs::Panels { data, panel_stride };
                 simd::gemm(k, n, m, lhs, rhs, c, n, true);
             }
-            _ => Self::matmul_t_acc(a, b, c, m, k, n),
+            _ => Self::matmul_t_acc(a, lda, b, c, m, k, n),
         }
     }
     #[cfg(target_arch = "x86_64")]

@@ -46,17 +46,28 @@ pub fn dot<T: Element>(a: &[T], b: &[T]) -> T {
     lanes[0]
 }
 
-/// `c = a · bᵀ` with `a` `m × k`, `b` `n × k`, `c` `m × n`: every element
-/// a [`dot`] of two contiguous rows.
-pub fn matmul_nt<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usize, n: usize) {
+/// `c = a · bᵀ` with `a` `m × k`, `b` `n × k`, `c` `m × n` (rows `ldc`
+/// apart): every element a [`dot`] of two contiguous rows.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_nt<T: Element>(
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    ldc: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+) {
     if n == 0 {
         return;
     }
-    if k == 0 {
-        c[..m * n].fill(T::ZERO);
-        return;
-    }
-    for (a_row, c_row) in a.chunks_exact(k).zip(c.chunks_exact_mut(n)).take(m) {
+    for i in 0..m {
+        let c_row = &mut c[i * ldc..i * ldc + n];
+        if k == 0 {
+            c_row.fill(T::ZERO);
+            continue;
+        }
+        let a_row = &a[i * k..(i + 1) * k];
         for (c, b_row) in c_row.iter_mut().zip(b.chunks_exact(k)) {
             *c = dot(a_row, b_row);
         }
@@ -93,24 +104,46 @@ pub fn exp_shifted_sum<T: Element>(x: &mut [T], shift: T) -> T {
     sum
 }
 
-/// `c += a · b` with `a` `m × k`, `b` `k × n`, `c` `m × n`.
-pub fn matmul_acc<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usize, n: usize) {
+/// `c += a · b` with `a` `m × k` (rows `lda` apart), `b` `k × n`, `c`
+/// `m × n`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_acc<T: Element>(
+    a: &[T],
+    lda: usize,
+    b: &[T],
+    c: &mut [T],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
     if k == 0 || n == 0 {
         return;
     }
-    for (a_row, c_row) in a.chunks_exact(k).zip(c.chunks_exact_mut(n)).take(m) {
+    for (i, c_row) in c.chunks_exact_mut(n).take(m).enumerate() {
+        let a_row = &a[i * lda..i * lda + k];
         for (&a_ik, b_row) in a_row.iter().zip(b.chunks_exact(n)) {
             axpy(c_row, a_ik, b_row);
         }
     }
 }
 
-/// `c += aᵀ · b` with `a` `m × k`, `b` `m × n`, `c` `k × n`.
-pub fn matmul_t_acc<T: Element>(a: &[T], b: &[T], c: &mut [T], m: usize, k: usize, n: usize) {
+/// `c += aᵀ · b` with `a` `m × k` (rows `lda` apart), `b` `m × n`, `c`
+/// `k × n`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_t_acc<T: Element>(
+    a: &[T],
+    lda: usize,
+    b: &[T],
+    c: &mut [T],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
     if k == 0 || n == 0 {
         return;
     }
-    for (a_row, b_row) in a.chunks_exact(k).zip(b.chunks_exact(n)).take(m) {
+    for (i, b_row) in b.chunks_exact(n).take(m).enumerate() {
+        let a_row = &a[i * lda..i * lda + k];
         for (&a_ik, c_row) in a_row.iter().zip(c.chunks_exact_mut(n)) {
             axpy(c_row, a_ik, b_row);
         }
@@ -151,27 +184,64 @@ mod tests {
         let want = naive(&a, &b, m, k, n);
 
         let mut c = vec![0.0; m * n];
-        matmul_acc(&a, &b, &mut c, m, k, n);
-        matmul_acc(&a, &b, &mut c, m, k, n);
+        matmul_acc(&a, k, &b, &mut c, m, k, n);
+        matmul_acc(&a, k, &b, &mut c, m, k, n);
         assert!(c
             .iter()
             .zip(&want)
             .all(|(x, y)| (x - 2.0 * y).abs() < 1e-12));
 
         let mut c = vec![0.0; m * n];
-        matmul_acc(&a, &b, &mut c, m, k, n);
+        matmul_acc(&a, k, &b, &mut c, m, k, n);
         assert!(c.iter().zip(&want).all(|(x, y)| (x - y).abs() < 1e-12));
 
         let mut b_t = vec![0.0; n * k];
         transpose_into(&b, k, n, &mut b_t);
         let mut c = vec![5.0; m * n];
-        matmul_nt(&a, &b_t, &mut c, m, k, n);
+        matmul_nt(&a, &b_t, &mut c, n, m, k, n);
         assert!(c.iter().zip(&want).all(|(x, y)| (x - y).abs() < 1e-12));
 
         let mut a_t = vec![0.0; k * m];
         transpose_into(&a, m, k, &mut a_t);
         let mut c = vec![0.0; m * n];
-        matmul_t_acc(&a_t, &b, &mut c, k, m, n);
+        matmul_t_acc(&a_t, m, &b, &mut c, k, m, n);
         assert!(c.iter().zip(&want).all(|(x, y)| (x - y).abs() < 1e-12));
+    }
+
+    /// Rows further apart than their length (padding marked with NaN, which
+    /// would spread into any result that read it) give the same bits.
+    #[test]
+    fn strided_products_match_contiguous() {
+        let (m, k, n, pad) = (5, 7, 3, 4);
+        let (a, b) = (filled(m * k, 3), filled(k * n, 4));
+        let strided = |x: &[f64], rows: usize, cols: usize| {
+            let mut out = vec![f64::NAN; rows * (cols + pad)];
+            for (r, row) in x.chunks_exact(cols).enumerate() {
+                out[r * (cols + pad)..r * (cols + pad) + cols].copy_from_slice(row);
+            }
+            out
+        };
+        let a_wide = strided(&a, m, k);
+
+        let (mut c, mut c_wide) = (vec![0.5; m * n], vec![0.5; m * n]);
+        matmul_acc(&a, k, &b, &mut c, m, k, n);
+        matmul_acc(&a_wide, k + pad, &b, &mut c_wide, m, k, n);
+        assert_eq!(c, c_wide);
+
+        let b_rows = filled(m * n, 5);
+        let (mut c, mut c_wide) = (vec![0.5; k * n], vec![0.5; k * n]);
+        matmul_t_acc(&a, k, &b_rows, &mut c, m, k, n);
+        matmul_t_acc(&a_wide, k + pad, &b_rows, &mut c_wide, m, k, n);
+        assert_eq!(c, c_wide);
+
+        let b_t = filled(n * k, 6);
+        let mut c = vec![0.0; m * n];
+        let mut c_wide = strided(&vec![0.0; m * n], m, n);
+        matmul_nt(&a, &b_t, &mut c, n, m, k, n);
+        matmul_nt(&a, &b_t, &mut c_wide, n + pad, m, k, n);
+        for (row, wide) in c.chunks_exact(n).zip(c_wide.chunks_exact(n + pad)) {
+            assert_eq!(row, &wide[..n]);
+            assert!(wide[n..].iter().all(|x| x.is_nan()), "padding written");
+        }
     }
 }

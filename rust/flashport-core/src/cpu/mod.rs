@@ -291,6 +291,7 @@ impl<T: Element> Scratch<T> {
     fn fit(&mut self, problem: &Problem, tiles: TileSizes) {
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let (bq, bk) = (tiles.q_rows.max(tiles.q_block), tiles.k_rows);
+        let score_rows = bq * tiles::score_stride(bk, std::mem::size_of::<T>());
         let widest = d.max(dv);
         let grow = |v: &mut Vec<T>, len: usize| {
             if v.len() < len {
@@ -299,10 +300,10 @@ impl<T: Element> Scratch<T> {
         };
         grow(&mut self.q_scaled, bq * d);
         grow(&mut self.pack, widest * bk.next_multiple_of(16));
-        grow(&mut self.scores, bq * bk);
-        grow(&mut self.d_scores, bq * bk);
+        grow(&mut self.scores, score_rows);
+        grow(&mut self.d_scores, score_rows);
         if problem.softcap.is_some() {
-            grow(&mut self.tanh, bq * bk);
+            grow(&mut self.tanh, score_rows);
         }
         grow(&mut self.acc, bq * dv);
         grow(&mut self.q_panels, bq * d.next_multiple_of(16));
@@ -522,7 +523,7 @@ fn forward_typed<T: Element>(
                             &mut s.lanes,
                         );
                     } else {
-                        T::matmul_nt(q_scaled, k_rows, k_t, scores, m, d, n, &mut s.pack);
+                        T::matmul_nt(q_scaled, k_rows, k_t, scores, n, (m, d, n), &mut s.pack);
                         rules.apply(head, visibility, &rows, &keys, scores, n, None);
                     }
                     for (i, (state, row)) in states
@@ -547,7 +548,7 @@ fn forward_typed<T: Element>(
                     rules.apply_dropout(head, &rows, &keys, scores, n, true);
                     let v_rows = layout.v_rows(v, kv_head, &keys);
                     let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
-                    T::matmul_acc_packed(scores, v_rows, v_tile, acc, (m, n, dv));
+                    T::matmul_acc_packed(scores, n, v_rows, v_tile, acc, (m, n, dv));
                 }
                 s.key_tiles = key_tiles;
 
@@ -618,9 +619,10 @@ unsafe impl<T: Send> Send for ScoreGradientSink<T> {}
 unsafe impl<T: Send> Sync for ScoreGradientSink<T> {}
 
 impl<T: Copy> ScoreGradientSink<T> {
-    fn write(&self, head: usize, rows: &Range<usize>, keys: &Range<usize>, tile: &[T]) {
+    /// Copies `tile` (rows `ld` apart) to its place.
+    fn write(&self, head: usize, rows: &Range<usize>, keys: &Range<usize>, tile: &[T], ld: usize) {
         let n = keys.len();
-        for (r, line) in rows.clone().zip(tile.chunks_exact(n)) {
+        for (r, line) in rows.clone().zip(tile.chunks(ld)) {
             let offset = (head * self.seq_q + r) * self.seq_k + keys.start;
             // SAFETY: in bounds by construction (r < seq_q, keys ⊆ 0..seq_k)
             // and written by this task only.
@@ -646,26 +648,36 @@ struct TileRows<'a, T> {
 
 /// Recomputes one tile of probabilities and their score gradients:
 /// `P · Z` (what multiplied V in the forward) into `scores` and `dU`, the
-/// gradient of the scaled scores `u`, into `d_scores`; see
-/// [`crate::variants`] for the formulas.
+/// gradient of the scaled scores `u`, into `d_scores`, both (and `tanh`)
+/// with rows `ld` apart; see [`crate::variants`] for the formulas.
 fn recompute_tile<T: Element>(
     problem: &Problem,
     rules: &ScoreRules<'_, T>,
     t: &TileRows<'_, T>,
     kv: &KvTile<'_, T>,
     s: &mut Scratch<T>,
+    ld: usize,
     d_scores_sink: Option<&ScoreGradientSink<T>>,
 ) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (m, n) = (t.rows.len(), t.keys.len());
-    let (scores, d_scores) = (&mut s.scores[..m * n], &mut s.d_scores[..m * n]);
-    T::matmul_nt(t.q_scaled, kv.k_rows, kv.k_t, scores, m, d, n, &mut s.pack);
+    let (scores, d_scores) = (&mut s.scores[..m * ld], &mut s.d_scores[..m * ld]);
+    T::matmul_nt(
+        t.q_scaled,
+        kv.k_rows,
+        kv.k_t,
+        scores,
+        ld,
+        (m, d, n),
+        &mut s.pack,
+    );
     let softcap = rules.softcap();
     if t.visibility == TileVisibility::Partial || rules.modifies_scores() {
-        let tanh = softcap.map(|_| &mut s.tanh[..m * n]);
-        rules.apply(t.head, t.visibility, t.rows, t.keys, scores, n, tanh);
+        let tanh = softcap.map(|_| &mut s.tanh[..m * ld]);
+        rules.apply(t.head, t.visibility, t.rows, t.keys, scores, ld, tanh);
     }
-    for (row, &l) in scores.chunks_exact_mut(n).zip(t.lse_rows) {
+    for (row, &l) in scores.chunks_exact_mut(ld).zip(t.lse_rows) {
+        let row = &mut row[..n];
         if l == T::NEG_INFINITY {
             // The row saw no key in the forward: its probabilities are 0,
             // and exp(s - lse) would be exp(-inf + inf) = NaN.
@@ -679,33 +691,37 @@ fn recompute_tile<T: Element>(
         kv.v_rows,
         kv.v_t,
         d_scores,
-        m,
-        dv,
-        n,
+        ld,
+        (m, dv, n),
         &mut s.pack,
     );
     if rules.has_dropout() {
-        rules.apply_dropout(t.head, t.rows, t.keys, d_scores, n, false);
+        rules.apply_dropout(t.head, t.rows, t.keys, d_scores, ld, false);
     }
     for ((ds_row, p_row), &delta) in d_scores
-        .chunks_exact_mut(n)
-        .zip(scores.chunks_exact(n))
+        .chunks_exact_mut(ld)
+        .zip(scores.chunks_exact(ld))
         .zip(t.delta_rows)
     {
-        for (ds, &p) in ds_row.iter_mut().zip(p_row) {
+        for (ds, &p) in ds_row[..n].iter_mut().zip(&p_row[..n]) {
             *ds = p * (*ds - delta);
         }
     }
     if let Some(sink) = d_scores_sink {
-        sink.write(t.head, t.rows, t.keys, d_scores);
+        sink.write(t.head, t.rows, t.keys, d_scores, ld);
     }
     if softcap.is_some() {
-        for (ds, &th) in d_scores.iter_mut().zip(&s.tanh[..m * n]) {
-            *ds *= T::ONE - th * th;
+        for (ds_row, th_row) in d_scores
+            .chunks_exact_mut(ld)
+            .zip(s.tanh[..m * ld].chunks_exact(ld))
+        {
+            for (ds, &th) in ds_row[..n].iter_mut().zip(&th_row[..n]) {
+                *ds *= T::ONE - th * th;
+            }
         }
     }
     if rules.has_dropout() {
-        rules.apply_dropout(t.head, t.rows, t.keys, scores, n, false);
+        rules.apply_dropout(t.head, t.rows, t.keys, scores, ld, false);
     }
 }
 
@@ -809,11 +825,13 @@ impl<T: Element> ChunkStep<'_, T> {
                             lse_rows: layout.row_scalars(x.lse, head, &rows),
                             delta_rows: &delta[..m],
                         };
-                        recompute_tile(problem, self.rules, &tile, &kv, s, self.d_scores_sink);
-                        let (scores, d_scores) = (&s.scores[..m * n], &s.d_scores[..m * n]);
+                        let ld = tiles::score_stride(n, std::mem::size_of::<T>());
+                        recompute_tile(problem, self.rules, &tile, &kv, s, ld, self.d_scores_sink);
+                        let (scores, d_scores) = (&s.scores[..m * ld], &s.d_scores[..m * ld]);
                         let local = part.start - chunk.start..part.end - chunk.start;
                         T::matmul_t_acc_packed(
                             scores,
+                            ld,
                             d_out_rows,
                             d_out_stride.map(|stride| (&d_out_panels[..], stride)),
                             &mut dv_out[local.start * dv..local.end * dv],
@@ -822,6 +840,7 @@ impl<T: Element> ChunkStep<'_, T> {
                         // q_scaled carries the softmax scale: dK = scale · dSᵀ Q.
                         T::matmul_t_acc_packed(
                             d_scores,
+                            ld,
                             &q_scaled[..m * d],
                             q_stride.map(|stride| (&q_panels[..], stride)),
                             &mut dk[local.start * d..local.end * d],
@@ -830,7 +849,14 @@ impl<T: Element> ChunkStep<'_, T> {
                         let first = g * problem.seq_q;
                         let dq_rows =
                             &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
-                        T::matmul_acc_packed(d_scores, kv.k_rows, kv.k_panels, dq_rows, (m, n, d));
+                        T::matmul_acc_packed(
+                            d_scores,
+                            ld,
+                            kv.k_rows,
+                            kv.k_panels,
+                            dq_rows,
+                            (m, n, d),
+                        );
                     }
                 }
             }
