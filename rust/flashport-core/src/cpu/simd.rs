@@ -633,12 +633,12 @@ unsafe fn exp_block<const R: usize, const V: usize>(
     let mut e = [_mm256_setzero_ps(); 12];
     let mut i = 0;
     while i + 4 <= count {
-        let four = pow8xn::<4, true>([x[i], x[i + 1], x[i + 2], x[i + 3]]);
+        let four = pow8xn_capped::<4, true, false>([x[i], x[i + 1], x[i + 2], x[i + 3]]);
         e[i..i + 4].copy_from_slice(&four);
         i += 4;
     }
     while i < count {
-        e[i] = pow8xn::<1, true>([x[i]])[0];
+        e[i] = pow8xn_capped::<1, true, false>([x[i]])[0];
         i += 1;
     }
     for r in 0..R {
@@ -705,6 +705,16 @@ const EXP2_POLY: [f32; 6] = [
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn pow8xn<const N: usize, const BASE2: bool>(x: [__m256; N]) -> [__m256; N] {
+    pow8xn_capped::<N, BASE2, true>(x)
+}
+
+/// [`pow8xn`], or without its upper clamp when not `CAP`: for arguments
+/// known to be small, where the clamp is an operation that changes nothing.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn pow8xn_capped<const N: usize, const BASE2: bool, const CAP: bool>(
+    x: [__m256; N],
+) -> [__m256; N] {
     // The same range in both bases: 88.3 · log2 e = 127.39, -88 · log2 e
     // = -126.96, both giving n = 127 and -127.
     let (lo, hi) = if BASE2 {
@@ -714,7 +724,11 @@ unsafe fn pow8xn<const N: usize, const BASE2: bool>(x: [__m256; N]) -> [__m256; 
     };
     // The constant first: `min`/`max` return their second operand when
     // either is NaN.
-    let x = x.map(|x| _mm256_min_ps(_mm256_set1_ps(hi), x));
+    let x = if CAP {
+        x.map(|x| _mm256_min_ps(_mm256_set1_ps(hi), x))
+    } else {
+        x
+    };
     let x = x.map(|x| _mm256_max_ps(_mm256_set1_ps(lo), x));
     let (t, f) = if BASE2 {
         let t = x.map(|x| _mm256_add_ps(x, _mm256_set1_ps(SHIFTER)));
