@@ -7,7 +7,7 @@
 //! tile height follows the thread count, and no sum runs across query
 //! rows in a way that depends on it), so results are bitwise reproducible.
 
-mod buffers;
+pub(crate) mod buffers;
 pub mod element;
 mod kernels;
 mod parallel;

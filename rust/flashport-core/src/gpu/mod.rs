@@ -907,9 +907,33 @@ fn with_inputs<T>(
 
 fn to_buffer(values: Vec<f32>, dtype: DType) -> Buffer {
     match dtype {
-        DType::F16 => Buffer::F16(values.into_iter().map(half::f16::from_f32).collect()),
+        DType::F16 => Buffer::F16(round_to_f16(&values)),
         _ => Buffer::F32(values),
     }
+}
+
+/// Elements per task of the host's float32 → float16 rounding.
+const ROUND_CHUNK: usize = 1 << 18;
+
+/// `values` rounded to float16 (nearest, ties to even), by slices (F16C
+/// where the CPU has it) on several threads. Element by element on one
+/// thread this was most of a float16 call's end-to-end time: on the H100
+/// machine a (4,16,4096,64) forward took 107 ms NumPy to NumPy against
+/// 36 ms in float32, for a 13.6 ms kernel.
+fn round_to_f16(values: &[f32]) -> Vec<half::f16> {
+    use half::slice::HalfFloatSliceExt;
+    use rayon::prelude::*;
+    let mut out = Vec::with_capacity(values.len());
+    crate::cpu::buffers::spare(&mut out, values.len())
+        .par_chunks_mut(ROUND_CHUNK)
+        .zip(values.par_chunks(ROUND_CHUNK))
+        .for_each(|(dst, src)| {
+            crate::cpu::buffers::zero_init(dst).convert_from_f32_slice(src);
+        });
+    // SAFETY: the chunks cover all `values.len()` elements, each
+    // initialised above.
+    unsafe { out.set_len(values.len()) };
+    out
 }
 
 /// Where a call's input comes from: host bytes uploaded chunk by chunk, or
@@ -1556,4 +1580,59 @@ fn backward_on(
         dv,
         d_scores: d_scores.map(|s| Buffer::F32(s.into_vec())),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The threaded slice rounding gives the bits of `f16::from_f32`
+    /// element by element, across chunk boundaries and for ties,
+    /// subnormals, overflow, infinities and NaN.
+    #[test]
+    fn host_f16_rounding_matches_elementwise() {
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.0 + f32::EPSILON,
+            // Halfway between two float16 values: ties go to even.
+            1.0 + 1.0 / 2048.0,
+            1.0 + 3.0 / 2048.0,
+            65504.0,
+            65520.0,
+            1e-7,
+            -6.0e-8,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ];
+        let mut state = 0x2545_f491_u32;
+        let values: Vec<f32> = (0..2 * ROUND_CHUNK + 77)
+            .map(|i| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                let x = f32::from_bits(state);
+                if i % 3 == 0 {
+                    specials[i % specials.len()]
+                } else if x.is_finite() {
+                    // Mostly within float16's range.
+                    x.clamp(-7.0e4, 7.0e4)
+                } else {
+                    x
+                }
+            })
+            .collect();
+        let rounded = round_to_f16(&values);
+        assert_eq!(rounded.len(), values.len());
+        for (i, (&got, &x)) in rounded.iter().zip(&values).enumerate() {
+            let want = half::f16::from_f32(x);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "element {i}: {x:e} rounded to {got} ({:#06x}), want {want} ({:#06x})",
+                got.to_bits(),
+                want.to_bits()
+            );
+        }
+    }
 }
