@@ -96,27 +96,6 @@ pub trait Element:
             *max = Self::row_max(&c[i * n..(i + 1) * n]);
         }
     }
-    /// `c = 2^(a · bᵀ - shift[i])` row by row (`c` `m × n`), with
-    /// `maxes[i]` the largest element of row `i` of `a · bᵀ` and `sums[i]`
-    /// the sum of row `i` of `c`, bitwise as [`Element::row_max`] and
-    /// [`Element::exp2_shifted_sum`] would give them; `lanes` is scratch of
-    /// `16 m`. Returns false, having done nothing, where there is no such
-    /// kernel (the caller then takes the product and the exponentials
-    /// apart).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_nt_exp(
-        a: &[Self],
-        b_packed: Option<&[Self]>,
-        c: &mut [Self],
-        (m, k, n): (usize, usize, usize),
-        shift: &[Self],
-        maxes: &mut [Self],
-        sums: &mut [Self],
-        lanes: &mut [Self],
-    ) -> bool {
-        let _ = (a, b_packed, c, (m, k, n), shift, maxes, sums, lanes);
-        false
-    }
     /// `c += a · b`, `a` `m × k` with rows `lda` apart, `b` `k × n`, `c`
     /// `m × n`.
     #[allow(clippy::too_many_arguments)]
@@ -188,16 +167,6 @@ pub trait Element:
     /// The largest element; `-inf` for an empty or fully masked row.
     fn row_max(x: &[Self]) -> Self {
         kernels::row_max(x)
-    }
-    /// Whether [`Element::exp2_shifted_sum`] and [`Element::matmul_nt_exp`]
-    /// have kernels of their own, so that the forward keeps its scores in
-    /// base 2 (scaled by `log2 e`).
-    fn base2_kernels() -> bool {
-        false
-    }
-    /// `x = 2^(x - shift)` elementwise (`shift` finite); returns the sum.
-    fn exp2_shifted_sum(x: &mut [Self], shift: Self) -> Self {
-        kernels::exp2_shifted_sum(x, shift)
     }
     /// `x = exp(x - shift)` elementwise (`shift` finite); returns the sum.
     fn exp_shifted_sum(x: &mut [Self], shift: Self) -> Self {
@@ -352,32 +321,6 @@ impl Element for f32 {
         simd::gemm_row_max(m, n, k, lhs, rhs, c, n, maxes, lanes);
     }
     #[cfg(target_arch = "x86_64")]
-    fn matmul_nt_exp(
-        a: &[f32],
-        b_packed: Option<&[f32]>,
-        c: &mut [f32],
-        (m, k, n): (usize, usize, usize),
-        shift: &[f32],
-        maxes: &mut [f32],
-        sums: &mut [f32],
-        lanes: &mut [f32],
-    ) -> bool {
-        let Some(packed) = b_packed.filter(|_| simd::available() && m * k * n > 0) else {
-            return false;
-        };
-        let lhs = simd::Lhs {
-            data: a,
-            row_stride: k,
-            depth_stride: 1,
-        };
-        let rhs = simd::Rhs::Panels {
-            data: packed,
-            panel_stride: simd::PANEL * k,
-        };
-        simd::gemm_exp(m, n, k, lhs, rhs, c, n, shift, maxes, sums, lanes);
-        true
-    }
-    #[cfg(target_arch = "x86_64")]
     fn matmul_acc(a: &[f32], lda: usize, b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
         if !simd::available() {
             return kernels::matmul_acc(a, lda, b, c, m, k, n);
@@ -460,18 +403,6 @@ impl Element for f32 {
             simd::row_max(x)
         } else {
             kernels::row_max(x)
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    fn base2_kernels() -> bool {
-        simd::available()
-    }
-    #[cfg(target_arch = "x86_64")]
-    fn exp2_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
-        if simd::available() {
-            simd::exp2_shifted_sum(x, shift)
-        } else {
-            kernels::exp2_shifted_sum(x, shift)
         }
     }
     #[cfg(target_arch = "x86_64")]

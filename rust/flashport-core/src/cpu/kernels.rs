@@ -104,17 +104,6 @@ pub fn exp_shifted_sum<T: Element>(x: &mut [T], shift: T) -> T {
     sum
 }
 
-/// `x = 2^(x - shift)` elementwise; returns the sum.
-pub fn exp2_shifted_sum<T: Element>(x: &mut [T], shift: T) -> T {
-    let ln2 = T::from_f64(std::f64::consts::LN_2);
-    let mut sum = T::ZERO;
-    for v in x.iter_mut() {
-        *v = ((*v - shift) * ln2).exp();
-        sum += *v;
-    }
-    sum
-}
-
 /// `c += a · b` with `a` `m × k` (rows `lda` apart), `b` `k × n`, `c`
 /// `m × n`.
 #[allow(clippy::too_many_arguments)]

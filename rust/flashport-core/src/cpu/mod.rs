@@ -258,11 +258,8 @@ struct Scratch<T> {
     /// `rowsum(dO ∘ O)` of a block of query rows.
     delta: Vec<T>,
     states: Vec<RowState<T>>,
-    /// Each row's largest score of a tile, reference maximum and sum of
-    /// probabilities, and 16 lanes a row to find them.
+    /// Each row's largest score of a tile, and 8 lanes a row to find it.
     maxes: Vec<T>,
-    shifts: Vec<T>,
-    sums: Vec<T>,
     lanes: Vec<T>,
     /// The key tiles of the current query tile.
     key_tiles: Vec<Range<usize>>,
@@ -282,8 +279,6 @@ impl<T: Element> Scratch<T> {
             delta: Vec::new(),
             states: Vec::new(),
             maxes: Vec::new(),
-            shifts: Vec::new(),
-            sums: Vec::new(),
             lanes: Vec::new(),
             key_tiles: Vec::new(),
         };
@@ -314,10 +309,8 @@ impl<T: Element> Scratch<T> {
         grow(&mut self.q_panels, bq * d.next_multiple_of(16));
         grow(&mut self.d_out_panels, bq * dv.next_multiple_of(16));
         grow(&mut self.maxes, bq);
-        grow(&mut self.shifts, bq);
-        grow(&mut self.sums, bq);
         grow(&mut self.delta, bq);
-        grow(&mut self.lanes, 16 * bq);
+        grow(&mut self.lanes, 8 * bq);
         if self.states.len() < bq {
             self.states.resize(bq, RowState::EMPTY);
         }
@@ -478,11 +471,7 @@ fn forward_typed<T: Element>(
         input(k, d, Packing::Transposed),
         input(v, dv, Packing::Rows),
     ]);
-    // Scores the rules leave alone (or only hide) are kept in base 2 where
-    // there are kernels for it: the factor log2 e rides on the query scaling.
-    let base2 = T::base2_kernels() && !rules.modifies_scores();
-    let log_base = if base2 { std::f64::consts::LOG2_E } else { 1.0 };
-    let scale = T::from_f64(problem.scale * log_base);
+    let scale = T::from_f64(problem.scale);
 
     parallel::for_each(
         tasks,
@@ -497,7 +486,7 @@ fn forward_typed<T: Element>(
                 let q_scaled = &mut s.q_scaled[..m * d];
                 scale_into(layout.q_rows(q, head, &rows), scale, q_scaled);
                 let states = &mut s.states[..m];
-                states.fill(RowState::new(base2));
+                states.fill(RowState::EMPTY);
                 let acc = &mut s.acc[..m * dv];
                 acc.fill(T::ZERO);
 
@@ -522,79 +511,35 @@ fn forward_typed<T: Element>(
                     // with the product, saving a pass over the tile.
                     let plain = visibility == TileVisibility::Full && !rules.modifies_scores();
                     let maxes = &mut s.maxes[..m];
-                    let rescale = |acc: &mut [T], i: usize, correction: T| {
+                    if plain {
+                        T::matmul_nt_row_max(
+                            q_scaled,
+                            k_rows,
+                            k_t,
+                            scores,
+                            (m, d, n),
+                            &mut s.pack,
+                            maxes,
+                            &mut s.lanes,
+                        );
+                    } else {
+                        T::matmul_nt(q_scaled, k_rows, k_t, scores, n, (m, d, n), &mut s.pack);
+                        rules.apply(head, visibility, &rows, &keys, scores, n, None);
+                    }
+                    for (i, (state, row)) in states
+                        .iter_mut()
+                        .zip(scores.chunks_exact_mut(n))
+                        .enumerate()
+                    {
+                        let correction = if plain {
+                            state.absorb_with_max(row, maxes[i])
+                        } else {
+                            state.absorb(row)
+                        };
                         if correction != T::ONE {
                             acc[i * dv..(i + 1) * dv]
                                 .iter_mut()
                                 .for_each(|x| *x *= correction);
-                        }
-                    };
-                    // Once every row has a reference maximum, the product
-                    // can leave probabilities against it instead of scores
-                    // (see `RowState::absorb_with_max`), for the rows whose
-                    // reference then stands.
-                    let fused =
-                        plain && base2 && states.iter().all(|st| st.max != T::NEG_INFINITY) && {
-                            let shifts = &mut s.shifts[..m];
-                            for (shift, state) in shifts.iter_mut().zip(states.iter()) {
-                                *shift = state.max;
-                            }
-                            T::matmul_nt_exp(
-                                q_scaled,
-                                k_t,
-                                scores,
-                                (m, d, n),
-                                shifts,
-                                maxes,
-                                &mut s.sums[..m],
-                                &mut s.lanes,
-                            )
-                        };
-                    if fused {
-                        let sums = &s.sums[..m];
-                        for (i, (state, row)) in states
-                            .iter_mut()
-                            .zip(scores.chunks_exact_mut(n))
-                            .enumerate()
-                        {
-                            if state.keeps(maxes[i]) {
-                                state.add_sum(sums[i]);
-                                continue;
-                            }
-                            // The reference moves, so the row's scores are
-                            // needed again (rare after a row's first tiles);
-                            // one row of the same product gives the same bits.
-                            let q_row = &q_scaled[i * d..(i + 1) * d];
-                            T::matmul_nt(q_row, k_rows, k_t, row, n, (1, d, n), &mut s.pack);
-                            rescale(acc, i, state.absorb_with_max(row, maxes[i]));
-                        }
-                    } else {
-                        if plain {
-                            T::matmul_nt_row_max(
-                                q_scaled,
-                                k_rows,
-                                k_t,
-                                scores,
-                                (m, d, n),
-                                &mut s.pack,
-                                maxes,
-                                &mut s.lanes,
-                            );
-                        } else {
-                            T::matmul_nt(q_scaled, k_rows, k_t, scores, n, (m, d, n), &mut s.pack);
-                            rules.apply(head, visibility, &rows, &keys, scores, n, None);
-                        }
-                        for (i, (state, row)) in states
-                            .iter_mut()
-                            .zip(scores.chunks_exact_mut(n))
-                            .enumerate()
-                        {
-                            let correction = if plain {
-                                state.absorb_with_max(row, maxes[i])
-                            } else {
-                                state.absorb(row)
-                            };
-                            rescale(acc, i, correction);
                         }
                     }
                     // The softmax sums above saw every probability; only the

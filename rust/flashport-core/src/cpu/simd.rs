@@ -217,7 +217,6 @@ pub fn gemm(
             ldc,
             accumulate,
             std::ptr::null_mut(),
-            None,
         )
     }
 }
@@ -274,70 +273,10 @@ pub fn gemm_row_max(
             ldc,
             false,
             lanes.as_mut_ptr(),
-            None,
         )
     };
     for (max, row) in row_max.iter_mut().zip(lanes.chunks_exact(8)) {
         *max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    }
-}
-
-/// `C = 2^(A·B - shift)` row by row, for B packed in panels: the
-/// exponentials are taken from the registers as each block of the product
-/// is finished, instead of in a pass over C that would read and write it
-/// again (a 64 × 256 tile is twice the size of L1). Also sets `row_max[i]`
-/// to the largest element of row `i` of `A·B` and `row_sum[i]` to the sum
-/// of row `i` of C, added in the lanes and order of [`exp2_shifted_sum`]
-/// so that both give the same bits. `lanes` is scratch of `16 m`.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_exp(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Lhs<'_>,
-    b: Rhs<'_>,
-    c: &mut [f32],
-    ldc: usize,
-    shift: &[f32],
-    row_max: &mut [f32],
-    row_sum: &mut [f32],
-    lanes: &mut [f32],
-) {
-    assert!(m > 0 && n > 0 && k > 0, "empty product");
-    assert!(matches!(b, Rhs::Panels { .. }), "B must be packed");
-    let (shift, row_max, row_sum) = (&shift[..m], &mut row_max[..m], &mut row_sum[..m]);
-    let (max_lanes, sum_lanes) = lanes[..16 * m].split_at_mut(8 * m);
-    assert!((m - 1) * ldc + n <= c.len(), "output too short");
-    check_operands(m, n, k, &a, &b);
-    max_lanes.fill(f32::NEG_INFINITY);
-    sum_lanes.fill(0.0);
-    // SAFETY: as in `gemm` (same checks, above); `shift` has a float and
-    // both lane buffers 8 floats for each of the `m` rows.
-    unsafe {
-        gemm_avx2(
-            m,
-            n,
-            k,
-            a,
-            b,
-            c.as_mut_ptr(),
-            ldc,
-            false,
-            max_lanes.as_mut_ptr(),
-            Some((shift.as_ptr(), sum_lanes.as_mut_ptr())),
-        );
-        add_lanes(sum_lanes, row_sum);
-    }
-    for (max, row) in row_max.iter_mut().zip(max_lanes.chunks_exact(8)) {
-        *max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    }
-}
-
-/// `sums[i]` = the sum of the 8 lanes `lanes[8 i..8 i + 8]`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn add_lanes(lanes: &[f32], sums: &mut [f32]) {
-    for (sum, row) in sums.iter_mut().zip(lanes.chunks_exact(8)) {
-        *sum = hsum(_mm256_loadu_ps(row.as_ptr()));
     }
 }
 
@@ -353,7 +292,6 @@ unsafe fn gemm_avx2(
     ldc: usize,
     accumulate: bool,
     row_max: *mut f32,
-    exp: Option<(*const f32, *mut f32)>,
 ) {
     let op = Operands {
         a,
@@ -362,8 +300,6 @@ unsafe fn gemm_avx2(
         k,
         accumulate,
         row_max,
-        exp_shift: exp.map_or(std::ptr::null(), |e| e.0),
-        sums: exp.map_or(std::ptr::null_mut(), |e| e.1),
     };
     // Column panels outside, row blocks inside: a panel of B (k × 16) stays
     // in L1 while every row block of A streams past it.
@@ -431,10 +367,6 @@ struct Operands<'a> {
     /// Null, or 8 lanes a row of C: each lane's running maximum over the
     /// columns stored so far.
     row_max: *mut f32,
-    /// Null, or one shift a row: C then receives `2^(C - shift)` and
-    /// `sums` (8 lanes a row) the running sum of those.
-    exp_shift: *const f32,
-    sums: *mut f32,
 }
 
 impl Operands<'_> {
@@ -496,9 +428,6 @@ unsafe fn panel<const R: usize, const V: usize>(
             }
         }
         b_row = b_row.add(b_step);
-    }
-    if !op.exp_shift.is_null() {
-        return exp_block(op, i0, j0, width, acc);
     }
     if width < 8 * V {
         return store_block(op, i0, j0, width, acc);
@@ -586,85 +515,6 @@ unsafe fn store_block<const R: usize, const V: usize>(
     }
 }
 
-/// The epilogue of [`panel`] for [`gemm_exp`]: row maxima of the product,
-/// then its exponentials stored and summed. Inlined, unlike
-/// [`store_block`]: the accumulators are dead after it, so LLVM leaves them
-/// in registers, and out of line (passed through the stack) it ran 1%
-/// slower.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn exp_block<const R: usize, const V: usize>(
-    op: &Operands<'_>,
-    i0: usize,
-    j0: usize,
-    width: usize,
-    acc: [[__m256; V]; R],
-) {
-    // The block's vectors shifted, flat, so that the exponentials of four
-    // at a time interleave (one row's two alone left the FMA pipes idle
-    // along each one's chain of dependent steps).
-    let mut x = [_mm256_setzero_ps(); 12];
-    let count = R * V;
-    for (r, acc_r) in acc.iter().enumerate() {
-        let row = i0 + r;
-        let mut row_x = *acc_r;
-        if width < 8 * V {
-            // Padding columns count as -inf: no maximum, and exp gives 0.
-            let mut spill = [f32::NEG_INFINITY; 16];
-            for (v, x_v) in row_x.iter().enumerate() {
-                _mm256_storeu_ps(spill.as_mut_ptr().add(8 * v), *x_v);
-            }
-            spill[width..].fill(f32::NEG_INFINITY);
-            for (v, x_v) in row_x.iter_mut().enumerate() {
-                *x_v = _mm256_loadu_ps(spill.as_ptr().add(8 * v));
-            }
-        }
-        let lanes = op.row_max.add(row * 8);
-        let mut max = _mm256_loadu_ps(lanes);
-        for x_v in &row_x {
-            max = _mm256_max_ps(max, *x_v);
-        }
-        _mm256_storeu_ps(lanes, max);
-        let shift = _mm256_broadcast_ss(&*op.exp_shift.add(row));
-        for (v, x_v) in row_x.iter().enumerate() {
-            x[r * V + v] = _mm256_sub_ps(*x_v, shift);
-        }
-    }
-    let mut e = [_mm256_setzero_ps(); 12];
-    let mut i = 0;
-    while i + 4 <= count {
-        let four = pow8xn_capped::<4, true, false>([x[i], x[i + 1], x[i + 2], x[i + 3]]);
-        e[i..i + 4].copy_from_slice(&four);
-        i += 4;
-    }
-    while i < count {
-        e[i] = pow8xn_capped::<1, true, false>([x[i]])[0];
-        i += 1;
-    }
-    for r in 0..R {
-        let row = i0 + r;
-        let e_r = &e[r * V..(r + 1) * V];
-        let sums = op.sums.add(row * 8);
-        let mut sum = _mm256_loadu_ps(sums);
-        for e_v in e_r {
-            sum = _mm256_add_ps(sum, *e_v);
-        }
-        _mm256_storeu_ps(sums, sum);
-        let out = op.c.add(row * op.ldc + j0);
-        if width == 8 * V {
-            for (v, e_v) in e_r.iter().enumerate() {
-                _mm256_storeu_ps(out.add(8 * v), *e_v);
-            }
-        } else {
-            let mut spill = [0.0f32; 16];
-            for (v, e_v) in e_r.iter().enumerate() {
-                _mm256_storeu_ps(spill.as_mut_ptr().add(8 * v), *e_v);
-            }
-            std::ptr::copy_nonoverlapping(spill.as_ptr(), out, width);
-        }
-    }
-}
-
 /// `1.5 · 2^23 + 127`: adding it to a float of magnitude below 2^21 rounds
 /// it to an integer `n` held in the low mantissa bits, already offset by
 /// the exponent bias, so that shifting those bits left by 23 builds `2^n`.
@@ -693,57 +543,29 @@ const EXP2_POLY: [f32; 6] = [
 /// rounding, conversion and underflow mask took 21. Inputs at or below
 /// about -87.7 (including `-inf` from masks) give exactly 0: the clamp
 /// makes `n = -127`, whose `2^n` bits are all zero. NaN stays NaN.
-///
-/// `N` vectors at once, each step applied to all of them before the
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp8(x: __m256) -> __m256 {
+    exp8xn([x])[0]
+}
+
+/// [`exp8`] of `N` vectors, each step applied to all of them before the
 /// next: one exponential is a chain of a dozen dependent operations (~45
 /// cycles), and written one vector at a time the out-of-order window held
 /// too few chains to keep the FMA pipes busy.
-///
-/// `BASE2` computes `2^x` instead (same range, scaled). It needs no
-/// multiplication by `log2 e`: the reduction is three additions where base
-/// e takes three FMAs, and the FMA pipes are what the tile products need.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn pow8xn<const N: usize, const BASE2: bool>(x: [__m256; N]) -> [__m256; N] {
-    pow8xn_capped::<N, BASE2, true>(x)
-}
-
-/// [`pow8xn`], or without its upper clamp when not `CAP`: for arguments
-/// known to be small, where the clamp is an operation that changes nothing.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn pow8xn_capped<const N: usize, const BASE2: bool, const CAP: bool>(
-    x: [__m256; N],
-) -> [__m256; N] {
-    // The same range in both bases: 88.3 · log2 e = 127.39, -88 · log2 e
-    // = -126.96, both giving n = 127 and -127.
-    let (lo, hi) = if BASE2 {
-        (-127.0, 127.39)
-    } else {
-        (-88.0, 88.3)
-    };
+unsafe fn exp8xn<const N: usize>(x: [__m256; N]) -> [__m256; N] {
     // The constant first: `min`/`max` return their second operand when
     // either is NaN.
-    let x = if CAP {
-        x.map(|x| _mm256_min_ps(_mm256_set1_ps(hi), x))
-    } else {
-        x
-    };
-    let x = x.map(|x| _mm256_max_ps(_mm256_set1_ps(lo), x));
-    let (t, f) = if BASE2 {
-        let t = x.map(|x| _mm256_add_ps(x, _mm256_set1_ps(SHIFTER)));
-        let n = t.map(|t| _mm256_sub_ps(t, _mm256_set1_ps(SHIFTER)));
-        let f: [__m256; N] = std::array::from_fn(|i| _mm256_sub_ps(x[i], n[i]));
-        (t, f)
-    } else {
-        let t = x.map(|x| _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_HI), _mm256_set1_ps(SHIFTER)));
-        let n = t.map(|t| _mm256_sub_ps(t, _mm256_set1_ps(SHIFTER)));
-        let f: [__m256; N] =
-            std::array::from_fn(|i| _mm256_fmsub_ps(x[i], _mm256_set1_ps(LOG2E_HI), n[i]));
-        let f: [__m256; N] =
-            std::array::from_fn(|i| _mm256_fmadd_ps(x[i], _mm256_set1_ps(LOG2E_LO), f[i]));
-        (t, f)
-    };
+    let x = x.map(|x| _mm256_min_ps(_mm256_set1_ps(88.3), x));
+    let x = x.map(|x| _mm256_max_ps(_mm256_set1_ps(-88.0), x));
+    let t = x.map(|x| _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_HI), _mm256_set1_ps(SHIFTER)));
+    let n = t.map(|t| _mm256_sub_ps(t, _mm256_set1_ps(SHIFTER)));
+    let f: [__m256; N] =
+        std::array::from_fn(|i| _mm256_fmsub_ps(x[i], _mm256_set1_ps(LOG2E_HI), n[i]));
+    let f: [__m256; N] =
+        std::array::from_fn(|i| _mm256_fmadd_ps(x[i], _mm256_set1_ps(LOG2E_LO), f[i]));
     let mut p = [_mm256_set1_ps(EXP2_POLY[5]); N];
     for &c in EXP2_POLY[..5].iter().rev() {
         p = std::array::from_fn(|i| _mm256_fmadd_ps(p[i], f[i], _mm256_set1_ps(c)));
@@ -796,18 +618,11 @@ unsafe fn row_max_avx2(x: &[f32]) -> f32 {
 pub fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     assert!(available());
     // SAFETY: AVX2/FMA are present (asserted); accesses stay inside `x`.
-    unsafe { exp_shifted_sum_avx2::<false>(x, shift) }
-}
-
-/// [`exp_shifted_sum`] in base 2: `x[i] = 2^(x[i] - shift)`.
-pub fn exp2_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
-    assert!(available());
-    // SAFETY: as in `exp_shifted_sum`.
-    unsafe { exp_shifted_sum_avx2::<true>(x, shift) }
+    unsafe { exp_shifted_sum_avx2(x, shift) }
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp_shifted_sum_avx2<const BASE2: bool>(x: &mut [f32], shift: f32) -> f32 {
+unsafe fn exp_shifted_sum_avx2(x: &mut [f32], shift: f32) -> f32 {
     let shift_v = _mm256_set1_ps(shift);
     let mut sum = _mm256_setzero_ps();
     let mut quads = x.chunks_exact_mut(32);
@@ -816,14 +631,14 @@ unsafe fn exp_shifted_sum_avx2<const BASE2: bool>(x: &mut [f32], shift: f32) -> 
         let v: [__m256; 4] =
             std::array::from_fn(|i| _mm256_sub_ps(_mm256_loadu_ps(p.add(8 * i)), shift_v));
         // Added in element order, as one vector at a time would.
-        for (i, e) in pow8xn::<4, BASE2>(v).into_iter().enumerate() {
+        for (i, e) in exp8xn(v).into_iter().enumerate() {
             _mm256_storeu_ps(p.add(8 * i), e);
             sum = _mm256_add_ps(sum, e);
         }
     }
     let mut chunks = quads.into_remainder().chunks_exact_mut(8);
     for chunk in &mut chunks {
-        let [e] = pow8xn::<1, BASE2>([_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), shift_v)]);
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), shift_v));
         _mm256_storeu_ps(chunk.as_mut_ptr(), e);
         sum = _mm256_add_ps(sum, e);
     }
@@ -835,7 +650,7 @@ unsafe fn exp_shifted_sum_avx2<const BASE2: bool>(x: &mut [f32], shift: f32) -> 
         // last visible key of its last query row).
         let mut buf = [f32::NEG_INFINITY; 8];
         buf[..tail.len()].copy_from_slice(tail);
-        let [e] = pow8xn::<1, BASE2>([_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), shift_v)]);
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), shift_v));
         _mm256_storeu_ps(buf.as_mut_ptr(), e);
         tail.copy_from_slice(&buf[..tail.len()]);
         sum = _mm256_add_ps(sum, e);
@@ -928,26 +743,6 @@ mod tests {
                     .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 assert_eq!(max, want, "{m}x{n}x{k} row {i}");
             }
-            // The same product exponentiated in the epilogue, bitwise as
-            // the separate pass gives it.
-            let shift: Vec<f32> = maxes
-                .iter()
-                .enumerate()
-                .map(|(i, &x)| x - i as f32)
-                .collect();
-            let (mut e_max, mut e_sum) = (vec![f32::NAN; m], vec![f32::NAN; m]);
-            let mut lanes = vec![f32::NAN; 16 * m];
-            let mut c_e = vec![f32::NAN; m * n];
-            gemm_exp(
-                m, n, k, lhs, panels, &mut c_e, n, &shift, &mut e_max, &mut e_sum, &mut lanes,
-            );
-            assert_eq!(e_max, maxes);
-            for i in 0..m {
-                let mut row = c_p[i * n..(i + 1) * n].to_vec();
-                let sum = exp2_shifted_sum(&mut row, shift[i]);
-                assert_eq!(e_sum[i].to_bits(), sum.to_bits(), "{m}x{n}x{k} row {i}");
-                assert_eq!(&c_e[i * n..(i + 1) * n], &row[..], "{m}x{n}x{k} row {i}");
-            }
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = c0[i * n + j] as f64
@@ -1032,24 +827,6 @@ mod tests {
         assert_eq!(y[8], 1.0);
         assert!(((y[1] as f64) - (-1.0f64).exp()).abs() <= 4.0 * f32::EPSILON as f64);
         assert!(y[2].is_nan());
-        // Base 2 over the same range of results (and the same flush).
-        let mut z: Vec<f32> = original
-            .iter()
-            .map(|&v| v * std::f32::consts::LOG2_E)
-            .collect();
-        exp2_shifted_sum(&mut z, 0.0);
-        for (&e, &v) in z.iter().zip(&original) {
-            let x = (v * std::f32::consts::LOG2_E) as f64;
-            if v <= -87.7 {
-                assert_eq!(e, 0.0, "2^{x}");
-            } else if x >= -126.0 {
-                let want = x.exp2();
-                assert!(
-                    ((e as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
-                    "2^{x}"
-                );
-            }
-        }
         assert_eq!(row_max(&original), original[100_000]);
         assert_eq!(row_max(&[f32::NEG_INFINITY; 3]), f32::NEG_INFINITY);
     }

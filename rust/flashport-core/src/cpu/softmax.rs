@@ -1,73 +1,25 @@
 //! The online-softmax step of FlashAttention-2, written once for the CPU.
 //!
-//! A query row keeps a reference maximum `m`, a running sum `l` of
+//! A query row keeps a running maximum `m`, a running sum `l` of
 //! `exp(s - m)` and an unnormalised output accumulator. When a new tile of
-//! scores arrives whose maximum is well above `m`, the reference moves;
-//! everything accumulated so far was computed relative to the old one and
-//! is rescaled by `exp(m_old - m_new)` so that the final `acc / l` is
-//! exact (FlashAttention-4's conditional rescaling).
+//! scores arrives, the maximum may grow; everything accumulated so far was
+//! computed relative to the old maximum and is rescaled by
+//! `exp(m_old - m_new)` so that the final `acc / l` is exact.
 
 use super::element::Element;
-
-/// How far a tile's maximum may exceed the row's reference maximum before
-/// the reference moves: probabilities stay below `e^8 ≈ 2981`, so neither
-/// they nor a row's sum of them can overflow, and float32 keeps the same
-/// relative precision as with the exact running maximum.
-pub const RESCALE_MARGIN: f64 = 8.0;
 
 /// Running state of one query row.
 #[derive(Debug, Clone, Copy)]
 pub struct RowState<T> {
     pub max: T,
     pub sum: T,
-    /// Scores (and `max`) in base 2, `s · log2 e`: probabilities are then
-    /// `2^(s - max)` (see `simd::pow8xn` for why).
-    pub base2: bool,
 }
 
 impl<T: Element> RowState<T> {
     pub const EMPTY: Self = RowState {
         max: T::NEG_INFINITY,
         sum: T::ZERO,
-        base2: false,
     };
-
-    /// An empty row whose scores come in base 2 when `base2`.
-    pub fn new(base2: bool) -> Self {
-        RowState {
-            base2,
-            ..Self::EMPTY
-        }
-    }
-
-    /// `e^x`, or `2^x` in base 2.
-    #[inline]
-    fn pow(&self, x: T) -> T {
-        if self.base2 {
-            (x * T::from_f64(std::f64::consts::LN_2)).exp()
-        } else {
-            x.exp()
-        }
-    }
-
-    /// A score of this row's base in natural units.
-    #[inline]
-    fn natural(&self, x: T) -> T {
-        if self.base2 {
-            x * T::from_f64(std::f64::consts::LN_2)
-        } else {
-            x
-        }
-    }
-
-    #[inline]
-    fn exp_shifted_sum(&self, scores: &mut [T], shift: T) -> T {
-        if self.base2 {
-            T::exp2_shifted_sum(scores, shift)
-        } else {
-            T::exp_shifted_sum(scores, shift)
-        }
-    }
 
     /// Folds one tile of scaled scores into the row. `scores` is
     /// overwritten with the unnormalised probabilities `exp(s - m_new)`
@@ -79,22 +31,8 @@ impl<T: Element> RowState<T> {
     }
 
     /// [`RowState::absorb`] for a tile whose largest score is known.
-    ///
-    /// The maximum is only a reference: it moves (and the accumulator is
-    /// rescaled) when a tile's maximum exceeds it by more than
-    /// [`RESCALE_MARGIN`], or on the first visible tile. Otherwise the tile
-    /// is exponentiated against the old reference, probabilities up to
-    /// `e^8` that float32 holds without loss; that lets the SIMD forward
-    /// compute them while the scores are still in registers (see
-    /// [`RowState::keeps`]). A row's result depends only on its own scores
-    /// and the key tiling, never on which of the two paths ran.
     #[inline]
     pub fn absorb_with_max(&mut self, scores: &mut [T], tile_max: T) -> T {
-        if self.keeps(tile_max) {
-            let shift = self.max;
-            self.add_sum(self.exp_shifted_sum(scores, shift));
-            return T::ONE;
-        }
         let new_max = self.max.max(tile_max);
         if new_max == T::NEG_INFINITY {
             // Every key seen so far is masked. Subtracting the maximum would
@@ -104,25 +42,11 @@ impl<T: Element> RowState<T> {
         }
         // The old maximum may be -inf (nothing visible yet); exp(-inf) = 0
         // then discards the (empty) accumulator, which is what we want.
-        let correction = self.pow(self.max - new_max);
-        let tile_sum = self.exp_shifted_sum(scores, new_max);
+        let correction = (self.max - new_max).exp();
+        let tile_sum = T::exp_shifted_sum(scores, new_max);
         self.sum = self.sum * correction + tile_sum;
         self.max = new_max;
         correction
-    }
-
-    /// Whether a tile with largest score `tile_max` is exponentiated
-    /// against the current reference (no rescaling); then its probabilities
-    /// are `exp(s - self.max)` and their sum goes to [`RowState::add_sum`].
-    #[inline]
-    pub fn keeps(&self, tile_max: T) -> bool {
-        self.max != T::NEG_INFINITY && tile_max <= self.max + T::from_f64(RESCALE_MARGIN)
-    }
-
-    /// Adds the sum of a kept tile's probabilities.
-    #[inline]
-    pub fn add_sum(&mut self, tile_sum: T) {
-        self.sum += tile_sum;
     }
 
     /// [`RowState::finish`] with a sink logit in the denominator: the sink
@@ -135,15 +59,10 @@ impl<T: Element> RowState<T> {
         if sink == T::NEG_INFINITY {
             return self.finish();
         }
-        let sink = if self.base2 {
-            sink * T::from_f64(std::f64::consts::LOG2_E)
-        } else {
-            sink
-        };
         let new_max = self.max.max(sink);
-        let correction = self.pow(self.max - new_max);
-        let sum = self.sum * correction + self.pow(sink - new_max);
-        (correction / sum, self.natural(new_max) + sum.ln())
+        let correction = (self.max - new_max).exp();
+        let sum = self.sum * correction + (sink - new_max).exp();
+        (correction / sum, new_max + sum.ln())
     }
 
     /// The normaliser of the accumulator and the row's log-sum-exp. A row
@@ -153,7 +72,7 @@ impl<T: Element> RowState<T> {
         if self.sum == T::ZERO {
             (T::ZERO, T::NEG_INFINITY)
         } else {
-            (T::ONE / self.sum, self.natural(self.max) + self.sum.ln())
+            (T::ONE / self.sum, self.max + self.sum.ln())
         }
     }
 }
