@@ -126,6 +126,32 @@ def test_rows_without_visible_key_are_zero_with_neg_inf_lse(backend):
     assert all(np.isfinite(g).all() for g in (dq, dk, dv))
 
 
+def test_one_key_gives_probability_one_exactly(backend):
+    """With a single key, P = 1 whatever the score, so out = v and dv = dO
+    bit for bit. The backward recomputes P = exp(s - lse): this holds only
+    if the forward's lse and the backward's scores round the same score the
+    same way. Large scores (|s| up to ~1e3, d up to 196) make any
+    inconsistency show: a forward that rounded its scores in base 2 once
+    left dv off by 6e-5 relative here."""
+    rng = np.random.default_rng(17)
+    for d in (4, 60, 174, 196):
+        q = (3 * rng.standard_normal((2, 3, 1, d))).astype(np.float32)
+        k = (3 * rng.standard_normal((2, 3, 1, d))).astype(np.float32)
+        v = rng.standard_normal((2, 3, 1, d)).astype(np.float32)
+        do = rng.standard_normal((2, 3, 1, d)).astype(np.float32)
+        out, lse = flashport.attention(q, k, v, scale=1.0, return_lse=True, device=backend)
+        dq, dk, dv = flashport.attention_backward(do, q, k, v, out, lse, scale=1.0, device=backend)
+        np.testing.assert_array_equal(out, v)
+        np.testing.assert_array_equal(dv, do)
+        # dS = P (dP - D) with P = 1 and D = dO·o = dO·v = dP: zero but for
+        # the rounding of two dot products of length d summed in different
+        # orders.
+        eps = np.finfo(np.float32).eps
+        bound = 2 * d * eps * np.abs(do).max() * np.abs(v).max()
+        assert np.abs(dq).max() <= bound * np.abs(k).max()
+        assert np.abs(dk).max() <= bound * np.abs(q).max()
+
+
 def test_reference_backward_matches_finite_differences():
     """The oracle's analytic gradients against central differences of its own
     forward, so that the backward tests rest on something checked."""
