@@ -14,16 +14,34 @@ enable wgpu_cooperative_matrix;
 //
 // Layout: W subgroups per workgroup, each owning 16 query rows (BQ = 16 W
 // rows); key tiles of BK rows. In the scalar softmax step a row belongs to
-// two lanes of its subgroup (lane = 2 r + h), which take alternate columns.
+// two lanes of its subgroup (lane = r + 16 h), each taking half the keys.
+// The score scratch (`sf`) and the P tile (`qp`) are private to each
+// subgroup; only the K and V tiles are shared.
+//
+// Staging, and why it is shaped so: K and V arrive as pairs of halves
+// (u32). Each invocation loads whole u32s, consecutive lanes consecutive
+// words, and writes the two halves to consecutive f16 slots, so a warp's
+// store covers 128 contiguous bytes (one shared-memory wavefront). The
+// first version unpacked vec4s into eight scalar f16 stores 16 bytes apart
+// per lane, four wavefronts each, and the staging alone took about as long
+// as the products. The next tile's words are loaded into registers while
+// the current one is multiplied, and written to workgroup memory once the
+// last reader of the old tile has passed a barrier:
+//   iteration t:  V_t regs -> vs          (PV_{t-1} done: barrier B(t-1))
+//                 load K_{t+1} -> regs
+//                 S = Q K_t^T -> sf; barrier; softmax -> P; flag
+//                 A(t): workgroupUniformLoad(flag)  (QK_t done everywhere)
+//                 K_{t+1} regs -> ks; load V_{t+1} -> regs
+//                 [rescale O if any row moved its maximum]
+//                 O += P V_t
+//                 B(t): barrier
 //
 // Every workgroup variable is a multiple of 16 bytes (`rescale` is a
 // vec4): cooperative loads and stores need 16-byte aligned pointers
 // (VUID-RuntimeSpirv-OpCooperativeMatrixLoadKHR-08986) and the driver, not
 // the declaration order, places the variables. With a lone u32 flag here
-// the kernel gave wrong results on the H100 (out error 1.2); with the vec4
-// it matches the float64 reference as well as the scalar float16 kernel
-// (benchmarks/GPU_NOTES.md). The host still runs it only with
-// FLASHPORT_GPU_COOP=1 (it is slower than the float32 tiled kernel).
+// the first version gave wrong results on the H100 (out error 1.2)
+// (benchmarks/GPU_NOTES.md).
 //
 // Rescaling is lazy (as in FlashAttention-3): a row keeps its reference
 // maximum m until a tile's maximum exceeds it by more than TAU, so
@@ -45,28 +63,40 @@ override QS: u32 = D + 8u;
 override KS: u32 = D + 8u;
 override VS: u32 = DV + 8u;
 override PS: u32 = BK + 8u;
-override SS: u32 = BK + 4u;
-override OS: u32 = DV + 4u;
+// f32 scratch rows: a tile's scores, or OC columns of O at a time for a
+// rescale and the output (OC < DV where the scratch would otherwise bound
+// the rows a workgroup can hold).
+override OC: u32 = 64u;
+override FS: u32 = max(BK, OC) + 4u;
 // Array sizes (products computed by the host, src/gpu/shaders.rs).
 override K_ELEMS: u32 = 4608u;
 override V_ELEMS: u32 = 4608u;
 // Q is staged once and read into registers before P first needs the room.
 override QP_ELEMS: u32 = 4608u;
-// f32 scratch: the scores of a tile, or O for a rescale and the output.
 override F_ELEMS: u32 = 4352u;
+// Words of a K (V) tile each invocation stages: ceil(BK D / 2 / WG).
+override KW: u32 = 16u;
+override VW: u32 = 16u;
 
 const TAU: f32 = 8.0;
+const LOG2E: f32 = 1.4426950408889634;
+const LN2: f32 = 0.6931471805599453;
 // D / 16 and DV / 16 are at most MAXN (head dimensions up to 128).
 const MAXN: u32 = 8u;
+// Scores per lane in the softmax step: BK / 2 is at most this.
+const MAXHALF: u32 = 64u;
+// Words per staged register array: KW and VW are at most this
+// (tiles::coop_tiles keeps to it).
+const MAXW: u32 = 64u;
 
 alias A16 = coop_mat16x16<f16, A>;
 alias B16 = coop_mat16x16<f16, B>;
 alias C32 = coop_mat16x16<f32, C>;
 
-// Eight f16 per vec4<u32>: rows are multiples of 16 elements.
-@group(0) @binding(1) var<storage, read> q: array<vec4<u32>>;
-@group(0) @binding(2) var<storage, read> k: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read> v: array<vec4<u32>>;
+// Two f16 per u32: rows are multiples of 16 elements.
+@group(0) @binding(1) var<storage, read> q: array<u32>;
+@group(0) @binding(2) var<storage, read> k: array<u32>;
+@group(0) @binding(3) var<storage, read> v: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> lse: array<f32>;
 
@@ -76,19 +106,63 @@ var<workgroup> qp: array<f16, QP_ELEMS>;
 var<workgroup> sf: array<f32, F_ELEMS>;
 var<workgroup> row_l: array<f32, BQ>;
 var<workgroup> row_m: array<f32, BQ>;
-// A vector, so that every workgroup variable is a multiple of 16 bytes:
-// cooperative loads and stores need 16-byte aligned pointers, and the
-// driver places the variables (a lone u32 could shift the arrays after it).
+// A vector, so that every workgroup variable is a multiple of 16 bytes.
 var<workgroup> rescale: vec4<u32>;
 
-// The eight halves of a word quadruple, in memory order. (naga 30 types
-// bitcast<vec2<f16>>(u32) as f32; the round trip through f32 is exact.)
-fn halves(w: vec4<u32>) -> array<f16, 8> {
-    let h0 = vec2<f16>(unpack2x16float(w.x));
-    let h1 = vec2<f16>(unpack2x16float(w.y));
-    let h2 = vec2<f16>(unpack2x16float(w.z));
-    let h3 = vec2<f16>(unpack2x16float(w.w));
-    return array<f16, 8>(h0.x, h0.y, h1.x, h1.y, h2.x, h2.y, h3.x, h3.y);
+// Words of rows [k0, k0 + nk) of a (rows x width/2)-word key/value head
+// starting at word `base`, in the staging order: word e = i WG + lid is
+// row e / (width / 2), pair e % (width / 2). Rows past nk are zeros: P is 0
+// there and 0 * V must not be NaN.
+fn load_k(base: u32, nk: u32, lid: u32) -> array<u32, MAXW> {
+    var w: array<u32, MAXW>;
+    let d2 = D / 2u;
+    for (var i = 0u; i < KW; i++) {
+        let e = i * WG + lid;
+        w[i] = 0u;
+        if e < BK * d2 && e / d2 < nk {
+            w[i] = k[base + e];
+        }
+    }
+    return w;
+}
+
+fn load_v(base: u32, nk: u32, lid: u32) -> array<u32, MAXW> {
+    var w: array<u32, MAXW>;
+    let d2 = DV / 2u;
+    for (var i = 0u; i < VW; i++) {
+        let e = i * WG + lid;
+        w[i] = 0u;
+        if e < BK * d2 && e / d2 < nk {
+            w[i] = v[base + e];
+        }
+    }
+    return w;
+}
+
+fn store_k(w: array<u32, MAXW>, lid: u32) {
+    let d2 = D / 2u;
+    for (var i = 0u; i < KW; i++) {
+        let e = i * WG + lid;
+        if e < BK * d2 {
+            let x = unpack2x16float(w[i]);
+            let at = (e / d2) * KS + 2u * (e % d2);
+            ks[at] = f16(x.x);
+            ks[at + 1u] = f16(x.y);
+        }
+    }
+}
+
+fn store_v(w: array<u32, MAXW>, lid: u32) {
+    let d2 = DV / 2u;
+    for (var i = 0u; i < VW; i++) {
+        let e = i * WG + lid;
+        if e < BK * d2 {
+            let x = unpack2x16float(w[i]);
+            let at = (e / d2) * VS + 2u * (e % d2);
+            vs[at] = f16(x.x);
+            vs[at + 1u] = f16(x.y);
+        }
+    }
 }
 
 @compute @workgroup_size(WG)
@@ -104,22 +178,21 @@ fn main(
     let kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
     let kv_row0 = kv * p.seq_k;
     let bh = p.head0 + head;
-    let d8 = D / 8u;
-    let dv8 = DV / 8u;
+    let d2 = D / 2u;
+    let dv2 = DV / 2u;
 
     // Q rows past seq_q are zeros: finite scores, never written out.
-    for (var e = lid; e < BQ * d8; e += WG) {
-        let r = e / d8;
-        let c = e % d8;
-        var w = vec4<u32>(0u);
+    for (var e = lid; e < BQ * d2; e += WG) {
+        let r = e / d2;
+        let c = e % d2;
+        var w = 0u;
         if r < rows {
-            w = q[(head * p.seq_q + row0 + r) * d8 + c];
+            w = q[(head * p.seq_q + row0 + r) * d2 + c];
         }
-        let at = r * QS + 8u * c;
-        let x = halves(w);
-        for (var i = 0u; i < 8u; i++) {
-            qp[at + i] = x[i];
-        }
+        let x = unpack2x16float(w);
+        let at = r * QS + 2u * c;
+        qp[at] = f16(x.x);
+        qp[at + 1u] = f16(x.y);
     }
     workgroupBarrier();
     let srow = 16u * sg;
@@ -129,9 +202,16 @@ fn main(
     }
     var o: array<C32, MAXN>;
 
-    // This lane's row in the softmax step, and its half of the columns.
-    let r = lane >> 1u;
-    let h = lane & 1u;
+    // This lane's row in the softmax step, and its half of the columns:
+    // lanes r and r + 16 share row r. Rows are a multiple of 16 bytes
+    // apart (cooperative loads need it), so the 32 lanes reading "the same"
+    // column would fall in 8 bank quadruples; each lane instead walks its
+    // half row in an order permuted within groups of 4 (i ^ swizzle), which
+    // spreads them over all 32 banks without giving up constant indices
+    // into `sv`.
+    let r = lane & 15u;
+    let h = lane >> 4u;
+    let swizzle = ((r >> 3u) & 1u) | (h << 1u);
     let grow = row0 + srow + r;
     var row_end = 0u;
     if grow < p.seq_q {
@@ -140,146 +220,162 @@ fn main(
     var m = NEG_BIG;
     // This lane's half of the row sum.
     var l = 0.0;
+    let scale_log2 = p.scale * LOG2E;
 
     let key_end = visible_end(row0 + rows - 1u);
+    var kw = load_k(kv_row0 * d2, min(BK, key_end), lid);
+    var vw = load_v(kv_row0 * dv2, min(BK, key_end), lid);
+    store_k(kw, lid);
+    if lid == 0u {
+        rescale.x = 0u;
+    }
+    // Q is in registers everywhere (qp becomes P), K_0 is staged.
+    workgroupBarrier();
     for (var k0 = 0u; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
-        // The previous tile's reads of ks, vs, qp, sf and `rescale` are done.
-        workgroupBarrier();
-        if lid == 0u {
-            rescale.x = 0u;
+        store_v(vw, lid);
+        let k1 = k0 + BK;
+        let nk1 = min(BK, max(key_end, k1) - k1);
+        if k1 < key_end {
+            kw = load_k((kv_row0 + k1) * d2, nk1, lid);
         }
-        // Keys past the tile's end are zeros: P is 0 there and 0 * V must
-        // not be NaN.
-        for (var e = lid; e < BK * d8; e += WG) {
-            let j = e / d8;
-            var w = vec4<u32>(0u);
-            if j < nk {
-                w = k[(kv_row0 + k0 + j) * d8 + e % d8];
-            }
-            let at = j * KS + 8u * (e % d8);
-            let x = halves(w);
-            for (var i = 0u; i < 8u; i++) {
-                ks[at + i] = x[i];
-            }
-        }
-        for (var e = lid; e < BK * dv8; e += WG) {
-            let j = e / dv8;
-            var w = vec4<u32>(0u);
-            if j < nk {
-                w = v[(kv_row0 + k0 + j) * dv8 + e % dv8];
-            }
-            let at = j * VS + 8u * (e % dv8);
-            let x = halves(w);
-            for (var i = 0u; i < 8u; i++) {
-                vs[at + i] = x[i];
-            }
-        }
-        workgroupBarrier();
 
         // S = Q K^T for this subgroup's 16 rows; K^T is K read column-major.
-        let nb = (nk + 15u) / 16u;
-        for (var jb = 0u; jb < nb; jb++) {
+        // Whole tiles even where fewer keys are left (their K and V rows
+        // are staged as zeros, their P is 0): a constant trip count lets
+        // the driver unroll and interleave the independent products.
+        for (var jb = 0u; jb < BK / 16u; jb++) {
             var acc = C32();
             for (var c = 0u; c < D / 16u; c++) {
                 let kb = coopLoad<B16>(&ks[16u * jb * KS + 16u * c], KS);
                 acc = coopMultiplyAdd(qa[c], kb, acc);
             }
-            coopStoreT(acc, &sf[srow * SS + 16u * jb], SS);
+            coopStoreT(acc, &sf[srow * FS + 16u * jb], FS);
         }
         workgroupBarrier();
 
-        // The online-softmax step. Keys past the row's end (causal) or the
-        // tile's are skipped; their P is 0.
+        // The online-softmax step, in base 2. Keys past the row's end
+        // (causal) or the tile's get P = 0. Constant trip counts over the
+        // lane's contiguous half row: the driver unrolls them, so the
+        // loads are issued back to back instead of one latency per key
+        // (with a key-count bound this step took most of the kernel).
         var n = 0u;
         if row_end > k0 {
             n = min(nk, row_end - k0);
         }
-        let srow_at = (srow + r) * SS;
+        let half_at = (srow + r) * FS + h * (BK / 2u);
+        var sv: array<f32, MAXHALF>;
         var tmax = NEG_BIG;
-        for (var j = h; j < n; j += 2u) {
-            var s = sf[srow_at + j] * p.scale;
+        for (var i = 0u; i < BK / 2u; i++) {
+            let c = i ^ swizzle;
+            let j = h * (BK / 2u) + c;
+            var s = sf[half_at + c] * scale_log2;
             if MODIFIES {
                 // Never on this kernel's pipelines; keeps binding 15 in the
                 // automatic layout, which every forward binds.
-                s = score(s, bh, grow, k0 + j);
+                s = score(sf[half_at + c] * p.scale, bh, grow, k0 + j) * LOG2E;
             }
+            s = select(NEG_BIG, s, j < n);
+            sv[i] = s;
             tmax = max(tmax, s);
         }
-        tmax = max(tmax, subgroupShuffleXor(tmax, 1u));
+        tmax = max(tmax, subgroupShuffleXor(tmax, 16u));
         var corr = 1.0;
         if tmax > m + TAU {
-            // exp(NEG_BIG - finite) is 0: the first visible key discards
+            // exp2(NEG_BIG - finite) is 0: the first visible key discards
             // the empty accumulators.
-            corr = exp(m - tmax);
+            corr = exp2(m - tmax);
             m = tmax;
-            rescale.x = 1u;
+            // On the first tile O is still zero: nothing to correct. (The
+            // test is here, not on the uniform branch below: naga treats a
+            // loaded `var` such as k0 as non-uniform.)
+            if k0 > 0u {
+                rescale.x = 1u;
+            }
         }
         l *= corr;
-        let prow_at = (srow + r) * PS;
-        for (var j = h; j < nb * 16u; j += 2u) {
-            var pj = 0.0;
-            if j < n {
-                pj = exp(sf[srow_at + j] * p.scale - m);
-            }
+        let p_at = (srow + r) * PS + h * (BK / 2u);
+        for (var i = 0u; i < BK / 2u; i++) {
+            let c = i ^ swizzle;
+            let j = h * (BK / 2u) + c;
+            let pj = select(0.0, exp2(sv[i] - m), j < n);
             l += pj;
-            qp[prow_at + j] = f16(pj);
+            qp[p_at + c] = f16(pj);
         }
-        // Also orders the P writes before the coopLoads below.
+        // Every subgroup's QK^T is done (ks is free), V_t and P are
+        // visible.
         let any_rescale = workgroupUniformLoad(&rescale).x;
+        if lid == 0u {
+            rescale.x = 0u;
+        }
+        if k1 < key_end {
+            store_k(kw, lid);
+            // Loaded only now, so that the K and V words are never held
+            // at the same time (registers bound this kernel's occupancy).
+            vw = load_v((kv_row0 + k1) * dv2, nk1, lid);
+        }
         if any_rescale != 0u {
-            for (var c = 0u; c < DV / 16u; c++) {
-                coopStoreT(o[c], &sf[srow * OS + 16u * c], OS);
-            }
-            workgroupBarrier();
-            let orow_at = (srow + r) * OS;
-            for (var c = h; c < DV; c += 2u) {
-                sf[orow_at + c] *= corr;
-            }
-            workgroupBarrier();
-            for (var c = 0u; c < DV / 16u; c++) {
-                o[c] = coopLoadT<C32>(&sf[srow * OS + 16u * c], OS);
+            for (var c0 = 0u; c0 < DV; c0 += OC) {
+                let c1 = min(c0 + OC, DV);
+                for (var c = c0 / 16u; c < c1 / 16u; c++) {
+                    coopStoreT(o[c], &sf[srow * FS + 16u * c - c0], FS);
+                }
+                workgroupBarrier();
+                let orow_at = (srow + r) * FS;
+                for (var c = h; c < c1 - c0; c += 2u) {
+                    sf[orow_at + c] *= corr;
+                }
+                workgroupBarrier();
+                for (var c = c0 / 16u; c < c1 / 16u; c++) {
+                    o[c] = coopLoadT<C32>(&sf[srow * FS + 16u * c - c0], FS);
+                }
             }
         }
 
         // O += P V.
-        for (var jb = 0u; jb < nb; jb++) {
+        for (var jb = 0u; jb < BK / 16u; jb++) {
             let pa = coopLoadT<A16>(&qp[srow * PS + 16u * jb], PS);
             for (var c = 0u; c < DV / 16u; c++) {
                 let vb = coopLoadT<B16>(&vs[16u * jb * VS + 16u * c], VS);
                 o[c] = coopMultiplyAdd(pa, vb, o[c]);
             }
         }
+        // Every subgroup's PV is done (vs is free); K_{t+1} is visible.
+        workgroupBarrier();
     }
 
-    let l_row = l + subgroupShuffleXor(l, 1u);
-    workgroupBarrier();
-    for (var c = 0u; c < DV / 16u; c++) {
-        coopStoreT(o[c], &sf[srow * OS + 16u * c], OS);
-    }
+    let l_row = l + subgroupShuffleXor(l, 16u);
     if h == 0u {
         row_l[srow + r] = l_row;
         row_m[srow + r] = m;
     }
-    workgroupBarrier();
-
     // Rows that saw no key: o = 0, lse = -inf.
     let o_base = (head * p.seq_q + row0) * DV;
-    for (var e = lid; e < rows * DV; e += WG) {
-        let i = e / DV;
-        let lr = row_l[i];
-        var x = 0.0;
-        if lr > 0.0 {
-            x = sf[i * OS + e % DV] / lr;
+    for (var c0 = 0u; c0 < DV; c0 += OC) {
+        let c1 = min(c0 + OC, DV);
+        let width = c1 - c0;
+        for (var c = c0 / 16u; c < c1 / 16u; c++) {
+            coopStoreT(o[c], &sf[srow * FS + 16u * c - c0], FS);
         }
-        out[o_base + e] = x;
+        workgroupBarrier();
+        for (var e = lid; e < rows * width; e += WG) {
+            let i = e / width;
+            let lr = row_l[i];
+            var x = 0.0;
+            if lr > 0.0 {
+                x = sf[i * FS + e % width] / lr;
+            }
+            out[o_base + i * DV + c0 + e % width] = x;
+        }
+        // The next chunk overwrites sf.
+        workgroupBarrier();
     }
     let l_base = head * p.seq_q + row0;
     for (var i = lid; i < rows; i += WG) {
         let lr = row_l[i];
         var x = bitcast<f32>(0xff800000u);
         if lr > 0.0 {
-            x = row_m[i] + log(lr);
+            x = (row_m[i] + log2(lr)) * LN2;
         }
         lse[l_base + i] = x;
     }

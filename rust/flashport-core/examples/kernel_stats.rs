@@ -11,12 +11,18 @@
 //! adapter.
 //!
 //! Run: cargo run --release -p flashport-core --example kernel_stats [d ...]
-//! (default d = 64 128; float32 inputs, no variants).
+//! (default d = 64 128; float32 inputs, no variants). Where the driver
+//! offers VK_KHR_cooperative_matrix, the float16 cooperative forward is
+//! listed too. With FLASHPORT_STATS_IR=DIR, the driver's internal
+//! representations (where it gives any) are written to DIR, one file per
+//! kernel and representation.
 
 use ash::vk;
 use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
 use flashport_core::gpu::spirv;
-use flashport_core::gpu::tiles::{backward_kernels, forward_kernel, DeviceCaps, Kernel, Tiles};
+use flashport_core::gpu::tiles::{
+    backward_kernels, coop_tiles, forward_kernel, DeviceCaps, Kernel, Tiles,
+};
 use std::ffi::CStr;
 
 type Error = Box<dyn std::error::Error>;
@@ -91,18 +97,36 @@ unsafe fn with_instance(instance: &ash::Instance, dims: &[u32]) -> Result<(), Er
     let queues = [vk::DeviceQueueCreateInfo::default()
         .queue_family_index(queue_family)
         .queue_priorities(&priorities)];
-    let extensions = [ext.as_ptr()];
+    let coop_ext = ash::khr::cooperative_matrix::NAME;
+    let coop = instance
+        .enumerate_device_extension_properties(physical)?
+        .iter()
+        .any(|e| CStr::from_ptr(e.extension_name.as_ptr()) == coop_ext);
+    let mut extensions = vec![ext.as_ptr()];
+    if coop {
+        extensions.push(coop_ext.as_ptr());
+    }
     let mut exec_info = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default()
         .pipeline_executable_info(true);
-    let device = instance.create_device(
-        physical,
-        &vk::DeviceCreateInfo::default()
-            .queue_create_infos(&queues)
-            .enabled_extension_names(&extensions)
-            .push_next(&mut exec_info),
-        None,
-    )?;
-    let result = with_device(instance, &device, caps, dims);
+    let mut coop_features =
+        vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+    let mut v11 = vk::PhysicalDeviceVulkan11Features::default().storage_buffer16_bit_access(true);
+    let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
+        .shader_float16(true)
+        .vulkan_memory_model(true)
+        .vulkan_memory_model_device_scope(true);
+    let mut create = vk::DeviceCreateInfo::default()
+        .queue_create_infos(&queues)
+        .enabled_extension_names(&extensions)
+        .push_next(&mut exec_info);
+    if coop {
+        create = create
+            .push_next(&mut coop_features)
+            .push_next(&mut v11)
+            .push_next(&mut v12);
+    }
+    let device = instance.create_device(physical, &create, None)?;
+    let result = with_device(instance, &device, caps, dims, coop);
     device.destroy_device(None);
     result
 }
@@ -112,9 +136,23 @@ unsafe fn with_device(
     device: &ash::Device,
     caps: DeviceCaps,
     dims: &[u32],
+    coop: bool,
 ) -> Result<(), Error> {
     let stats = ash::khr::pipeline_executable_properties::Device::new(instance, device);
     for &d in dims {
+        if let Some(tiles) = coop.then(|| coop_tiles(d, d, caps, coop_force())).flatten() {
+            let kernel = Kernel::ForwardCoop;
+            println!("\n{} d={d} {tiles:?}", kernel.name());
+            let constants: Vec<(&str, f64)> = tile_overrides(kernel, true, d, d, tiles, true)
+                .into_iter()
+                .chain(variant_overrides(kernel, Variants::default()))
+                .collect();
+            let compiled = spirv::compile(&source(kernel, true, true), &constants, true, true)?;
+            let label = format!("{}-d{d}", kernel.name());
+            for line in pipeline_statistics(device, &stats, &compiled, &label)? {
+                println!("  {line}");
+            }
+        }
         let (forward, tiles) = forward_kernel(d, d, caps);
         let mut kernels: Vec<(Kernel, Tiles)> = vec![(forward, tiles)];
         if tiles.prefetch > 0 {
@@ -144,12 +182,20 @@ unsafe fn with_device(
                 kernel.is_tiled(),
                 false,
             )?;
-            for line in pipeline_statistics(device, &stats, &compiled)? {
+            let label = format!("{}-d{d}-pf{}", kernel.name(), tiles.prefetch);
+            for line in pipeline_statistics(device, &stats, &compiled, &label)? {
                 println!("  {line}");
             }
         }
     }
     Ok(())
+}
+
+/// FLASHPORT_GPU_COOP_TILES=subgroups,keys, as the backend reads it.
+fn coop_force() -> Option<(u32, u32)> {
+    let v = std::env::var("FLASHPORT_GPU_COOP_TILES").ok()?;
+    let (w, bk) = v.split_once(',')?;
+    Some((w.trim().parse().ok()?, bk.trim().parse().ok()?))
 }
 
 /// Builds the compute pipeline of `compiled` with statistics captured and
@@ -158,6 +204,7 @@ unsafe fn pipeline_statistics(
     device: &ash::Device,
     stats: &ash::khr::pipeline_executable_properties::Device,
     compiled: &spirv::Compiled,
+    label: &str,
 ) -> Result<Vec<String>, Error> {
     let module = device.create_shader_module(
         &vk::ShaderModuleCreateInfo::default().code(&compiled.words),
@@ -197,13 +244,16 @@ unsafe fn pipeline_statistics(
     let info = vk::ComputePipelineCreateInfo::default()
         .stage(stage)
         .layout(layout)
-        .flags(vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR);
+        .flags(
+            vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
+                | vk::PipelineCreateFlags::CAPTURE_INTERNAL_REPRESENTATIONS_KHR,
+        );
     let created = device.create_compute_pipelines(vk::PipelineCache::null(), &[info], None);
     let mut lines = Vec::new();
     let outcome = match created {
         Ok(pipelines) => {
             let pipeline = pipelines[0];
-            let found = collect(stats, pipeline, &mut lines);
+            let found = collect(stats, pipeline, &mut lines, label);
             device.destroy_pipeline(pipeline, None);
             found
         }
@@ -219,7 +269,9 @@ unsafe fn collect(
     stats: &ash::khr::pipeline_executable_properties::Device,
     pipeline: vk::Pipeline,
     lines: &mut Vec<String>,
+    label: &str,
 ) -> Result<(), Error> {
+    let ir_dir = std::env::var("FLASHPORT_STATS_IR").ok();
     let executables = stats
         .get_pipeline_executable_properties(&vk::PipelineInfoKHR::default().pipeline(pipeline))?;
     for (index, exe) in executables.iter().enumerate() {
@@ -247,6 +299,71 @@ unsafe fn collect(
                 exe.subgroup_size
             ));
         }
+        if let Some(dir) = &ir_dir {
+            for (i, text) in internal_representations(stats, &info)?.iter().enumerate() {
+                let path = format!("{dir}/{label}-{index}-{i}.txt");
+                std::fs::write(&path, text)?;
+                lines.push(format!("{exe_name}: representation {i} -> {path}"));
+            }
+        }
     }
     Ok(())
+}
+
+/// The internal representations the driver gives for one executable, each
+/// as "name: description" and its text (two-call idiom: sizes, then data).
+unsafe fn internal_representations(
+    stats: &ash::khr::pipeline_executable_properties::Device,
+    info: &vk::PipelineExecutableInfoKHR,
+) -> Result<Vec<String>, Error> {
+    let fp = stats.fp();
+    let mut count = 0u32;
+    (fp.get_pipeline_executable_internal_representations_khr)(
+        stats.device(),
+        info,
+        &mut count,
+        std::ptr::null_mut(),
+    )
+    .result()?;
+    let mut reps = vec![vk::PipelineExecutableInternalRepresentationKHR::default(); count as usize];
+    (fp.get_pipeline_executable_internal_representations_khr)(
+        stats.device(),
+        info,
+        &mut count,
+        reps.as_mut_ptr(),
+    )
+    .result()?;
+    let mut buffers: Vec<Vec<u8>> = reps.iter().map(|r| vec![0u8; r.data_size]).collect();
+    for (r, b) in reps.iter_mut().zip(buffers.iter_mut()) {
+        r.p_data = b.as_mut_ptr().cast();
+    }
+    (fp.get_pipeline_executable_internal_representations_khr)(
+        stats.device(),
+        info,
+        &mut count,
+        reps.as_mut_ptr(),
+    )
+    .result()?;
+    Ok(reps
+        .iter()
+        .zip(buffers)
+        .map(|(r, b)| {
+            let name = r.name_as_c_str().map(|s| s.to_string_lossy().into_owned());
+            let desc = r
+                .description_as_c_str()
+                .map(|s| s.to_string_lossy().into_owned());
+            let body = if r.is_text != 0 {
+                String::from_utf8_lossy(&b)
+                    .trim_end_matches('\0')
+                    .to_string()
+            } else {
+                format!("({} bytes of binary)", b.len())
+            };
+            format!(
+                "{}: {}\n{body}",
+                name.unwrap_or_default(),
+                desc.unwrap_or_default()
+            )
+        })
+        .collect())
 }

@@ -118,13 +118,27 @@ pub(crate) fn coop_f16_f32(adapter: &wgpu::Adapter) -> bool {
         })
 }
 
-/// The cooperative-matrix forward is opt-in (FLASHPORT_GPU_COOP=1): it
-/// matches the reference on the H100 but runs slower there than the
-/// float32 tiled forward, and a process that ran it at N=4096 saw later
-/// float32 kernels slow down (benchmarks/GPU_NOTES.md). Without the switch
-/// the device is created as before, without cooperative matrices.
-fn coop_enabled_by_env() -> bool {
-    std::env::var("FLASHPORT_GPU_COOP").as_deref() == Ok("1")
+/// What FLASHPORT_GPU_COOP asks of the cooperative-matrix forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CoopPolicy {
+    /// `0`: never; the device is created without cooperative matrices.
+    Off,
+    /// Unset (the default): where it was measured faster than the tiled
+    /// kernels, head dimensions up to 64. On the H100 (driver 580) at
+    /// (4,16,4096,64) it runs the float16 forward at 49 TFLOP/s against the
+    /// tiled kernel's 20; at d = 128 it measured no faster than the tiled
+    /// kernel (benchmarks/GPU_NOTES.md, session 5).
+    Measured,
+    /// `1`: wherever its tiles fit (d, dv multiples of 16 up to 128).
+    Everywhere,
+}
+
+fn coop_policy_from_env() -> CoopPolicy {
+    match std::env::var("FLASHPORT_GPU_COOP").as_deref() {
+        Ok("0") => CoopPolicy::Off,
+        Ok("1") => CoopPolicy::Everywhere,
+        _ => CoopPolicy::Measured,
+    }
 }
 
 /// Whether `kernel` runs without naga's index clamps: the register-tiled
@@ -166,6 +180,8 @@ pub(crate) struct Context {
     /// cooperative matrices, shader f16 and subgroups of exactly 32 lanes
     /// (its subgroups own 16 rows each, two lanes per row) are enabled.
     pub coop: bool,
+    /// Where the cooperative forward runs (FLASHPORT_GPU_COOP).
+    pub coop_policy: CoopPolicy,
     /// The cooperative forward is built from SPIR-V written here with the
     /// GLSL450 memory model (src/gpu/spirv.rs says why) and handed to the
     /// driver through wgpu's passthrough; false where the adapter offers no
@@ -320,12 +336,13 @@ impl Context {
         // timestamps to report kernel time apart from transfers.
         let subgroups = offered.contains(wgpu::Features::SUBGROUP) && info.subgroup_min_size >= 8;
         let timestamps = offered.contains(wgpu::Features::TIMESTAMP_QUERY);
+        let coop_policy = coop_policy_from_env();
         let coop = subgroups
             && info.subgroup_min_size == 32
             && info.subgroup_max_size == 32
             && offered.contains(wgpu::Features::SHADER_F16)
             && coop_f16_f32(adapter)
-            && coop_enabled_by_env();
+            && coop_policy != CoopPolicy::Off;
         let coop_passthrough = coop
             && offered.contains(wgpu::Features::PASSTHROUGH_SHADERS)
             && std::env::var("FLASHPORT_GPU_COOP_SPIRV").as_deref() != Ok("naga");
@@ -378,6 +395,7 @@ impl Context {
             subgroups,
             timestamps,
             coop,
+            coop_policy,
             coop_passthrough,
             lost,
             uncaptured,

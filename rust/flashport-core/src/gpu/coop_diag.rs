@@ -61,7 +61,7 @@ pub fn run(via_spirv: bool, glsl450: bool) -> Result<Vec<String>> {
     let ctx = context::get()?;
     if !ctx.coop {
         return Err(Error::Gpu(
-            "no cooperative matrices on this context (FLASHPORT_GPU_COOP=1?)".into(),
+            "no cooperative matrices on this context (FLASHPORT_GPU_COOP=0, or none on this adapter)".into(),
         ));
     }
     run_on(&ctx, via_spirv, glsl450)

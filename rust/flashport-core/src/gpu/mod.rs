@@ -108,7 +108,7 @@ thread_local! {
 
 /// Makes the calling thread run the scalar float16 kernels where the
 /// cooperative-matrix forward would run, so tests can compare the two in
-/// one process (without FLASHPORT_GPU_COOP=1 it never runs).
+/// one process.
 #[doc(hidden)]
 pub fn set_no_coop_for_this_thread(off: bool) {
     NO_COOP.with(|c| c.set(off));
@@ -139,11 +139,25 @@ pub fn coop_available() -> bool {
     context::get().is_ok_and(|ctx| ctx.coop)
 }
 
+/// Whether the forward of `p` would run the cooperative-matrix kernel
+/// (tests, with tiles pinned for a benchmark).
+#[doc(hidden)]
+pub fn coop_runs(p: &Problem) -> bool {
+    context::get().is_ok_and(|ctx| {
+        let caps = caps(&ctx);
+        coop_tiles(&ctx, p, caps).is_some()
+    })
+}
+
 /// The cooperative-matrix forward's tiles for this call, if it runs it:
 /// float16 inputs, plain or causal attention (the variants stay on the
-/// other kernels, which implement them), head dimensions it supports.
+/// other kernels, which implement them), head dimensions it supports, and
+/// by default only those where it was measured faster (context::CoopPolicy).
 fn coop_tiles(ctx: &Context, p: &Problem, caps: tiles::DeviceCaps) -> Option<tiles::Tiles> {
     if !ctx.coop || p.dtype != DType::F16 || p.has_variants() || NO_COOP.with(Cell::get) {
+        return None;
+    }
+    if ctx.coop_policy == context::CoopPolicy::Measured && p.head_dim.max(p.value_dim) > 64 {
         return None;
     }
     // Benchmarks: FLASHPORT_GPU_COOP_TILES=subgroups,keys (e.g. 4,64).

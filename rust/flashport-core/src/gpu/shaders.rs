@@ -189,6 +189,7 @@ pub fn tile_overrides(
         }
         Kernel::ForwardCoop => {
             let [k, v, qp, f] = super::tiles::coop_elems(d, dv, t);
+            let (kw, vw) = super::tiles::coop_staged_words(d, dv, t);
             vec![
                 ("W", (t.workgroup / 32) as f64),
                 ("BK", bk as f64),
@@ -198,6 +199,9 @@ pub fn tile_overrides(
                 ("V_ELEMS", v as f64),
                 ("QP_ELEMS", qp as f64),
                 ("F_ELEMS", f as f64),
+                ("KW", kw as f64),
+                ("OC", super::tiles::coop_o_columns(dv, t) as f64),
+                ("VW", vw as f64),
             ]
         }
         Kernel::BackwardPreprocess => vec![

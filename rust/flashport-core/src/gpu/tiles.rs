@@ -385,14 +385,32 @@ pub fn coop_elems(d: u32, dv: u32, t: Tiles) -> [u64; 4] {
         bk * (d + 8),
         bk * (dv + 8),
         (bq * (d + 8)).max(bq * (bk + 8)),
-        (bq * (bk + 4)).max(bq * (dv + 4)),
+        bq * (bk.max(coop_o_columns(dv as u32, t) as u64) + 4),
     ]
 }
 
+/// Columns of O the cooperative forward passes through its f32 scratch at
+/// a time (a rescale, the output): all of them where the scratch is as
+/// wide anyway, else the key tile's width, so that the scratch stays one
+/// score tile (workgroup memory bounds the rows per workgroup).
+pub fn coop_o_columns(dv: u32, t: Tiles) -> u32 {
+    dv.min(t.k_rows.max(16))
+}
+
+/// Words (pairs of halves) of a K and of a V tile that each invocation of
+/// the cooperative forward stages through its registers.
+pub fn coop_staged_words(d: u32, dv: u32, t: Tiles) -> (u32, u32) {
+    let per = |width: u32| (t.k_rows * width / 2).div_ceil(t.workgroup);
+    (per(d), per(dv))
+}
+
+/// The most words shaders/forward_coop.wgsl stages per invocation (MAXW).
+pub const COOP_MAX_STAGED_WORDS: u32 = 64;
+
 pub fn coop_workgroup_bytes(d: u32, dv: u32, t: Tiles) -> u64 {
     let [k, v, qp, f] = coop_elems(d, dv, t);
-    // Plus the per-row l and m and the rescale flag.
-    2 * (k + v + qp) + 4 * f + 8 * t.q_rows as u64 + 4
+    // Plus the per-row l and m and the rescale flag (a vec4).
+    2 * (k + v + qp) + 4 * f + 8 * t.q_rows as u64 + 16
 }
 
 /// Tiles of the cooperative-matrix forward for head dimensions d, dv
@@ -406,7 +424,15 @@ pub fn coop_tiles(d: u32, dv: u32, caps: DeviceCaps, force: Option<(u32, u32)>) 
     if !shape_ok {
         return None;
     }
-    const CANDIDATES: [(u32, u32); 6] = [(4, 64), (4, 32), (2, 64), (2, 32), (1, 32), (1, 16)];
+    const CANDIDATES: [(u32, u32); 7] = [
+        (8, 32),
+        (4, 64),
+        (4, 32),
+        (2, 64),
+        (2, 32),
+        (1, 32),
+        (1, 16),
+    ];
     CANDIDATES
         .into_iter()
         .filter(|&c| force.is_none_or(|f| f == c))
@@ -418,9 +444,11 @@ pub fn coop_tiles(d: u32, dv: u32, caps: DeviceCaps, force: Option<(u32, u32)>) 
             prefetch: 0,
         })
         .find(|&t| {
+            let (kw, vw) = coop_staged_words(d, dv, t);
             coop_workgroup_bytes(d, dv, t) <= caps.workgroup_storage_bytes as u64
                 && t.workgroup <= caps.max_invocations
                 && t.workgroup <= caps.max_workgroup_size_x
+                && kw.max(vw) <= COOP_MAX_STAGED_WORDS
         })
 }
 
