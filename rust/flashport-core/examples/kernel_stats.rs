@@ -140,7 +140,10 @@ unsafe fn with_device(
 ) -> Result<(), Error> {
     let stats = ash::khr::pipeline_executable_properties::Device::new(instance, device);
     for &d in dims {
-        if let Some(tiles) = coop.then(|| coop_tiles(d, d, caps, coop_force())).flatten() {
+        if let Some(tiles) = coop
+            .then(|| coop_tiles(d, d, caps, flashport_core::gpu::coop_pinned_tiles()))
+            .flatten()
+        {
             let kernel = Kernel::ForwardCoop;
             println!("\n{} d={d} {tiles:?}", kernel.name());
             let constants: Vec<(&str, f64)> = tile_overrides(kernel, true, d, d, tiles, true)
@@ -189,13 +192,6 @@ unsafe fn with_device(
         }
     }
     Ok(())
-}
-
-/// FLASHPORT_GPU_COOP_TILES=subgroups,keys, as the backend reads it.
-fn coop_force() -> Option<(u32, u32)> {
-    let v = std::env::var("FLASHPORT_GPU_COOP_TILES").ok()?;
-    let (w, bk) = v.split_once(',')?;
-    Some((w.trim().parse().ok()?, bk.trim().parse().ok()?))
 }
 
 /// Builds the compute pipeline of `compiled` with statistics captured and

@@ -160,14 +160,21 @@ fn coop_tiles(ctx: &Context, p: &Problem, caps: tiles::DeviceCaps) -> Option<til
     if ctx.coop_policy == context::CoopPolicy::Measured && p.head_dim.max(p.value_dim) > 64 {
         return None;
     }
-    // Benchmarks: FLASHPORT_GPU_COOP_TILES=subgroups,keys (e.g. 4,64).
-    let force = std::env::var("FLASHPORT_GPU_COOP_TILES")
-        .ok()
-        .and_then(|v| {
-            let (w, bk) = v.split_once(',')?;
-            Some((w.trim().parse().ok()?, bk.trim().parse().ok()?))
-        });
-    tiles::coop_tiles(p.head_dim as u32, p.value_dim as u32, caps, force)
+    tiles::coop_tiles(
+        p.head_dim as u32,
+        p.value_dim as u32,
+        caps,
+        coop_pinned_tiles(),
+    )
+}
+
+/// Benchmarks: FLASHPORT_GPU_COOP_TILES=subgroups,keys (e.g. 4,64) pins the
+/// cooperative forward's tiles (also read by examples/kernel_stats).
+#[doc(hidden)]
+pub fn coop_pinned_tiles() -> Option<(u32, u32)> {
+    let v = std::env::var("FLASHPORT_GPU_COOP_TILES").ok()?;
+    let (w, bk) = v.split_once(',')?;
+    Some((w.trim().parse().ok()?, bk.trim().parse().ok()?))
 }
 
 /// Makes the calling thread run the simple kernels where the tiled ones
