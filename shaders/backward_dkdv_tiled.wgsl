@@ -91,7 +91,9 @@ fn load_streamed(is_do: bool, row: u32, nr: u32, lid: u32) {
             let c = e % (8u * ND);
             var x = vec4(0.0);
             if j < nr && c < D4 {
-                x = widen(q[(row + j) * D4 + c]);
+                // Scaled as the forward scales it, so the scores round as
+                // the forward's did; dK = sum dS (scale q) needs no scale.
+                x = widen(q[(row + j) * D4 + c]) * p.scale;
             }
             bs[j * SB0 + c] = x;
         }
@@ -145,7 +147,6 @@ fn main(
     // This invocation's key rows (absolute), for the causal test.
     let krow = vec4(k0) + vec4(rg, rg + RG, rg + 2u * RG, rg + 3u * RG);
     let cols = vec4(cg, cg + 8u, cg + 16u, cg + 24u);
-    let sl = p.scale * LOG2E;
     var gv00 = vec4(0.0); var gv01 = vec4(0.0); var gv02 = vec4(0.0); var gv03 = vec4(0.0);
     var gv10 = vec4(0.0); var gv11 = vec4(0.0); var gv12 = vec4(0.0); var gv13 = vec4(0.0);
     var gv20 = vec4(0.0); var gv21 = vec4(0.0); var gv22 = vec4(0.0); var gv23 = vec4(0.0);
@@ -188,7 +189,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa0 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -203,7 +204,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa1 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -218,7 +219,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa2 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -233,7 +234,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa3 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -248,7 +249,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa4 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -263,7 +264,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa5 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -278,7 +279,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa6 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -293,7 +294,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa7 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
             }
             {
                 let j = e / (8u * NV);
@@ -395,7 +396,7 @@ fn main(
             }
             // The lse, delta and visible key range of this invocation's
             // four query rows.
-            var lse2 = vec4(0.0);
+            var row_lse = vec4(0.0);
             var dl = vec4(0.0);
             var ok = vec4(false);
             var vend = vec4(0u);
@@ -404,7 +405,7 @@ fn main(
                 let st = stats[head * p.seq_q + r0 + cols.x];
                 let l = st.x;
                 ok.x = is_finite(l);
-                lse2.x = select(0.0, l * LOG2E, ok.x);
+                row_lse.x = select(0.0, l, ok.x);
                 dl.x = st.y;
                 vend.x = visible_end(r0 + cols.x);
                 vstart.x = visible_start(r0 + cols.x);
@@ -413,7 +414,7 @@ fn main(
                 let st = stats[head * p.seq_q + r0 + cols.y];
                 let l = st.x;
                 ok.y = is_finite(l);
-                lse2.y = select(0.0, l * LOG2E, ok.y);
+                row_lse.y = select(0.0, l, ok.y);
                 dl.y = st.y;
                 vend.y = visible_end(r0 + cols.y);
                 vstart.y = visible_start(r0 + cols.y);
@@ -422,7 +423,7 @@ fn main(
                 let st = stats[head * p.seq_q + r0 + cols.z];
                 let l = st.x;
                 ok.z = is_finite(l);
-                lse2.z = select(0.0, l * LOG2E, ok.z);
+                row_lse.z = select(0.0, l, ok.z);
                 dl.z = st.y;
                 vend.z = visible_end(r0 + cols.z);
                 vstart.z = visible_start(r0 + cols.z);
@@ -431,7 +432,7 @@ fn main(
                 let st = stats[head * p.seq_q + r0 + cols.w];
                 let l = st.x;
                 ok.w = is_finite(l);
-                lse2.w = select(0.0, l * LOG2E, ok.w);
+                row_lse.w = select(0.0, l, ok.w);
                 dl.w = st.y;
                 vend.w = visible_end(r0 + cols.w);
                 vstart.w = visible_start(r0 + cols.w);
@@ -447,7 +448,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa0 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -462,7 +463,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa1 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -477,7 +478,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa2 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -492,7 +493,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa3 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -507,7 +508,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa4 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -522,7 +523,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa5 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -537,7 +538,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa6 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -552,7 +553,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa7 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                     }
                     {
                         let j = e / (8u * NV);
@@ -625,7 +626,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa0 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -640,7 +641,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa1 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -655,7 +656,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa2 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -670,7 +671,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa3 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -685,7 +686,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa4 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -700,7 +701,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa5 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -715,7 +716,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa6 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -730,7 +731,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa7 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
                         }
                         {
                             let j = e / (8u * NV);
@@ -756,15 +757,15 @@ fn main(
                 s30 = dot_acc(s30, a3, b0); s31 = dot_acc(s31, a3, b1); s32 = dot_acc(s32, a3, b2); s33 = dot_acc(s33, a3, b3);
             }
             var vis0 = (vec4(krow.x) < vend) & ok;
-            var e0 = vec4(s00, s01, s02, s03) * sl;
+            var e0 = vec4(s00, s01, s02, s03);
             var u0 = vec4(0.0);
             if MODIFIES || WINDOW {
-                u0 = vec4(s00, s01, s02, s03) * p.scale;
+                u0 = vec4(s00, s01, s02, s03);
                 let sc = score4(u0, bh, vec4(r0) + cols, vec4(krow.x));
                 vis0 = vis0 & (sc != vec4(NEG_BIG)) & (vec4(krow.x) >= vstart);
-                e0 = sc * LOG2E;
+                e0 = sc;
             }
-            let p0 = select(vec4(0.0), exp2(e0 - lse2), vis0);
+            let p0 = select(vec4(0.0), exp2((e0 - row_lse) * LOG2E), vis0);
             var pz0 = p0;
             var dsv0 = vec4(0.0);
             if DROPOUT {
@@ -781,15 +782,15 @@ fn main(
                 ws2[(rg + 0u * RG) * 9u + cg] = dsv0;
             }
             var vis1 = (vec4(krow.y) < vend) & ok;
-            var e1 = vec4(s10, s11, s12, s13) * sl;
+            var e1 = vec4(s10, s11, s12, s13);
             var u1 = vec4(0.0);
             if MODIFIES || WINDOW {
-                u1 = vec4(s10, s11, s12, s13) * p.scale;
+                u1 = vec4(s10, s11, s12, s13);
                 let sc = score4(u1, bh, vec4(r0) + cols, vec4(krow.y));
                 vis1 = vis1 & (sc != vec4(NEG_BIG)) & (vec4(krow.y) >= vstart);
-                e1 = sc * LOG2E;
+                e1 = sc;
             }
-            let p1 = select(vec4(0.0), exp2(e1 - lse2), vis1);
+            let p1 = select(vec4(0.0), exp2((e1 - row_lse) * LOG2E), vis1);
             var pz1 = p1;
             var dsv1 = vec4(0.0);
             if DROPOUT {
@@ -806,15 +807,15 @@ fn main(
                 ws2[(rg + 1u * RG) * 9u + cg] = dsv1;
             }
             var vis2 = (vec4(krow.z) < vend) & ok;
-            var e2 = vec4(s20, s21, s22, s23) * sl;
+            var e2 = vec4(s20, s21, s22, s23);
             var u2 = vec4(0.0);
             if MODIFIES || WINDOW {
-                u2 = vec4(s20, s21, s22, s23) * p.scale;
+                u2 = vec4(s20, s21, s22, s23);
                 let sc = score4(u2, bh, vec4(r0) + cols, vec4(krow.z));
                 vis2 = vis2 & (sc != vec4(NEG_BIG)) & (vec4(krow.z) >= vstart);
-                e2 = sc * LOG2E;
+                e2 = sc;
             }
-            let p2 = select(vec4(0.0), exp2(e2 - lse2), vis2);
+            let p2 = select(vec4(0.0), exp2((e2 - row_lse) * LOG2E), vis2);
             var pz2 = p2;
             var dsv2 = vec4(0.0);
             if DROPOUT {
@@ -831,15 +832,15 @@ fn main(
                 ws2[(rg + 2u * RG) * 9u + cg] = dsv2;
             }
             var vis3 = (vec4(krow.w) < vend) & ok;
-            var e3 = vec4(s30, s31, s32, s33) * sl;
+            var e3 = vec4(s30, s31, s32, s33);
             var u3 = vec4(0.0);
             if MODIFIES || WINDOW {
-                u3 = vec4(s30, s31, s32, s33) * p.scale;
+                u3 = vec4(s30, s31, s32, s33);
                 let sc = score4(u3, bh, vec4(r0) + cols, vec4(krow.w));
                 vis3 = vis3 & (sc != vec4(NEG_BIG)) & (vec4(krow.w) >= vstart);
-                e3 = sc * LOG2E;
+                e3 = sc;
             }
-            let p3 = select(vec4(0.0), exp2(e3 - lse2), vis3);
+            let p3 = select(vec4(0.0), exp2((e3 - row_lse) * LOG2E), vis3);
             var pz3 = p3;
             var dsv3 = vec4(0.0);
             if DROPOUT {
@@ -1032,30 +1033,30 @@ fn main(
     }
     if rg + 0u * RG < nk {
         let at = (kvh * p.seq_k + k0 + rg + 0u * RG) * D4 + cg;
-        if cg + 0u < D4 { dk[at + 0u] = gk00 * p.scale; }
-        if cg + 8u < D4 { dk[at + 8u] = gk01 * p.scale; }
-        if cg + 16u < D4 { dk[at + 16u] = gk02 * p.scale; }
-        if cg + 24u < D4 { dk[at + 24u] = gk03 * p.scale; }
+        if cg + 0u < D4 { dk[at + 0u] = gk00; }
+        if cg + 8u < D4 { dk[at + 8u] = gk01; }
+        if cg + 16u < D4 { dk[at + 16u] = gk02; }
+        if cg + 24u < D4 { dk[at + 24u] = gk03; }
     }
     if rg + 1u * RG < nk {
         let at = (kvh * p.seq_k + k0 + rg + 1u * RG) * D4 + cg;
-        if cg + 0u < D4 { dk[at + 0u] = gk10 * p.scale; }
-        if cg + 8u < D4 { dk[at + 8u] = gk11 * p.scale; }
-        if cg + 16u < D4 { dk[at + 16u] = gk12 * p.scale; }
-        if cg + 24u < D4 { dk[at + 24u] = gk13 * p.scale; }
+        if cg + 0u < D4 { dk[at + 0u] = gk10; }
+        if cg + 8u < D4 { dk[at + 8u] = gk11; }
+        if cg + 16u < D4 { dk[at + 16u] = gk12; }
+        if cg + 24u < D4 { dk[at + 24u] = gk13; }
     }
     if rg + 2u * RG < nk {
         let at = (kvh * p.seq_k + k0 + rg + 2u * RG) * D4 + cg;
-        if cg + 0u < D4 { dk[at + 0u] = gk20 * p.scale; }
-        if cg + 8u < D4 { dk[at + 8u] = gk21 * p.scale; }
-        if cg + 16u < D4 { dk[at + 16u] = gk22 * p.scale; }
-        if cg + 24u < D4 { dk[at + 24u] = gk23 * p.scale; }
+        if cg + 0u < D4 { dk[at + 0u] = gk20; }
+        if cg + 8u < D4 { dk[at + 8u] = gk21; }
+        if cg + 16u < D4 { dk[at + 16u] = gk22; }
+        if cg + 24u < D4 { dk[at + 24u] = gk23; }
     }
     if rg + 3u * RG < nk {
         let at = (kvh * p.seq_k + k0 + rg + 3u * RG) * D4 + cg;
-        if cg + 0u < D4 { dk[at + 0u] = gk30 * p.scale; }
-        if cg + 8u < D4 { dk[at + 8u] = gk31 * p.scale; }
-        if cg + 16u < D4 { dk[at + 16u] = gk32 * p.scale; }
-        if cg + 24u < D4 { dk[at + 24u] = gk33 * p.scale; }
+        if cg + 0u < D4 { dk[at + 0u] = gk30; }
+        if cg + 8u < D4 { dk[at + 8u] = gk31; }
+        if cg + 16u < D4 { dk[at + 16u] = gk32; }
+        if cg + 24u < D4 { dk[at + 24u] = gk33; }
     }
 }

@@ -112,7 +112,9 @@ fn main(
         let r = e / D4;
         var x = vec4(0.0);
         if r < rows {
-            x = widen(q[(head * p.seq_q + row0) * D4 + e]);
+            // Scaled as the forward scales it: the score is the dot
+            // product alone, rounded as the forward rounded it.
+            x = widen(q[(head * p.seq_q + row0) * D4 + e]) * p.scale;
         }
         qs[r * SA0 + e % D4] = x;
     }
@@ -126,7 +128,7 @@ fn main(
     }
 
     let rv = vec4(rg, rg + RG, rg + 2u * RG, rg + 3u * RG);
-    var lse2 = vec4(0.0);
+    var row_lse = vec4(0.0);
     var dl = vec4(0.0);
     var ok = vec4(false);
     var vend = vec4(0u);
@@ -135,7 +137,7 @@ fn main(
         let st = stats[head * p.seq_q + row0 + rv.x];
         let l = st.x;
         ok.x = is_finite(l);
-        lse2.x = select(0.0, l * LOG2E, ok.x);
+        row_lse.x = select(0.0, l, ok.x);
         dl.x = st.y;
         vend.x = visible_end(row0 + rv.x);
         vstart.x = visible_start(row0 + rv.x);
@@ -144,7 +146,7 @@ fn main(
         let st = stats[head * p.seq_q + row0 + rv.y];
         let l = st.x;
         ok.y = is_finite(l);
-        lse2.y = select(0.0, l * LOG2E, ok.y);
+        row_lse.y = select(0.0, l, ok.y);
         dl.y = st.y;
         vend.y = visible_end(row0 + rv.y);
         vstart.y = visible_start(row0 + rv.y);
@@ -153,7 +155,7 @@ fn main(
         let st = stats[head * p.seq_q + row0 + rv.z];
         let l = st.x;
         ok.z = is_finite(l);
-        lse2.z = select(0.0, l * LOG2E, ok.z);
+        row_lse.z = select(0.0, l, ok.z);
         dl.z = st.y;
         vend.z = visible_end(row0 + rv.z);
         vstart.z = visible_start(row0 + rv.z);
@@ -162,13 +164,12 @@ fn main(
         let st = stats[head * p.seq_q + row0 + rv.w];
         let l = st.x;
         ok.w = is_finite(l);
-        lse2.w = select(0.0, l * LOG2E, ok.w);
+        row_lse.w = select(0.0, l, ok.w);
         dl.w = st.y;
         vend.w = visible_end(row0 + rv.w);
         vstart.w = visible_start(row0 + rv.w);
     }
     let keys = vec4(cg, cg + 8u, cg + 16u, cg + 24u);
-    let sl = p.scale * LOG2E;
     var a00 = vec4(0.0); var a01 = vec4(0.0); var a02 = vec4(0.0); var a03 = vec4(0.0);
     var a10 = vec4(0.0); var a11 = vec4(0.0); var a12 = vec4(0.0); var a13 = vec4(0.0);
     var a20 = vec4(0.0); var a21 = vec4(0.0); var a22 = vec4(0.0); var a23 = vec4(0.0);
@@ -726,15 +727,15 @@ fn main(
         }
         let kk = vec4(k0) + keys;
         var vis0 = (kk < vec4(vend.x)) & vec4(ok.x);
-        var e0 = vec4(s00, s01, s02, s03) * sl;
+        var e0 = vec4(s00, s01, s02, s03);
         var u0 = vec4(0.0);
         if MODIFIES || WINDOW {
-            u0 = vec4(s00, s01, s02, s03) * p.scale;
+            u0 = vec4(s00, s01, s02, s03);
             let sc = score4(u0, bh, vec4(row0 + rv.x), kk);
             vis0 = vis0 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.x));
-            e0 = sc * LOG2E;
+            e0 = sc;
         }
-        let p0 = select(vec4(0.0), exp2(e0 - lse2.x), vis0);
+        let p0 = select(vec4(0.0), exp2((e0 - row_lse.x) * LOG2E), vis0);
         var dp0 = vec4(t00, t01, t02, t03);
         if DROPOUT {
             dp0 *= dropout4(bh, vec4(row0 + rv.x), kk);
@@ -749,15 +750,15 @@ fn main(
         }
         ws[rv.x * 9u + cg] = softcap_grad4(ds0, u0);
         var vis1 = (kk < vec4(vend.y)) & vec4(ok.y);
-        var e1 = vec4(s10, s11, s12, s13) * sl;
+        var e1 = vec4(s10, s11, s12, s13);
         var u1 = vec4(0.0);
         if MODIFIES || WINDOW {
-            u1 = vec4(s10, s11, s12, s13) * p.scale;
+            u1 = vec4(s10, s11, s12, s13);
             let sc = score4(u1, bh, vec4(row0 + rv.y), kk);
             vis1 = vis1 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.y));
-            e1 = sc * LOG2E;
+            e1 = sc;
         }
-        let p1 = select(vec4(0.0), exp2(e1 - lse2.y), vis1);
+        let p1 = select(vec4(0.0), exp2((e1 - row_lse.y) * LOG2E), vis1);
         var dp1 = vec4(t10, t11, t12, t13);
         if DROPOUT {
             dp1 *= dropout4(bh, vec4(row0 + rv.y), kk);
@@ -772,15 +773,15 @@ fn main(
         }
         ws[rv.y * 9u + cg] = softcap_grad4(ds1, u1);
         var vis2 = (kk < vec4(vend.z)) & vec4(ok.z);
-        var e2 = vec4(s20, s21, s22, s23) * sl;
+        var e2 = vec4(s20, s21, s22, s23);
         var u2 = vec4(0.0);
         if MODIFIES || WINDOW {
-            u2 = vec4(s20, s21, s22, s23) * p.scale;
+            u2 = vec4(s20, s21, s22, s23);
             let sc = score4(u2, bh, vec4(row0 + rv.z), kk);
             vis2 = vis2 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.z));
-            e2 = sc * LOG2E;
+            e2 = sc;
         }
-        let p2 = select(vec4(0.0), exp2(e2 - lse2.z), vis2);
+        let p2 = select(vec4(0.0), exp2((e2 - row_lse.z) * LOG2E), vis2);
         var dp2 = vec4(t20, t21, t22, t23);
         if DROPOUT {
             dp2 *= dropout4(bh, vec4(row0 + rv.z), kk);
@@ -795,15 +796,15 @@ fn main(
         }
         ws[rv.z * 9u + cg] = softcap_grad4(ds2, u2);
         var vis3 = (kk < vec4(vend.w)) & vec4(ok.w);
-        var e3 = vec4(s30, s31, s32, s33) * sl;
+        var e3 = vec4(s30, s31, s32, s33);
         var u3 = vec4(0.0);
         if MODIFIES || WINDOW {
-            u3 = vec4(s30, s31, s32, s33) * p.scale;
+            u3 = vec4(s30, s31, s32, s33);
             let sc = score4(u3, bh, vec4(row0 + rv.w), kk);
             vis3 = vis3 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.w));
-            e3 = sc * LOG2E;
+            e3 = sc;
         }
-        let p3 = select(vec4(0.0), exp2(e3 - lse2.w), vis3);
+        let p3 = select(vec4(0.0), exp2((e3 - row_lse.w) * LOG2E), vis3);
         var dp3 = vec4(t30, t31, t32, t33);
         if DROPOUT {
             dp3 *= dropout4(bh, vec4(row0 + rv.w), kk);

@@ -64,7 +64,6 @@ var<workgroup> kvs: array<vec4<f32>, KV_ELEMS>;
 var<workgroup> ps: array<vec4<f32>, P_ELEMS>;
 
 const LOG2E: f32 = 1.4426950408889634;
-const LN2: f32 = 0.6931471805599453;
 
 fn dot_acc(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
     return fma(a.w, b.w, fma(a.z, b.z, fma(a.y, b.y, fma(a.x, b.x, acc))));
@@ -108,7 +107,12 @@ fn main(
         let r = e / D4;
         var x = vec4(0.0);
         if r < rows {
-            x = widen(q[q_base + e]);
+            // Scaled here, not after the dot product: the score is then the
+            // dot product itself, which the backward kernels recompute with
+            // the same fma chain over the same scaled q, bit for bit. A
+            // multiply after it could be contracted into the next
+            // subtraction by one compiler and not by another.
+            x = widen(q[q_base + e]) * p.scale;
         }
         qs[r * QS4 + e % D4] = x;
     }
@@ -117,12 +121,11 @@ fn main(
     let vend = vec4(visible_end(row0 + rv.x), visible_end(row0 + rv.y),
                     visible_end(row0 + rv.z), visible_end(row0 + rv.w));
     let keys = vec4(cg, cg + 8u, cg + 16u, cg + 24u);
-    let scale = p.scale * LOG2E;
     // lse of a row that saw no key: -inf, written as bits.
     let neg_inf = bitcast<f32>(0xff800000u);
-    // Running row max (in log2 units) and this invocation's share of the
-    // row sum: all invocations of a row group rescale by the same max, so
-    // the shares are summed once, after the last tile.
+    // Running row max (natural units, as the lse) and this invocation's
+    // share of the row sum: all invocations of a row group rescale by the
+    // same max, so the shares are summed once, after the last tile.
     var m = vec4(NEG_BIG);
     var l = vec4(0.0);
     var o00 = vec4(0.0); var o01 = vec4(0.0); var o02 = vec4(0.0); var o03 = vec4(0.0);
@@ -393,41 +396,41 @@ fn main(
 
         // The online-softmax step. Masked keys (causal, or past seq_k) get
         // probability 0 by `select`, never by exp of a huge negative: a row
-        // that has seen no key yet keeps m = NEG_BIG, and exp2(NEG_BIG -
+        // that has seen no key yet keeps m = NEG_BIG, and exp(NEG_BIG -
         // NEG_BIG) would be 1.
         let kk = vec4(k0) + keys;
         var vis0 = kk < vec4(vend.x);
         var vis1 = kk < vec4(vend.y);
         var vis2 = kk < vec4(vend.z);
         var vis3 = kk < vec4(vend.w);
-        var u0 = vec4(s00, s01, s02, s03) * scale;
-        var u1 = vec4(s10, s11, s12, s13) * scale;
-        var u2 = vec4(s20, s21, s22, s23) * scale;
-        var u3 = vec4(s30, s31, s32, s33) * scale;
+        var u0 = vec4(s00, s01, s02, s03);
+        var u1 = vec4(s10, s11, s12, s13);
+        var u2 = vec4(s20, s21, s22, s23);
+        var u3 = vec4(s30, s31, s32, s33);
         if MODIFIES || WINDOW {
             {
                 let r = row0 + rv.x;
-                let sc = score4(vec4(s00, s01, s02, s03) * p.scale, bh, vec4(r), kk);
+                let sc = score4(vec4(s00, s01, s02, s03), bh, vec4(r), kk);
                 vis0 = vis0 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
-                u0 = sc * LOG2E;
+                u0 = sc;
             }
             {
                 let r = row0 + rv.y;
-                let sc = score4(vec4(s10, s11, s12, s13) * p.scale, bh, vec4(r), kk);
+                let sc = score4(vec4(s10, s11, s12, s13), bh, vec4(r), kk);
                 vis1 = vis1 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
-                u1 = sc * LOG2E;
+                u1 = sc;
             }
             {
                 let r = row0 + rv.z;
-                let sc = score4(vec4(s20, s21, s22, s23) * p.scale, bh, vec4(r), kk);
+                let sc = score4(vec4(s20, s21, s22, s23), bh, vec4(r), kk);
                 vis2 = vis2 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
-                u2 = sc * LOG2E;
+                u2 = sc;
             }
             {
                 let r = row0 + rv.w;
-                let sc = score4(vec4(s30, s31, s32, s33) * p.scale, bh, vec4(r), kk);
+                let sc = score4(vec4(s30, s31, s32, s33), bh, vec4(r), kk);
                 vis3 = vis3 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
-                u3 = sc * LOG2E;
+                u3 = sc;
             }
         }
         let t0 = select(vec4(NEG_BIG), u0, vis0);
@@ -435,14 +438,17 @@ fn main(
         let t2 = select(vec4(NEG_BIG), u2, vis2);
         let t3 = select(vec4(NEG_BIG), u3, vis3);
         let m_new = max(m, row_max4(vec4(hmax(t0), hmax(t1), hmax(t2), hmax(t3)), rg, cg));
-        // exp2(NEG_BIG - finite) underflows to 0 and discards the empty
-        // accumulator, which is what a first visible key needs.
-        let corr = exp2(m - m_new);
+        // exp(NEG_BIG - finite) underflows to 0 and discards the empty
+        // accumulator, which is what a first visible key needs; the clamp
+        // keeps the base-2 argument finite. Subtracting before converting
+        // to base 2 gives the row's maximum exactly exp2(0) = 1, as the
+        // backward's exp2((s - lse) * LOG2E) does.
+        let corr = exp2(max(m - m_new, vec4(-1.0e30)) * LOG2E);
         m = m_new;
-        let p0 = select(vec4(0.0), exp2(t0 - m_new.x), vis0);
-        let p1 = select(vec4(0.0), exp2(t1 - m_new.y), vis1);
-        let p2 = select(vec4(0.0), exp2(t2 - m_new.z), vis2);
-        let p3 = select(vec4(0.0), exp2(t3 - m_new.w), vis3);
+        let p0 = select(vec4(0.0), exp2((t0 - m_new.x) * LOG2E), vis0);
+        let p1 = select(vec4(0.0), exp2((t1 - m_new.y) * LOG2E), vis1);
+        let p2 = select(vec4(0.0), exp2((t2 - m_new.z) * LOG2E), vis2);
+        let p3 = select(vec4(0.0), exp2((t3 - m_new.w) * LOG2E), vis3);
         l = l * corr + vec4(hsum(p0), hsum(p1), hsum(p2), hsum(p3));
         o00 *= corr.x; o01 *= corr.x; o02 *= corr.x; o03 *= corr.x;
         o10 *= corr.y; o11 *= corr.y; o12 *= corr.y; o13 *= corr.y;
@@ -557,7 +563,7 @@ fn main(
         let at = (head * p.seq_q + row0 + rg + 0u * RG) * DV4 + cg;
         let li = l.x;
         if SINKS || DROPOUT {
-            let fin = finish_row(bh, m.x * LN2, li);
+            let fin = finish_row(bh, m.x, li);
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o00 / fin.x, fin.x > 0.0); }
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o01 / fin.x, fin.x > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o02 / fin.x, fin.x > 0.0); }
@@ -568,14 +574,14 @@ fn main(
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o01 / li, li > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o02 / li, li > 0.0); }
             if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o03 / li, li > 0.0); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = select(neg_inf, m.x * LN2 + log(li), li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = select(neg_inf, m.x + log(li), li > 0.0); }
         }
     }
     if rg + 1u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 1u * RG) * DV4 + cg;
         let li = l.y;
         if SINKS || DROPOUT {
-            let fin = finish_row(bh, m.y * LN2, li);
+            let fin = finish_row(bh, m.y, li);
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o10 / fin.x, fin.x > 0.0); }
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o11 / fin.x, fin.x > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o12 / fin.x, fin.x > 0.0); }
@@ -586,14 +592,14 @@ fn main(
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o11 / li, li > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o12 / li, li > 0.0); }
             if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o13 / li, li > 0.0); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = select(neg_inf, m.y * LN2 + log(li), li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = select(neg_inf, m.y + log(li), li > 0.0); }
         }
     }
     if rg + 2u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 2u * RG) * DV4 + cg;
         let li = l.z;
         if SINKS || DROPOUT {
-            let fin = finish_row(bh, m.z * LN2, li);
+            let fin = finish_row(bh, m.z, li);
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o20 / fin.x, fin.x > 0.0); }
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o21 / fin.x, fin.x > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o22 / fin.x, fin.x > 0.0); }
@@ -604,14 +610,14 @@ fn main(
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o21 / li, li > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o22 / li, li > 0.0); }
             if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o23 / li, li > 0.0); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = select(neg_inf, m.z * LN2 + log(li), li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = select(neg_inf, m.z + log(li), li > 0.0); }
         }
     }
     if rg + 3u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 3u * RG) * DV4 + cg;
         let li = l.w;
         if SINKS || DROPOUT {
-            let fin = finish_row(bh, m.w * LN2, li);
+            let fin = finish_row(bh, m.w, li);
             if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), o30 / fin.x, fin.x > 0.0); }
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o31 / fin.x, fin.x > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o32 / fin.x, fin.x > 0.0); }
@@ -622,7 +628,7 @@ fn main(
             if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), o31 / li, li > 0.0); }
             if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), o32 / li, li > 0.0); }
             if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), o33 / li, li > 0.0); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = select(neg_inf, m.w * LN2 + log(li), li > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = select(neg_inf, m.w + log(li), li > 0.0); }
         }
     }
 }

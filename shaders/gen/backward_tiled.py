@@ -208,7 +208,9 @@ fn main(
         let r = e / D4;
         var x = vec4(0.0);
         if r < rows {
-            x = widen(q[(head * p.seq_q + row0) * D4 + e]);
+            // Scaled as the forward scales it: the score is the dot
+            // product alone, rounded as the forward rounded it.
+            x = widen(q[(head * p.seq_q + row0) * D4 + e]) * p.scale;
         }
         qs[r * SA0 + e % D4] = x;
     }
@@ -222,14 +224,13 @@ fn main(
     }
 
     let rv = vec4(rg, rg + RG, rg + 2u * RG, rg + 3u * RG);
-    var lse2 = vec4(0.0);
+    var row_lse = vec4(0.0);
     var dl = vec4(0.0);
     var ok = vec4(false);
     var vend = vec4(0u);
     var vstart = vec4(0u);
 {{STATS_DQ}}
     let keys = vec4(cg, cg + 8u, cg + 16u, cg + 24u);
-    let sl = p.scale * LOG2E;
 {{DECL_ACC}}
 
     let key_end = visible_end(row0 + rows - 1u);
@@ -374,7 +375,9 @@ fn load_streamed(is_do: bool, row: u32, nr: u32, lid: u32) {
             let c = e % (8u * ND);
             var x = vec4(0.0);
             if j < nr && c < D4 {
-                x = widen(q[(row + j) * D4 + c]);
+                // Scaled as the forward scales it, so the scores round as
+                // the forward's did; dK = sum dS (scale q) needs no scale.
+                x = widen(q[(row + j) * D4 + c]) * p.scale;
             }
             bs[j * SB0 + c] = x;
         }
@@ -428,7 +431,6 @@ fn main(
     // This invocation's key rows (absolute), for the causal test.
     let krow = vec4(k0) + vec4(rg, rg + RG, rg + 2u * RG, rg + 3u * RG);
     let cols = vec4(cg, cg + 8u, cg + 16u, cg + 24u);
-    let sl = p.scale * LOG2E;
 {{DECL_ACC}}
 
     // Query rows above `first_row` see none of these keys (causal), nor do
@@ -477,7 +479,7 @@ fn main(
             }
             // The lse, delta and visible key range of this invocation's
             // four query rows.
-            var lse2 = vec4(0.0);
+            var row_lse = vec4(0.0);
             var dl = vec4(0.0);
             var ok = vec4(false);
             var vend = vec4(0u);
@@ -540,17 +542,19 @@ def ds_dq():
     for i in R:
         c = "xyzw"[i]
         lines.append(f"        var vis{i} = (kk < vec4(vend.{c})) & vec4(ok.{c});")
-        lines.append(f"        var e{i} = {row_vec('s', i)} * sl;")
+        lines.append(f"        var e{i} = {row_vec('s', i)};")
         lines.append(f"        var u{i} = vec4(0.0);")
         lines.append("        if MODIFIES || WINDOW {")
-        lines.append(f"            u{i} = {row_vec('s', i)} * p.scale;")
+        lines.append(f"            u{i} = {row_vec('s', i)};")
         lines.append(f"            let sc = score4(u{i}, bh, vec4(row0 + rv.{c}), kk);")
         lines.append(
             f"            vis{i} = vis{i} & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.{c}));"
         )
-        lines.append(f"            e{i} = sc * LOG2E;")
+        lines.append(f"            e{i} = sc;")
         lines.append("        }")
-        lines.append(f"        let p{i} = select(vec4(0.0), exp2(e{i} - lse2.{c}), vis{i});")
+        lines.append(
+            f"        let p{i} = select(vec4(0.0), exp2((e{i} - row_lse.{c}) * LOG2E), vis{i});"
+        )
         lines.append(f"        var dp{i} = {row_vec('t', i)};")
         lines.append("        if DROPOUT {")
         lines.append(f"            dp{i} *= dropout4(bh, vec4(row0 + rv.{c}), kk);")
@@ -572,17 +576,19 @@ def ds_dkdv():
     for i in R:
         c = "xyzw"[i]
         lines.append(f"            var vis{i} = (vec4(krow.{c}) < vend) & ok;")
-        lines.append(f"            var e{i} = {row_vec('s', i)} * sl;")
+        lines.append(f"            var e{i} = {row_vec('s', i)};")
         lines.append(f"            var u{i} = vec4(0.0);")
         lines.append("            if MODIFIES || WINDOW {")
-        lines.append(f"                u{i} = {row_vec('s', i)} * p.scale;")
+        lines.append(f"                u{i} = {row_vec('s', i)};")
         lines.append(f"                let sc = score4(u{i}, bh, vec4(r0) + cols, vec4(krow.{c}));")
         lines.append(
             f"                vis{i} = vis{i} & (sc != vec4(NEG_BIG)) & (vec4(krow.{c}) >= vstart);"
         )
-        lines.append(f"                e{i} = sc * LOG2E;")
+        lines.append(f"                e{i} = sc;")
         lines.append("            }")
-        lines.append(f"            let p{i} = select(vec4(0.0), exp2(e{i} - lse2), vis{i});")
+        lines.append(
+            f"            let p{i} = select(vec4(0.0), exp2((e{i} - row_lse) * LOG2E), vis{i});"
+        )
         # The weights of dV (P, times the dropout mask) and of dK (dS).
         lines.append(f"            var pz{i} = p{i};")
         lines.append(f"            var dsv{i} = vec4(0.0);")
@@ -615,7 +621,7 @@ def stats(idx, bound, base, row, pad):
         out.append(f"{pad}    let st = stats[{base} + {idx}.{c}];")
         out.append(f"{pad}    let l = st.x;")
         out.append(f"{pad}    ok.{c} = is_finite(l);")
-        out.append(f"{pad}    lse2.{c} = select(0.0, l * LOG2E, ok.{c});")
+        out.append(f"{pad}    row_lse.{c} = select(0.0, l, ok.{c});")
         out.append(f"{pad}    dl.{c} = st.y;")
         out.append(f"{pad}    vend.{c} = visible_end({row} + {idx}.{c});")
         out.append(f"{pad}    vstart.{c} = visible_start({row} + {idx}.{c});")
@@ -631,19 +637,20 @@ def pf_decl(pad="    "):
 
 
 def pf_load(specs, n, pad):
-    """specs: two (reg, global, width, col_bound, row0) for the two streamed
-    tiles; row0 is the global row of the tile's first row."""
+    """specs: two (reg, global, width, col_bound, row0, factor) for the two
+    streamed tiles; row0 is the global row of the tile's first row, factor
+    what the loaded values are multiplied by ("" for nothing)."""
     out = []
     for u in PF:
         out.append(f"{pad}if PF_N > {u}u {{")
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
-        for reg, glob, width, bound, gw, row0 in specs:
+        for reg, glob, width, bound, gw, row0, factor in specs:
             out.append(f"{pad}    {{")
             out.append(f"{pad}        let j = e / {width};")
             out.append(f"{pad}        let c = e % {width};")
             out.append(f"{pad}        {reg}{u} = vec4(0.0);")
             out.append(
-                f"{pad}        if e < BC * {width} && j < {n} && c < {bound} {{ {reg}{u} = widen({glob}[({row0} + j) * {gw} + c]); }}"
+                f"{pad}        if e < BC * {width} && j < {n} && c < {bound} {{ {reg}{u} = widen({glob}[({row0} + j) * {gw} + c]){factor}; }}"
             )
             out.append(f"{pad}    }}")
         out.append(f"{pad}}}")
@@ -669,12 +676,12 @@ def indent(text, n):
 
 
 DQ_PF = [
-    ("pa", "k", "(8u * ND)", "D4", "D4", "kv_row0 + {T0}"),
-    ("pb", "v", "DV4", "DV4", "DV4", "kv_row0 + {T0}"),
+    ("pa", "k", "(8u * ND)", "D4", "D4", "kv_row0 + {T0}", ""),
+    ("pb", "v", "DV4", "DV4", "DV4", "kv_row0 + {T0}", ""),
 ]
 KV_PF = [
-    ("pa", "q", "(8u * ND)", "D4", "D4", "head * p.seq_q + r0"),
-    ("pb", "d_out", "(8u * NV)", "DV4", "DV4", "head * p.seq_q + r0"),
+    ("pa", "q", "(8u * ND)", "D4", "D4", "head * p.seq_q + r0", " * p.scale"),
+    ("pb", "d_out", "(8u * NV)", "DV4", "DV4", "head * p.seq_q + r0", ""),
 ]
 
 dq = (
@@ -735,7 +742,7 @@ dkdv = (
         "{{STORE}}",
         store("gv", "dv", "DV4", "kvh * p.seq_k + k0", "nk", "")
         + "\n"
-        + store("gk", "dk", "D4", "kvh * p.seq_k + k0", "nk", " * p.scale"),
+        + store("gk", "dk", "D4", "kvh * p.seq_k + k0", "nk", ""),
     )
 )
 HERE.parent.joinpath("backward_dq_tiled.wgsl").write_text(dq)

@@ -72,7 +72,7 @@ def store():
         out.append(f"        let at = (head * p.seq_q + row0 + rg + {i}u * RG) * DV4 + cg;")
         out.append(f"        let li = l.{c};")
         out.append("        if SINKS || DROPOUT {")
-        out.append(f"            let fin = finish_row(bh, m.{c} * LN2, li);")
+        out.append(f"            let fin = finish_row(bh, m.{c}, li);")
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
             out.append(
@@ -88,7 +88,7 @@ def store():
                 f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / li, li > 0.0); }}"
             )
         out.append(
-            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} * LN2 + log(li), li > 0.0); }}"
+            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} + log(li), li > 0.0); }}"
         )
         out.append("        }")
         out.append("    }")
@@ -96,19 +96,19 @@ def store():
 
 
 def variant_scores():
-    """The variants' scores in log2 units, and the keys they hide."""
+    """The variants' scores, and the keys they hide."""
     out = ["        if MODIFIES || WINDOW {"]
     for i in R:
         c = "xyzw"[i]
         out.append("            {")
         out.append(f"                let r = row0 + rv.{c};")
         out.append(
-            f"                let sc = score4(vec4(s{i}0, s{i}1, s{i}2, s{i}3) * p.scale, bh, vec4(r), kk);"
+            f"                let sc = score4(vec4(s{i}0, s{i}1, s{i}2, s{i}3), bh, vec4(r), kk);"
         )
         out.append(
             f"                vis{i} = vis{i} & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));"
         )
-        out.append(f"                u{i} = sc * LOG2E;")
+        out.append(f"                u{i} = sc;")
         out.append("            }")
     out.append("        }")
     return "\n".join(out)
