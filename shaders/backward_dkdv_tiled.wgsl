@@ -189,7 +189,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa0 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -204,7 +204,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa1 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -219,7 +219,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa2 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -234,7 +234,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa3 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -249,7 +249,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa4 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -264,7 +264,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa5 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -279,7 +279,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa6 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -294,7 +294,7 @@ fn main(
                 let j = e / (8u * ND);
                 let c = e % (8u * ND);
                 pa7 = vec4(0.0);
-                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
             }
             {
                 let j = e / (8u * NV);
@@ -357,35 +357,35 @@ fn main(
                 if !SHARED {
                     if PF_N > 0u {
                         let e = lid + 0u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0 * p.scale; }
                     }
                     if PF_N > 1u {
                         let e = lid + 1u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1 * p.scale; }
                     }
                     if PF_N > 2u {
                         let e = lid + 2u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2 * p.scale; }
                     }
                     if PF_N > 3u {
                         let e = lid + 3u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3 * p.scale; }
                     }
                     if PF_N > 4u {
                         let e = lid + 4u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4 * p.scale; }
                     }
                     if PF_N > 5u {
                         let e = lid + 5u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5 * p.scale; }
                     }
                     if PF_N > 6u {
                         let e = lid + 6u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6 * p.scale; }
                     }
                     if PF_N > 7u {
                         let e = lid + 7u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7 * p.scale; }
                     }
                 }
             } else {
@@ -448,7 +448,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa0 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -463,7 +463,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa1 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -478,7 +478,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa2 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -493,7 +493,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa3 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -508,7 +508,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa4 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -523,7 +523,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa5 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -538,7 +538,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa6 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -553,7 +553,7 @@ fn main(
                         let j = e / (8u * ND);
                         let c = e % (8u * ND);
                         pa7 = vec4(0.0);
-                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                        if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                     }
                     {
                         let j = e / (8u * NV);
@@ -583,35 +583,35 @@ fn main(
                 if PF_N > 0u {
                     if PF_N > 0u {
                         let e = lid + 0u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0 * p.scale; }
                     }
                     if PF_N > 1u {
                         let e = lid + 1u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1 * p.scale; }
                     }
                     if PF_N > 2u {
                         let e = lid + 2u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2 * p.scale; }
                     }
                     if PF_N > 3u {
                         let e = lid + 3u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3 * p.scale; }
                     }
                     if PF_N > 4u {
                         let e = lid + 4u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4 * p.scale; }
                     }
                     if PF_N > 5u {
                         let e = lid + 5u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5 * p.scale; }
                     }
                     if PF_N > 6u {
                         let e = lid + 6u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6 * p.scale; }
                     }
                     if PF_N > 7u {
                         let e = lid + 7u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7; }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7 * p.scale; }
                     }
                 } else {
                     load_streamed(false, q_row, nr, lid);
@@ -626,7 +626,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa0 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa0 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);
@@ -641,7 +641,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa1 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa1 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);
@@ -656,7 +656,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa2 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa2 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);
@@ -671,7 +671,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa3 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa3 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);
@@ -686,7 +686,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa4 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa4 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);
@@ -701,7 +701,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa5 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa5 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);
@@ -716,7 +716,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa6 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa6 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);
@@ -731,7 +731,7 @@ fn main(
                             let j = e / (8u * ND);
                             let c = e % (8u * ND);
                             pa7 = vec4(0.0);
-                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]) * p.scale; }
+                            if e < BC * (8u * ND) && j < min(BC, row_end - r0) && c < D4 { pa7 = widen(q[(head * p.seq_q + r0 + j) * D4 + c]); }
                         }
                         {
                             let j = e / (8u * NV);

@@ -637,35 +637,36 @@ def pf_decl(pad="    "):
 
 
 def pf_load(specs, n, pad):
-    """specs: two (reg, global, width, col_bound, row0, factor) for the two
-    streamed tiles; row0 is the global row of the tile's first row, factor
-    what the loaded values are multiplied by ("" for nothing)."""
+    """specs: two (reg, global, width, col_bound, row0) for the two streamed
+    tiles; row0 is the global row of the tile's first row."""
     out = []
     for u in PF:
         out.append(f"{pad}if PF_N > {u}u {{")
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
-        for reg, glob, width, bound, gw, row0, factor in specs:
+        for reg, glob, width, bound, gw, row0 in specs:
             out.append(f"{pad}    {{")
             out.append(f"{pad}        let j = e / {width};")
             out.append(f"{pad}        let c = e % {width};")
             out.append(f"{pad}        {reg}{u} = vec4(0.0);")
             out.append(
-                f"{pad}        if e < BC * {width} && j < {n} && c < {bound} {{ {reg}{u} = widen({glob}[({row0} + j) * {gw} + c]){factor}; }}"
+                f"{pad}        if e < BC * {width} && j < {n} && c < {bound} {{ {reg}{u} = widen({glob}[({row0} + j) * {gw} + c]); }}"
             )
             out.append(f"{pad}    }}")
         out.append(f"{pad}}}")
     return "\n".join(out)
 
 
-def pf_store(reg, boff, width, stride, pad):
+def pf_store(reg, boff, width, stride, pad, factor=""):
     """Stores the prefetched registers {reg}0.. of one streamed tile into
-    bs from `boff`."""
+    bs from `boff`, multiplied by `factor` ("" for nothing): here, not as
+    they are loaded, where a use of the load would wait for it and undo
+    the prefetch."""
     out = []
     for u in PF:
         out.append(f"{pad}if PF_N > {u}u {{")
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
         out.append(
-            f"{pad}    if e < BC * {width} {{ bs[{boff}(e / {width}) * {stride} + e % {width}] = {reg}{u}; }}"
+            f"{pad}    if e < BC * {width} {{ bs[{boff}(e / {width}) * {stride} + e % {width}] = {reg}{u}{factor}; }}"
         )
         out.append(f"{pad}}}")
     return "\n".join(out)
@@ -676,12 +677,12 @@ def indent(text, n):
 
 
 DQ_PF = [
-    ("pa", "k", "(8u * ND)", "D4", "D4", "kv_row0 + {T0}", ""),
-    ("pb", "v", "DV4", "DV4", "DV4", "kv_row0 + {T0}", ""),
+    ("pa", "k", "(8u * ND)", "D4", "D4", "kv_row0 + {T0}"),
+    ("pb", "v", "DV4", "DV4", "DV4", "kv_row0 + {T0}"),
 ]
 KV_PF = [
-    ("pa", "q", "(8u * ND)", "D4", "D4", "head * p.seq_q + r0", " * p.scale"),
-    ("pb", "d_out", "(8u * NV)", "DV4", "DV4", "head * p.seq_q + r0", ""),
+    ("pa", "q", "(8u * ND)", "D4", "D4", "head * p.seq_q + r0"),
+    ("pb", "d_out", "(8u * NV)", "DV4", "DV4", "head * p.seq_q + r0"),
 ]
 
 dq = (
@@ -713,7 +714,10 @@ dkdv = (
     .replace("{{PF_FIRST}}", pf_load(KV_PF, "min(BC, row_end - r0)", "        "))
     .replace("{{PF_NEXT}}", pf_load(KV_PF, "min(BC, row_end - r0)", "                "))
     .replace("{{PF_NEXT_SHARED}}", pf_load(KV_PF, "min(BC, row_end - r0)", "                    "))
-    .replace("{{PF_STORE_B0}}", pf_store("pa", "", "(8u * ND)", "SB0", "                    "))
+    .replace(
+        "{{PF_STORE_B0}}",
+        pf_store("pa", "", "(8u * ND)", "SB0", "                    ", " * p.scale"),
+    )
     .replace("{{PF_STORE_B1}}", pf_store("pb", "B1_OFF + ", "(8u * NV)", "SB1", "                "))
     .replace("{{DECL_S}}", indent(decl_tile("s"), 4))
     .replace("{{DECL_T}}", indent(decl_tile("t"), 4))

@@ -21,7 +21,7 @@ use ash::vk;
 use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
 use flashport_core::gpu::spirv;
 use flashport_core::gpu::tiles::{
-    backward_kernels, coop_tiles, forward_kernel, DeviceCaps, Kernel, Tiles,
+    backward_kernels, coop_backward_tiles, coop_tiles, forward_kernel, DeviceCaps, Kernel, Tiles,
 };
 use std::ffi::CStr;
 
@@ -140,11 +140,18 @@ unsafe fn with_device(
 ) -> Result<(), Error> {
     let stats = ash::khr::pipeline_executable_properties::Device::new(instance, device);
     for &d in dims {
-        if let Some(tiles) = coop
+        let mut coop_kernels = Vec::new();
+        if let Some(t) = coop
             .then(|| coop_tiles(d, d, caps, flashport_core::gpu::coop_pinned_tiles()))
             .flatten()
         {
-            let kernel = Kernel::ForwardCoop;
+            coop_kernels.push((Kernel::ForwardCoop, t));
+        }
+        if let Some((tq, tkv)) = coop.then(|| coop_backward_tiles(d, d, caps)).flatten() {
+            coop_kernels.push((Kernel::BackwardDqCoop, tq));
+            coop_kernels.push((Kernel::BackwardDkDvCoop, tkv));
+        }
+        for (kernel, tiles) in coop_kernels {
             println!("\n{} d={d} {tiles:?}", kernel.name());
             let constants: Vec<(&str, f64)> = tile_overrides(kernel, true, d, d, tiles, true)
                 .into_iter()

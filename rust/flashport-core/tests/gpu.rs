@@ -263,6 +263,9 @@ fn float16_matches_float64_reference() {
     }
     // Both kernel sets: the tiled kernels widen float16 as they load it,
     // the simple ones (every other head dim) unpack it element by element.
+    // The cooperative-matrix kernels, which would take some of these
+    // shapes where the adapter has them, have tests of their own.
+    gpu::set_no_coop_for_this_thread(true);
     for simple in [true, false] {
         gpu::set_simple_kernels_for_this_thread(simple);
         let mut worst = (0.0f64, 0.0f64);
@@ -300,6 +303,7 @@ fn float16_matches_float64_reference() {
             worst.1
         );
     }
+    gpu::set_no_coop_for_this_thread(false);
 }
 
 #[test]
@@ -1655,6 +1659,141 @@ fn coop_forward_matches_float64_reference() {
         worst[0], worst[1], worst[2], worst[3]
     );
     assert!(tested > 0, "no shape ran the cooperative forward");
+}
+
+/// Backward errors (dq, dk, dv) of `c` in float16 against the float64 CPU,
+/// with the cooperative kernels on or off for this thread; also the
+/// kernels the last call ran. Both sides get the reference O and lse.
+fn backward_errors(c: &Case, coop: bool) -> ([f64; 3], Vec<String>) {
+    let p64 = f64_problem(&c.p);
+    let reference = cpu::forward(
+        &p64,
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+        &VariantArrays::default(),
+    )
+    .unwrap();
+    let o = Inputs::new(as_f64(&reference.out), DType::F16);
+    let lse32: Vec<f32> = as_f64(&reference.lse).iter().map(|&x| x as f32).collect();
+    let lse64: Vec<f64> = lse32.iter().map(|&x| x as f64).collect();
+    let d_out = Inputs::new(random(c.p.out_len(), 98), DType::F16);
+    let want = cpu::backward(
+        &p64,
+        [
+            d_out.slice(DType::F64),
+            c.q.slice(DType::F64),
+            c.k.slice(DType::F64),
+            c.v.slice(DType::F64),
+            o.slice(DType::F64),
+            Slice::F64(&lse64),
+        ],
+        &VariantArrays::default(),
+    )
+    .unwrap();
+    gpu::set_no_coop_for_this_thread(!coop);
+    let got = gpu::backward(
+        &c.p,
+        [
+            d_out.slice(DType::F16),
+            c.q.slice(DType::F16),
+            c.k.slice(DType::F16),
+            c.v.slice(DType::F16),
+            o.slice(DType::F16),
+            Slice::F32(&lse32),
+        ],
+        &VariantArrays::default(),
+    )
+    .unwrap();
+    gpu::set_no_coop_for_this_thread(false);
+    let kernels = gpu::last_kernel_times()
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| !n.starts_with("host:"))
+        .collect();
+    (
+        [
+            rel_err(&as_f64(&got.dq), &as_f64(&want.dq)),
+            rel_err(&as_f64(&got.dk), &as_f64(&want.dk)),
+            rel_err(&as_f64(&got.dv), &as_f64(&want.dv)),
+        ],
+        kernels,
+    )
+}
+
+/// The cooperative-matrix float16 backward against float64, at the
+/// float16 tolerance of float16_matches_float64_reference: seq_q != seq_k
+/// both ways (causal rows with no visible key where seq_q > seq_k), GQA,
+/// d != dv, sizes that are not multiples of the tiles, and scores large
+/// enough that P is far from uniform.
+#[test]
+fn coop_backward_matches_float64_reference() {
+    if !gpu_present() {
+        return;
+    }
+    if !gpu::coop_available() {
+        eprintln!(
+            "NOT TESTED: this adapter has no 16x16x16 float16 cooperative matrices \
+             (or FLASHPORT_GPU_COOP=0 turned it off): \
+             the cooperative-matrix backward does not run here"
+        );
+        return;
+    }
+    let shapes: [Shape; 7] = [
+        (1, 2, 1, 65, 17, 64, 32),
+        (1, 1, 1, 130, 130, 128, 128),
+        (2, 4, 2, 37, 53, 16, 48),
+        (1, 3, 1, 40, 9, 16, 16),
+        (1, 2, 2, 300, 300, 64, 64),
+        (1, 4, 1, 200, 1000, 64, 64),
+        (1, 1, 1, 77, 1030, 32, 96),
+    ];
+    let everywhere = std::env::var("FLASHPORT_GPU_COOP").as_deref() == Ok("1");
+    let mut worst = [0.0f64; 2];
+    let mut tested = 0;
+    for (i, &s) in shapes.iter().enumerate() {
+        for causal in [false, true] {
+            for sharp in [false, true] {
+                let mut c = case(s, causal, DType::F16, 170 + i as u64);
+                if !everywhere && !gpu::coop_backward_runs(&c.p) {
+                    eprintln!("{s:?}: runs other kernels by default; not tested");
+                    continue;
+                }
+                tested += 1;
+                if sharp {
+                    // Scores of several units: P far from uniform, dS
+                    // spread over magnitudes.
+                    c.q = Inputs::new(c.q.f64.iter().map(|x| x * 6.0).collect(), DType::F16);
+                }
+                let (e, kernels) = backward_errors(&c, true);
+                assert!(
+                    kernels.is_empty()
+                        || kernels[1..] == ["backward_dq_coop", "backward_dkdv_coop"],
+                    "expected the cooperative backward, ran {kernels:?}"
+                );
+                let (se, _) = backward_errors(&c, false);
+                let (w, sw) = (
+                    e.iter().cloned().fold(0.0, f64::max),
+                    se.iter().cloned().fold(0.0, f64::max),
+                );
+                eprintln!(
+                    "coop backward {s:?} causal={causal} sharp={sharp}: dq/dk/dv {:.2e} {:.2e} {:.2e} \
+                     (scalar float16: {:.2e} {:.2e} {:.2e})",
+                    e[0], e[1], e[2], se[0], se[1], se[2]
+                );
+                assert!(
+                    w <= 1e-2,
+                    "{s:?} causal={causal} sharp={sharp}: dq/dk/dv {e:?}"
+                );
+                worst = [worst[0].max(w), worst[1].max(sw)];
+            }
+        }
+    }
+    eprintln!(
+        "cooperative backward worst relative error {:.2e} (scalar float16 kernels {:.2e})",
+        worst[0], worst[1]
+    );
+    assert!(tested > 0, "no shape ran the cooperative backward");
 }
 
 // ---------------------------------------------------------------------

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
 use flashport_core::gpu::tiles::{
-    backward_kernels, choose, coop_tiles, coop_workgroup_bytes, forward_kernel, DeviceCaps, Kernel,
+    backward_kernels, choose, coop_backward_tiles, coop_tiles, coop_workgroup_bytes,
+    forward_kernel, workgroup_bytes, DeviceCaps, Kernel,
 };
 use wgpu::naga;
 
@@ -119,12 +120,12 @@ fn every_shader_parses_and_validates() {
         if name == "common.wgsl"
             || name.starts_with("row_reduce_")
             || name.starts_with("input_")
-            || name == "forward_coop.wgsl"
+            || name.ends_with("_coop.wgsl")
             || name == "coop_diagnostic.wgsl"
             || name == "device_arrays.wgsl"
         {
             // Fragments: checked assembled with the kernels below; the
-            // cooperative forward needs its own capabilities (below); the
+            // cooperative kernels need their own capabilities (below); the
             // device-array moves stand alone (below).
             continue;
         }
@@ -350,11 +351,9 @@ fn tiled_backward_kernels_validate_and_specialise() {
     }
 }
 
-/// The cooperative-matrix forward validates with the capabilities the
-/// device enables for it and specialises for the tiles the host picks.
-#[test]
-fn coop_forward_validates_and_specialises() {
-    let text = source(Kernel::ForwardCoop, true, true);
+/// The validator with the capabilities the device enables for the
+/// cooperative-matrix kernels.
+fn coop_validator() -> naga::valid::Validator {
     let mut v = naga::valid::Validator::new(
         naga::valid::ValidationFlags::all(),
         naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
@@ -364,19 +363,29 @@ fn coop_forward_validates_and_specialises() {
     );
     v.subgroup_stages(naga::valid::ShaderStages::COMPUTE);
     v.subgroup_operations(naga::valid::SubgroupOperationSet::all());
+    v
+}
+
+const NVIDIA: DeviceCaps = DeviceCaps {
+    workgroup_storage_bytes: 48 * 1024,
+    max_invocations: 1024,
+    max_workgroup_size_x: 1024,
+    subgroups: true,
+};
+
+/// The cooperative-matrix forward validates with the capabilities the
+/// device enables for it and specialises for the tiles the host picks.
+#[test]
+fn coop_forward_validates_and_specialises() {
+    let text = source(Kernel::ForwardCoop, true, true);
     let module = parse_text("forward_coop", &text);
-    let info = v.validate(&module).unwrap_or_else(|e| {
+    let info = coop_validator().validate(&module).unwrap_or_else(|e| {
         panic!(
             "forward_coop does not validate:\n{}",
             e.emit_to_string(&text)
         )
     });
-    let nvidia = DeviceCaps {
-        workgroup_storage_bytes: 48 * 1024,
-        max_invocations: 1024,
-        max_workgroup_size_x: 1024,
-        subgroups: true,
-    };
+    let nvidia = NVIDIA;
     let mut specialised = 0;
     for (d, dv) in [
         (64, 64),
@@ -409,6 +418,63 @@ fn coop_forward_validates_and_specialises() {
     // Shapes it does not take.
     for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
         assert_eq!(coop_tiles(d, dv, nvidia, None), None);
+    }
+}
+
+/// The cooperative-matrix backward kernels validate and specialise for the
+/// tiles the host picks, within 48 KiB, at every head dimension they take.
+#[test]
+fn coop_backward_validates_and_specialises() {
+    let mut specialised = 0;
+    for kernel in [Kernel::BackwardDqCoop, Kernel::BackwardDkDvCoop] {
+        let text = source(kernel, true, true);
+        let module = parse_text(kernel.name(), &text);
+        let info = coop_validator().validate(&module).unwrap_or_else(|e| {
+            panic!(
+                "{} does not validate:\n{}",
+                kernel.name(),
+                e.emit_to_string(&text)
+            )
+        });
+        for (d, dv) in [
+            (64, 64),
+            (128, 128),
+            (16, 16),
+            (16, 128),
+            (128, 16),
+            (32, 96),
+        ] {
+            let (tq, tkv) = coop_backward_tiles(d, dv, NVIDIA)
+                .unwrap_or_else(|| panic!("no cooperative backward tiles for d={d} dv={dv}"));
+            let t = if kernel == Kernel::BackwardDqCoop {
+                tq
+            } else {
+                tkv
+            };
+            assert!(workgroup_bytes(kernel, d, dv, t) <= 48 * 1024);
+            let mut constants: naga::back::PipelineConstants = Default::default();
+            for (k, val) in tile_overrides(kernel, true, d, dv, t, true)
+                .into_iter()
+                .chain(variant_overrides(kernel, Variants::default()))
+            {
+                constants.insert(k.to_string(), val);
+            }
+            naga::back::pipeline_constants::process_overrides(
+                &module,
+                &info,
+                Some((naga::ShaderStage::Compute, "main")),
+                &constants,
+            )
+            .unwrap_or_else(|e| panic!("{} d={d} dv={dv} {t:?}: {e:?}", kernel.name()));
+            specialised += 1;
+        }
+    }
+    assert_eq!(specialised, 12);
+    // d = 64 takes four subgroups in 48 KiB.
+    let (tq, tkv) = coop_backward_tiles(64, 64, NVIDIA).unwrap();
+    assert_eq!((tq.q_rows, tkv.k_rows), (64, 64));
+    for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
+        assert_eq!(coop_backward_tiles(d, dv, NVIDIA), None);
     }
 }
 

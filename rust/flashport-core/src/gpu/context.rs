@@ -145,7 +145,7 @@ fn coop_policy_from_env() -> CoopPolicy {
 /// kernels and the cooperative forward in release builds, unless
 /// FLASHPORT_GPU_CHECKED=1 (see `Context::module`).
 fn unchecked(kernel: Kernel) -> bool {
-    (kernel.is_tiled() || kernel == Kernel::ForwardCoop)
+    (kernel.is_tiled() || kernel.is_coop())
         && !cfg!(debug_assertions)
         && std::env::var("FLASHPORT_GPU_CHECKED").as_deref() != Ok("1")
 }
@@ -637,7 +637,7 @@ impl Context {
         if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
         }
-        if key.kernel == Kernel::ForwardCoop && self.coop_passthrough {
+        if key.kernel.is_coop() && self.coop_passthrough {
             let source = super::shaders::source(key.kernel, key.subgroups, key.f16_inputs);
             let constants = super::shaders::overrides(&key);
             let pipeline = self.spirv_pipeline(

@@ -168,6 +168,33 @@ fn coop_tiles(ctx: &Context, p: &Problem, caps: tiles::DeviceCaps) -> Option<til
     )
 }
 
+/// The cooperative-matrix backward's (dQ, dK/dV) tiles for this call, if
+/// it runs them: the same calls as the cooperative forward (float16, plain
+/// or causal, and by default d, dv <= 64), where they fit.
+fn coop_backward_tiles(
+    ctx: &Context,
+    p: &Problem,
+    caps: tiles::DeviceCaps,
+) -> Option<(tiles::Tiles, tiles::Tiles)> {
+    if !ctx.coop || p.dtype != DType::F16 || p.has_variants() || NO_COOP.with(Cell::get) {
+        return None;
+    }
+    if ctx.coop_policy == context::CoopPolicy::Measured && p.head_dim.max(p.value_dim) > 64 {
+        return None;
+    }
+    tiles::coop_backward_tiles(p.head_dim as u32, p.value_dim as u32, caps)
+}
+
+/// Whether the backward of `p` would run the cooperative-matrix kernels
+/// (tests).
+#[doc(hidden)]
+pub fn coop_backward_runs(p: &Problem) -> bool {
+    context::get().is_ok_and(|ctx| {
+        let caps = caps(&ctx);
+        !forced_simple() && coop_backward_tiles(&ctx, p, caps).is_some()
+    })
+}
+
 /// Benchmarks: FLASHPORT_GPU_COOP_TILES=subgroups,keys (e.g. 4,64) pins the
 /// cooperative forward's tiles (also read by examples/kernel_stats).
 #[doc(hidden)]
@@ -1452,7 +1479,12 @@ fn backward_on(
     let f16 = p.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
     let caps = caps(ctx);
-    let tiled = if forced_simple() {
+    let coop = if forced_simple() {
+        None
+    } else {
+        coop_backward_tiles(ctx, p, caps)
+    };
+    let tiled = if forced_simple() || coop.is_some() {
         None
     } else {
         let max_rows = env_rows("FLASHPORT_GPU_BACKWARD_ROWS");
@@ -1477,12 +1509,16 @@ fn backward_on(
     };
     let simple = |kernel| key(kernel, tiles::choose(kernel, d as u32, dv as u32, caps));
     let kp = simple(Kernel::BackwardPreprocess);
-    let (kq, kkv) = match tiled {
-        Some((tq, tkv)) => (
+    let (kq, kkv) = match (coop, tiled) {
+        (Some((tq, tkv)), _) => (
+            key(Kernel::BackwardDqCoop, tq),
+            key(Kernel::BackwardDkDvCoop, tkv),
+        ),
+        (None, Some((tq, tkv))) => (
             key(Kernel::BackwardDqTiled, tq),
             key(Kernel::BackwardDkDvTiled, tkv),
         ),
-        None => (simple(Kernel::BackwardDq), simple(Kernel::BackwardDkDv)),
+        (None, None) => (simple(Kernel::BackwardDq), simple(Kernel::BackwardDkDv)),
     };
     with_times(Vec::clear);
     let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;

@@ -15,6 +15,9 @@ pub(crate) const BACKWARD_DKDV_TILED: &str =
     include_str!("../../../../shaders/backward_dkdv_tiled.wgsl");
 pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
 pub(crate) const FORWARD_COOP: &str = include_str!("../../../../shaders/forward_coop.wgsl");
+pub(crate) const BACKWARD_DQ_COOP: &str = include_str!("../../../../shaders/backward_dq_coop.wgsl");
+pub(crate) const BACKWARD_DKDV_COOP: &str =
+    include_str!("../../../../shaders/backward_dkdv_coop.wgsl");
 const COMMON: &str = include_str!("../../../../shaders/common.wgsl");
 const INPUT_F32: &str = include_str!("../../../../shaders/input_f32.wgsl");
 const INPUT_F16: &str = include_str!("../../../../shaders/input_f16.wgsl");
@@ -33,17 +36,17 @@ const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_
 /// override; the other kernels ignore `f16_inputs` (they switch on the
 /// `IN_F16` override).
 pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
-    if kernel == Kernel::ForwardCoop {
+    let body = kernel_source(kernel, subgroups);
+    if kernel.is_coop() {
         // WGSL wants its `enable` directives before any declaration.
-        let split = FORWARD_COOP
+        let split = body
             .lines()
             .take_while(|l| l.starts_with("enable "))
             .map(|l| l.len() + 1)
             .sum::<usize>();
-        let (enables, body) = FORWARD_COOP.split_at(split);
+        let (enables, body) = body.split_at(split);
         return format!("{enables}{COMMON}\n{body}");
     }
-    let body = kernel_source(kernel, subgroups);
     if kernel.is_tiled() {
         let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
         return format!("{COMMON}\n{input}\n{body}");
@@ -68,6 +71,8 @@ fn kernel_source(kernel: Kernel, subgroups: bool) -> String {
             format!("{reduce}\n{FORWARD_TILED}")
         }
         Kernel::ForwardCoop => FORWARD_COOP.into(),
+        Kernel::BackwardDqCoop => BACKWARD_DQ_COOP.into(),
+        Kernel::BackwardDkDvCoop => BACKWARD_DKDV_COOP.into(),
     }
 }
 
@@ -118,7 +123,10 @@ pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)
         ("DROPOUT", b(v.dropout)),
         ("WINDOW", b(v.window)),
     ];
-    if matches!(kernel, Kernel::BackwardDq | Kernel::BackwardDqTiled) {
+    if matches!(
+        kernel,
+        Kernel::BackwardDq | Kernel::BackwardDqTiled | Kernel::BackwardDqCoop
+    ) {
         c.push(("DMASK", b(v.dmask)));
     }
     c
@@ -203,6 +211,35 @@ pub fn tile_overrides(
                 ("OC", super::tiles::coop_o_columns(dv, t) as f64),
                 ("VW", vw as f64),
             ]
+        }
+        Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => {
+            let l = super::tiles::CoopBackwardLayout::new(kernel, d, dv, t);
+            let streamed = if kernel == Kernel::BackwardDqCoop {
+                "BK"
+            } else {
+                "BQ"
+            };
+            let mut c = vec![
+                ("W", (t.workgroup / 32) as f64),
+                (streamed, l.streamed as f64),
+                ("D", d as f64),
+                ("DV", dv as f64),
+                ("H_ELEMS", l.halves as f64),
+                ("F_ELEMS", l.floats as f64),
+            ];
+            if kernel == Kernel::BackwardDqCoop {
+                c.extend([
+                    ("V_OFF", l.second_off as f64),
+                    ("DS_OFF", l.weights_off as f64),
+                ]);
+            } else {
+                c.extend([
+                    ("DO_OFF", l.second_off as f64),
+                    ("PT_OFF", l.weights_off as f64),
+                    ("DT_OFF", l.weights2_off as f64),
+                ]);
+            }
+            c
         }
         Kernel::BackwardPreprocess => vec![
             ("WG", t.workgroup as f64),

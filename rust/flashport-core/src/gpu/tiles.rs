@@ -23,6 +23,10 @@ pub enum Kernel {
     /// shaders/forward_coop.wgsl); `coop_tiles` sizes it where the device
     /// has them.
     ForwardCoop,
+    /// The float16 backward on cooperative matrices
+    /// (shaders/backward_*_coop.wgsl); `coop_backward_tiles` sizes them.
+    BackwardDqCoop,
+    BackwardDkDvCoop,
 }
 
 impl Kernel {
@@ -41,6 +45,15 @@ impl Kernel {
         )
     }
 
+    /// The cooperative-matrix kernels (their sources open with `enable`
+    /// lines and need the device's cooperative-matrix feature).
+    pub fn is_coop(self) -> bool {
+        matches!(
+            self,
+            Kernel::ForwardCoop | Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Forward => "forward",
@@ -51,6 +64,8 @@ impl Kernel {
             Kernel::BackwardDqTiled => "backward_dq_tiled",
             Kernel::BackwardDkDvTiled => "backward_dkdv_tiled",
             Kernel::ForwardCoop => "forward_coop",
+            Kernel::BackwardDqCoop => "backward_dq_coop",
+            Kernel::BackwardDkDvCoop => "backward_dkdv_coop",
         }
     }
 }
@@ -171,6 +186,9 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
             4 * BackwardLayout::new(kernel, d as u32, dv as u32, t).total()
         }
         Kernel::ForwardCoop => return coop_workgroup_bytes(d as u32, dv as u32, t),
+        Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => {
+            return CoopBackwardLayout::new(kernel, d as u32, dv as u32, t).bytes()
+        }
     };
     4 * words
 }
@@ -450,6 +468,96 @@ pub fn coop_tiles(d: u32, dv: u32, caps: DeviceCaps, force: Option<(u32, u32)>) 
                 && t.workgroup <= caps.max_workgroup_size_x
                 && kw.max(vw) <= COOP_MAX_STAGED_WORDS
         })
+}
+
+/// Workgroup arrays of a cooperative-matrix backward kernel, mirroring
+/// shaders/backward_*_coop.wgsl. Owned rows (16 per subgroup) are `q_rows`
+/// for dQ and `k_rows` for dK/dV; the other side streams through in tiles
+/// of `streamed` rows. All sizes in elements; f16 rows padded by 8 halves,
+/// f32 rows by 4 floats (16 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoopBackwardLayout {
+    pub owned: u32,
+    pub streamed: u32,
+    /// Offsets in the f16 array: dK/dV: dO, P^T and dS^T; dQ: V and dS
+    /// (the first streamed tile is at 0).
+    pub second_off: u32,
+    pub weights_off: u32,
+    pub weights2_off: u32,
+    /// The f16 array, and each of the two f32 score scratches.
+    pub halves: u32,
+    pub floats: u32,
+}
+
+impl CoopBackwardLayout {
+    pub fn new(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> Self {
+        let (owned, streamed) = match kernel {
+            Kernel::BackwardDqCoop => (t.q_rows, t.k_rows),
+            _ => (t.k_rows, t.q_rows),
+        };
+        let (ks, vs, ts) = (d + 8, dv + 8, streamed + 8);
+        let second_off = streamed * ks;
+        let weights_off = streamed * (ks + vs);
+        // dK/dV keeps P^T and dS^T, dQ only dS.
+        let weights2_off = weights_off + owned * ts;
+        let weights_end = match kernel {
+            Kernel::BackwardDqCoop => weights2_off,
+            _ => weights2_off + owned * ts,
+        };
+        CoopBackwardLayout {
+            owned,
+            streamed,
+            second_off,
+            weights_off,
+            weights2_off,
+            // The owned rows' staging, before the loop, reuses the space.
+            halves: weights_end.max(owned * (ks + vs)),
+            floats: owned * (streamed + 4),
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        // Plus dK/dV's per-row lse, D and visible end.
+        2 * self.halves as u64 + 2 * 4 * self.floats as u64 + 12 * self.streamed as u64
+    }
+}
+
+/// Tiles of the cooperative-matrix backward (dQ, dK/dV) for head
+/// dimensions d, dv (multiples of 16 up to 128), or None where none fits:
+/// four subgroups (64 owned rows) where they fit, then two, then one; 32
+/// streamed rows.
+pub fn coop_backward_tiles(d: u32, dv: u32, caps: DeviceCaps) -> Option<(Tiles, Tiles)> {
+    let shape_ok =
+        d % 16 == 0 && dv % 16 == 0 && (16..=128).contains(&d) && (16..=128).contains(&dv);
+    if !shape_ok {
+        return None;
+    }
+    let fits = |kernel: Kernel, t: Tiles| {
+        CoopBackwardLayout::new(kernel, d, dv, t).bytes() <= caps.workgroup_storage_bytes as u64
+            && t.workgroup <= caps.max_invocations
+            && t.workgroup <= caps.max_workgroup_size_x
+    };
+    let pick = |kernel: Kernel| {
+        [4u32, 2, 1].into_iter().find_map(|w| {
+            let (own, streamed) = (16 * w, 32);
+            let (q_rows, k_rows) = match kernel {
+                Kernel::BackwardDqCoop => (own, streamed),
+                _ => (streamed, own),
+            };
+            let t = Tiles {
+                q_rows,
+                k_rows,
+                workgroup: 32 * w,
+                kv_shared: false,
+                prefetch: 0,
+            };
+            fits(kernel, t).then_some(t)
+        })
+    };
+    Some((
+        pick(Kernel::BackwardDqCoop)?,
+        pick(Kernel::BackwardDkDvCoop)?,
+    ))
 }
 
 /// Chooses the tiles of `kernel` for head dimensions `d` (q, k) and `dv`
