@@ -46,10 +46,15 @@ override PT_OFF: u32 = 64u * (64u + 8u);
 override DT_OFF: u32 = 64u * (64u + 8u) + 64u * 40u;
 override H_ELEMS: u32 = 9728u;
 override F_ELEMS: u32 = 2304u;
+// Words of a Q (dO) tile each invocation loads: ceil(BQ D / 2 / WG).
+override QW: u32 = 8u;
+override OW: u32 = 8u;
 
 const LOG2E: f32 = 1.4426950408889634;
 // D / 16 and DV / 16 are at most MAXN (head dimensions up to 128).
 const MAXN: u32 = 8u;
+// QW and OW are at most MAXW (tiles::coop_backward_tiles keeps to it).
+const MAXW: u32 = 32u;
 
 alias A16 = coop_mat16x16<f16, A>;
 alias B16 = coop_mat16x16<f16, B>;
@@ -79,6 +84,56 @@ fn put2(at: u32, w: u32) {
     let x = unpack2x16float(w);
     hs[at] = f16(x.x);
     hs[at + 1u] = f16(x.y);
+}
+
+// The words of `nr` rows of Q from row `q_row` this invocation stages
+// (word e = i WG + lid: row e / (D / 2)); zeros past them. Loaded into
+// registers a tile ahead, so that their latency hides behind a tile of
+// products, and stored by store_q once the last reader of hs is done.
+fn load_q(q_row: u32, nr: u32, lid: u32) -> array<u32, MAXW> {
+    var w: array<u32, MAXW>;
+    let d2 = D / 2u;
+    for (var i = 0u; i < QW; i++) {
+        let e = i * WG + lid;
+        w[i] = 0u;
+        if e < BQ * d2 && e / d2 < nr {
+            w[i] = q[q_row * d2 + e];
+        }
+    }
+    return w;
+}
+
+fn load_do(q_row: u32, nr: u32, lid: u32) -> array<u32, MAXW> {
+    var w: array<u32, MAXW>;
+    let d2 = DV / 2u;
+    for (var i = 0u; i < OW; i++) {
+        let e = i * WG + lid;
+        w[i] = 0u;
+        if e < BQ * d2 && e / d2 < nr {
+            w[i] = d_out[q_row * d2 + e];
+        }
+    }
+    return w;
+}
+
+fn store_q(w: array<u32, MAXW>, lid: u32) {
+    let d2 = D / 2u;
+    for (var i = 0u; i < QW; i++) {
+        let e = i * WG + lid;
+        if e < BQ * d2 {
+            put2((e / d2) * KS + 2u * (e % d2), w[i]);
+        }
+    }
+}
+
+fn store_do(w: array<u32, MAXW>, lid: u32) {
+    let d2 = DV / 2u;
+    for (var i = 0u; i < OW; i++) {
+        let e = i * WG + lid;
+        if e < BQ * d2 {
+            put2(DO_OFF + (e / d2) * VS + 2u * (e % d2), w[i]);
+        }
+    }
 }
 
 @compute @workgroup_size(WG)
@@ -135,8 +190,16 @@ fn main(
     }
     first_row = min(first_row, p.seq_q);
     let n_tiles = (p.seq_q - first_row + BQ - 1u) / BQ;
-    // One flat loop over (query head of the group, query tile).
+    // One flat loop over (query head of the group, query tile), so that
+    // the prefetch crosses head boundaries.
     let total = p.g_count * n_tiles;
+    var qw: array<u32, MAXW>;
+    var ow: array<u32, MAXW>;
+    if total > 0u {
+        let nr = min(BQ, p.seq_q - first_row);
+        qw = load_q(kvh * p.g_count * p.seq_q + first_row, nr, lid);
+        ow = load_do(kvh * p.g_count * p.seq_q + first_row, nr, lid);
+    }
     for (var it = 0u; it < total; it++) {
         let head = kvh * p.g_count + it / n_tiles;
         let r0 = first_row + (it % n_tiles) * BQ;
@@ -145,20 +208,8 @@ fn main(
         // The K/V staging (first pass) or the last tile's products are
         // done with hs.
         workgroupBarrier();
-        for (var e = lid; e < BQ * d2; e += WG) {
-            var w = 0u;
-            if e / d2 < nr {
-                w = q[q_row * d2 + e];
-            }
-            put2((e / d2) * KS + 2u * (e % d2), w);
-        }
-        for (var e = lid; e < BQ * dv2; e += WG) {
-            var w = 0u;
-            if e / dv2 < nr {
-                w = d_out[q_row * dv2 + e];
-            }
-            put2(DO_OFF + (e / dv2) * VS + 2u * (e % dv2), w);
-        }
+        store_q(qw, lid);
+        store_do(ow, lid);
         for (var j = lid; j < BQ; j += WG) {
             var end = 0u;
             var st = vec2(0.0);
@@ -173,6 +224,14 @@ fn main(
             row_end[j] = end;
         }
         workgroupBarrier();
+        // The next tile's words, in flight during this tile's products.
+        let it1 = it + 1u;
+        if it1 < total {
+            let next_row = (kvh * p.g_count + it1 / n_tiles) * p.seq_q + first_row + (it1 % n_tiles) * BQ;
+            let nr1 = min(BQ, p.seq_q - first_row - (it1 % n_tiles) * BQ);
+            qw = load_q(next_row, nr1, lid);
+            ow = load_do(next_row, nr1, lid);
+        }
 
         // S^T = K Q^T and dP^T = V dO^T for this subgroup's 16 keys; Q^T
         // is Q read column-major.

@@ -33,9 +33,13 @@ override V_OFF: u32 = 32u * (64u + 8u);
 override DS_OFF: u32 = 64u * (64u + 8u);
 override H_ELEMS: u32 = 9216u;
 override F_ELEMS: u32 = 2304u;
+// Words of a K (V) tile each invocation loads: ceil(BK D / 2 / WG).
+override KW: u32 = 8u;
+override VW: u32 = 8u;
 
 const LOG2E: f32 = 1.4426950408889634;
 const MAXN: u32 = 8u;
+const MAXW: u32 = 32u;
 
 alias A16 = coop_mat16x16<f16, A>;
 alias B16 = coop_mat16x16<f16, B>;
@@ -61,6 +65,54 @@ fn put2(at: u32, w: u32) {
     let x = unpack2x16float(w);
     hs[at] = f16(x.x);
     hs[at + 1u] = f16(x.y);
+}
+
+// The words of `nk` rows of K from row `row` this invocation stages, a
+// tile ahead (as backward_dkdv_coop.wgsl's load_q).
+fn load_k(row: u32, nk: u32, lid: u32) -> array<u32, MAXW> {
+    var w: array<u32, MAXW>;
+    let d2 = D / 2u;
+    for (var i = 0u; i < KW; i++) {
+        let e = i * WG + lid;
+        w[i] = 0u;
+        if e < BK * d2 && e / d2 < nk {
+            w[i] = k[row * d2 + e];
+        }
+    }
+    return w;
+}
+
+fn load_v(row: u32, nk: u32, lid: u32) -> array<u32, MAXW> {
+    var w: array<u32, MAXW>;
+    let d2 = DV / 2u;
+    for (var i = 0u; i < VW; i++) {
+        let e = i * WG + lid;
+        w[i] = 0u;
+        if e < BK * d2 && e / d2 < nk {
+            w[i] = v[row * d2 + e];
+        }
+    }
+    return w;
+}
+
+fn store_k(w: array<u32, MAXW>, lid: u32) {
+    let d2 = D / 2u;
+    for (var i = 0u; i < KW; i++) {
+        let e = i * WG + lid;
+        if e < BK * d2 {
+            put2((e / d2) * KS + 2u * (e % d2), w[i]);
+        }
+    }
+}
+
+fn store_v(w: array<u32, MAXW>, lid: u32) {
+    let d2 = DV / 2u;
+    for (var i = 0u; i < VW; i++) {
+        let e = i * WG + lid;
+        if e < BK * d2 {
+            put2(V_OFF + (e / d2) * VS + 2u * (e % d2), w[i]);
+        }
+    }
 }
 
 @compute @workgroup_size(WG)
@@ -130,26 +182,21 @@ fn main(
     }
 
     let key_end = visible_end(row0 + rows - 1u);
+    var kw = load_k(kv_row0, min(BK, key_end), lid);
+    var vw = load_v(kv_row0, min(BK, key_end), lid);
     for (var k0 = 0u; k0 < key_end; k0 += BK) {
-        let nk = min(BK, key_end - k0);
         // The last tile's products are done with hs (or the Q/dO staging,
         // on the first).
         workgroupBarrier();
-        for (var e = lid; e < BK * d2; e += WG) {
-            var w = 0u;
-            if e / d2 < nk {
-                w = k[(kv_row0 + k0) * d2 + e];
-            }
-            put2((e / d2) * KS + 2u * (e % d2), w);
-        }
-        for (var e = lid; e < BK * dv2; e += WG) {
-            var w = 0u;
-            if e / dv2 < nk {
-                w = v[(kv_row0 + k0) * dv2 + e];
-            }
-            put2(V_OFF + (e / dv2) * VS + 2u * (e % dv2), w);
-        }
+        store_k(kw, lid);
+        store_v(vw, lid);
         workgroupBarrier();
+        // The next tile's words, in flight during this tile's products.
+        let k1 = k0 + BK;
+        if k1 < key_end {
+            kw = load_k(kv_row0 + k1, min(BK, key_end - k1), lid);
+            vw = load_v(kv_row0 + k1, min(BK, key_end - k1), lid);
+        }
 
         // S = Q K^T and dP = dO V^T for this subgroup's 16 rows; K^T and
         // V^T are K and V read column-major.

@@ -219,6 +219,7 @@ pub fn tile_overrides(
             } else {
                 "BQ"
             };
+            let (w0, w1) = l.staged_words(d, dv, t);
             let mut c = vec![
                 ("W", (t.workgroup / 32) as f64),
                 (streamed, l.streamed as f64),
@@ -231,12 +232,16 @@ pub fn tile_overrides(
                 c.extend([
                     ("V_OFF", l.second_off as f64),
                     ("DS_OFF", l.weights_off as f64),
+                    ("KW", w0 as f64),
+                    ("VW", w1 as f64),
                 ]);
             } else {
                 c.extend([
                     ("DO_OFF", l.second_off as f64),
                     ("PT_OFF", l.weights_off as f64),
                     ("DT_OFF", l.weights2_off as f64),
+                    ("QW", w0 as f64),
+                    ("OW", w1 as f64),
                 ]);
             }
             c

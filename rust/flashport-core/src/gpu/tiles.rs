@@ -520,7 +520,18 @@ impl CoopBackwardLayout {
         // Plus dK/dV's per-row lse, D and visible end.
         2 * self.halves as u64 + 2 * 4 * self.floats as u64 + 12 * self.streamed as u64
     }
+
+    /// Words (pairs of halves) of each streamed tile (K and V for dQ, Q
+    /// and dO for dK/dV) an invocation loads a tile ahead.
+    pub fn staged_words(&self, d: u32, dv: u32, t: Tiles) -> (u32, u32) {
+        let per = |width: u32| (self.streamed * width / 2).div_ceil(t.workgroup);
+        (per(d), per(dv))
+    }
 }
+
+/// The most words shaders/backward_*_coop.wgsl load ahead per invocation
+/// and tile (MAXW).
+pub const COOP_BACKWARD_MAX_STAGED_WORDS: u32 = 32;
 
 /// Tiles of the cooperative-matrix backward (dQ, dK/dV) for head
 /// dimensions d, dv (multiples of 16 up to 128), or None where none fits:
@@ -533,7 +544,10 @@ pub fn coop_backward_tiles(d: u32, dv: u32, caps: DeviceCaps) -> Option<(Tiles, 
         return None;
     }
     let fits = |kernel: Kernel, t: Tiles| {
-        CoopBackwardLayout::new(kernel, d, dv, t).bytes() <= caps.workgroup_storage_bytes as u64
+        let layout = CoopBackwardLayout::new(kernel, d, dv, t);
+        let (w0, w1) = layout.staged_words(d, dv, t);
+        layout.bytes() <= caps.workgroup_storage_bytes as u64
+            && w0.max(w1) <= COOP_BACKWARD_MAX_STAGED_WORDS
             && t.workgroup <= caps.max_invocations
             && t.workgroup <= caps.max_workgroup_size_x
     };
