@@ -118,18 +118,19 @@ pub(crate) fn coop_f16_f32(adapter: &wgpu::Adapter) -> bool {
         })
 }
 
-/// What FLASHPORT_GPU_COOP asks of the cooperative-matrix forward.
+/// What FLASHPORT_GPU_COOP asks of the cooperative-matrix kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CoopPolicy {
     /// `0`: never; the device is created without cooperative matrices.
     Off,
-    /// Unset (the default): where it was measured faster than the tiled
-    /// kernels, head dimensions up to 64. On the H100 (driver 580) at
-    /// (4,16,4096,64) it runs the float16 forward at 49 TFLOP/s against the
-    /// tiled kernel's 20; at d = 128 it measured no faster than the tiled
-    /// kernel (benchmarks/GPU_NOTES.md, session 5).
+    /// Unset (the default): where they were measured faster than the
+    /// tiled kernels. The forward up to head dimension 64: on the H100
+    /// (driver 580) at (4,16,4096,64) it runs at 49 TFLOP/s against the
+    /// tiled kernel's 20, and at d = 128 it measured no faster (session 5).
+    /// The backward wherever its tiles fit: 2.5x the tiled kernels at
+    /// d = 64, 2.8x at d = 128 (session 6; benchmarks/GPU_NOTES.md).
     Measured,
-    /// `1`: wherever its tiles fit (d, dv multiples of 16 up to 128).
+    /// `1`: wherever their tiles fit (d, dv multiples of 16 up to 128).
     Everywhere,
 }
 
@@ -142,7 +143,7 @@ fn coop_policy_from_env() -> CoopPolicy {
 }
 
 /// Whether `kernel` runs without naga's index clamps: the register-tiled
-/// kernels and the cooperative forward in release builds, unless
+/// and cooperative-matrix kernels in release builds, unless
 /// FLASHPORT_GPU_CHECKED=1 (see `Context::module`).
 fn unchecked(kernel: Kernel) -> bool {
     (kernel.is_tiled() || kernel.is_coop())
@@ -176,13 +177,13 @@ pub(crate) struct Context {
     pub subgroups: bool,
     /// Timestamp queries are enabled: kernel times are measured on the GPU.
     pub timestamps: bool,
-    /// The cooperative-matrix float16 forward can run: 16x16x16 f16 -> f32
+    /// The cooperative-matrix float16 kernels can run: 16x16x16 f16 -> f32
     /// cooperative matrices, shader f16 and subgroups of exactly 32 lanes
     /// (its subgroups own 16 rows each, two lanes per row) are enabled.
     pub coop: bool,
-    /// Where the cooperative forward runs (FLASHPORT_GPU_COOP).
+    /// Where the cooperative kernels run (FLASHPORT_GPU_COOP).
     pub coop_policy: CoopPolicy,
-    /// The cooperative forward is built from SPIR-V written here with the
+    /// The cooperative kernels are built from SPIR-V written here with the
     /// GLSL450 memory model (src/gpu/spirv.rs says why) and handed to the
     /// driver through wgpu's passthrough; false where the adapter offers no
     /// passthrough or FLASHPORT_GPU_COOP_SPIRV=naga asks for wgpu's own
@@ -521,8 +522,8 @@ impl Context {
         // bound, every workgroup index is below the host-computed array
         // size (tiles::tiled_workgroup_vec4s). Debug builds (the Rust
         // tests) and FLASHPORT_GPU_CHECKED=1 keep the clamps.
-        // The cooperative forward's indices are in bounds the same way
-        // (tiles::coop_elems sizes its arrays).
+        // The cooperative kernels' indices are in bounds the same way
+        // (tiles::coop_elems and CoopBackwardLayout size their arrays).
         let unchecked = unchecked(kernel);
         let module = self.scoped("compiling a shader", || {
             Ok(if unchecked {

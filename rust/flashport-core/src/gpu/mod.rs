@@ -169,17 +169,16 @@ fn coop_tiles(ctx: &Context, p: &Problem, caps: tiles::DeviceCaps) -> Option<til
 }
 
 /// The cooperative-matrix backward's (dQ, dK/dV) tiles for this call, if
-/// it runs them: the same calls as the cooperative forward (float16, plain
-/// or causal, and by default d, dv <= 64), where they fit.
+/// it runs them: float16, plain or causal, where they fit. Unlike the
+/// forward's, the default policy takes every head dimension they support:
+/// on the H100 they beat the tiled kernels at d = 128 too ((4,16,4096,128)
+/// backward 300 -> 107 ms, benchmarks/GPU_NOTES.md).
 fn coop_backward_tiles(
     ctx: &Context,
     p: &Problem,
     caps: tiles::DeviceCaps,
 ) -> Option<(tiles::Tiles, tiles::Tiles)> {
     if !ctx.coop || p.dtype != DType::F16 || p.has_variants() || NO_COOP.with(Cell::get) {
-        return None;
-    }
-    if ctx.coop_policy == context::CoopPolicy::Measured && p.head_dim.max(p.value_dim) > 64 {
         return None;
     }
     tiles::coop_backward_tiles(p.head_dim as u32, p.value_dim as u32, caps)
