@@ -110,6 +110,16 @@ impl Inputs {
 
 /// max |got − want| / max |want| (with a floor for all-zero references),
 /// and the number of non-finite values in `got`.
+/// The GPU kernels the last call on this thread ran, by name (empty where
+/// the adapter has no timestamp queries).
+fn kernels_run() -> Vec<String> {
+    gpu::last_kernel_times()
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| !n.starts_with("host:"))
+        .collect()
+}
+
 fn rel_err(got: &[f64], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
@@ -275,11 +285,7 @@ fn float16_matches_float64_reference() {
                 worst = (worst.0.max(f), worst.1.max(b));
                 // Where the adapter has timestamp queries, they name the
                 // kernels of the last call (check's backward).
-                let ran: Vec<String> = gpu::last_kernel_times()
-                    .into_iter()
-                    .map(|(n, _)| n)
-                    .filter(|n| !n.starts_with("host:"))
-                    .collect();
+                let ran = kernels_run();
                 assert!(
                     ran.is_empty() || !simple || ran[1..] == ["backward_dq", "backward_dkdv"],
                     "simple kernels expected, ran {ran:?}"
@@ -389,11 +395,7 @@ fn tiled_forward_with_and_without_subgroups() {
             &VariantArrays::default(),
         )
         .unwrap();
-        let names: Vec<String> = gpu::last_kernel_times()
-            .into_iter()
-            .map(|(n, _)| n)
-            .filter(|n| !n.starts_with("host:"))
-            .collect();
+        let names = kernels_run();
         eprintln!("backward kernels: {names:?}");
         assert!(names.is_empty() || names[1..] == ["backward_dq_tiled", "backward_dkdv_tiled"]);
     }
@@ -1513,11 +1515,7 @@ fn forward_errors(c: &Case, coop: bool) -> (f64, f64, Vec<String>) {
     )
     .unwrap();
     gpu::set_no_coop_for_this_thread(false);
-    let kernels = gpu::last_kernel_times()
-        .into_iter()
-        .map(|(n, _)| n)
-        .filter(|n| !n.starts_with("host:"))
-        .collect();
+    let kernels = kernels_run();
     let ref_lse = as_f64(&reference.lse);
     let (out, lse) = (as_f64(&got.out), as_f64(&got.lse));
     let dv = c.p.value_dim;
@@ -1706,11 +1704,7 @@ fn backward_errors(c: &Case, coop: bool) -> ([f64; 3], Vec<String>) {
     )
     .unwrap();
     gpu::set_no_coop_for_this_thread(false);
-    let kernels = gpu::last_kernel_times()
-        .into_iter()
-        .map(|(n, _)| n)
-        .filter(|n| !n.starts_with("host:"))
-        .collect();
+    let kernels = kernels_run();
     (
         [
             rel_err(&as_f64(&got.dq), &as_f64(&want.dq)),
