@@ -4,9 +4,9 @@ by GPU kernel time (timestamp queries), with a float64 check on one head.
 Run on the lent GPU, each a fresh process (the device enables cooperative
 matrices at creation). Labels "coop" and "off" also time the float32 tiled
 forward before and after; other labels time float16 only:
-    FLASHPORT_GPU_COOP=1 python3 benchmarks/coop_bench.py coop
+    python3 benchmarks/coop_bench.py coop
     FLASHPORT_GPU_COOP=0 python3 benchmarks/coop_bench.py off  # scalar f16
-    FLASHPORT_GPU_COOP=1 FLASHPORT_GPU_COOP_TILES=4,64 python3 benchmarks/coop_bench.py t4x64
+    FLASHPORT_GPU_COOP_TILES=4,64 python3 benchmarks/coop_bench.py t4x64
 Shapes as BxHxNxd arguments after the label (default 4x16x1024x64 4x16x4096x64).
 TFLOP/s by 4*B*H*N^2*d, halved when causal.
 """

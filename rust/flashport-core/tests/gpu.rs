@@ -1586,9 +1586,12 @@ fn coop_forward_matches_float64_reference() {
         );
         return;
     }
-    let shapes: [Shape; 7] = [
+    // Head dimensions up to 128, both ways of d != dv, GQA, sizes that are
+    // not tile multiples.
+    let shapes: [Shape; 8] = [
         (1, 2, 1, 65, 17, 64, 32),
         (1, 1, 1, 130, 130, 128, 128),
+        (1, 4, 2, 70, 90, 112, 32),
         (2, 4, 2, 37, 53, 16, 48),
         (1, 3, 1, 40, 9, 16, 16),
         (1, 2, 2, 300, 300, 64, 64),
@@ -1733,9 +1736,12 @@ fn coop_backward_matches_float64_reference() {
         );
         return;
     }
-    let shapes: [Shape; 7] = [
+    // Head dimensions up to 128, both ways of d != dv, GQA, sizes that are
+    // not tile multiples.
+    let shapes: [Shape; 8] = [
         (1, 2, 1, 65, 17, 64, 32),
         (1, 1, 1, 130, 130, 128, 128),
+        (1, 4, 2, 70, 90, 112, 32),
         (2, 4, 2, 37, 53, 16, 48),
         (1, 3, 1, 40, 9, 16, 16),
         (1, 2, 2, 300, 300, 64, 64),

@@ -123,22 +123,19 @@ pub(crate) fn coop_f16_f32(adapter: &wgpu::Adapter) -> bool {
 pub enum CoopPolicy {
     /// `0`: never; the device is created without cooperative matrices.
     Off,
-    /// Unset (the default): where they were measured faster than the
-    /// tiled kernels. The forward up to head dimension 64: on the H100
-    /// (driver 580) at (4,16,4096,64) it runs at 49 TFLOP/s against the
-    /// tiled kernel's 20, and at d = 128 it measured no faster (session 5).
-    /// The backward wherever its tiles fit: 2.5x the tiled kernels at
-    /// d = 64, 2.8x at d = 128 (session 6; benchmarks/GPU_NOTES.md).
-    Measured,
-    /// `1`: wherever their tiles fit (d, dv multiples of 16 up to 128).
-    Everywhere,
+    /// Unset (the default) or `1`: wherever their tiles fit (d, dv multiples
+    /// of 16 up to 128). Measured faster than the tiled kernels at every
+    /// head dimension on the H100 (driver 580), forward and backward:
+    /// (4,16,4096,64) forward 5.5 ms against 13.7, backward 22 against 57;
+    /// (4,16,4096,128) forward 10.7 against 45, backward 107 against 300
+    /// (benchmarks/GPU_NOTES.md, sessions 5 to 7).
+    On,
 }
 
 fn coop_policy_from_env() -> CoopPolicy {
     match std::env::var("FLASHPORT_GPU_COOP").as_deref() {
         Ok("0") => CoopPolicy::Off,
-        Ok("1") => CoopPolicy::Everywhere,
-        _ => CoopPolicy::Measured,
+        _ => CoopPolicy::On,
     }
 }
 
@@ -181,8 +178,6 @@ pub(crate) struct Context {
     /// cooperative matrices, shader f16 and subgroups of exactly 32 lanes
     /// (its subgroups own 16 rows each, two lanes per row) are enabled.
     pub coop: bool,
-    /// Where the cooperative kernels run (FLASHPORT_GPU_COOP).
-    pub coop_policy: CoopPolicy,
     /// The cooperative kernels are built from SPIR-V written here with the
     /// GLSL450 memory model (src/gpu/spirv.rs says why) and handed to the
     /// driver through wgpu's passthrough; false where the adapter offers no
@@ -396,7 +391,6 @@ impl Context {
             subgroups,
             timestamps,
             coop,
-            coop_policy,
             coop_passthrough,
             lost,
             uncaptured,

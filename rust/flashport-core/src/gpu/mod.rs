@@ -151,13 +151,10 @@ pub fn coop_runs(p: &Problem) -> bool {
 
 /// The cooperative-matrix forward's tiles for this call, if it runs it:
 /// float16 inputs, plain or causal attention (the variants stay on the
-/// other kernels, which implement them), head dimensions it supports, and
-/// by default only those where it was measured faster (context::CoopPolicy).
+/// other kernels, which implement them), head dimensions it supports
+/// (context::CoopPolicy).
 fn coop_tiles(ctx: &Context, p: &Problem, caps: tiles::DeviceCaps) -> Option<tiles::Tiles> {
     if !ctx.coop || p.dtype != DType::F16 || p.has_variants() || NO_COOP.with(Cell::get) {
-        return None;
-    }
-    if ctx.coop_policy == context::CoopPolicy::Measured && p.head_dim.max(p.value_dim) > 64 {
         return None;
     }
     tiles::coop_tiles(
@@ -169,10 +166,8 @@ fn coop_tiles(ctx: &Context, p: &Problem, caps: tiles::DeviceCaps) -> Option<til
 }
 
 /// The cooperative-matrix backward's (dQ, dK/dV) tiles for this call, if
-/// it runs them: float16, plain or causal, where they fit. Unlike the
-/// forward's, the default policy takes every head dimension they support:
-/// on the H100 they beat the tiled kernels at d = 128 too ((4,16,4096,128)
-/// backward 300 -> 107 ms, benchmarks/GPU_NOTES.md).
+/// it runs them: float16, plain or causal, where they fit
+/// (context::CoopPolicy).
 fn coop_backward_tiles(
     ctx: &Context,
     p: &Problem,
