@@ -470,9 +470,18 @@ fn coop_backward_validates_and_specialises() {
         }
     }
     assert_eq!(specialised, 12);
-    // d = 64 takes four subgroups in 48 KiB.
+    // d = 64 takes four subgroups and 32 streamed rows in 48 KiB; d = 128
+    // four subgroups and 16 streamed rows.
     let (tq, tkv) = coop_backward_tiles(64, 64, NVIDIA).unwrap();
-    assert_eq!((tq.q_rows, tkv.k_rows), (64, 64));
+    assert_eq!(
+        (tq.q_rows, tq.k_rows, tkv.k_rows, tkv.q_rows),
+        (64, 32, 64, 32)
+    );
+    let (tq, tkv) = coop_backward_tiles(128, 128, NVIDIA).unwrap();
+    assert_eq!(
+        (tq.q_rows, tq.k_rows, tkv.k_rows, tkv.q_rows),
+        (64, 16, 64, 16)
+    );
     for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
         assert_eq!(coop_backward_tiles(d, dv, NVIDIA), None);
     }

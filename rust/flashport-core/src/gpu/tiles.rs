@@ -535,8 +535,11 @@ pub const COOP_BACKWARD_MAX_STAGED_WORDS: u32 = 32;
 
 /// Tiles of the cooperative-matrix backward (dQ, dK/dV) for head
 /// dimensions d, dv (multiples of 16 up to 128), or None where none fits:
-/// four subgroups (64 owned rows) where they fit, then two, then one; 32
-/// streamed rows.
+/// four subgroups (64 owned rows) where they fit, then two, then one, each
+/// with 32 streamed rows where they fit, else 16. More owned rows before
+/// taller streamed tiles: on the H100 at d = 128, four subgroups with 16
+/// streamed rows ran the backward in 40 ms against 107 for two with 32
+/// (at d = 64, 32 rows beat 16: 22 ms against 26; benchmarks/GPU_NOTES.md).
 pub fn coop_backward_tiles(d: u32, dv: u32, caps: DeviceCaps) -> Option<(Tiles, Tiles)> {
     let shape_ok =
         d % 16 == 0 && dv % 16 == 0 && (16..=128).contains(&d) && (16..=128).contains(&dv);
@@ -552,21 +555,24 @@ pub fn coop_backward_tiles(d: u32, dv: u32, caps: DeviceCaps) -> Option<(Tiles, 
             && t.workgroup <= caps.max_workgroup_size_x
     };
     let pick = |kernel: Kernel| {
-        [4u32, 2, 1].into_iter().find_map(|w| {
-            let (own, streamed) = (16 * w, 32);
-            let (q_rows, k_rows) = match kernel {
-                Kernel::BackwardDqCoop => (own, streamed),
-                _ => (streamed, own),
-            };
-            let t = Tiles {
-                q_rows,
-                k_rows,
-                workgroup: 32 * w,
-                kv_shared: false,
-                prefetch: 0,
-            };
-            fits(kernel, t).then_some(t)
-        })
+        [4u32, 2, 1]
+            .into_iter()
+            .flat_map(|w| [(w, 32u32), (w, 16)])
+            .find_map(|(w, streamed)| {
+                let own = 16 * w;
+                let (q_rows, k_rows) = match kernel {
+                    Kernel::BackwardDqCoop => (own, streamed),
+                    _ => (streamed, own),
+                };
+                let t = Tiles {
+                    q_rows,
+                    k_rows,
+                    workgroup: 32 * w,
+                    kv_shared: false,
+                    prefetch: 0,
+                };
+                fits(kernel, t).then_some(t)
+            })
     };
     Some((
         pick(Kernel::BackwardDqCoop)?,
