@@ -127,7 +127,7 @@ pub enum CoopPolicy {
     /// of 16 up to 128). Measured faster than the tiled kernels at every
     /// head dimension on the H100 (driver 580), forward and backward:
     /// (4,16,4096,64) forward 5.5 ms against 13.7, backward 22 against 57;
-    /// (4,16,4096,128) forward 10.7 against 45, backward 107 against 300
+    /// (4,16,4096,128) forward 10.7 against 45, backward 40 against 300
     /// (benchmarks/GPU_NOTES.md, sessions 5 to 7).
     On,
 }
