@@ -1598,10 +1598,11 @@ fn coop_forward_matches_float64_reference() {
         (1, 2, 1, 1000, 1000, 64, 64),
         (1, 1, 1, 77, 1030, 32, 96),
     ];
-    // With FLASHPORT_GPU_COOP=1 every shape here runs the cooperative
-    // forward. By default it runs only up to d = 64, and tiles pinned for a
-    // benchmark (FLASHPORT_GPU_COOP_TILES) may not fit every head
-    // dimension: those shapes then run other kernels and are skipped.
+    // Every shape here runs the cooperative forward where the adapter has
+    // the matrices (FLASHPORT_GPU_COOP=1 makes a shape that does not a
+    // failure rather than a skip). Tiles pinned for a benchmark
+    // (FLASHPORT_GPU_COOP_TILES) may not fit every head dimension: those
+    // shapes then run other kernels and are skipped.
     let pinned = std::env::var("FLASHPORT_GPU_COOP_TILES").is_ok_and(|v| !v.is_empty());
     let everywhere = std::env::var("FLASHPORT_GPU_COOP").as_deref() == Ok("1") && !pinned;
     let mut worst = [0.0f64; 4];
