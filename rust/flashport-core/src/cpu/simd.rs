@@ -562,8 +562,8 @@ const EXP2_EIGHTH_POLY: [f32; 3] = [8.664_341e-2, 3.754_025_6e-3, 1.083_910_5e-4
 /// fractions `2^(j/8)` plus the rounding addition's bits (see [`SHIFTER`],
 /// [`EXP2_EIGHTHS_BITS`]), `2^(r/8)` from a cubic. 13 vector operations,
 /// 8 of them on the FMA pipes; the degree-6 polynomial over `|f| <= 1/2`
-/// that this replaced took 15 and 10, and measured 21% slower in the
-/// softmax pass (the forward's largest cost after its two products).
+/// that this replaced took 15 and 10, and the softmax pass (the forward's
+/// largest cost after its two products) 15-21% longer.
 /// Within 1.2 ulp where the result is a normal float (the test sweeps
 /// -88 ..= 88). `-inf` (a masked
 /// score) and anything at or below -88 give exactly 0 (the clamp makes
