@@ -564,12 +564,12 @@ const EXP2_EIGHTH_POLY: [f32; 3] = [8.664_341e-2, 3.754_025_6e-3, 1.083_910_5e-4
 /// 8 of them on the FMA pipes; the degree-6 polynomial over `|f| <= 1/2`
 /// that this replaced took 15 and 10, and the softmax pass (the forward's
 /// largest cost after its two products) 15-21% longer.
+///
 /// Within 1.2 ulp where the result is a normal float (the test sweeps
-/// -88 ..= 88). `-inf` (a masked
-/// score) and anything at or below -88 give exactly 0 (the clamp makes
-/// `n + 8·127 = 0`: every bit cancels); between -88 and about -87.3,
-/// where `e^x` is below the smallest normal float, the result is zero or
-/// a subnormal off by less than that. NaN stays NaN.
+/// -88 ..= 88). `-inf` (a masked score) and anything at or below -88 give
+/// exactly 0 (the clamp makes `n + 8·127 = 0`: every bit cancels); between
+/// -88 and about -87.3, where `e^x` is below the smallest normal float, the
+/// result is zero or a subnormal off by less than that. NaN stays NaN.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn exp8(x: __m256) -> __m256 {
