@@ -53,6 +53,8 @@ override OW: u32 = 8u;
 const LOG2E: f32 = 1.4426950408889634;
 // D / 16 and DV / 16 are at most MAXN (head dimensions up to 128).
 const MAXN: u32 = 8u;
+// Streamed blocks of 16 rows per tile: BQ / 16 is at most this.
+const MAXSB: u32 = 4u;
 // QW and OW are at most MAXW (tiles::coop_backward_tiles keeps to it).
 const MAXW: u32 = 32u;
 
@@ -270,18 +272,31 @@ fn main(
         }
         workgroupBarrier();
 
-        // dV += P^T dO and dK += dS^T Q (scaled on the way out).
+        // dV += P^T dO and dK += dS^T Q (scaled on the way out), each
+        // column block's product accumulated from zero and then added:
+        // the gradients as the accumulator operand, carried across tiles,
+        // measured slower (the forward's O, shaders/forward_coop.wgsl).
+        var pa: array<A16, MAXSB>;
+        var da: array<A16, MAXSB>;
         for (var jb = 0u; jb < BQ / 16u; jb++) {
-            let pa = coopLoadT<A16>(&hs[PT_OFF + srow * TS + 16u * jb], TS);
-            for (var c = 0u; c < DV / 16u; c++) {
+            pa[jb] = coopLoadT<A16>(&hs[PT_OFF + srow * TS + 16u * jb], TS);
+            da[jb] = coopLoadT<A16>(&hs[DT_OFF + srow * TS + 16u * jb], TS);
+        }
+        for (var c = 0u; c < DV / 16u; c++) {
+            var acc = C32();
+            for (var jb = 0u; jb < BQ / 16u; jb++) {
                 let ob = coopLoadT<B16>(&hs[DO_OFF + 16u * jb * VS + 16u * c], VS);
-                gv[c] = coopMultiplyAdd(pa, ob, gv[c]);
+                acc = coopMultiplyAdd(pa[jb], ob, acc);
             }
-            let da = coopLoadT<A16>(&hs[DT_OFF + srow * TS + 16u * jb], TS);
-            for (var c = 0u; c < D / 16u; c++) {
+            gv[c] = gv[c] + acc;
+        }
+        for (var c = 0u; c < D / 16u; c++) {
+            var acc = C32();
+            for (var jb = 0u; jb < BQ / 16u; jb++) {
                 let qb = coopLoadT<B16>(&hs[16u * jb * KS + 16u * c], KS);
-                gk[c] = coopMultiplyAdd(da, qb, gk[c]);
+                acc = coopMultiplyAdd(da[jb], qb, acc);
             }
+            gk[c] = gk[c] + acc;
         }
     }
 

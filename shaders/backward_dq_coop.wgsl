@@ -39,6 +39,8 @@ override VW: u32 = 8u;
 
 const LOG2E: f32 = 1.4426950408889634;
 const MAXN: u32 = 8u;
+// Streamed blocks of 16 keys per tile: BK / 16 is at most this.
+const MAXSB: u32 = 4u;
 const MAXW: u32 = 32u;
 
 alias A16 = coop_mat16x16<f16, A>;
@@ -232,13 +234,21 @@ fn main(
         }
         workgroupBarrier();
 
-        // dQ += dS K (scaled on the way out).
+        // dQ += dS K (scaled on the way out), each column block's product
+        // accumulated from zero and then added: dQ as the accumulator
+        // operand, carried across tiles, measured slower (the forward's
+        // O, shaders/forward_coop.wgsl).
+        var da: array<A16, MAXSB>;
         for (var jb = 0u; jb < BK / 16u; jb++) {
-            let da = coopLoadT<A16>(&hs[DS_OFF + srow * TS + 16u * jb], TS);
-            for (var c = 0u; c < D / 16u; c++) {
+            da[jb] = coopLoadT<A16>(&hs[DS_OFF + srow * TS + 16u * jb], TS);
+        }
+        for (var c = 0u; c < D / 16u; c++) {
+            var acc = C32();
+            for (var jb = 0u; jb < BK / 16u; jb++) {
                 let kb = coopLoadT<B16>(&hs[16u * jb * KS + 16u * c], KS);
-                gq[c] = coopMultiplyAdd(da, kb, gq[c]);
+                acc = coopMultiplyAdd(da[jb], kb, acc);
             }
+            gq[c] = gq[c] + acc;
         }
     }
 
