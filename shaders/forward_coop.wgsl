@@ -207,13 +207,13 @@ fn main(
     // This lane's row in the softmax step, and its half of the columns:
     // lanes r and r + 16 share row r. Each lane walks its half row in
     // order, so that the driver may merge four consecutive scores into one
-    // 16-byte load, and consecutive P values into wider stores (inferred
-    // from the timing below; the driver's code is not visible). Score rows are BK + 4 floats
-    // apart, which puts the 8 rows a quarter warp reads in 8 different bank
-    // quadruples (BK = 16, 32 or 64). Walking each group of 4 in a
-    // per-lane permuted order (so that scalar loads of "the same" column
-    // spread over all banks) measured 3% slower for the whole kernel at
-    // (4,16,4096,64) and 2% at d = 128.
+    // 16-byte load and consecutive P values into wider stores (inferred
+    // from the timing below; the driver's code is not visible). Score rows
+    // are BK + 4 floats apart, which puts the 8 rows a quarter warp reads
+    // in 8 different bank quadruples (BK = 16, 32 or 64). Walking each
+    // group of 4 in a per-lane permuted order instead (so that scalar
+    // loads of "the same" column spread over all banks) measured 3% slower
+    // for the whole kernel at (4,16,4096,64) and 2% at d = 128.
     let r = lane & 15u;
     let h = lane >> 4u;
     let grow = row0 + srow + r;
