@@ -50,6 +50,18 @@ override F_ELEMS: u32 = 2304u;
 override QW: u32 = 8u;
 override OW: u32 = 8u;
 
+// How the subgroups of a workgroup wait for each other inside a tile:
+// only the staging of the streamed tile is shared; the f32 scratch rows
+// and the f16 weight rows a subgroup writes are read by that subgroup
+// alone, so the waits around them are subgroup barriers (the host makes
+// them order workgroup memory: src/gpu/spirv.rs). Their workgroup-wide
+// form kept all subgroups in lockstep, so one's scalar step could not
+// overlap another's products: on the H100 at (4,16,4096,64) the backward
+// took 19.58 ms with workgroup barriers and 18.57 with subgroup ones.
+// False where the host cannot make a subgroup barrier order workgroup
+// memory (wgpu's own SPIR-V): every wait is then workgroup-wide.
+override SUBGROUP_SCRATCH: bool = true;
+
 const LOG2E: f32 = 1.4426950408889634;
 // D / 16 and DV / 16 are at most MAXN (head dimensions up to 128).
 const MAXN: u32 = 8u;
@@ -80,6 +92,16 @@ var<workgroup> dp_t: array<f32, F_ELEMS>;
 var<workgroup> row_lse: array<f32, BQ>;
 var<workgroup> row_delta: array<f32, BQ>;
 var<workgroup> row_end: array<u32, BQ>;
+
+// Waits until this subgroup's writes to its own scratch and weight rows
+// are visible to the whole subgroup (see SUBGROUP_SCRATCH).
+fn scratch_barrier() {
+    if SUBGROUP_SCRATCH {
+        subgroupBarrier();
+    } else {
+        workgroupBarrier();
+    }
+}
 
 // Writes the two halves of word `w` at hs[at], hs[at + 1].
 fn put2(at: u32, w: u32) {
@@ -251,7 +273,7 @@ fn main(
             }
             coopStoreT(acc2, &dp_t[srow * FS + 16u * jb], FS);
         }
-        workgroupBarrier();
+        scratch_barrier();
 
         // P and dS of this lane's key against its half of the queries.
         // Invisible pairs (causal, rows past the tile, keys past seq_k:
@@ -270,7 +292,7 @@ fn main(
             hs[PT_OFF + (srow + r) * TS + j] = f16(pj);
             hs[DT_OFF + (srow + r) * TS + j] = f16(dsj);
         }
-        workgroupBarrier();
+        scratch_barrier();
 
         // dV += P^T dO and dK += dS^T Q (scaled on the way out), each
         // column block's product accumulated from zero and then added:

@@ -37,6 +37,9 @@ override F_ELEMS: u32 = 2304u;
 override KW: u32 = 8u;
 override VW: u32 = 8u;
 
+// See backward_dkdv_coop.wgsl.
+override SUBGROUP_SCRATCH: bool = true;
+
 const LOG2E: f32 = 1.4426950408889634;
 const MAXN: u32 = 8u;
 // Streamed blocks of 16 keys per tile: BK / 16 is at most this.
@@ -62,6 +65,16 @@ override DMASK: bool = false;
 var<workgroup> hs: array<f16, H_ELEMS>;
 var<workgroup> s_f: array<f32, F_ELEMS>;
 var<workgroup> dp_f: array<f32, F_ELEMS>;
+
+// Waits until this subgroup's writes to its own scratch and dS rows are
+// visible to the whole subgroup (see SUBGROUP_SCRATCH).
+fn scratch_barrier() {
+    if SUBGROUP_SCRATCH {
+        subgroupBarrier();
+    } else {
+        workgroupBarrier();
+    }
+}
 
 fn put2(at: u32, w: u32) {
     let x = unpack2x16float(w);
@@ -216,7 +229,7 @@ fn main(
             }
             coopStoreT(acc2, &dp_f[srow * FS + 16u * jb], FS);
         }
-        workgroupBarrier();
+        scratch_barrier();
 
         // dS of this lane's row against its half of the keys; invisible
         // pairs (causal, keys past the tile) get exactly 0.
@@ -232,7 +245,7 @@ fn main(
             let pj = select(0.0, exp2((s - lse_r) * LOG2E), k0 + j < end_r);
             hs[DS_OFF + (srow + r) * TS + j] = f16(pj * (dp_f[at] - delta_r));
         }
-        workgroupBarrier();
+        scratch_barrier();
 
         // dQ += dS K (scaled on the way out), each column block's product
         // accumulated from zero and then added: dQ as the accumulator

@@ -359,6 +359,7 @@ fn coop_validator() -> naga::valid::Validator {
         naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
             | naga::valid::Capabilities::SHADER_FLOAT16
             | naga::valid::Capabilities::SUBGROUP
+            | naga::valid::Capabilities::SUBGROUP_BARRIER
             | naga::valid::Capabilities::COOPERATIVE_MATRIX,
     );
     v.subgroup_stages(naga::valid::ShaderStages::COMPUTE);
@@ -525,4 +526,57 @@ fn coop_spirv_uses_the_glsl450_memory_model() {
     let diag = std::fs::read_to_string(shader_dir().join("coop_diagnostic.wgsl")).unwrap();
     let words = compile(&diag, &[], false, true).unwrap().words;
     assert_eq!(memory_model(&words), Some(1));
+}
+
+/// The cooperative backward kernels wait on subgroup barriers around each
+/// subgroup's own scratch rows (shaders/backward_dkdv_coop.wgsl,
+/// SUBGROUP_SCRATCH); in the SPIR-V they are built from, those barriers
+/// order workgroup memory (AcquireRelease | WorkgroupMemory), not naga's
+/// SubgroupMemory, which Vulkan ignores.
+#[test]
+fn coop_backward_subgroup_barriers_order_workgroup_memory() {
+    use flashport_core::gpu::spirv::{
+        compile, subgroup_barrier_semantics, subgroup_barriers_order_workgroup_memory,
+        SEMANTICS_WORKGROUP_MEMORY,
+    };
+    let nvidia = NVIDIA;
+    let (tq, tkv) = coop_backward_tiles(64, 64, nvidia).unwrap();
+    for (kernel, t) in [
+        (Kernel::BackwardDqCoop, tq),
+        (Kernel::BackwardDkDvCoop, tkv),
+    ] {
+        let constants = tile_overrides(kernel, true, 64, 64, t, true);
+        let text = source(kernel, true, true);
+        let words = compile(&text, &constants, true, true).unwrap().words;
+        // One barrier instruction: naga keeps scratch_barrier() a function.
+        assert_eq!(
+            subgroup_barrier_semantics(&words),
+            [SEMANTICS_WORKGROUP_MEMORY],
+            "{}",
+            kernel.name()
+        );
+        // Already patched: the same words again.
+        assert_eq!(subgroup_barriers_order_workgroup_memory(&words).0, words);
+    }
+    // A module without a workgroup barrier has no such constant yet: it is
+    // declared (the id bound grows by one) and the barrier uses it.
+    let text = "@compute @workgroup_size(32) fn main() { subgroupBarrier(); }";
+    let words = compile(text, &[], false, true).unwrap().words;
+    assert_eq!(
+        subgroup_barrier_semantics(&words),
+        [SEMANTICS_WORKGROUP_MEMORY]
+    );
+    // The forward has no subgroup barrier: unchanged.
+    let t = coop_tiles(64, 64, nvidia, None).unwrap();
+    let constants = tile_overrides(Kernel::ForwardCoop, true, 64, 64, t, true);
+    let words = compile(
+        &source(Kernel::ForwardCoop, true, true),
+        &constants,
+        true,
+        true,
+    )
+    .unwrap()
+    .words;
+    assert!(subgroup_barrier_semantics(&words).is_empty());
+    assert_eq!(subgroup_barriers_order_workgroup_memory(&words).1, 0);
 }

@@ -176,7 +176,9 @@ pub(crate) struct Context {
     pub timestamps: bool,
     /// The cooperative-matrix float16 kernels can run: 16x16x16 f16 -> f32
     /// cooperative matrices, shader f16 and subgroups of exactly 32 lanes
-    /// (its subgroups own 16 rows each, two lanes per row) are enabled.
+    /// (its subgroups own 16 rows each, two lanes per row) are enabled, and
+    /// the backward's subgroup barriers compile (passthrough, or wgpu's
+    /// SUBGROUP_BARRIER feature).
     pub coop: bool,
     /// The cooperative kernels are built from SPIR-V written here with the
     /// GLSL450 memory model (src/gpu/spirv.rs says why) and handed to the
@@ -333,19 +335,26 @@ impl Context {
         let subgroups = offered.contains(wgpu::Features::SUBGROUP) && info.subgroup_min_size >= 8;
         let timestamps = offered.contains(wgpu::Features::TIMESTAMP_QUERY);
         let coop_policy = coop_policy_from_env();
+        let passthrough = offered.contains(wgpu::Features::PASSTHROUGH_SHADERS)
+            && std::env::var("FLASHPORT_GPU_COOP_SPIRV").as_deref() != Ok("naga");
+        // The backward kernels' subgroupBarrier() must validate when wgpu
+        // compiles the WGSL itself; passthrough modules skip wgpu's check.
+        let subgroup_barrier = offered.contains(wgpu::Features::SUBGROUP_BARRIER);
         let coop = subgroups
             && info.subgroup_min_size == 32
             && info.subgroup_max_size == 32
             && offered.contains(wgpu::Features::SHADER_F16)
             && coop_f16_f32(adapter)
+            && (passthrough || subgroup_barrier)
             && coop_policy != CoopPolicy::Off;
-        let coop_passthrough = coop
-            && offered.contains(wgpu::Features::PASSTHROUGH_SHADERS)
-            && std::env::var("FLASHPORT_GPU_COOP_SPIRV").as_deref() != Ok("naga");
+        let coop_passthrough = coop && passthrough;
         let mut features = wgpu::Features::empty();
         if coop {
             features |=
                 wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        if coop && subgroup_barrier {
+            features |= wgpu::Features::SUBGROUP_BARRIER;
         }
         if coop_passthrough {
             features |= wgpu::Features::PASSTHROUGH_SHADERS;
@@ -646,7 +655,16 @@ impl Context {
             return Ok(pipeline);
         }
         let module = self.module(key.kernel, key.subgroups, key.f16_inputs)?;
-        let constants = super::shaders::overrides(&key);
+        let mut constants = super::shaders::overrides(&key);
+        if matches!(
+            key.kernel,
+            Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop
+        ) {
+            // wgpu's SPIR-V gives subgroupBarrier() SubgroupMemory
+            // semantics, which Vulkan ignores: wait workgroup-wide instead
+            // (shaders/backward_dkdv_coop.wgsl, SUBGROUP_SCRATCH).
+            constants.push(("SUBGROUP_SCRATCH", 0.0));
+        }
         let pipeline = self.scoped("building a pipeline", || {
             Ok(self
                 .device

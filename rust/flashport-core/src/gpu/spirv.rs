@@ -1,7 +1,10 @@
-//! SPIR-V for the cooperative-matrix kernel, written by naga here and given
-//! to the driver through wgpu's passthrough, with one change: the module
-//! declares the GLSL450 memory model instead of the Vulkan one.
+//! SPIR-V for the cooperative-matrix kernels, written by naga here and
+//! given to the driver through wgpu's passthrough, with two changes: the
+//! module declares the GLSL450 memory model instead of the Vulkan one, and
+//! its subgroup barriers order workgroup memory
+//! (`subgroup_barriers_order_workgroup_memory` says why).
 //!
+//! The memory model:
 //! Why: naga 30 declares `OpMemoryModel Logical Vulkan` (and the
 //! VulkanMemoryModel capability) as soon as a module uses a cooperative
 //! matrix type, but keeps writing the rest of the module for the GLSL450
@@ -22,7 +25,9 @@
 //!
 //! What this module does: parse and validate the WGSL, apply the pipeline's
 //! override values (passthrough modules take none), write SPIR-V with the
-//! bounds-check policy wgpu would use, switch the memory model, and list
+//! bounds-check policy wgpu would use, switch the memory model, make the
+//! subgroup barriers order workgroup memory (see
+//! `subgroup_barriers_order_workgroup_memory`), and list
 //! the bindings for the explicit pipeline layout (passthrough modules have
 //! no reflection for an automatic one).
 
@@ -93,6 +98,110 @@ pub fn glsl450_memory_model(words: &[u32]) -> (Vec<u32>, bool) {
     } else {
         (words.to_vec(), false)
     }
+}
+
+const OP_TYPE_INT: u32 = 21;
+const OP_CONSTANT: u32 = 43;
+const OP_CONTROL_BARRIER: u32 = 224;
+const SCOPE_SUBGROUP: u32 = 3;
+/// AcquireRelease | WorkgroupMemory: what `workgroupBarrier()` carries.
+pub const SEMANTICS_WORKGROUP_MEMORY: u32 = 0x8 | 0x100;
+
+/// The instructions of `words` after the header, each with its offset;
+/// stops at the first malformed one.
+fn instructions(words: &[u32]) -> impl Iterator<Item = (usize, &[u32])> {
+    let mut at = 5;
+    std::iter::from_fn(move || {
+        let count = (*words.get(at)? >> 16) as usize;
+        if count == 0 || at + count > words.len() {
+            return None;
+        }
+        let start = at;
+        at += count;
+        Some((start, &words[start..start + count]))
+    })
+}
+
+/// The id of the 32-bit unsigned integer type, and the offset right after
+/// its declaration.
+fn u32_type(words: &[u32]) -> Option<(u32, usize)> {
+    instructions(words)
+        .find(|(_, i)| i[0] & 0xffff == OP_TYPE_INT && i.len() == 4 && i[2] == 32 && i[3] == 0)
+        .map(|(at, i)| (i[1], at + i.len()))
+}
+
+/// The id of the u32 constant `value` of type `ty`, if declared.
+fn u32_constant(words: &[u32], ty: u32, value: u32) -> Option<u32> {
+    instructions(words)
+        .find(|(_, i)| i[0] & 0xffff == OP_CONSTANT && i.len() == 4 && i[1] == ty && i[3] == value)
+        .map(|(_, i)| i[2])
+}
+
+/// The memory-semantics value of every subgroup-scope `OpControlBarrier`
+/// (WGSL's `subgroupBarrier()`), in module order.
+pub fn subgroup_barrier_semantics(words: &[u32]) -> Vec<u32> {
+    let Some((ty, _)) = u32_type(words) else {
+        return Vec::new();
+    };
+    let Some(subgroup) = u32_constant(words, ty, SCOPE_SUBGROUP) else {
+        return Vec::new();
+    };
+    let value = |id: u32| {
+        instructions(words)
+            .find(|(_, i)| i[0] & 0xffff == OP_CONSTANT && i.len() == 4 && i[2] == id)
+            .map_or(u32::MAX, |(_, i)| i[3])
+    };
+    instructions(words)
+        .filter(|(_, i)| i[0] & 0xffff == OP_CONTROL_BARRIER && i.len() == 4 && i[1] == subgroup)
+        .map(|(_, i)| value(i[3]))
+        .collect()
+}
+
+/// `words` with every subgroup-scope `OpControlBarrier` given
+/// AcquireRelease | WorkgroupMemory semantics, and how many there were.
+///
+/// Why: naga writes WGSL's `subgroupBarrier()` with SubgroupMemory
+/// semantics, a storage class that the Vulkan environment ignores, so by
+/// the letter such a barrier orders no memory at all. The cooperative
+/// backward kernels pass each subgroup's scores and weights through its own
+/// rows of workgroup memory behind subgroup barriers
+/// (shaders/backward_dkdv_coop.wgsl, SUBGROUP_SCRATCH), which is what
+/// GLSL's `subgroupMemoryBarrierShared(); subgroupBarrier();` expresses.
+pub fn subgroup_barriers_order_workgroup_memory(words: &[u32]) -> (Vec<u32>, usize) {
+    let Some((ty, after_type)) = u32_type(words) else {
+        return (words.to_vec(), 0);
+    };
+    let Some(subgroup) = u32_constant(words, ty, SCOPE_SUBGROUP) else {
+        return (words.to_vec(), 0);
+    };
+    let barriers: Vec<usize> = instructions(words)
+        .filter(|(_, i)| i[0] & 0xffff == OP_CONTROL_BARRIER && i.len() == 4 && i[1] == subgroup)
+        .map(|(at, _)| at)
+        .collect();
+    if barriers.is_empty() {
+        return (words.to_vec(), 0);
+    }
+    let mut out = words.to_vec();
+    let semantics = match u32_constant(words, ty, SEMANTICS_WORKGROUP_MEMORY) {
+        Some(id) => id,
+        None => {
+            // A new constant right after the u32 type; its id is the
+            // module's bound, which grows by one. The barriers come after
+            // the declarations, so their offsets move by the 4 words.
+            let id = out[3];
+            out[3] += 1;
+            let decl = [(4 << 16) | OP_CONSTANT, ty, id, SEMANTICS_WORKGROUP_MEMORY];
+            out.splice(after_type..after_type, decl);
+            for &at in &barriers {
+                out[at + 4 + 3] = id;
+            }
+            return (out, barriers.len());
+        }
+    };
+    for &at in &barriers {
+        out[at + 3] = semantics;
+    }
+    (out, barriers.len())
 }
 
 /// The memory model a module declares (1 GLSL450, 3 Vulkan), if any.
@@ -209,6 +318,7 @@ pub fn compile(
     } else {
         words
     };
+    let (words, _) = subgroup_barriers_order_workgroup_memory(&words);
     Ok(Compiled {
         words,
         bindings,
