@@ -19,14 +19,17 @@ run: setup
 ## suites on the CPU and on the GPU. A missing GPU adapter is a failure here.
 test: setup lint test-rust test-python
 
+# Clippy twice: with the test hooks (what the tests and tools build) and
+# as the release wheel builds the extension, without them.
 lint:
 	cargo fmt --all -- --check
-	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
+	cargo clippy -p flashport-py --quiet -- -D warnings
 	.venv/bin/ruff check python tests benchmarks shaders/gen
 	.venv/bin/ruff format --check python tests benchmarks shaders/gen
 
 test-rust:
-	FLASHPORT_REQUIRE_GPU=1 cargo test --workspace --quiet
+	FLASHPORT_REQUIRE_GPU=1 cargo test --workspace --all-features --quiet
 
 test-python:
 	FLASHPORT_REQUIRE_GPU=1 $(PY) -m pytest

@@ -3,10 +3,12 @@ runs every property on every device."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import flashport
 import pytest
+from flashport import _core
 from hypothesis import HealthCheck, settings
 
 # Every GPU output buffer is filled with NaN before the kernels run (read on
@@ -62,6 +64,18 @@ def backend(request) -> str:
     if request.param == "gpu" and not gpu_adapters():
         pytest.fail("FLASHPORT_REQUIRE_GPU=1 but flashport.devices() lists no GPU adapter")
     return request.param
+
+
+@contextlib.contextmanager
+def overrides(**knobs):
+    """Runs the body with the calling thread's test overrides set (the
+    extension's cargo feature `testing`, which the development build has:
+    `binding_limit=`, `max_tier=`, `portable_cpu=`, ...), then clears them."""
+    _core._testing_set_overrides(**knobs)
+    try:
+        yield
+    finally:
+        _core._testing_set_overrides()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The portable CPU kernels, which every machine without AVX2 and FMA runs,
-forced on here with FLASHPORT_CPU_SIMD=0 (read once per process, so in a
-child process): the same checks against the float64 oracle as the property
+forced on here with the `portable_cpu` test override (in a child process,
+which sets it before its first call): the same checks against the float64 oracle as the property
 suites, on fixed cases, plain and with variants."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ CASES = [
 CHILD = r"""
 import sys
 import numpy as np
+from flashport import _core
+_core._testing_set_overrides(portable_cpu=True)
 from cases import Case, Variants
 from test_properties import check_backward, check_forward
 from test_variants import check_variants
@@ -70,7 +72,7 @@ def _as_tuple(case: Case) -> tuple:
 
 def test_portable_kernels_match_the_reference(tmp_path):
     saved = tmp_path / "portable.npz"
-    env = dict(os.environ, FLASHPORT_CPU_SIMD="0")
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     code = "import flashport\n" + CHILD
     proc = subprocess.run(
@@ -88,9 +90,9 @@ def test_portable_kernels_match_the_reference(tmp_path):
     out, lse = flashport.attention(q, k, v, causal=True, return_lse=True, device="cpu")
     grads = flashport.attention_backward(do, q, k, v, out, lse, causal=True, device="cpu")
     here = {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
-    if _has_avx2_fma() and os.environ.get("FLASHPORT_CPU_SIMD", "").strip() != "0":
+    if _has_avx2_fma():
         assert any(portable[name].tobytes() != here[name].tobytes() for name in here), (
-            "FLASHPORT_CPU_SIMD=0 did not change the kernels"
+            "the portable_cpu override did not change the kernels"
         )
 
 

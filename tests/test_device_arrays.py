@@ -9,8 +9,6 @@ a lost device."""
 
 from __future__ import annotations
 
-import contextlib
-
 import flashport
 import numpy as np
 import pytest
@@ -26,6 +24,7 @@ from cases import (
     score_magnitude,
     term_magnitudes,
 )
+from conftest import overrides
 from flashport import (
     DeviceArray,
     DTypeError,
@@ -66,14 +65,9 @@ def same_bits(got, want, name):
     assert got.tobytes() == want.tobytes(), f"{name}: device path differs from the NumPy path"
 
 
-@contextlib.contextmanager
 def binding_limit(limit):
     """Chunks of heads as on an adapter whose bindings hold ``limit`` bytes."""
-    _core._gpu_set_binding_limit_for_tests(limit)
-    try:
-        yield
-    finally:
-        _core._gpu_set_binding_limit_for_tests(None)
+    return overrides(binding_limit=limit)
 
 
 def uploads():
@@ -166,11 +160,11 @@ def test_round_trip_is_exact(gpu, dtype):
 
 def test_device_arrays_are_immutable(gpu):
     t = to_device(np.arange(12, dtype=np.float32).reshape(3, 4))
-    for name in ("shape", "dtype", "_tensor", "anything"):
+    for name in ("shape", "dtype", "_array", "anything"):
         with pytest.raises(AttributeError):
             setattr(t, name, None)
     with pytest.raises(AttributeError):
-        del t._tensor
+        del t._array
     mutators = {"__setitem__", "fill", "resize", "sort", "put", "itemset", "__iadd__"}
     assert not mutators & set(dir(t))
     with pytest.raises(TypeError, match="to_device"):
@@ -394,7 +388,7 @@ def test_lost_device_names_the_argument_and_the_cpu_keeps_working(gpu):
     want = flashport.attention(Q, K, V, device="cpu")
     tq, tv = to_device(Q), to_device(V)
     flashport.attention(tq, K, tv)  # runs on the device the arrays are on
-    _core._gpu_lose_device_for_tests()
+    _core._testing_lose_device()
     with pytest.raises(GpuError) as info:
         flashport.attention(tq, K, tv)
     message = str(info.value)

@@ -129,7 +129,7 @@ def test_lost_gpu_device_is_an_error_and_nothing_else_breaks(gpu):
     fresh device."""
     want = flashport.attention(Q, K, V, device="cpu")
     flashport.attention(Q, K, V, device=gpu)  # the context exists now
-    flashport._core._gpu_lose_device_for_tests()
+    flashport._core._testing_lose_device()
     try:
         out = flashport.attention(Q, K, V, device=gpu)
     except flashport.GpuError as e:

@@ -21,10 +21,10 @@ Device = Literal["cpu", "gpu", "auto"]
 Tensor = npt.ArrayLike | DeviceArray
 
 
-def _main_array(x: Tensor) -> np.ndarray | _core.DeviceTensor:
+def _main_array(x: Tensor) -> np.ndarray | _core.DeviceArray:
     """A main argument as the core takes it: a NumPy array, or the GPU
     tensor of a DeviceArray (never read back here)."""
-    return x._tensor if isinstance(x, DeviceArray) else as_native_array(x)
+    return x._array if isinstance(x, DeviceArray) else as_native_array(x)
 
 
 def _variant_array(name: str, x: npt.ArrayLike | None) -> np.ndarray | None:
@@ -40,8 +40,8 @@ def _variant_array(name: str, x: npt.ArrayLike | None) -> np.ndarray | None:
     return as_native_array(x)
 
 
-def _result(x: np.ndarray | _core.DeviceTensor) -> np.ndarray | DeviceArray:
-    return DeviceArray(x) if isinstance(x, _core.DeviceTensor) else x
+def _result(x: np.ndarray | _core.DeviceArray) -> np.ndarray | DeviceArray:
+    return DeviceArray(x) if isinstance(x, _core.DeviceArray) else x
 
 
 def _scale_arg(scale: float | None) -> float | None:

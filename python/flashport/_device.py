@@ -31,16 +31,16 @@ class DeviceArray:
     using it raises :class:`flashport.GpuError` naming the argument.
     """
 
-    __slots__ = ("_tensor",)
+    __slots__ = ("_array",)
 
-    _tensor: _core.DeviceTensor
+    _array: _core.DeviceArray
 
-    def __init__(self, tensor: _core.DeviceTensor) -> None:
-        if not isinstance(tensor, _core.DeviceTensor):
+    def __init__(self, array: _core.DeviceArray) -> None:
+        if not isinstance(array, _core.DeviceArray):
             raise TypeError(
                 "DeviceArray is made by flashport.to_device(array), not constructed directly"
             )
-        object.__setattr__(self, "_tensor", tensor)
+        object.__setattr__(self, "_array", array)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"DeviceArray is immutable: cannot set {name!r}")
@@ -50,34 +50,34 @@ class DeviceArray:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._tensor.shape
+        return self._array.shape
 
     @property
     def dtype(self) -> np.dtype:
         """``numpy.float32`` or ``numpy.float16``."""
-        return np.dtype(self._tensor.dtype)
+        return np.dtype(self._array.dtype)
 
     @property
     def ndim(self) -> int:
-        return len(self._tensor.shape)
+        return len(self._array.shape)
 
     @property
     def size(self) -> int:
-        return int(np.prod(self._tensor.shape, dtype=np.int64))
+        return int(np.prod(self._array.shape, dtype=np.int64))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the elements in GPU memory."""
-        return self._tensor.nbytes
+        return self._array.nbytes
 
     @property
     def device(self) -> str:
         """The name of the GPU adapter that holds the array."""
-        return self._tensor.adapter
+        return self._array.adapter
 
     def numpy(self) -> np.ndarray:
         """A new NumPy array with the values, copied back from the GPU."""
-        return self._tensor.numpy()
+        return self._array.numpy()
 
     def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         # NumPy's protocol: np.asarray(x) and np.array(x) read the array back.

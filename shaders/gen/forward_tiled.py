@@ -1,17 +1,16 @@
 # ruff: noqa: E501  (emits long WGSL lines verbatim)
-"""Writes shaders/forward_tiled.wgsl: the register-tiled float32 forward.
+"""Writes shaders/tiled/forward.wgsl, the register-tiled float32 forward,
+from forward_tiled.wgsl.in (see _template.py).
 
 The kernel's register tiles are separate named variables (s00..s33,
-o00..o33), hand-unrolled: through naga and NVIDIA's Vulkan compiler a
+acc00..acc33), hand-unrolled: through naga and NVIDIA's Vulkan compiler a
 private array indexed in a loop was spilled to memory and ran 5x slower
-(see PERFORMANCE.md). WGSL has no macros, so the unrolled statements are
+(see docs/gpu.md#named-register-variables). WGSL has no macros, so the unrolled statements are
 generated here once and the output is committed; sizes stay `override`
 constants. Run: python3 shaders/gen/forward_tiled.py
 """
 
-from pathlib import Path
-
-R = range(4)
+from _template import PF, R, fill, write
 
 
 def scores():
@@ -40,14 +39,14 @@ def pv():
                 out.append("                let v0 = kvs[vrow];")
                 out.append(
                     "                "
-                    + " ".join(f"o{i}0 = fma(vec4(p{i}.{comp}), v0, o{i}0);" for i in R)
+                    + " ".join(f"acc{i}0 = fma(vec4(p{i}.{comp}), v0, acc{i}0);" for i in R)
                 )
             else:
                 out.append(f"                {guard}{{")
                 out.append(f"                    let v{n} = kvs[vrow + {8 * n}u];")
                 out.append(
                     "                    "
-                    + " ".join(f"o{i}{n} = fma(vec4(p{i}.{comp}), v{n}, o{i}{n});" for i in R)
+                    + " ".join(f"acc{i}{n} = fma(vec4(p{i}.{comp}), v{n}, acc{i}{n});" for i in R)
                 )
                 out.append("                }")
         out.append("            }")
@@ -57,11 +56,13 @@ def pv():
 def decl(kind):
     if kind == "s":
         return "\n".join("        " + " ".join(f"var s{i}{j} = 0.0;" for j in R) for i in R)
-    return "\n".join("    " + " ".join(f"var o{i}{n} = vec4(0.0);" for n in R) for i in R)
+    return "\n".join("    " + " ".join(f"var acc{i}{n} = vec4(0.0);" for n in R) for i in R)
 
 
 def rescale():
-    return "\n".join("        " + " ".join(f"o{i}{n} *= corr.{'xyzw'[i]};" for n in R) for i in R)
+    return "\n".join(
+        "        " + " ".join(f"acc{i}{n} *= rescale.{'xyzw'[i]};" for n in R) for i in R
+    )
 
 
 def store():
@@ -70,13 +71,13 @@ def store():
         c = "xyzw"[i]
         out.append(f"    if rg + {i}u * RG < rows {{")
         out.append(f"        let at = (head * p.seq_q + row0 + rg + {i}u * RG) * DV4 + cg;")
-        out.append(f"        let li = l.{c};")
+        out.append(f"        let sum = row_sum.{c};")
         out.append("        if SINKS || DROPOUT {")
-        out.append(f"            let fin = finish_row(bh, m.{c}, li);")
+        out.append(f"            let fin = finish_row(bh, row_max.{c}, sum);")
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
             out.append(
-                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / fin.x, fin.x > 0.0); }}"
+                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), acc{i}{n} / fin.x, fin.x > 0.0); }}"
             )
         out.append(
             f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = fin.y; }}"
@@ -85,10 +86,10 @@ def store():
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
             out.append(
-                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), o{i}{n} / li, li > 0.0); }}"
+                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), acc{i}{n} / sum, sum > 0.0); }}"
             )
         out.append(
-            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, m.{c} + log(li), li > 0.0); }}"
+            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, row_max.{c} + log(sum), sum > 0.0); }}"
         )
         out.append("        }")
         out.append("    }")
@@ -112,9 +113,6 @@ def variant_scores():
         out.append("            }")
     out.append("        }")
     return "\n".join(out)
-
-
-PF = range(8)
 
 
 def prefetch_load(t0, n, pad):
@@ -151,21 +149,24 @@ def prefetch_store(pad):
     return "\n".join(out)
 
 
-TEMPLATE = Path(__file__).with_name("forward_tiled.wgsl.in").read_text()
-text = (
-    TEMPLATE.replace("{{SCORES}}", scores())
-    .replace("{{PV}}", pv())
-    .replace("{{DECL_S}}", decl("s"))
-    .replace("{{DECL_O}}", decl("o"))
-    .replace("{{RESCALE}}", rescale())
-    .replace("{{STORE}}", store())
-    .replace("{{VARIANT_SCORES}}", variant_scores())
-    .replace(
-        "{{PF_DECL}}",
-        "\n".join("    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF),
-    )
-    .replace("{{PF_FIRST}}", prefetch_load("first", "min(BK, key_end - first)", "        "))
-    .replace("{{PF_NEXT}}", prefetch_load("next", "min(BK, key_end - next)", "                "))
-    .replace("{{PF_STORE}}", prefetch_store("            "))
+write(
+    "forward.wgsl",
+    fill(
+        "forward_tiled.wgsl.in",
+        {
+            "SCORES": scores(),
+            "PV": pv(),
+            "DECL_S": decl("s"),
+            "DECL_ACC": decl("acc"),
+            "RESCALE": rescale(),
+            "STORE": store(),
+            "VARIANT_SCORES": variant_scores(),
+            "PF_DECL": "\n".join(
+                "    " + f"var pk{u} = vec4(0.0); var pv{u} = vec4(0.0);" for u in PF
+            ),
+            "PF_FIRST": prefetch_load("first", "min(BK, key_end - first)", "        "),
+            "PF_NEXT": prefetch_load("next", "min(BK, key_end - next)", "                "),
+            "PF_STORE": prefetch_store("            "),
+        },
+    ),
 )
-Path(__file__).parents[1].joinpath("forward_tiled.wgsl").write_text(text)

@@ -1,12 +1,17 @@
-//! flashport-core: exact FlashAttention-2, forward and backward, on the CPU.
+//! flashport-core: exact FlashAttention-2, forward and backward, on the CPU
+//! (`cpu/`) and on any GPU through wgpu (`gpu/`).
 //!
 //! This crate is pure Rust (no Python): validate a problem with
 //! [`validate_forward`] / [`validate_backward`], then run it with
 //! [`attention`] / [`attention_backward`] on contiguous row-major buffers in
 //! `(batch, heads, seq, dim)` order. On the GPU, inputs may also be
-//! [`DeviceTensor`]s (uploaded once with [`to_device`]) and outputs may stay
+//! [`DeviceArray`]s (uploaded once with [`to_device`]) and outputs may stay
 //! there: [`attention_arrays`] / [`attention_backward_arrays`] take
 //! [`Input`]s and return [`Array`]s where the [`Placement`] says.
+//!
+//! The arrays, by where they live: a [`Slice`] borrows host memory and a
+//! [`Buffer`] owns it; a [`DeviceArray`] lives on the GPU; an [`Input`] is
+//! either of the borrowed kinds, an [`Array`] either of the owned ones.
 //!
 //! ```
 //! use flashport_core::{attention, validate_forward, ArrayInfo, Device, Options, Buffer, Slice};
@@ -27,11 +32,12 @@
 pub mod cpu;
 pub mod error;
 pub mod gpu;
+pub mod overrides;
 pub mod problem;
 pub mod variants;
 
 pub use error::{Error, Result};
-pub use gpu::{to_device, DeviceTensor};
+pub use gpu::{to_device, DeviceArray};
 pub use half::f16;
 pub use problem::{validate_backward, validate_forward, ArrayInfo, DType, Options, Problem};
 pub use variants::{MaskData, VariantArrays};
@@ -76,7 +82,7 @@ impl Slice<'_> {
 #[derive(Debug, Clone, Copy)]
 pub enum Input<'a> {
     Host(Slice<'a>),
-    Device(&'a DeviceTensor),
+    Device(&'a DeviceArray),
 }
 
 impl<'a> From<Slice<'a>> for Input<'a> {
@@ -85,8 +91,8 @@ impl<'a> From<Slice<'a>> for Input<'a> {
     }
 }
 
-impl<'a> From<&'a DeviceTensor> for Input<'a> {
-    fn from(t: &'a DeviceTensor) -> Self {
+impl<'a> From<&'a DeviceArray> for Input<'a> {
+    fn from(t: &'a DeviceArray) -> Self {
         Input::Device(t)
     }
 }
@@ -116,7 +122,7 @@ impl Input<'_> {
 #[derive(Debug, Clone)]
 pub enum Array {
     Host(Buffer),
-    Device(DeviceTensor),
+    Device(DeviceArray),
 }
 
 impl Array {
@@ -134,7 +140,7 @@ impl Array {
 pub enum Placement {
     /// Read back into host memory.
     Host,
-    /// Kept on the GPU as [`DeviceTensor`]s.
+    /// Kept on the GPU as [`DeviceArray`]s.
     Device,
 }
 
@@ -237,23 +243,26 @@ impl Device {
     }
 }
 
-/// Output of the forward pass.
+/// Output of the forward pass, in host [`Buffer`]s or, from the
+/// `_arrays` calls, in [`Array`]s where the call's [`Placement`] put them.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ForwardOutput {
+pub struct ForwardOutput<A = Buffer> {
     /// `(batch, heads_q, seq_q, value_dim)`, in the inputs' dtype.
-    pub out: Buffer,
+    pub out: A,
     /// `(batch, heads_q, seq_q)`: natural-log log-sum-exp of the scaled
     /// scores of each query row; `-inf` for a row that sees no key.
-    pub lse: Buffer,
+    pub lse: A,
 }
 
 /// Gradients of the backward pass, in the inputs' dtype; `dk` and `dv`
-/// have `heads_kv` heads.
+/// have `heads_kv` heads. As with [`ForwardOutput`], `A` is [`Buffer`] or
+/// [`Array`]. `dsinks` and `dmask` are computed on the host and stay
+/// there: they are the gradients of host arrays.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Gradients {
-    pub dq: Buffer,
-    pub dk: Buffer,
-    pub dv: Buffer,
+pub struct Gradients<A = Buffer> {
+    pub dq: A,
+    pub dk: A,
+    pub dv: A,
     /// `(heads_q,)`, float64, when the problem has sinks.
     pub dsinks: Option<Vec<f64>>,
     /// The float mask's gradient in the mask's shape, in the problem's
@@ -261,45 +270,63 @@ pub struct Gradients {
     pub dmask: Option<Buffer>,
 }
 
-/// Output of [`attention_arrays`]: as [`ForwardOutput`], each array where
-/// the call's [`Placement`] put it.
-#[derive(Debug, Clone)]
-pub struct ForwardArrays {
-    pub out: Array,
-    pub lse: Array,
-}
-
-/// Gradients of [`attention_backward_arrays`]: `dq`, `dk` and `dv` where the
-/// call's [`Placement`] put them. `dsinks` and `dmask` are computed on the
-/// host and stay there: they are the gradients of host arrays.
-#[derive(Debug, Clone)]
-pub struct GradientArrays {
-    pub dq: Array,
-    pub dk: Array,
-    pub dv: Array,
-    pub dsinks: Option<Vec<f64>>,
-    pub dmask: Option<Buffer>,
-}
-
-/// What a backend's backward returns before the shared variant gradients
-/// are added: `dS` over the full `(batch, heads_q, seq_q, seq_k)` when the
-/// mask's gradient is wanted.
+/// What a backend's backward returns before the variant gradients both
+/// backends share are added: `dS` over the full `(batch, heads_q, seq_q,
+/// seq_k)` when the mask's gradient is wanted (always on the host: the
+/// host reduces it to the mask's shape).
 #[derive(Debug, Clone, PartialEq)]
-pub struct BackendGradients {
-    pub dq: Buffer,
-    pub dk: Buffer,
-    pub dv: Buffer,
+pub struct BackendGradients<A = Buffer> {
+    pub dq: A,
+    pub dk: A,
+    pub dv: A,
     pub d_scores: Option<Buffer>,
 }
 
-/// The GPU backward's results before the shared variant gradients: `dq`,
-/// `dk` and `dv` where the call's [`Placement`] put them.
-#[derive(Debug, Clone)]
-pub struct BackendArrays {
-    pub dq: Array,
-    pub dk: Array,
-    pub dv: Array,
-    pub d_scores: Option<Buffer>,
+impl ForwardOutput<Array> {
+    /// The outputs in host memory, read back where they are on the GPU.
+    pub fn into_host(self) -> Result<ForwardOutput> {
+        Ok(ForwardOutput {
+            out: self.out.into_host()?,
+            lse: self.lse.into_host()?,
+        })
+    }
+}
+
+impl Gradients<Array> {
+    /// The gradients in host memory, read back where they are on the GPU.
+    pub fn into_host(self) -> Result<Gradients> {
+        Ok(Gradients {
+            dq: self.dq.into_host()?,
+            dk: self.dk.into_host()?,
+            dv: self.dv.into_host()?,
+            dsinks: self.dsinks,
+            dmask: self.dmask,
+        })
+    }
+}
+
+impl BackendGradients<Array> {
+    /// The gradients in host memory, read back where they are on the GPU.
+    pub fn into_host(self) -> Result<BackendGradients> {
+        Ok(BackendGradients {
+            dq: self.dq.into_host()?,
+            dk: self.dk.into_host()?,
+            dv: self.dv.into_host()?,
+            d_scores: self.d_scores,
+        })
+    }
+}
+
+impl BackendGradients<Buffer> {
+    /// Host gradients as a call's [`Array`]s.
+    pub fn into_arrays(self) -> BackendGradients<Array> {
+        BackendGradients {
+            dq: Array::Host(self.dq),
+            dk: Array::Host(self.dk),
+            dv: Array::Host(self.dv),
+            d_scores: self.d_scores,
+        }
+    }
 }
 
 fn check_len(argument: &str, got: &Input<'_>, want: usize, dtype: DType) -> Result<()> {
@@ -393,17 +420,14 @@ pub fn attention(
     v: Slice<'_>,
     variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
-    let r = attention_arrays(
+    attention_arrays(
         device,
         problem,
         [q.into(), k.into(), v.into()],
         variants,
         Placement::Host,
-    )?;
-    Ok(ForwardOutput {
-        out: r.out.into_host()?,
-        lse: r.lse.into_host()?,
-    })
+    )?
+    .into_host()
 }
 
 /// Runs the forward pass of a validated problem on inputs that may be
@@ -415,7 +439,7 @@ pub fn attention_arrays(
     [q, k, v]: [Input<'_>; 3],
     variants: &VariantArrays<'_>,
     outputs: Placement,
-) -> Result<ForwardArrays> {
+) -> Result<ForwardOutput<Array>> {
     check_len("q", &q, problem.q_len(), problem.dtype)?;
     check_len("k", &k, problem.k_len(), problem.dtype)?;
     check_len("v", &v, problem.v_len(), problem.dtype)?;
@@ -431,7 +455,7 @@ pub fn attention_arrays(
                 on_host("v", v)?,
                 variants,
             )?;
-            Ok(ForwardArrays {
+            Ok(ForwardOutput {
                 out: Array::Host(r.out),
                 lse: Array::Host(r.lse),
             })
@@ -453,20 +477,14 @@ pub fn attention_backward(
     lse: Slice<'_>,
     variants: &VariantArrays<'_>,
 ) -> Result<Gradients> {
-    let g = attention_backward_arrays(
+    attention_backward_arrays(
         device,
         problem,
         [d_out, q, k, v, out, lse].map(Input::Host),
         variants,
         Placement::Host,
-    )?;
-    Ok(Gradients {
-        dq: g.dq.into_host()?,
-        dk: g.dk.into_host()?,
-        dv: g.dv.into_host()?,
-        dsinks: g.dsinks,
-        dmask: g.dmask,
-    })
+    )?
+    .into_host()
 }
 
 /// The backward pass on inputs `[do, q, k, v, o, lse]` that may be device
@@ -479,7 +497,7 @@ pub fn attention_backward_arrays(
     inputs: [Input<'_>; 6],
     variants: &VariantArrays<'_>,
     outputs: Placement,
-) -> Result<GradientArrays> {
+) -> Result<Gradients<Array>> {
     let [d_out, q, k, v, out, lse] = inputs;
     check_len("do", &d_out, problem.out_len(), problem.dtype)?;
     check_len("q", &q, problem.q_len(), problem.dtype)?;
@@ -507,13 +525,7 @@ pub fn attention_backward_arrays(
         Device::Gpu => gpu::backward_arrays(problem, inputs, variants, outputs)?,
         _ => {
             let [d_out, q, k, v, out, lse] = named.map(|(name, input)| on_host(name, input));
-            let g = cpu::backward(problem, [d_out?, q?, k?, v?, out?, lse?], variants)?;
-            BackendArrays {
-                dq: Array::Host(g.dq),
-                dk: Array::Host(g.dk),
-                dv: Array::Host(g.dv),
-                d_scores: g.d_scores,
-            }
+            cpu::backward(problem, [d_out?, q?, k?, v?, out?, lse?], variants)?.into_arrays()
         }
     };
     let dmask = match grads.d_scores {
@@ -535,7 +547,7 @@ pub fn attention_backward_arrays(
         }
         None => None,
     };
-    Ok(GradientArrays {
+    Ok(Gradients {
         dq: grads.dq,
         dk: grads.dk,
         dv: grads.dv,

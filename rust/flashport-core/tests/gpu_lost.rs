@@ -1,6 +1,10 @@
-//! A device lost under device tensors. Its own test binary (own process):
+//! A device lost under device arrays. Its own test binary (own process):
 //! losing the shared device would fail the GPU tests running beside it.
 
+#[path = "gpu/require.rs"]
+mod require;
+
+use flashport_core::gpu::testing::lose_device;
 use flashport_core::{
     attention_arrays, gpu, validate_forward, ArrayInfo, Buffer, Device, Error, Options, Placement,
     Slice, VariantArrays,
@@ -8,12 +12,7 @@ use flashport_core::{
 
 #[test]
 fn lost_device_arrays_are_errors_naming_them_and_the_cpu_keeps_working() {
-    if gpu::adapters().is_empty() {
-        assert_eq!(
-            std::env::var("FLASHPORT_ALLOW_NO_GPU").as_deref(),
-            Ok("1"),
-            "no GPU adapter found (install Mesa's lavapipe: mesa-vulkan-drivers)"
-        );
+    if !require::gpu_present() {
         return;
     }
     let shape = [2, 9, 8];
@@ -37,7 +36,7 @@ fn lost_device_arrays_are_errors_naming_them_and_the_cpu_keeps_working() {
     let tk = gpu::to_device("k", x, &shape).unwrap();
     let before = run(Device::Gpu, [x.into(), (&tk).into(), x.into()]).unwrap();
 
-    gpu::lose_device_for_tests();
+    lose_device();
     let err = run(Device::Gpu, [x.into(), (&tk).into(), x.into()]).unwrap_err();
     assert!(
         matches!(&err, Error::Gpu(m) if m.starts_with("k is a device array") && m.contains("lost")),

@@ -1,4 +1,4 @@
-//! Every WGSL file in `shaders/` parses and validates with naga (the
+//! Every WGSL file under `shaders/` parses and validates with naga (the
 //! compiler wgpu uses), with no GPU: a broken shader fails here with a
 //! readable message instead of at pipeline creation on some user's machine.
 //! The kernels are also specialised with the override values the host
@@ -6,12 +6,23 @@
 
 use std::path::PathBuf;
 
+use flashport_core::gpu::kernel::Kernel;
+use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
 use flashport_core::gpu::tiles::{
-    backward_kernels, choose, coop_backward_tiles, coop_tiles, coop_workgroup_bytes,
-    forward_kernel, workgroup_bytes, DeviceCaps, Kernel,
+    coop_backward_tiles, coop_forward_tiles, coop_workgroup_bytes, simple_tiles,
+    tiled_backward_tiles, tiled_forward_tiles, workgroup_bytes, Tiles,
 };
 use wgpu::naga;
+
+/// The forward kernel the backend selects for float32 inputs without
+/// variants: the tiled one where its tiles fit, else the simple one.
+fn forward_kernel(d: u32, dv: u32, caps: AdapterCaps) -> (Kernel, Tiles) {
+    match tiled_forward_tiles(d, dv, caps) {
+        Some(t) => (Kernel::ForwardTiled, t),
+        None => (Kernel::Forward, simple_tiles(Kernel::Forward, d, dv, caps)),
+    }
+}
 
 fn shader_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shaders")
@@ -43,22 +54,25 @@ fn parse_text(name: &str, source: &str) -> naga::Module {
         .unwrap_or_else(|e| panic!("{name} does not parse:\n{}", e.emit_to_string(source)))
 }
 
-/// The tiled forward is assembled from forward_tiled.wgsl and a row
-/// reduction fragment (shaders/row_reduce_*.wgsl); both variants must validate and
-/// specialise for the tiles the host picks, on small and large adapters.
+/// The tiled forward is assembled from shaders/tiled/forward.wgsl and a row
+/// reduction fragment (shaders/lib/row_reduce_*.wgsl); both variants must
+/// validate and specialise for the tiles the host picks, on small and large
+/// adapters.
 #[test]
 fn tiled_forward_variants_validate_and_specialise() {
-    let nvidia = DeviceCaps {
+    let nvidia = AdapterCaps {
         workgroup_storage_bytes: 48 * 1024,
         max_invocations: 1024,
         max_workgroup_size_x: 1024,
         subgroups: true,
+        ..AdapterCaps::WEBGPU_DEFAULT
     };
-    let lavapipe = DeviceCaps {
+    let lavapipe = AdapterCaps {
         workgroup_storage_bytes: 32 * 1024,
         max_invocations: 1024,
         max_workgroup_size_x: 1024,
         subgroups: true,
+        ..AdapterCaps::WEBGPU_DEFAULT
     };
     for (subgroups, f16) in [(false, false), (true, false), (false, true), (true, true)] {
         let text = source(Kernel::ForwardTiled, subgroups, f16);
@@ -67,8 +81,8 @@ fn tiled_forward_variants_validate_and_specialise() {
         let info = subgroup_validator()
             .validate(&module)
             .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
-        for base in [nvidia, lavapipe, DeviceCaps::WEBGPU_DEFAULT] {
-            let caps = DeviceCaps { subgroups, ..base };
+        for base in [nvidia, lavapipe, AdapterCaps::WEBGPU_DEFAULT] {
+            let caps = AdapterCaps { subgroups, ..base };
             for (d, dv) in [(64, 64), (128, 128), (4, 4), (256, 8), (16, 24), (60, 36)] {
                 let (kernel, t) = forward_kernel(d, dv, caps);
                 if kernel != Kernel::ForwardTiled {
@@ -102,47 +116,96 @@ const EVERY_KERNEL: [Kernel; 7] = [
     Kernel::BackwardDkDvTiled,
 ];
 
+/// The ten kernels: the seven above and the three cooperative ones.
+fn all_kernels() -> impl Iterator<Item = Kernel> {
+    EVERY_KERNEL.into_iter().chain([
+        Kernel::ForwardCoop,
+        Kernel::BackwardDqCoop,
+        Kernel::BackwardDkDvCoop,
+    ])
+}
+
+/// Every WGSL file under `shaders/`, relative to it, sorted.
+fn shader_files() -> Vec<String> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "wgsl") {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&shader_dir(), &mut files);
+    let mut names: Vec<String> = files
+        .iter()
+        .map(|p| {
+            let rel = p.strip_prefix(shader_dir()).unwrap();
+            rel.to_str().unwrap().replace('\\', "/")
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// The kernel of a file in a tier's folder: shaders/simple/forward.wgsl is
+/// `Kernel::Forward`, shaders/tiled/forward.wgsl `Kernel::ForwardTiled`.
+fn kernel_of(file: &str) -> Option<Kernel> {
+    let (tier, name) = file.strip_suffix(".wgsl")?.split_once('/')?;
+    let suffix = match tier {
+        "simple" => "",
+        "tiled" => "_tiled",
+        "coop" => "_coop",
+        _ => return None,
+    };
+    all_kernels().find(|k| k.name() == format!("{name}{suffix}"))
+}
+
 #[test]
 fn every_shader_parses_and_validates() {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(shader_dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "wgsl"))
-        .collect();
-    files.sort();
-    assert!(
-        files.len() >= 4,
+    let files = shader_files();
+    let kernels: Vec<&String> = files.iter().filter(|f| kernel_of(f).is_some()).collect();
+    assert_eq!(
+        kernels.len(),
+        10,
         "expected the kernels in {:?}",
         shader_dir()
     );
-    for path in &files {
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name == "common.wgsl"
-            || name.starts_with("row_reduce_")
-            || name.starts_with("input_")
-            || name.ends_with("_coop.wgsl")
-            || name == "coop_diagnostic.wgsl"
-            || name == "device_arrays.wgsl"
-        {
-            // Fragments: checked assembled with the kernels below; the
-            // cooperative kernels need their own capabilities (below); the
-            // device-array moves stand alone (below).
+    for file in &files {
+        if file.starts_with("lib/") {
+            // A fragment is checked as part of the kernels that take it.
+            let text = std::fs::read_to_string(shader_dir().join(file)).unwrap();
+            let taken = all_kernels()
+                .flat_map(|k| [(k, false), (k, true)])
+                .any(|(k, sub)| {
+                    [false, true]
+                        .iter()
+                        .any(|&f16| source(k, sub, f16).contains(&text))
+                });
+            assert!(taken, "shaders/{file} is a fragment no kernel takes");
             continue;
         }
-        let kernel = EVERY_KERNEL
-            .into_iter()
-            .find(|k| format!("{}.wgsl", k.name()) == name)
-            .unwrap_or_else(|| panic!("{name} is no kernel the host knows"));
-        // The kernels are valid as the host assembles them, after
-        // shaders/common.wgsl (the tiled forward is checked with both of
-        // its fragments in tiled_forward_variants_validate_and_specialise).
+        if file == "device_arrays.wgsl" {
+            // Stand-alone modules, checked below.
+            continue;
+        }
+        let kernel =
+            kernel_of(file).unwrap_or_else(|| panic!("shaders/{file} is no kernel the host knows"));
+        if kernel.is_coop() {
+            // They need their own capabilities (below).
+            continue;
+        }
+        // The kernels are valid as the host assembles them (the tiled
+        // forward is checked with both of its row reductions in
+        // tiled_forward_variants_validate_and_specialise).
         for f16 in [false, true] {
             let text = source(kernel, false, f16);
-            let module = parse_text(name, &text);
+            let module = parse_text(file, &text);
             if let Err(e) = validator().validate(&module) {
                 panic!(
-                    "{} (f16 inputs={f16}) does not validate:\n{}",
-                    path.display(),
+                    "shaders/{file} (f16 inputs={f16}) does not validate:\n{}",
                     e.emit_to_string(&text)
                 );
             }
@@ -212,11 +275,12 @@ fn kernels_specialise_with_every_variant() {
         window: true,
         dmask: true,
     };
-    let caps = DeviceCaps {
+    let caps = AdapterCaps {
         workgroup_storage_bytes: 32 * 1024,
         max_invocations: 1024,
         max_workgroup_size_x: 1024,
         subgroups: false,
+        ..AdapterCaps::WEBGPU_DEFAULT
     };
     for (kernel, f16) in EVERY_KERNEL
         .into_iter()
@@ -228,9 +292,9 @@ fn kernels_specialise_with_every_variant() {
         let (d, dv) = (64, 32);
         let t = match kernel {
             Kernel::ForwardTiled => forward_kernel(d, dv, caps).1,
-            Kernel::BackwardDqTiled => backward_kernels(d, dv, caps).unwrap().0,
-            Kernel::BackwardDkDvTiled => backward_kernels(d, dv, caps).unwrap().1,
-            _ => choose(kernel, d, dv, caps),
+            Kernel::BackwardDqTiled => tiled_backward_tiles(d, dv, caps).unwrap().0,
+            Kernel::BackwardDkDvTiled => tiled_backward_tiles(d, dv, caps).unwrap().1,
+            _ => simple_tiles(kernel, d, dv, caps),
         };
         let mut constants: naga::back::PipelineConstants = Default::default();
         for (k, v) in tile_overrides(kernel, f16, d, dv, t, false)
@@ -250,8 +314,8 @@ fn kernels_specialise_with_every_variant() {
     }
 }
 
-fn overrides(kernel: Kernel, d: u32, dv: u32, f16: bool) -> naga::back::PipelineConstants {
-    let t = choose(kernel, d, dv, DeviceCaps::WEBGPU_DEFAULT);
+fn overrides(kernel: Kernel, d: u32, dv: u32) -> naga::back::PipelineConstants {
+    let t = simple_tiles(kernel, d, dv, AdapterCaps::WEBGPU_DEFAULT);
     let (bq, bk) = (t.q_rows, t.k_rows);
     let n = |x: u32| x.max(1) as f64;
     let mut c: naga::back::PipelineConstants = Default::default();
@@ -260,7 +324,6 @@ fn overrides(kernel: Kernel, d: u32, dv: u32, f16: bool) -> naga::back::Pipeline
     };
     set("WG", t.workgroup as f64);
     set("DV", dv as f64);
-    set("IN_F16", if f16 { 1.0 } else { 0.0 });
     if kernel != Kernel::BackwardPreprocess {
         set("BQ", bq as f64);
         set("BK", bk as f64);
@@ -281,17 +344,17 @@ fn overrides(kernel: Kernel, d: u32, dv: u32, f16: bool) -> naga::back::Pipeline
 
 #[test]
 fn kernels_specialise_for_the_host_tiles() {
-    for kernel in Kernel::ALL {
-        let text = source(kernel, false, false);
-        let module = parse_text(kernel.name(), &text);
-        let info = validator().validate(&module).unwrap();
+    for kernel in Kernel::SIMPLE {
         for (d, dv, f16) in [
             (1, 0, false),
             (64, 64, true),
             (256, 256, false),
             (48, 7, true),
         ] {
-            let constants = overrides(kernel, d, dv, f16);
+            let text = source(kernel, false, f16);
+            let module = parse_text(kernel.name(), &text);
+            let info = validator().validate(&module).unwrap();
+            let constants = overrides(kernel, d, dv);
             let result = naga::back::pipeline_constants::process_overrides(
                 &module,
                 &info,
@@ -319,14 +382,15 @@ fn tiled_backward_kernels_validate_and_specialise() {
             .validate(&module)
             .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
         for kib in [16, 32, 48] {
-            let caps = DeviceCaps {
+            let caps = AdapterCaps {
                 workgroup_storage_bytes: kib * 1024,
                 max_invocations: 1024,
                 max_workgroup_size_x: 1024,
                 subgroups: false,
+                ..AdapterCaps::WEBGPU_DEFAULT
             };
             for (d, dv) in [(64, 64), (128, 128), (4, 4), (16, 24), (60, 36), (128, 8)] {
-                let Some((tq, tkv)) = backward_kernels(d, dv, caps) else {
+                let Some((tq, tkv)) = tiled_backward_tiles(d, dv, caps) else {
                     continue;
                 };
                 let t = if kernel == Kernel::BackwardDqTiled {
@@ -367,11 +431,12 @@ fn coop_validator() -> naga::valid::Validator {
     v
 }
 
-const NVIDIA: DeviceCaps = DeviceCaps {
+const NVIDIA: AdapterCaps = AdapterCaps {
     workgroup_storage_bytes: 48 * 1024,
     max_invocations: 1024,
     max_workgroup_size_x: 1024,
     subgroups: true,
+    ..AdapterCaps::WEBGPU_DEFAULT
 };
 
 /// The cooperative-matrix forward validates with the capabilities the
@@ -396,7 +461,7 @@ fn coop_forward_validates_and_specialises() {
         (128, 16),
         (32, 96),
     ] {
-        let t = coop_tiles(d, dv, nvidia, None)
+        let t = coop_forward_tiles(d, dv, nvidia)
             .unwrap_or_else(|| panic!("no cooperative tiles for d={d} dv={dv}"));
         assert!(coop_workgroup_bytes(d, dv, t) <= 48 * 1024);
         let mut constants: naga::back::PipelineConstants = Default::default();
@@ -418,7 +483,7 @@ fn coop_forward_validates_and_specialises() {
     assert_eq!(specialised, 6);
     // Shapes it does not take.
     for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
-        assert_eq!(coop_tiles(d, dv, nvidia, None), None);
+        assert_eq!(coop_forward_tiles(d, dv, nvidia), None);
     }
 }
 
@@ -523,13 +588,16 @@ fn coop_spirv_uses_the_glsl450_memory_model() {
         // The patched module is already GLSL450: nothing to change.
         assert!(!glsl450_memory_model(&patched.words).1);
     }
-    let diag = std::fs::read_to_string(shader_dir().join("coop_diagnostic.wgsl")).unwrap();
+    let diag = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/gpu/coop_diagnostic.wgsl"),
+    )
+    .unwrap();
     let words = compile(&diag, &[], false, true).unwrap().words;
     assert_eq!(memory_model(&words), Some(1));
 }
 
 /// The cooperative backward kernels wait on subgroup barriers around each
-/// subgroup's own scratch rows (shaders/backward_dkdv_coop.wgsl,
+/// subgroup's own scratch rows (shaders/coop/backward_dkdv.wgsl,
 /// SUBGROUP_SCRATCH); in the SPIR-V they are built from, those barriers
 /// order workgroup memory (AcquireRelease | WorkgroupMemory), not naga's
 /// SubgroupMemory, which Vulkan ignores.
@@ -567,7 +635,7 @@ fn coop_backward_subgroup_barriers_order_workgroup_memory() {
         [SEMANTICS_WORKGROUP_MEMORY]
     );
     // The forward has no subgroup barrier: unchanged.
-    let t = coop_tiles(64, 64, nvidia, None).unwrap();
+    let t = coop_forward_tiles(64, 64, nvidia).unwrap();
     let constants = tile_overrides(Kernel::ForwardCoop, true, 64, 64, t, true);
     let words = compile(
         &source(Kernel::ForwardCoop, true, true),

@@ -78,7 +78,7 @@ struct ArgMeta {
 impl ArgMeta {
     /// A NumPy array's, or a device tensor's: validation treats both alike.
     fn read_main(name: &str, array: &Bound<'_, PyAny>) -> PyResult<ArgMeta> {
-        match array.cast::<DeviceTensor>() {
+        match array.cast::<DeviceArray>() {
             Ok(t) => {
                 let t = &t.get().inner;
                 Ok(ArgMeta {
@@ -111,19 +111,23 @@ impl ArgMeta {
     }
 }
 
-/// An input array held for the duration of a call: the NumPy borrow, and
-/// its data as one contiguous row-major slice (copied only when the array
-/// is not C-contiguous).
+/// An input array held for the duration of a call: the NumPy borrow, or
+/// the device array.
 enum Held<'py> {
     F16(PyReadonlyArrayDyn<'py, f16>),
     F32(PyReadonlyArrayDyn<'py, f32>),
     F64(PyReadonlyArrayDyn<'py, f64>),
+    Device(Bound<'py, DeviceArray>),
 }
 
+/// A held array's data as the core takes it: one contiguous row-major
+/// slice (copied only when the NumPy array is not C-contiguous), or the
+/// device array.
 enum Contiguous<'a> {
     F16(Cow<'a, [f16]>),
     F32(Cow<'a, [f32]>),
     F64(Cow<'a, [f64]>),
+    Device(&'a core::DeviceArray),
 }
 
 fn contiguous<'a, T: Element + Clone>(array: &'a PyReadonlyArrayDyn<'_, T>) -> Cow<'a, [T]> {
@@ -135,7 +139,16 @@ fn contiguous<'a, T: Element + Clone>(array: &'a PyReadonlyArrayDyn<'_, T>) -> C
 }
 
 impl<'py> Held<'py> {
+    /// A device array as it is; a NumPy array as `dtype` (validation has
+    /// checked that it has that dtype).
     fn new(array: &Bound<'py, PyAny>, dtype: DType) -> PyResult<Held<'py>> {
+        match array.cast::<DeviceArray>() {
+            Ok(t) => Ok(Held::Device(t.clone())),
+            Err(_) => Held::host(array, dtype),
+        }
+    }
+    /// A NumPy array as `dtype` (variant arrays, `to_device`'s argument).
+    fn host(array: &Bound<'py, PyAny>, dtype: DType) -> PyResult<Held<'py>> {
         Ok(match dtype {
             DType::F16 => Held::F16(array.extract()?),
             DType::F32 => Held::F32(array.extract()?),
@@ -147,58 +160,32 @@ impl<'py> Held<'py> {
             Held::F16(a) => Contiguous::F16(contiguous(a)),
             Held::F32(a) => Contiguous::F32(contiguous(a)),
             Held::F64(a) => Contiguous::F64(contiguous(a)),
+            Held::Device(t) => Contiguous::Device(&t.get().inner),
         }
     }
 }
 
 impl Contiguous<'_> {
-    fn slice(&self) -> Slice<'_> {
-        match self {
-            Contiguous::F16(c) => Slice::F16(c),
-            Contiguous::F32(c) => Slice::F32(c),
-            Contiguous::F64(c) => Slice::F64(c),
-        }
-    }
-}
-
-/// A main array argument held for a call: a NumPy array, or a device
-/// tensor.
-enum HeldArg<'py> {
-    Host(Held<'py>),
-    Device(Bound<'py, DeviceTensor>),
-}
-
-impl<'py> HeldArg<'py> {
-    fn new(array: &Bound<'py, PyAny>, dtype: DType) -> PyResult<Self> {
-        match array.cast::<DeviceTensor>() {
-            Ok(t) => Ok(HeldArg::Device(t.clone())),
-            Err(_) => Ok(HeldArg::Host(Held::new(array, dtype)?)),
-        }
-    }
-    fn contiguous(&self) -> ContiguousArg<'_> {
-        match self {
-            HeldArg::Host(h) => ContiguousArg::Host(h.contiguous()),
-            HeldArg::Device(t) => ContiguousArg::Device(&t.get().inner),
-        }
-    }
-}
-
-enum ContiguousArg<'a> {
-    Host(Contiguous<'a>),
-    Device(&'a core::DeviceTensor),
-}
-
-impl ContiguousArg<'_> {
     fn input(&self) -> Input<'_> {
         match self {
-            ContiguousArg::Host(c) => Input::Host(c.slice()),
-            ContiguousArg::Device(t) => Input::Device(t),
+            Contiguous::F16(c) => Input::Host(Slice::F16(c)),
+            Contiguous::F32(c) => Input::Host(Slice::F32(c)),
+            Contiguous::F64(c) => Input::Host(Slice::F64(c)),
+            Contiguous::Device(t) => Input::Device(t),
+        }
+    }
+    /// The host slice of a host array (variant arrays and `to_device`'s
+    /// argument are never device arrays).
+    fn slice(&self) -> Option<Slice<'_>> {
+        match self.input() {
+            Input::Host(s) => Some(s),
+            Input::Device(_) => None,
         }
     }
 }
 
 fn is_device(array: &Bound<'_, PyAny>) -> bool {
-    array.is_instance_of::<DeviceTensor>()
+    array.is_instance_of::<DeviceArray>()
 }
 
 /// An output: a NumPy array of `shape`, or a device tensor (which has its
@@ -206,7 +193,7 @@ fn is_device(array: &Bound<'_, PyAny>) -> bool {
 fn to_python<'py>(py: Python<'py>, array: Array, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
     match array {
         Array::Host(buffer) => to_numpy(py, buffer, shape),
-        Array::Device(inner) => Ok(Bound::new(py, DeviceTensor { inner })?.into_any()),
+        Array::Device(inner) => Ok(Bound::new(py, DeviceArray { inner })?.into_any()),
     }
 }
 
@@ -302,7 +289,7 @@ impl<'py> HeldVariants<'py> {
         if let (Some(mask), Some(spec)) = (&args.mask, problem.mask) {
             match spec.dtype {
                 MaskDType::Bool => mask_bool = Some(mask.extract()?),
-                MaskDType::Float(dtype) => mask_float = Some(Held::new(mask, dtype)?),
+                MaskDType::Float(dtype) => mask_float = Some(Held::host(mask, dtype)?),
             }
         }
         Ok(HeldVariants {
@@ -356,7 +343,7 @@ fn attention<'py>(
     )?;
     let on_gpu = [q, k, v].into_iter().any(is_device);
     let device = validated(py, Device::parse_for(device, on_gpu))?;
-    let held = [q, k, v].map(|a| HeldArg::new(a, problem.dtype));
+    let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let [q, k, v] = held;
     let (q, k, v) = (q?, k?, v?);
     let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
@@ -382,7 +369,7 @@ fn variant_arrays<'a>(
 ) -> VariantArrays<'a> {
     let mask = match (mask_bool, mask_float) {
         (Some(b), _) => Some(MaskData::Bool(b)),
-        (_, Some(f)) => Some(MaskData::Float(f.slice())),
+        (_, Some(f)) => f.slice().map(MaskData::Float),
         _ => None,
     };
     VariantArrays {
@@ -456,11 +443,11 @@ fn attention_backward<'py>(
             } else {
                 problem.dtype
             };
-            HeldArg::new(a, dtype)
+            Held::new(a, dtype)
         })
         .collect::<PyResult<Vec<_>>>()?;
-    let contiguous: Vec<ContiguousArg<'_>> = held.iter().map(HeldArg::contiguous).collect();
-    let s: Vec<Input<'_>> = contiguous.iter().map(ContiguousArg::input).collect();
+    let contiguous: Vec<Contiguous<'_>> = held.iter().map(Held::contiguous).collect();
+    let s: Vec<Input<'_>> = contiguous.iter().map(Contiguous::input).collect();
     let inputs = [s[0], s[1], s[2], s[3], s[4], s[5]];
     let held_variants = HeldVariants::new(&variants, &problem)?;
     let mask_bool = held_variants.mask_bool.as_ref().map(contiguous_of);
@@ -497,16 +484,16 @@ fn contiguous_of<'a>(array: &'a PyReadonlyArrayDyn<'_, bool>) -> Cow<'a, [bool]>
     contiguous(array)
 }
 
-/// DeviceTensor: a float32 or float16 array resident on the GPU, made by
+/// DeviceArray: a float32 or float16 array resident on the GPU, made by
 /// to_device or kept there by attention / attention_backward.
 /// flashport.DeviceArray wraps it; immutable.
 #[pyclass(frozen, module = "flashport._core")]
-struct DeviceTensor {
-    inner: core::DeviceTensor,
+struct DeviceArray {
+    inner: core::DeviceArray,
 }
 
 #[pymethods]
-impl DeviceTensor {
+impl DeviceArray {
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, self.inner.shape())
@@ -532,7 +519,7 @@ impl DeviceTensor {
     }
     fn __repr__(&self) -> String {
         format!(
-            "DeviceTensor(shape={:?}, dtype={}, adapter={:?})",
+            "DeviceArray(shape={:?}, dtype={}, adapter={:?})",
             self.inner.shape(),
             self.inner.dtype().numpy_name(),
             self.inner.adapter_name()
@@ -540,10 +527,10 @@ impl DeviceTensor {
     }
 }
 
-/// to_device(array) -> DeviceTensor: uploads a float32 or float16 NumPy
+/// to_device(array) -> DeviceArray: uploads a float32 or float16 NumPy
 /// array to the GPU. The private entry point behind flashport.to_device.
 #[pyfunction]
-fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceTensor> {
+fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
     let meta = ArgMeta::read("array", array)?;
     let dtype = DType::from_numpy_name(&meta.dtype).ok_or_else(|| {
         to_py_err(
@@ -555,11 +542,13 @@ fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceTensor>
             },
         )
     })?;
-    let held = Held::new(array, dtype)?;
+    let held = Held::host(array, dtype)?;
     let contiguous = held.contiguous();
-    let slice = contiguous.slice();
+    let slice = contiguous
+        .slice()
+        .ok_or_else(|| PyTypeError::new_err("array must be a numpy.ndarray"))?;
     let inner = run_detached(py, || core::to_device("array", slice, &meta.shape))?;
-    Ok(DeviceTensor { inner })
+    Ok(DeviceArray { inner })
 }
 
 /// devices() -> list[dict]: the CPU and every GPU adapter flashport can use.
@@ -606,34 +595,72 @@ fn _gpu_kernel_times() -> Vec<(String, f64)> {
     core::gpu::last_kernel_times()
 }
 
-/// _gpu_lose_device_for_tests(): destroys the GPU device flashport holds,
-/// as a driver reset would. For the failure-path tests only.
-#[pyfunction]
-fn _gpu_lose_device_for_tests(py: Python<'_>) {
-    py.detach(|| {
-        let _ = catch_unwind(core::gpu::lose_device_for_tests);
-    });
-}
+/// The core's test hooks (cargo feature `testing`: the development build,
+/// never the wheel).
+#[cfg(feature = "testing")]
+mod testing {
+    use super::*;
+    use flashport_core::gpu::kernel::Tier;
+    use flashport_core::overrides::{self, Overrides};
 
-/// _gpu_set_binding_limit_for_tests(limit): caps the GPU binding size the
-/// calling thread plans with (None: the adapter's), so that tests run the
-/// split into chunks of heads on small arrays.
-#[pyfunction]
-#[pyo3(signature = (limit))]
-fn _gpu_set_binding_limit_for_tests(limit: Option<u64>) {
-    core::gpu::set_binding_limit_for_this_thread(limit);
+    /// _testing_set_overrides(**knobs): the calling thread's overrides
+    /// (flashport_core::overrides::Overrides), all off when none is given.
+    #[pyfunction]
+    #[pyo3(signature = (*, max_tier=None, workgroup_bytes=None, no_subgroups=false,
+                        binding_limit=None, naga_spirv=false, portable_cpu=false))]
+    pub fn _testing_set_overrides(
+        max_tier: Option<&str>,
+        workgroup_bytes: Option<u32>,
+        no_subgroups: bool,
+        binding_limit: Option<u64>,
+        naga_spirv: bool,
+        portable_cpu: bool,
+    ) -> PyResult<()> {
+        let max_tier = match max_tier {
+            None => None,
+            Some("simple") => Some(Tier::Simple),
+            Some("tiled") => Some(Tier::Tiled),
+            Some("coop") => Some(Tier::Coop),
+            Some(other) => {
+                return Err(PyTypeError::new_err(format!(
+                    "max_tier={other:?}: expected \"simple\", \"tiled\" or \"coop\""
+                )))
+            }
+        };
+        overrides::set(Overrides {
+            max_tier,
+            workgroup_bytes,
+            no_subgroups,
+            binding_limit,
+            naga_spirv,
+            portable_cpu,
+        });
+        Ok(())
+    }
+
+    /// _testing_lose_device(): destroys the GPU device flashport holds, as
+    /// a driver reset would (the failure-path tests).
+    #[pyfunction]
+    pub fn _testing_lose_device(py: Python<'_>) {
+        py.detach(|| {
+            let _ = catch_unwind(core::gpu::testing::lose_device);
+        });
+    }
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<DeviceTensor>()?;
+    m.add_class::<DeviceArray>()?;
     m.add_function(wrap_pyfunction!(to_device, m)?)?;
-    m.add_function(wrap_pyfunction!(_gpu_set_binding_limit_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_times, m)?)?;
-    m.add_function(wrap_pyfunction!(_gpu_lose_device_for_tests, m)?)?;
+    #[cfg(feature = "testing")]
+    {
+        m.add_function(wrap_pyfunction!(testing::_testing_set_overrides, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_testing_lose_device, m)?)?;
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -113,7 +113,6 @@ pub fn forward(
     }
 }
 
-/// Backward pass on the CPU.
 /// Backward pass on the CPU, from `[do, q, k, v, o, lse]`.
 pub fn backward(
     problem: &Problem,
@@ -531,15 +530,15 @@ fn forward_typed<T: Element>(
                         .zip(scores.chunks_exact_mut(n))
                         .enumerate()
                     {
-                        let correction = if plain {
+                        let rescale = if plain {
                             state.absorb_with_max(row, maxes[i])
                         } else {
                             state.absorb(row)
                         };
-                        if correction != T::ONE {
+                        if rescale != T::ONE {
                             acc[i * dv..(i + 1) * dv]
                                 .iter_mut()
-                                .for_each(|x| *x *= correction);
+                                .for_each(|x| *x *= rescale);
                         }
                     }
                     // The softmax sums above saw every probability; only the

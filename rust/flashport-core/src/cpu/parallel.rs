@@ -55,10 +55,11 @@ pub fn for_each<I: Send>(items: Vec<I>, f: impl Fn(I) + Sync) {
         }
     };
     let helpers = pool.current_num_threads().min(count - 1);
+    let overrides = crate::overrides::current();
     // A panic in any of them reaches the caller once all have stopped.
     pool.in_place_scope(|scope| {
         for _ in 0..helpers {
-            scope.spawn(|_| work());
+            scope.spawn(|_| crate::overrides::on_helper(overrides, work));
         }
         work();
     });

@@ -12,19 +12,14 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-/// Environment variable that turns these kernels off when set to `0`, so
-/// that the portable kernels (what a CPU without AVX2 and FMA runs) can be
-/// tested and compared on one that has them. Read once per process.
-pub const SIMD_ENV: &str = "FLASHPORT_CPU_SIMD";
-
-/// Whether these kernels run: the CPU has AVX2 and FMA and [`SIMD_ENV`]
-/// does not turn them off (checked once).
+/// Whether these kernels run: the CPU has AVX2 and FMA (checked once),
+/// and the overrides do not ask for the portable kernels (what a CPU
+/// without them runs, tested on one that has them).
 pub fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        let allowed = std::env::var(SIMD_ENV).map_or(true, |v| v.trim() != "0");
-        allowed && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    })
+    let cpu = *AVAILABLE
+        .get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
+    cpu && !crate::overrides::current().portable_cpu
 }
 
 /// A strided view of the left operand: element (row `i`, depth `p`) is at

@@ -1,30 +1,33 @@
 //! The online-softmax step of FlashAttention-2, written once for the CPU.
 //!
-//! A query row keeps a running maximum `m`, a running sum `l` of
-//! `exp(s - m)` and an unnormalised output accumulator. When a new tile of
-//! scores arrives, the maximum may grow; everything accumulated so far was
-//! computed relative to the old maximum and is rescaled by
-//! `exp(m_old - m_new)` so that the final `acc / l` is exact.
+//! A query row keeps a running maximum `row_max`, a running sum `row_sum`
+//! of `exp(s - row_max)` and an unnormalised output accumulator `acc` (the
+//! names docs/design.md's glossary gives, the same in the shaders). When a
+//! new tile of scores arrives, the maximum may grow; everything accumulated
+//! so far was computed relative to the old maximum and is multiplied by
+//! `rescale = exp(row_max_old - row_max_new)` so that the final
+//! `acc / row_sum` is exact. A row that has seen no key yet has
+//! `row_max = -inf` (the GPU uses a finite stand-in, `NEG_BIG`).
 
 use super::element::Element;
 
 /// Running state of one query row.
 #[derive(Debug, Clone, Copy)]
 pub struct RowState<T> {
-    pub max: T,
-    pub sum: T,
+    pub row_max: T,
+    pub row_sum: T,
 }
 
 impl<T: Element> RowState<T> {
     pub const EMPTY: Self = RowState {
-        max: T::NEG_INFINITY,
-        sum: T::ZERO,
+        row_max: T::NEG_INFINITY,
+        row_sum: T::ZERO,
     };
 
     /// Folds one tile of scaled scores into the row. `scores` is
-    /// overwritten with the unnormalised probabilities `exp(s - m_new)`
-    /// (0 where a score is `-inf`), and the factor the caller must apply
-    /// to its output accumulator is returned.
+    /// overwritten with the unnormalised probabilities
+    /// `exp(s - row_max_new)` (0 where a score is `-inf`), and the `rescale`
+    /// the caller must apply to its output accumulator is returned.
     #[inline]
     pub fn absorb(&mut self, scores: &mut [T]) -> T {
         self.absorb_with_max(scores, T::row_max(scores))
@@ -33,7 +36,7 @@ impl<T: Element> RowState<T> {
     /// [`RowState::absorb`] for a tile whose largest score is known.
     #[inline]
     pub fn absorb_with_max(&mut self, scores: &mut [T], tile_max: T) -> T {
-        let new_max = self.max.max(tile_max);
+        let new_max = self.row_max.max(tile_max);
         if new_max == T::NEG_INFINITY {
             // Every key seen so far is masked. Subtracting the maximum would
             // compute -inf - -inf = NaN, so the row stays empty instead.
@@ -42,11 +45,11 @@ impl<T: Element> RowState<T> {
         }
         // The old maximum may be -inf (nothing visible yet); exp(-inf) = 0
         // then discards the (empty) accumulator, which is what we want.
-        let correction = (self.max - new_max).exp();
+        let rescale = (self.row_max - new_max).exp();
         let tile_sum = T::exp_shifted_sum(scores, new_max);
-        self.sum = self.sum * correction + tile_sum;
-        self.max = new_max;
-        correction
+        self.row_sum = self.row_sum * rescale + tile_sum;
+        self.row_max = new_max;
+        rescale
     }
 
     /// [`RowState::finish`] with a sink logit in the denominator: the sink
@@ -59,20 +62,20 @@ impl<T: Element> RowState<T> {
         if sink == T::NEG_INFINITY {
             return self.finish();
         }
-        let new_max = self.max.max(sink);
-        let correction = (self.max - new_max).exp();
-        let sum = self.sum * correction + (sink - new_max).exp();
-        (correction / sum, new_max + sum.ln())
+        let new_max = self.row_max.max(sink);
+        let rescale = (self.row_max - new_max).exp();
+        let row_sum = self.row_sum * rescale + (sink - new_max).exp();
+        (rescale / row_sum, new_max + row_sum.ln())
     }
 
     /// The normaliser of the accumulator and the row's log-sum-exp. A row
     /// that saw no key has output 0 and lse `-inf`.
     #[inline]
     pub fn finish(&self) -> (T, T) {
-        if self.sum == T::ZERO {
+        if self.row_sum == T::ZERO {
             (T::ZERO, T::NEG_INFINITY)
         } else {
-            (T::ONE / self.sum, self.max + self.sum.ln())
+            (T::ONE / self.row_sum, self.row_max + self.row_sum.ln())
         }
     }
 }

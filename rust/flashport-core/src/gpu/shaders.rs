@@ -1,85 +1,82 @@
 //! The WGSL sources, embedded at build time, and the override constants
 //! that specialise them.
 
-use super::context::PipelineKey;
-use super::tiles::Kernel;
+use super::kernel::Kernel;
+use super::select::PipelineKey;
 
-pub(crate) const FORWARD: &str = include_str!("../../../../shaders/forward.wgsl");
-pub(crate) const BACKWARD_PREPROCESS: &str =
-    include_str!("../../../../shaders/backward_preprocess.wgsl");
-pub(crate) const BACKWARD_DKDV: &str = include_str!("../../../../shaders/backward_dkdv.wgsl");
-pub(crate) const BACKWARD_DQ: &str = include_str!("../../../../shaders/backward_dq.wgsl");
-pub(crate) const BACKWARD_DQ_TILED: &str =
-    include_str!("../../../../shaders/backward_dq_tiled.wgsl");
-pub(crate) const BACKWARD_DKDV_TILED: &str =
-    include_str!("../../../../shaders/backward_dkdv_tiled.wgsl");
-pub(crate) const FORWARD_TILED: &str = include_str!("../../../../shaders/forward_tiled.wgsl");
-pub(crate) const FORWARD_COOP: &str = include_str!("../../../../shaders/forward_coop.wgsl");
-pub(crate) const BACKWARD_DQ_COOP: &str = include_str!("../../../../shaders/backward_dq_coop.wgsl");
-pub(crate) const BACKWARD_DKDV_COOP: &str =
-    include_str!("../../../../shaders/backward_dkdv_coop.wgsl");
-const COMMON: &str = include_str!("../../../../shaders/common.wgsl");
-const INPUT_F32: &str = include_str!("../../../../shaders/input_f32.wgsl");
-const INPUT_F16: &str = include_str!("../../../../shaders/input_f16.wgsl");
-const ROW_REDUCE_SUBGROUP: &str = include_str!("../../../../shaders/row_reduce_subgroup.wgsl");
-const ROW_REDUCE_WORKGROUP: &str = include_str!("../../../../shaders/row_reduce_workgroup.wgsl");
-
-/// The WGSL of `kernel`: shaders/common.wgsl (the uniform block, the
-/// visible key ranges and the attention variants, one text for every
-/// kernel so their `Params` cannot drift apart), then the kernel. The
-/// tiled forward takes its row reductions from a fragment: a module that
-/// names subgroup operations does not validate on a device without them,
-/// even in a branch an override disables, so the two variants cannot be
-/// one text switched by an override. The tiled kernels take the element
-/// type of their inputs from a fragment too (shaders/input_f32.wgsl or
-/// input_f16.wgsl, by `f16_inputs`), since a binding's type cannot be an
-/// override; the other kernels ignore `f16_inputs` (they switch on the
-/// `IN_F16` override).
-pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
-    let body = kernel_source(kernel, subgroups);
-    if kernel.is_coop() {
-        // WGSL wants its `enable` directives before any declaration.
-        let split = body
-            .lines()
-            .take_while(|l| l.starts_with("enable "))
-            .map(|l| l.len() + 1)
-            .sum::<usize>();
-        let (enables, body) = body.split_at(split);
-        return format!("{enables}{COMMON}\n{body}");
-    }
-    if kernel.is_tiled() {
-        let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
-        return format!("{COMMON}\n{input}\n{body}");
-    }
-    format!("{COMMON}\n{body}")
+/// The text of `shaders/<path>`, embedded at build time.
+macro_rules! shader {
+    ($path:literal) => {
+        include_str!(concat!("../../../../shaders/", $path))
+    };
 }
 
-fn kernel_source(kernel: Kernel, subgroups: bool) -> String {
-    match kernel {
-        Kernel::Forward => FORWARD.into(),
-        Kernel::BackwardPreprocess => BACKWARD_PREPROCESS.into(),
-        Kernel::BackwardDkDv => BACKWARD_DKDV.into(),
-        Kernel::BackwardDq => BACKWARD_DQ.into(),
-        Kernel::BackwardDqTiled => BACKWARD_DQ_TILED.into(),
-        Kernel::BackwardDkDvTiled => BACKWARD_DKDV_TILED.into(),
-        Kernel::ForwardTiled => {
-            let reduce = if subgroups {
-                ROW_REDUCE_SUBGROUP
-            } else {
-                ROW_REDUCE_WORKGROUP
-            };
-            format!("{reduce}\n{FORWARD_TILED}")
-        }
-        Kernel::ForwardCoop => FORWARD_COOP.into(),
-        Kernel::BackwardDqCoop => BACKWARD_DQ_COOP.into(),
-        Kernel::BackwardDkDvCoop => BACKWARD_DKDV_COOP.into(),
-    }
+// Fragments (shaders/lib): prepended to the kernels that use them.
+pub(crate) const COMMON: &str = shader!("lib/common.wgsl");
+const INPUT_F32: &str = shader!("lib/input_f32.wgsl");
+const INPUT_F16: &str = shader!("lib/input_f16.wgsl");
+const ROW_REDUCE_SUBGROUP: &str = shader!("lib/row_reduce_subgroup.wgsl");
+const ROW_REDUCE_WORKGROUP: &str = shader!("lib/row_reduce_workgroup.wgsl");
+const TILED: &str = shader!("lib/tiled.wgsl");
+const TILED_BACKWARD: &str = shader!("lib/tiled_backward.wgsl");
+const COOP: &str = shader!("lib/coop.wgsl");
+const COOP_BACKWARD: &str = shader!("lib/coop_backward.wgsl");
+
+// Kernels, one folder per tier.
+const SIMPLE_FORWARD: &str = shader!("simple/forward.wgsl");
+const SIMPLE_BACKWARD_PREPROCESS: &str = shader!("simple/backward_preprocess.wgsl");
+const SIMPLE_BACKWARD_DQ: &str = shader!("simple/backward_dq.wgsl");
+const SIMPLE_BACKWARD_DKDV: &str = shader!("simple/backward_dkdv.wgsl");
+const TILED_FORWARD: &str = shader!("tiled/forward.wgsl");
+const TILED_BACKWARD_DQ: &str = shader!("tiled/backward_dq.wgsl");
+const TILED_BACKWARD_DKDV: &str = shader!("tiled/backward_dkdv.wgsl");
+const COOP_FORWARD: &str = shader!("coop/forward.wgsl");
+const COOP_BACKWARD_DQ: &str = shader!("coop/backward_dq.wgsl");
+const COOP_BACKWARD_DKDV: &str = shader!("coop/backward_dkdv.wgsl");
+
+/// The device-array moves (a module of its own).
+pub(crate) const DEVICE_ARRAYS: &str = shader!("device_arrays.wgsl");
+
+/// The WGSL of `kernel`: the fragments it takes (shaders/lib), then the
+/// kernel (shaders/simple, tiled or coop). Every kernel takes
+/// lib/common.wgsl (the uniform block, the visible key ranges and the
+/// attention variants, one text for every kernel so their `Params` cannot
+/// drift apart). The tiled forward takes its row reductions from a
+/// fragment: a module that names subgroup operations does not validate on
+/// a device without them, even in a branch an override disables, so the
+/// two variants cannot be one text switched by an override. The simple
+/// and tiled kernels take the element type of their inputs from a fragment
+/// too (lib/input_f32.wgsl or input_f16.wgsl, by `f16_inputs`), since a
+/// binding's type cannot be an override; the cooperative kernels take
+/// float16 only and ignore `f16_inputs`.
+pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
+    let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
+    let reduce = if subgroups {
+        ROW_REDUCE_SUBGROUP
+    } else {
+        ROW_REDUCE_WORKGROUP
+    };
+    let parts: &[&str] = match kernel {
+        Kernel::Forward => &[COMMON, input, SIMPLE_FORWARD],
+        Kernel::BackwardPreprocess => &[COMMON, input, SIMPLE_BACKWARD_PREPROCESS],
+        Kernel::BackwardDkDv => &[COMMON, input, SIMPLE_BACKWARD_DKDV],
+        Kernel::BackwardDq => &[COMMON, input, SIMPLE_BACKWARD_DQ],
+        Kernel::ForwardTiled => &[COMMON, input, TILED, reduce, TILED_FORWARD],
+        Kernel::BackwardDqTiled => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DQ],
+        Kernel::BackwardDkDvTiled => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DKDV],
+        // lib/coop.wgsl comes first: it opens with `enable` directives,
+        // which WGSL wants before any declaration.
+        Kernel::ForwardCoop => &[COOP, COMMON, COOP_FORWARD],
+        Kernel::BackwardDqCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DQ],
+        Kernel::BackwardDkDvCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DKDV],
+    };
+    parts.join("\n")
 }
 
 /// The `override` values of a pipeline. Array sizes must be single
 /// override identifiers, so the products are computed here (at least 1:
 /// a zero-sized array is invalid, and `dv` may be 0).
-pub(crate) fn overrides(key: &PipelineKey) -> Vec<(&'static str, f64)> {
+pub fn overrides(key: &PipelineKey) -> Vec<(&'static str, f64)> {
     let mut c = tile_overrides(
         key.kernel,
         key.f16_inputs,
@@ -93,7 +90,7 @@ pub(crate) fn overrides(key: &PipelineKey) -> Vec<(&'static str, f64)> {
 }
 
 /// Which attention variants a pipeline is specialised for. Each is an
-/// override of shaders/common.wgsl, so that a plain call's pipeline
+/// override of shaders/lib/common.wgsl, so that a plain call's pipeline
 /// compiles none of their code.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Variants {
@@ -133,10 +130,12 @@ pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)
 }
 
 /// The overrides of `kernel` for the given head dimensions and tiles (also
-/// what the shader tests specialise with).
+/// what the shader tests specialise with). None depends on the input
+/// element type, which is a fragment (`source`): `_f16_inputs` stays so
+/// that callers need not change.
 pub fn tile_overrides(
     kernel: Kernel,
-    f16_inputs: bool,
+    _f16_inputs: bool,
     d: u32,
     dv: u32,
     t: super::tiles::Tiles,
@@ -144,7 +143,6 @@ pub fn tile_overrides(
 ) -> Vec<(&'static str, f64)> {
     let (bq, bk) = (t.q_rows, t.k_rows);
     let n = |x: u32| x.max(1) as f64;
-    let f16 = if f16_inputs { 1.0 } else { 0.0 };
     match kernel {
         Kernel::ForwardTiled => {
             let (q, kv, p, red) = super::tiles::tiled_workgroup_vec4s(d, dv, t, subgroups);
@@ -214,50 +212,35 @@ pub fn tile_overrides(
         }
         Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => {
             let l = super::tiles::CoopBackwardLayout::new(kernel, d, dv, t);
-            let streamed = if kernel == Kernel::BackwardDqCoop {
-                "BK"
-            } else {
-                "BQ"
-            };
             let (w0, w1) = l.staged_words(d, dv, t);
             let mut c = vec![
                 ("W", (t.workgroup / 32) as f64),
-                (streamed, l.streamed as f64),
+                ("BS", l.streamed as f64),
                 ("D", d as f64),
                 ("DV", dv as f64),
                 ("H_ELEMS", l.halves as f64),
                 ("F_ELEMS", l.floats as f64),
+                ("DV_OFF", l.second_off as f64),
+                ("DW", w0 as f64),
+                ("DVW", w1 as f64),
             ];
             if kernel == Kernel::BackwardDqCoop {
-                c.extend([
-                    ("V_OFF", l.second_off as f64),
-                    ("DS_OFF", l.weights_off as f64),
-                    ("KW", w0 as f64),
-                    ("VW", w1 as f64),
-                ]);
+                c.push(("DS_OFF", l.weights_off as f64));
             } else {
                 c.extend([
-                    ("DO_OFF", l.second_off as f64),
                     ("PT_OFF", l.weights_off as f64),
                     ("DT_OFF", l.weights2_off as f64),
-                    ("QW", w0 as f64),
-                    ("OW", w1 as f64),
                 ]);
             }
             c
         }
-        Kernel::BackwardPreprocess => vec![
-            ("WG", t.workgroup as f64),
-            ("DV", dv as f64),
-            ("IN_F16", f16),
-        ],
+        Kernel::BackwardPreprocess => vec![("WG", t.workgroup as f64), ("DV", dv as f64)],
         Kernel::Forward => vec![
             ("WG", t.workgroup as f64),
             ("BQ", bq as f64),
             ("BK", bk as f64),
             ("D", d as f64),
             ("DV", dv as f64),
-            ("IN_F16", f16),
             ("Q_ELEMS", n(bq * d)),
             ("K_ELEMS", n(bk * (d + 1))),
             ("V_ELEMS", n(bk * (dv + 1))),
@@ -271,7 +254,6 @@ pub fn tile_overrides(
             ("BK", bk as f64),
             ("D", d as f64),
             ("DV", dv as f64),
-            ("IN_F16", f16),
             ("Q_ELEMS", n(bq * d)),
             ("DO_ELEMS", n(bq * dv)),
             ("K_ELEMS", n(bk * (d + 1))),

@@ -20,7 +20,7 @@
 //! need the Vulkan memory model (GLSL's GL_KHR_cooperative_matrix shaders
 //! are compiled for GLSL450). On the H100 (driver 580) both modules gave
 //! the same results, right and wrong alike: the wrong results of the first
-//! cooperative forward had another cause (shaders/forward_coop.wgsl); this
+//! cooperative forward had another cause (shaders/coop/forward.wgsl); this
 //! keeps the module within the spec rather than relying on the driver.
 //!
 //! What this module does: parse and validate the WGSL, apply the pipeline's
@@ -139,6 +139,7 @@ fn u32_constant(words: &[u32], ty: u32, value: u32) -> Option<u32> {
 
 /// The memory-semantics value of every subgroup-scope `OpControlBarrier`
 /// (WGSL's `subgroupBarrier()`), in module order.
+#[cfg(any(test, feature = "testing"))]
 pub fn subgroup_barrier_semantics(words: &[u32]) -> Vec<u32> {
     let Some((ty, _)) = u32_type(words) else {
         return Vec::new();
@@ -165,7 +166,7 @@ pub fn subgroup_barrier_semantics(words: &[u32]) -> Vec<u32> {
 /// the letter such a barrier orders no memory at all. The cooperative
 /// backward kernels pass each subgroup's scores and weights through its own
 /// rows of workgroup memory behind subgroup barriers
-/// (shaders/backward_dkdv_coop.wgsl, SUBGROUP_SCRATCH), which is what
+/// (shaders/coop/backward_dkdv.wgsl, SUBGROUP_SCRATCH), which is what
 /// GLSL's `subgroupMemoryBarrierShared(); subgroupBarrier();` expresses.
 pub fn subgroup_barriers_order_workgroup_memory(words: &[u32]) -> (Vec<u32>, usize) {
     let Some((ty, after_type)) = u32_type(words) else {
@@ -205,6 +206,7 @@ pub fn subgroup_barriers_order_workgroup_memory(words: &[u32]) -> (Vec<u32>, usi
 }
 
 /// The memory model a module declares (1 GLSL450, 3 Vulkan), if any.
+#[cfg(any(test, feature = "testing"))]
 pub fn memory_model(words: &[u32]) -> Option<u32> {
     let mut at = 5;
     while at < words.len() {

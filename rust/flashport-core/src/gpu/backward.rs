@@ -1,0 +1,253 @@
+//! The backward pass on the GPU: the pre-pass (D = rowsum(dO∘O), the
+//! `delta` of each query row), then dQ over query tiles and dK/dV over key
+//! tiles, per chunk of heads, in one submission.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::assemble::{check_device_outputs, empty_output, finish_outputs, Assembled, Sink};
+use super::chunks::{self, binding_limit};
+use super::context::Context;
+use super::dispatch::{bind, dispatch, grid, submit_and_read, uniform, upload_variants};
+use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
+use super::params::VariantData;
+use super::run::with_inputs;
+use super::select::select_backward;
+use super::timing::{self, Timer};
+use super::transfer::{dummy_output, output};
+use crate::overrides::{self, Overrides};
+use crate::{
+    Array, BackendGradients, Buffer, DType, Error, Input, Placement, Problem, Result, Slice,
+    VariantArrays,
+};
+
+/// The backward pass on host inputs `[do, q, k, v, o, lse]`, gradients
+/// read back.
+pub fn backward(
+    problem: &Problem,
+    inputs: [Slice<'_>; 6],
+    variants: &VariantArrays<'_>,
+) -> Result<BackendGradients> {
+    backward_arrays(problem, inputs.map(Input::Host), variants, Placement::Host)?.into_host()
+}
+
+/// The backward pass on host or device inputs `[do, q, k, v, o, lse]`,
+/// `dq`, `dk` and `dv` left where `outputs` says (the score gradient, for
+/// the mask's, is always read back: the host reduces it).
+pub fn backward_arrays(
+    problem: &Problem,
+    inputs: [Input<'_>; 6],
+    variants: &VariantArrays<'_>,
+    outputs: Placement,
+) -> Result<BackendGradients<Array>> {
+    let [d_out, q, k, v, out, lse] = inputs;
+    check_dtype(problem)?;
+    check_sizes(problem)?;
+    let lse_f32: Vec<f32>;
+    let lse = match lse {
+        Input::Host(Slice::F32(x)) => Source::Host(bytemuck::cast_slice(x)),
+        Input::Host(Slice::F64(x)) => {
+            lse_f32 = x.iter().map(|&l| l as f32).collect();
+            Source::Host(bytemuck::cast_slice(&lse_f32))
+        }
+        Input::Device(t) if t.dtype() == DType::F32 => Source::Device(t),
+        other => {
+            return Err(Error::DType {
+                argument: "lse".to_string(),
+                dtype: other.dtype().numpy_name().to_string(),
+                reason: "lse must be float32 or float64 (as returned by attention)".to_string(),
+            })
+        }
+    };
+    let inputs = BackwardInputs {
+        d_out: source("do", d_out)?,
+        q: source("q", q)?,
+        k: source("k", k)?,
+        v: source("v", v)?,
+        out: source("o", out)?,
+        lse,
+    };
+    let vd = VariantData::new(problem, variants)?;
+    let named = [
+        ("do", inputs.d_out),
+        ("q", inputs.q),
+        ("k", inputs.k),
+        ("v", inputs.v),
+        ("o", inputs.out),
+        ("lse", inputs.lse),
+    ];
+    let overrides = overrides::current();
+    with_inputs("running the backward pass", &named, |ctx| {
+        backward_on(ctx, problem, &inputs, &vd, outputs, &overrides)
+    })
+}
+
+struct BackwardInputs<'a> {
+    d_out: Source<'a>,
+    q: Source<'a>,
+    k: Source<'a>,
+    v: Source<'a>,
+    out: Source<'a>,
+    /// float32.
+    lse: Source<'a>,
+}
+
+fn backward_on(
+    ctx: &Arc<Context>,
+    p: &Problem,
+    x: &BackwardInputs<'_>,
+    vd: &VariantData,
+    outputs: Placement,
+    overrides: &Overrides,
+) -> Result<BackendGradients<Array>> {
+    check_f16(ctx, p)?;
+    // d_out, q, k, v, (lse, D), two outputs, and vx.
+    const STORAGE_BUFFERS: u32 = 8;
+    if ctx.limits.max_storage_buffers_per_shader_stage < STORAGE_BUFFERS {
+        return Err(Error::BackendUnavailable(format!(
+            "the GPU backward binds {STORAGE_BUFFERS} storage buffers, more than the {} of \
+             the adapter {}; use device=\"cpu\"",
+            ctx.limits.max_storage_buffers_per_shader_stage, ctx.adapter.name
+        )));
+    }
+    let scores_len = p.batch * p.heads_q * p.seq_q * p.seq_k;
+    if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
+        return ctx.scoped("making the outputs", || {
+            Ok(BackendGradients {
+                dq: empty_output(ctx, outputs, p.dtype, p.q_shape(), 0.0),
+                dk: empty_output(ctx, outputs, p.dtype, p.k_shape(), 0.0),
+                dv: empty_output(ctx, outputs, p.dtype, p.v_shape(), 0.0),
+                d_scores: p.return_dmask.then(|| Buffer::F32(vec![0.0; scores_len])),
+            })
+        });
+    }
+    check_device_outputs(
+        ctx,
+        outputs,
+        &[("dq", p.q_len()), ("dk", p.k_len()), ("dv", p.v_len())],
+    )?;
+    let mut dq = Sink::new(outputs, p.q_len(), 0.0);
+    let mut dk = Sink::new(outputs, p.k_len(), 0.0);
+    let mut dv_all = Sink::new(outputs, p.v_len(), 0.0);
+    // Read back whatever the placement: the host reduces it to the mask's
+    // shape.
+    let mut d_scores = p.return_dmask.then(|| Assembled::new(scores_len, 0.0));
+    let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
+    let eb = if p.dtype == DType::F16 { 2 } else { 4 };
+    let plan = select_backward(p, ctx.caps, overrides);
+    let (kp, kq, kkv) = (plan.preprocess, plan.dq, plan.dkdv);
+    timing::start_call();
+    let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
+    let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
+    let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;
+    let limit = binding_limit(ctx, overrides);
+    let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;
+    let (pre, dq_pipe, dkdv_pipe) = (ctx.pipeline(kp)?, ctx.pipeline(kq)?, ctx.pipeline(kkv)?);
+    let vx = ctx.scoped("uploading the variants", || upload_variants(ctx, vd, limit))?;
+    let g = p.group_size();
+    let (sq_sk, dmask) = (sq * sk, p.return_dmask);
+    for chunk in &chunks {
+        let (q0, nq) = (chunk.q0(g), chunk.q_count());
+        let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
+        // A group cut into pieces: its pieces are summed in order, so the
+        // result is still reproducible.
+        let add = chunk.g0 != 0;
+        let reads = ctx.scoped("running the backward pass", || {
+            let params = uniform(ctx, p, chunk, vd)?;
+            let mut encoder = ctx.device.create_command_encoder(&Default::default());
+            let t_up = Instant::now();
+            let mut up = false;
+            let enc = &mut encoder;
+            let dob = chunk_input(ctx, enc, "do", x.d_out, sq * dv, eb, q0, nq, &mut up)?;
+            let ob = chunk_input(ctx, enc, "o", x.out, sq * dv, eb, q0, nq, &mut up)?;
+            let qb = chunk_input(ctx, enc, "q", x.q, sq * d, eb, q0, nq, &mut up)?;
+            let kb = chunk_input(ctx, enc, "k", x.k, sk * d, eb, kv0, nkv, &mut up)?;
+            let vb = chunk_input(ctx, enc, "v", x.v, sk * dv, eb, kv0, nkv, &mut up)?;
+            let lb = chunk_input(ctx, enc, "lse", x.lse, sq, 4, q0, nq, &mut up)?;
+            if up {
+                timing::record_host("upload", t_up);
+            }
+            // (lse, D) per query row: written by the pre-pass.
+            let stats = output(ctx, "stats", 2 * nq * sq);
+            let dqb = output(ctx, "dq", nq * sq * d);
+            let dkb = output(ctx, "dk", nkv * sk * d);
+            let dvb = output(ctx, "dv", nkv * sk * dv);
+            let dsb = if dmask {
+                output(ctx, "d_scores", nq * sq_sk)
+            } else {
+                dummy_output(ctx)
+            };
+            let g_pre = bind(ctx, &pre, &[&params, &dob, &ob, &lb, &stats], None);
+            let g_dq = bind(
+                ctx,
+                &dq_pipe,
+                &[&params, &dob, &qb, &kb, &vb, &stats, &dqb, &dsb],
+                Some(&vx),
+            );
+            let g_kv = bind(
+                ctx,
+                &dkdv_pipe,
+                &[&params, &dob, &qb, &kb, &vb, &stats, &dkb, &dvb],
+                Some(&vx),
+            );
+            let mut timer = Timer::new(ctx);
+            dispatch(
+                &mut encoder,
+                &pre,
+                &g_pre,
+                xp,
+                nq as u32,
+                timer.as_mut().map(|t| (t, "backward_preprocess")),
+            );
+            dispatch(
+                &mut encoder,
+                &dq_pipe,
+                &g_dq,
+                xq,
+                nq as u32,
+                timer.as_mut().map(|t| (t, kq.kernel.name())),
+            );
+            dispatch(
+                &mut encoder,
+                &dkdv_pipe,
+                &g_kv,
+                xkv,
+                nkv as u32,
+                timer.as_mut().map(|t| (t, kkv.kernel.name())),
+            );
+            let mut reads = Vec::new();
+            let enc = &mut encoder;
+            dq.collect(ctx, enc, &dqb, q0 * sq * d, nq * sq * d, false, &mut reads)?;
+            let (k_off, v_off) = (kv0 * sk * d, kv0 * sk * dv);
+            dk.collect(ctx, enc, &dkb, k_off, nkv * sk * d, add, &mut reads)?;
+            dv_all.collect(ctx, enc, &dvb, v_off, nkv * sk * dv, add, &mut reads)?;
+            if dmask {
+                reads.push((&dsb, nq * sq_sk));
+            }
+            submit_and_read(ctx, encoder, &reads, timer.as_ref())
+        })?;
+        let mut reads = reads.into_iter();
+        dq.place(q0 * sq * d, false, &mut reads);
+        dk.place(kv0 * sk * d, add, &mut reads);
+        dv_all.place(kv0 * sk * dv, add, &mut reads);
+        if let Some(all) = d_scores.as_mut() {
+            all.put(q0 * sq_sk, reads.next().unwrap_or_default());
+        }
+    }
+    let [dq, dk, dv] = ctx.scoped("keeping the outputs on the device", || {
+        finish_outputs(
+            ctx,
+            [
+                (dq, p.dtype, p.q_shape()),
+                (dk, p.dtype, p.k_shape()),
+                (dv_all, p.dtype, p.v_shape()),
+            ],
+        )
+    })?;
+    Ok(BackendGradients {
+        dq,
+        dk,
+        dv,
+        d_scores: d_scores.map(|s| Buffer::F32(s.into_vec())),
+    })
+}

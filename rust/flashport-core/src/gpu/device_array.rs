@@ -1,0 +1,482 @@
+//! Arrays that stay in GPU memory between calls ([`DeviceArray`]), so that
+//! a forward and its backward do not copy the same q, k and v over PCIe
+//! twice, and results need not come back to the host until asked for.
+//!
+//! An array holds its elements densely, row-major, in its own dtype (float16
+//! packed in pairs, as the kernels read them), so a call whose chunk covers
+//! the whole array binds its buffer directly. Every other move (a chunk of
+//! heads out of an array, chunk results into a whole output, float32 results
+//! to float16) runs on the device: shaders/device_arrays.wgsl.
+
+use std::sync::Arc;
+
+use wgpu::util::DeviceExt;
+
+use super::chunks::binding_limit;
+use super::context::Context;
+use super::inputs::{float16_error, float64_error};
+use super::run::{guarded, run_on, with_context};
+use super::timing::{self, record_host};
+use super::transfer::{padded, read_back, upload_as};
+use crate::overrides;
+use crate::{ArrayInfo, Buffer, DType, Error, Result, Slice};
+
+/// An array resident on the GPU: a dense, row-major buffer of the context
+/// that made it, with its shape and dtype (float32 or float16). Immutable:
+/// no call writes into an array it was given; results are new arrays.
+/// Cloning shares the buffer.
+#[derive(Clone)]
+pub struct DeviceArray {
+    buffer: wgpu::Buffer,
+    ctx: Arc<Context>,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl std::fmt::Debug for DeviceArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceArray")
+            .field("shape", &self.shape)
+            .field("dtype", &self.dtype)
+            .field("adapter", &self.ctx.adapter.name)
+            .finish()
+    }
+}
+
+fn element_bytes(dtype: DType) -> usize {
+    match dtype {
+        DType::F16 => 2,
+        DType::F32 => 4,
+        DType::F64 => 8,
+    }
+}
+
+impl DeviceArray {
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Bytes of the elements (the buffer may be padded to a 4-byte multiple).
+    pub fn nbytes(&self) -> usize {
+        self.len() * element_bytes(self.dtype)
+    }
+    /// What validation sees: the same checks, and errors, as a host array
+    /// of this shape and dtype.
+    pub fn info(&self) -> ArrayInfo<'_> {
+        ArrayInfo::new(&self.shape, self.dtype.numpy_name())
+    }
+    /// The name of the adapter that holds the array.
+    pub fn adapter_name(&self) -> &str {
+        &self.ctx.adapter.name
+    }
+
+    /// Reads the array back into host memory. Like a forward or backward
+    /// call, it starts a new record of host phases for
+    /// [`super::last_kernel_times`].
+    pub fn to_host(&self) -> Result<Buffer> {
+        timing::start_call();
+        self.read()
+    }
+
+    /// Reads the array back, adding to the current call's host phases.
+    pub(crate) fn read(&self) -> Result<Buffer> {
+        guarded("reading a device array back", || {
+            self.alive("the device array")?;
+            let ctx = self.ctx.clone();
+            let len = self.len();
+            run_on(&ctx, |ctx| {
+                ctx.scoped("reading a device array back", || {
+                    let encoder = ctx.device.create_command_encoder(&Default::default());
+                    let words = self.nbytes().div_ceil(4);
+                    let mut r = read_back(ctx, encoder, &[(&self.buffer, words)])?;
+                    let words = r.pop().unwrap_or_default();
+                    Ok(match self.dtype {
+                        DType::F16 => {
+                            let halves: &[half::f16] = bytemuck::cast_slice(&words);
+                            Buffer::F16(halves[..len].to_vec())
+                        }
+                        _ => Buffer::F32(words),
+                    })
+                })
+            })
+        })
+    }
+
+    /// An error naming `argument` when the device that holds the array was
+    /// lost or reset since (its data is gone with it).
+    pub(crate) fn alive(&self, argument: &str) -> Result<()> {
+        // A poll delivers a pending device-lost callback.
+        let _ = self.ctx.device.poll(wgpu::PollType::Poll);
+        if self.ctx.is_lost() {
+            return Err(Error::Gpu(format!(
+                "{argument} is a device array on the GPU {}, which was lost or reset since \
+                 the array was made: its data is gone; upload it again (flashport.to_device) \
+                 or pass a NumPy array",
+                self.ctx.adapter.name
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    #[cfg(feature = "testing")]
+    pub(crate) fn buffer(&self) -> &wgpu::Buffer {
+        &self.buffer
+    }
+
+    pub(crate) fn from_buffer(
+        ctx: &Arc<Context>,
+        buffer: wgpu::Buffer,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> DeviceArray {
+        DeviceArray {
+            buffer,
+            ctx: ctx.clone(),
+            dtype,
+            shape,
+        }
+    }
+}
+
+/// The usages of every array's buffer: bound by the kernels, copied from
+/// (readback, chunks) and into (uploads, chunk results).
+pub(crate) const TENSOR_USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
+
+/// Uploads `data` (of `shape`) into a new array on the shared GPU context.
+/// `argument` names it in errors: float64 is refused as the GPU refuses
+/// float64 inputs, float16 where the adapter cannot read it.
+pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<DeviceArray> {
+    let len: usize = shape.iter().product();
+    if len != data.len() {
+        return Err(Error::Shape(format!(
+            "{argument} holds {} elements but its shape {} needs {len}",
+            data.len(),
+            crate::error::shape_str(shape)
+        )));
+    }
+    let bytes: &[u8] = match data {
+        Slice::F32(x) => bytemuck::cast_slice(x),
+        Slice::F16(x) => bytemuck::cast_slice(x),
+        Slice::F64(_) => return Err(float64_error(argument)),
+    };
+    timing::start_call();
+    with_context("uploading an array", |ctx| {
+        if data.dtype() == DType::F16 && !ctx.f16_inputs {
+            return Err(float16_error(ctx, argument));
+        }
+        let max = ctx.limits.max_buffer_size;
+        if padded(bytes.len() as u64) > max {
+            return Err(Error::TooLarge(format!(
+                "{argument} ({} bytes) is larger than the largest buffer of the GPU {} \
+                 ({max} bytes); keep it in NumPy (device=\"cpu\", or device=\"gpu\" with \
+                 NumPy arrays, which are split by heads)",
+                bytes.len(),
+                ctx.adapter.name
+            )));
+        }
+        let buffer = ctx.scoped("uploading an array", || {
+            let t = std::time::Instant::now();
+            let buffer = upload_as(ctx, argument, bytes, TENSOR_USAGE)?;
+            record_host("upload", t);
+            Ok(buffer)
+        })?;
+        Ok(DeviceArray::from_buffer(
+            ctx,
+            buffer,
+            data.dtype(),
+            shape.to_vec(),
+        ))
+    })
+}
+
+/// A new array filled with `value` (the outputs of empty problems).
+pub(crate) fn filled(
+    ctx: &Arc<Context>,
+    dtype: DType,
+    shape: Vec<usize>,
+    value: f32,
+) -> DeviceArray {
+    let len: usize = shape.iter().product();
+    let mut bytes = match dtype {
+        DType::F16 => bytemuck::cast_slice(&vec![half::f16::from_f32(value); len]).to_vec(),
+        _ => bytemuck::cast_slice(&vec![value; len]).to_vec(),
+    };
+    bytes.resize(padded(bytes.len() as u64) as usize, 0);
+    let buffer = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("filled"),
+            contents: &bytes,
+            usage: TENSOR_USAGE,
+        });
+    DeviceArray::from_buffer(ctx, buffer, dtype, shape)
+}
+
+/// Heads `first..first + count` (of `per_head` elements each) of `t` as a
+/// buffer of their own, filled by commands recorded in `encoder`; the
+/// array's own buffer when they are all of it.
+pub(crate) fn heads(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    t: &DeviceArray,
+    per_head: usize,
+    first: usize,
+    count: usize,
+) -> Result<wgpu::Buffer> {
+    let n = count * per_head;
+    if n == t.len() {
+        return Ok(t.buffer.clone());
+    }
+    let eb = element_bytes(t.dtype) as u64;
+    let start = (first * per_head) as u64 * eb;
+    let size = padded(n as u64 * eb);
+    let chunk = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("device array heads"),
+        size,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    if start % wgpu::COPY_BUFFER_ALIGNMENT == 0 {
+        // The padded size stays inside the array's buffer, which is
+        // itself padded to a 4-byte multiple.
+        encoder.copy_buffer_to_buffer(&t.buffer, start, &chunk, 0, size);
+    } else {
+        // A float16 head of odd size: the chunk starts mid-word.
+        run_helper(
+            ctx,
+            encoder,
+            Helper::CopyF16,
+            (&t.buffer, (first * per_head) as u64, 2),
+            (&chunk, 0, 2),
+            n as u64,
+        )?;
+    }
+    Ok(chunk)
+}
+
+/// One output of a call kept on the device: float32 results placed into
+/// one buffer chunk by chunk (the chunk's own buffer when it covers the
+/// output), rounded to the output's dtype at the end.
+pub(crate) struct Resident {
+    len: usize,
+    full: Option<wgpu::Buffer>,
+}
+
+impl Resident {
+    pub fn new(len: usize) -> Self {
+        Resident { len, full: None }
+    }
+
+    /// Puts a chunk's `n` results at element `offset`.
+    pub fn put(
+        &mut self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        offset: usize,
+        part: &wgpu::Buffer,
+        n: usize,
+    ) {
+        if self.full.is_none() && offset == 0 && n == self.len {
+            self.full = Some(part.clone());
+            return;
+        }
+        let full = self.full(ctx);
+        if n > 0 {
+            encoder.copy_buffer_to_buffer(part, 0, full, 4 * offset as u64, 4 * n as u64);
+        }
+    }
+
+    /// Adds a chunk's `n` results to those at element `offset` (the pieces
+    /// of a GQA group cut across chunks, summed in chunk order).
+    pub fn add(
+        &mut self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        offset: usize,
+        part: &wgpu::Buffer,
+        n: usize,
+    ) -> Result<()> {
+        let full = self.full(ctx).clone();
+        run_helper(
+            ctx,
+            encoder,
+            Helper::AddF32,
+            (part, 0, 4),
+            (&full, offset as u64, 4),
+            n as u64,
+        )
+    }
+
+    fn full(&mut self, ctx: &Context) -> &wgpu::Buffer {
+        let len = self.len;
+        self.full.get_or_insert_with(|| {
+            ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("device output"),
+                size: padded(4 * len as u64),
+                usage: TENSOR_USAGE,
+                mapped_at_creation: false,
+            })
+        })
+    }
+
+    /// The output as an array of `dtype`, float16 rounded on the device
+    /// (recorded in `encoder`).
+    pub fn finish(
+        mut self,
+        ctx: &Arc<Context>,
+        encoder: &mut wgpu::CommandEncoder,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> Result<DeviceArray> {
+        let full = self.full(ctx).clone();
+        if dtype != DType::F16 {
+            return Ok(DeviceArray::from_buffer(ctx, full, dtype, shape));
+        }
+        let halves = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("device output float16"),
+            size: padded(2 * self.len as u64),
+            usage: TENSOR_USAGE,
+            mapped_at_creation: false,
+        });
+        run_helper(
+            ctx,
+            encoder,
+            Helper::ToF16,
+            (&full, 0, 4),
+            (&halves, 0, 2),
+            self.len as u64,
+        )?;
+        Ok(DeviceArray::from_buffer(ctx, halves, dtype, shape))
+    }
+}
+
+/// The entry points of shaders/device_arrays.wgsl.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Helper {
+    CopyF16,
+    AddF32,
+    ToF16,
+}
+
+impl Helper {
+    pub fn entry(self) -> &'static str {
+        match self {
+            Helper::CopyF16 => "copy_f16",
+            Helper::AddF32 => "add_f32",
+            Helper::ToF16 => "to_f16",
+        }
+    }
+}
+
+const HELPER_WORKGROUP: u64 = 64;
+
+/// Records `helper` over `count` elements, reading from element `start` of
+/// `src` and writing from element `start` of `dst` (each given as
+/// `(buffer, start, element bytes)`). Each dispatch binds windows of the
+/// two buffers at aligned offsets, so arrays larger than one binding are
+/// covered in pieces.
+pub(crate) fn run_helper(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    helper: Helper,
+    (src, src_start, src_eb): (&wgpu::Buffer, u64, u64),
+    (dst, dst_start, dst_eb): (&wgpu::Buffer, u64, u64),
+    count: u64,
+) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    let pipeline = ctx.array_pipeline(helper.entry(), super::shaders::DEVICE_ARRAYS)?;
+    let align = ctx.limits.min_storage_buffer_offset_alignment.max(4) as u64;
+    // Elements per dispatch: a window holds them plus up to one alignment
+    // unit before and a word of rounding after. Even, so that each piece
+    // of a float16 destination starts on a word.
+    let widest = src_eb.max(dst_eb);
+    let limit = binding_limit(ctx, &overrides::current());
+    let room = limit.saturating_sub(align + 8) / widest;
+    let piece = (room.min(1 << 30) & !1).max(2);
+    let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1) as u64;
+    let mut done = 0;
+    while done < count {
+        let n = piece.min(count - done);
+        let window = |buffer: &wgpu::Buffer, start: u64, eb: u64| {
+            let begin = (start + done) * eb;
+            let offset = begin / align * align;
+            let end = ((begin + n * eb).next_multiple_of(4)).min(buffer.size());
+            ((begin - offset) / eb, offset, end - offset)
+        };
+        let (src_el, src_off, src_size) = window(src, src_start, src_eb);
+        let (dst_el, dst_off, dst_size) = window(dst, dst_start, dst_eb);
+        let span = ctx
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("span"),
+                contents: bytemuck::cast_slice(&[src_el as u32, dst_el as u32, n as u32, 0u32]),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+        let binding = |buffer, offset, size| {
+            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer,
+                offset,
+                size: wgpu::BufferSize::new(size),
+            })
+        };
+        let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(helper.entry()),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &[
+                wgpu::BindGroupEntry {
+                    binding: 0,
+                    resource: span.as_entire_binding(),
+                },
+                wgpu::BindGroupEntry {
+                    binding: 1,
+                    resource: binding(src, src_off, src_size),
+                },
+                wgpu::BindGroupEntry {
+                    binding: 2,
+                    resource: binding(dst, dst_off, dst_size),
+                },
+            ],
+        });
+        let invocations = if helper == Helper::AddF32 {
+            n
+        } else {
+            n.div_ceil(2)
+        };
+        let groups = invocations.div_ceil(HELPER_WORKGROUP);
+        let x = groups.min(max_dim);
+        let y = groups.div_ceil(x);
+        if y > max_dim {
+            return Err(Error::TooLarge(format!(
+                "a device-array copy of {n} elements needs more workgroups than the GPU {} \
+                 allows",
+                ctx.adapter.name
+            )));
+        }
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some(helper.entry()),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &group, &[]);
+        pass.dispatch_workgroups(x as u32, y as u32, 1);
+        drop(pass);
+        done += n;
+    }
+    Ok(())
+}

@@ -1,0 +1,113 @@
+//! A call's inputs as the GPU takes them (host bytes uploaded chunk by
+//! chunk, or device arrays bound in place), and the checks of what this
+//! backend cannot run, each an error naming the argument.
+
+use super::context::Context;
+use super::{device_array, transfer};
+use crate::{DType, DeviceArray, Error, Input, Problem, Result, Slice};
+
+/// The error for float64 data offered to the GPU, naming the argument.
+pub(crate) fn float64_error(argument: &str) -> Error {
+    Error::DType {
+        argument: argument.to_string(),
+        dtype: "float64".to_string(),
+        reason: "the GPU backend computes in float32 or float16; float64 runs on \
+                 device=\"cpu\" (or cast the inputs to float32)"
+            .to_string(),
+    }
+}
+
+/// The error for float16 data on an adapter that cannot unpack it.
+pub(crate) fn float16_error(ctx: &Context, argument: &str) -> Error {
+    Error::DType {
+        argument: argument.to_string(),
+        dtype: "float16".to_string(),
+        reason: format!(
+            "the GPU adapter {} cannot unpack float16 in shaders; cast the inputs to \
+             float32 or use device=\"cpu\"",
+            ctx.adapter.name
+        ),
+    }
+}
+
+/// The GPU computes in float32 (float16 inputs widened as they load).
+pub(crate) fn check_dtype(problem: &Problem) -> Result<()> {
+    if problem.dtype == DType::F64 {
+        return Err(float64_error("q"));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_f16(ctx: &Context, problem: &Problem) -> Result<()> {
+    if problem.dtype == DType::F16 && !ctx.f16_inputs {
+        return Err(float16_error(ctx, "q"));
+    }
+    Ok(())
+}
+
+/// Row offsets in the kernels are `i32` sums of two sequence positions.
+pub(crate) fn check_sizes(problem: &Problem) -> Result<()> {
+    let limit = i32::MAX as usize / 2;
+    if problem.seq_q > limit || problem.seq_k > limit {
+        return Err(Error::TooLarge(format!(
+            "sequences longer than {limit} are not supported on the GPU; use device=\"cpu\""
+        )));
+    }
+    Ok(())
+}
+
+/// An input array as the bytes the shaders read (float16 or float32).
+fn input_bytes<'a>(name: &str, s: &Slice<'a>) -> Result<&'a [u8]> {
+    match *s {
+        Slice::F32(x) => Ok(bytemuck::cast_slice(x)),
+        Slice::F16(x) => Ok(bytemuck::cast_slice(x)),
+        Slice::F64(_) => Err(float64_error(name)),
+    }
+}
+
+/// The bytes of heads `first..first + count` of an array with `per_head` elements of
+/// `elem` bytes each.
+fn heads_of(bytes: &[u8], per_head: usize, elem: usize, first: usize, count: usize) -> &[u8] {
+    &bytes[first * per_head * elem..(first + count) * per_head * elem]
+}
+
+/// Where a call's input comes from: host bytes uploaded chunk by chunk, or
+/// an array already on the device.
+#[derive(Clone, Copy)]
+pub(crate) enum Source<'a> {
+    Host(&'a [u8]),
+    Device(&'a DeviceArray),
+}
+
+pub(crate) fn source<'a>(name: &str, input: Input<'a>) -> Result<Source<'a>> {
+    match input {
+        Input::Host(s) => Ok(Source::Host(input_bytes(name, &s)?)),
+        Input::Device(t) if t.dtype() == DType::F64 => Err(float64_error(name)),
+        Input::Device(t) => Ok(Source::Device(t)),
+    }
+}
+
+/// Heads `first..first + count` of an input, `per_head` elements of `eb`
+/// bytes each, as a buffer the chunk binds: uploaded from the host (and
+/// `uploaded` set), or taken from the device array by commands recorded
+/// in `encoder`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn chunk_input(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    name: &str,
+    input: Source<'_>,
+    per_head: usize,
+    eb: usize,
+    first: usize,
+    count: usize,
+    uploaded: &mut bool,
+) -> Result<wgpu::Buffer> {
+    match input {
+        Source::Host(bytes) => {
+            *uploaded = true;
+            transfer::upload(ctx, name, heads_of(bytes, per_head, eb, first, count))
+        }
+        Source::Device(t) => device_array::heads(ctx, encoder, t, per_head, first, count),
+    }
+}

@@ -1,0 +1,208 @@
+//! Compiling the kernels: shader modules and compute pipelines, cached
+//! per context by their key, built from wgpu's WGSL or, for the
+//! cooperative kernels where the driver takes it, from SPIR-V written here.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::context::{lock, Context};
+use super::kernel::Kernel;
+use super::select::PipelineKey;
+use crate::{Error, Result};
+
+/// What a context has compiled, kept for its lifetime.
+#[derive(Default)]
+pub(crate) struct PipelineCache {
+    modules: Mutex<HashMap<(Kernel, bool, bool), wgpu::ShaderModule>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    /// The device-array moves' pipelines (shaders' device-array helpers),
+    /// by entry point.
+    arrays: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
+}
+
+/// Whether `kernel` runs without naga's index clamps: the register-tiled
+/// and cooperative-matrix kernels in release builds, unless
+/// `FLASHPORT_GPU_CHECKED=1`, a debugging switch users have (see
+/// `Context::module`).
+fn unchecked(kernel: Kernel) -> bool {
+    (kernel.is_tiled() || kernel.is_coop())
+        && !cfg!(debug_assertions)
+        && std::env::var("FLASHPORT_GPU_CHECKED").as_deref() != Ok("1")
+}
+
+impl Context {
+    fn module(&self, kernel: Kernel, subgroups: bool, f16: bool) -> Result<wgpu::ShaderModule> {
+        if let Some(m) = lock(&self.cache.modules).get(&(kernel, subgroups, f16)) {
+            return Ok(m.clone());
+        }
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.name()),
+            source: wgpu::ShaderSource::Wgsl(super::shaders::source(kernel, subgroups, f16).into()),
+        };
+        // The register-tiled kernels run without the index clamps (and loop
+        // bounds) naga adds to every array access: measured on the H100,
+        // the clamps cost 1.47x at d=64 and 1.9x at d=128 in the tiled
+        // forward (docs/gpu.md#no-bounds-checks-in-release). Their indices are in bounds by
+        // construction: every global access is guarded by a row/column
+        // bound, every workgroup index is below the host-computed array
+        // size (tiles::tiled_workgroup_vec4s). Debug builds (the Rust
+        // tests) and FLASHPORT_GPU_CHECKED=1 keep the clamps.
+        // The cooperative kernels' indices are in bounds the same way
+        // (tiles::coop_elems and CoopBackwardLayout size their arrays).
+        let unchecked = unchecked(kernel);
+        let module = self.scoped("compiling a shader", || {
+            Ok(if unchecked {
+                // SAFETY: see above; the tiled kernels' indices are bounded by
+                // their guards and the host-computed array sizes.
+                unsafe {
+                    self.device
+                        .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+                }
+            } else {
+                self.device.create_shader_module(desc)
+            })
+        })?;
+        lock(&self.cache.modules).insert((kernel, subgroups, f16), module.clone());
+        Ok(module)
+    }
+
+    /// A compute pipeline for `source` (entry point `main`) built from SPIR-V
+    /// written by naga here, with `constants` applied before, the memory
+    /// model switched to GLSL450 (src/gpu/spirv.rs) and an explicit layout
+    /// of every group-0 binding the module declares.
+    fn spirv_pipeline(
+        &self,
+        label: &str,
+        source: &str,
+        constants: &[(&str, f64)],
+        unchecked: bool,
+    ) -> Result<wgpu::ComputePipeline> {
+        let compiled = super::spirv::compile(source, constants, unchecked, true)
+            .map_err(|e| Error::Gpu(format!("compiling {label} to SPIR-V: {e}")))?;
+        self.scoped("building a SPIR-V pipeline", || {
+            let [x, y, z] = compiled.workgroup_size;
+            let entry_points = [wgpu::PassthroughShaderEntryPoint {
+                name: "main".into(),
+                workgroup_size: (x, y, z),
+            }];
+            // SAFETY: the words are naga's own output for a module naga
+            // validated, changed only in the memory model it declares
+            // (spirv::glsl450_memory_model), which the device supports.
+            let module = unsafe {
+                self.device.create_shader_module_passthrough(
+                    wgpu::ShaderModuleDescriptorPassthrough {
+                        label: Some(label),
+                        entry_points: entry_points.as_slice().into(),
+                        spirv: Some(compiled.words.as_slice().into()),
+                        ..Default::default()
+                    },
+                )
+            };
+            let group = self
+                .device
+                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some(label),
+                    entries: &compiled.bindings,
+                });
+            let layout = self
+                .device
+                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: Some(label),
+                    bind_group_layouts: &[Some(&group)],
+                    immediate_size: 0,
+                });
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(label),
+                    layout: Some(&layout),
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                }))
+        })
+    }
+
+    /// The pipeline of entry point `entry` of `source` (one module per
+    /// entry: the device-array moves), compiled once per context.
+    pub fn array_pipeline(
+        &self,
+        entry: &'static str,
+        source: &'static str,
+    ) -> Result<wgpu::ComputePipeline> {
+        if let Some(p) = lock(&self.cache.arrays).get(entry) {
+            return Ok(p.clone());
+        }
+        let pipeline = self.scoped("building a device-array pipeline", || {
+            let module = self
+                .device
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(entry),
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                });
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(entry),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some(entry),
+                    compilation_options: Default::default(),
+                    cache: None,
+                }))
+        })?;
+        lock(&self.cache.arrays).insert(entry, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// The pipeline for `key`, compiled once per process. Only pipelines
+    /// that compiled without error are cached.
+    pub fn pipeline(&self, key: PipelineKey) -> Result<wgpu::ComputePipeline> {
+        if let Some(p) = lock(&self.cache.pipelines).get(&key) {
+            return Ok(p.clone());
+        }
+        if key.passthrough {
+            let source = super::shaders::source(key.kernel, key.subgroups, key.f16_inputs);
+            let constants = super::shaders::overrides(&key);
+            let pipeline = self.spirv_pipeline(
+                key.kernel.name(),
+                &source,
+                &constants,
+                unchecked(key.kernel),
+            )?;
+            lock(&self.cache.pipelines).insert(key, pipeline.clone());
+            return Ok(pipeline);
+        }
+        let module = self.module(key.kernel, key.subgroups, key.f16_inputs)?;
+        let mut constants = super::shaders::overrides(&key);
+        if matches!(
+            key.kernel,
+            Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop
+        ) {
+            // wgpu's SPIR-V gives subgroupBarrier() SubgroupMemory
+            // semantics, which Vulkan ignores: wait workgroup-wide instead
+            // (shaders/coop/backward_dkdv.wgsl, SUBGROUP_SCRATCH).
+            constants.push(("SUBGROUP_SCRATCH", 0.0));
+        }
+        let pipeline = self.scoped("building a pipeline", || {
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(key.kernel.name()),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants: &constants,
+                        // Every kernel writes its workgroup arrays before it
+                        // reads them; zeroing them first is wasted work.
+                        zero_initialize_workgroup_memory: false,
+                    },
+                    cache: None,
+                }))
+        })?;
+        lock(&self.cache.pipelines).insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+}

@@ -1,0 +1,60 @@
+//! Hooks for the test suites and benchmark tools (cargo feature `testing`,
+//! never in the release wheel): what the current context would run, a
+//! device to lose on purpose, and the device's float16 rounding.
+
+use super::context;
+use super::device_array::{to_device, Resident};
+use super::run::{guarded, run_on};
+use super::select::{select_backward, select_forward, AdapterCaps, BackwardPlan, ForwardPlan};
+use crate::{overrides, Buffer, DType, Error, Problem, Result, Slice};
+
+/// What the shared context's adapter offers (creating the context).
+pub fn adapter_caps() -> Result<AdapterCaps> {
+    Ok(context::get()?.caps)
+}
+
+/// The kernels the forward and the backward of `p` would run on the shared
+/// context with the calling thread's overrides.
+pub fn plans(p: &Problem) -> Result<(ForwardPlan, BackwardPlan)> {
+    let caps = adapter_caps()?;
+    let overrides = overrides::current();
+    Ok((
+        select_forward(p, caps, &overrides),
+        select_backward(p, caps, &overrides),
+    ))
+}
+
+/// Destroys the shared context's device, as a driver reset or a removed
+/// GPU would, so that tests can check that the failure surfaces as an
+/// error, that the CPU keeps working, and that the next GPU call starts
+/// afresh. Does nothing when no context exists yet.
+pub fn lose_device() {
+    if let Some(ctx) = context::current() {
+        ctx.device.destroy();
+    }
+}
+
+/// Rounds `values` to float16 with the device's conversion (the one device
+/// outputs use), for tests against the host's rounding.
+pub fn round_to_f16_on_device(values: &[f32]) -> Result<Vec<half::f16>> {
+    let t = to_device("values", Slice::F32(values), &[values.len()])?;
+    let ctx = t.context().clone();
+    let rounded = guarded("rounding to float16", || {
+        run_on(&ctx, |ctx| {
+            ctx.scoped("rounding to float16", || {
+                let mut resident = Resident::new(values.len());
+                let mut encoder = ctx.device.create_command_encoder(&Default::default());
+                resident.put(ctx, &mut encoder, 0, t.buffer(), values.len());
+                let out = resident.finish(ctx, &mut encoder, DType::F16, t.shape().to_vec())?;
+                ctx.queue.submit([encoder.finish()]);
+                Ok(out)
+            })
+        })
+    })?;
+    match rounded.read()? {
+        Buffer::F16(x) => Ok(x),
+        _ => Err(Error::Gpu(
+            "the float16 rounding returned float32".to_string(),
+        )),
+    }
+}

@@ -1,0 +1,58 @@
+//! Tile and workgroup sizes of the kernels: the one place they are fitted
+//! to an adapter, one file per tier.
+//!
+//! Every kernel keeps its tiles in workgroup memory (the GPU's SRAM), so
+//! the adapter's `max_compute_workgroup_storage_size` bounds them: 16 KiB
+//! on any WebGPU adapter, 32 KiB on lavapipe, 48 KiB on NVIDIA. The sizes
+//! reach the WGSL as pipeline overrides, never by editing shader text.
+//! Each layout here mirrors the `var<workgroup>` arrays of its shader;
+//! tests/shaders.rs checks the two against each other through naga.
+
+mod coop;
+mod simple;
+mod tiled;
+
+pub use coop::{
+    coop_backward_tiles, coop_elems, coop_forward_tiles, coop_o_columns, coop_staged_words,
+    coop_workgroup_bytes, CoopBackwardLayout, COOP_BACKWARD_MAX_STAGED_WORDS,
+    COOP_MAX_STAGED_WORDS,
+};
+pub use simple::simple_tiles;
+pub use tiled::{
+    tiled_backward_tiles, tiled_forward_tiles, tiled_nv, tiled_workgroup_vec4s, BackwardLayout,
+    TILED_BK, TILED_CG,
+};
+
+use super::kernel::{Kernel, Tier};
+
+/// Tiles of one kernel: `q_rows` query rows and `k_rows` key rows staged
+/// together, `workgroup` threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tiles {
+    pub q_rows: u32,
+    pub k_rows: u32,
+    pub workgroup: u32,
+    /// Tiled kernels: the two streamed tiles share workgroup memory, the
+    /// second loaded over the first once the products that read it are
+    /// done, instead of side by side (for head dimensions that do not fit).
+    /// The forward streams K then V; dQ streams V then K; dK/dV streams dO,
+    /// then Q, then dO again.
+    pub kv_shared: bool,
+    /// Tiled kernels: vec4s of the next streamed tiles each invocation
+    /// prefetches into registers during the current tile (0: none).
+    pub prefetch: u32,
+}
+
+/// Room left for whatever the backend compiler adds to workgroup memory
+/// (alignment, its own scratch) in the simple and tiled kernels.
+const COMPILER_SLACK: u64 = 256;
+
+/// Bytes of workgroup memory a kernel declares for the given tiles; must
+/// mirror the `var<workgroup>` arrays of its shader.
+pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
+    match kernel.tier() {
+        Tier::Simple => simple::workgroup_bytes(kernel, d, dv, t),
+        Tier::Tiled => tiled::workgroup_bytes(kernel, d, dv, t),
+        Tier::Coop => coop::workgroup_bytes(kernel, d, dv, t),
+    }
+}

@@ -1,0 +1,116 @@
+//! Tiles of the simple kernels, which run every shape: the largest pair of
+//! tile heights whose arrays fit the adapter's workgroup memory.
+
+use super::{Tiles, COMPILER_SLACK};
+use crate::gpu::kernel::Kernel;
+use crate::gpu::select::AdapterCaps;
+
+/// Threads per workgroup: enough to keep a GPU's SIMD lanes busy on the
+/// per-element loops, few enough that a software rasteriser's barriers
+/// stay cheap.
+const WORKGROUP: u32 = 64;
+
+/// Candidate (primary, secondary) tile heights, best first. The primary
+/// tile is the one a workgroup owns (query rows in the forward and dQ
+/// kernels, key rows in dK/dV); the secondary one is streamed through.
+const CANDIDATES: [(u32, u32); 13] = [
+    (64, 64),
+    (64, 32),
+    (32, 32),
+    (32, 16),
+    (16, 16),
+    (16, 8),
+    (8, 8),
+    (8, 4),
+    (4, 4),
+    (4, 2),
+    (2, 2),
+    (2, 1),
+    (1, 1),
+];
+
+/// The tiles of simple `kernel` for head dimensions `d` (q, k) and `dv`
+/// (v, out) on an adapter with `caps`.
+pub fn simple_tiles(kernel: Kernel, d: u32, dv: u32, caps: AdapterCaps) -> Tiles {
+    let workgroup = WORKGROUP
+        .min(caps.max_invocations)
+        .min(caps.max_workgroup_size_x)
+        .max(1);
+    let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(COMPILER_SLACK);
+    let tiles = |(primary, secondary): (u32, u32)| {
+        let (q_rows, k_rows) = match kernel {
+            Kernel::BackwardDkDv => (secondary, primary),
+            _ => (primary, secondary),
+        };
+        Tiles {
+            q_rows,
+            k_rows,
+            workgroup,
+            kv_shared: false,
+            prefetch: 0,
+        }
+    };
+    CANDIDATES
+        .into_iter()
+        .map(tiles)
+        .find(|&t| workgroup_bytes(kernel, d, dv, t) <= budget)
+        .unwrap_or_else(|| tiles((1, 1)))
+}
+
+/// Workgroup bytes of a simple kernel, mirroring its arrays.
+pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
+    let (bq, bk) = (t.q_rows as u64, t.k_rows as u64);
+    let (d, dv) = (d as u64, dv as u64);
+    let e = |n: u64| n.max(1);
+    // K and V tiles have rows padded by one word (see KS/VS in the shaders).
+    let (kt, vt) = (e(bk * (d + 1)), e(bk * (dv + 1)));
+    let words = match kernel {
+        Kernel::Forward => e(bq * d) + kt + vt + e(bq * bk) + e(bq * dv) + 3 * e(bq),
+        // The dK/dV accumulators are sized like the K/V tiles.
+        Kernel::BackwardDkDv => {
+            2 * kt + 2 * vt + e(bq * d) + e(bq * dv) + 2 * e(bq * bk) + 3 * e(bq)
+        }
+        Kernel::BackwardDq => 2 * e(bq * d) + e(bq * dv) + kt + vt + e(bq * bk) + 3 * e(bq),
+        _ => 0,
+    };
+    4 * words
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_head_dim_fits_webgpu_default_16_kib() {
+        let caps = AdapterCaps::WEBGPU_DEFAULT;
+        for kernel in Kernel::SIMPLE {
+            for d in 1..=256 {
+                for dv in (0..=256).step_by(7).chain([255, 256]) {
+                    let t = simple_tiles(kernel, d, dv, caps);
+                    let bytes = workgroup_bytes(kernel, d, dv, t);
+                    assert!(
+                        bytes <= 16 * 1024,
+                        "{kernel:?} d={d} dv={dv} {t:?}: {bytes} B"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn larger_memory_gives_larger_tiles() {
+        let small = simple_tiles(Kernel::Forward, 64, 64, AdapterCaps::WEBGPU_DEFAULT);
+        let large = simple_tiles(
+            Kernel::Forward,
+            64,
+            64,
+            AdapterCaps {
+                workgroup_storage_bytes: 48 * 1024,
+                ..AdapterCaps::WEBGPU_DEFAULT
+            },
+        );
+        assert!(large.q_rows * large.k_rows > small.q_rows * small.k_rows);
+        let wide = simple_tiles(Kernel::BackwardDkDv, 256, 256, AdapterCaps::WEBGPU_DEFAULT);
+        assert!(wide.k_rows >= 1 && wide.q_rows >= 1);
+    }
+}

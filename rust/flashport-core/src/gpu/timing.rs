@@ -1,0 +1,108 @@
+//! Where a GPU call's time goes: each kernel's GPU time from timestamp
+//! queries, and the wall time of the call's host phases, per thread (calls
+//! running at the same time on other threads, a threaded test runner or a
+//! user's worker pool, do not mix their times into the caller's).
+
+use std::cell::RefCell;
+use std::time::Instant;
+
+use super::context::Context;
+
+thread_local! {
+    static KERNEL_TIMES: RefCell<Vec<(String, f64)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// GPU time of each kernel of the calling thread's last forward or
+/// backward call, in seconds, in dispatch order (one entry per kernel and
+/// chunk), from timestamp queries (none where the adapter has none); and
+/// wall time of the call's host phases, named "host:upload" (recorded only
+/// when host data was uploaded: device-array inputs are not),
+/// "host:submit_and_wait", "host:readback_copy". An upload into or a
+/// readback of a device array is a call too: it starts a new record.
+pub fn last_kernel_times() -> Vec<(String, f64)> {
+    KERNEL_TIMES.with(|times| times.borrow().clone())
+}
+
+/// Starts the calling thread's record of a new call.
+pub(crate) fn start_call() {
+    KERNEL_TIMES.with(|times| times.borrow_mut().clear());
+}
+
+/// Records a host-side phase of the current call, named "host:<name>",
+/// from `since` until now.
+pub(crate) fn record_host(name: &str, since: Instant) {
+    let elapsed = since.elapsed().as_secs_f64();
+    KERNEL_TIMES.with(|times| times.borrow_mut().push((format!("host:{name}"), elapsed)));
+}
+
+/// Timestamp queries around each dispatch of one submission.
+pub(crate) struct Timer {
+    set: wgpu::QuerySet,
+    pub resolve: wgpu::Buffer,
+    names: Vec<&'static str>,
+}
+
+const TIMER_PASSES: u32 = 8;
+
+impl Timer {
+    /// A timer for one submission, where the device has timestamp queries.
+    pub fn new(ctx: &Context) -> Option<Timer> {
+        if !ctx.timestamps {
+            return None;
+        }
+        let set = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("flashport timestamps"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2 * TIMER_PASSES,
+        });
+        let resolve = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("flashport timestamps"),
+            size: 16 * TIMER_PASSES as u64,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        Some(Timer {
+            set,
+            resolve,
+            names: Vec::new(),
+        })
+    }
+
+    /// The timestamp writes of the next pass, if the set has room.
+    pub fn next(&mut self, name: &'static str) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+        let i = self.names.len() as u32;
+        if i >= TIMER_PASSES {
+            return None;
+        }
+        self.names.push(name);
+        Some(wgpu::ComputePassTimestampWrites {
+            query_set: &self.set,
+            beginning_of_pass_write_index: Some(2 * i),
+            end_of_pass_write_index: Some(2 * i + 1),
+        })
+    }
+
+    /// Records the resolution of the passes' timestamps into `resolve`;
+    /// returns the number of f32 words to read back from it.
+    pub fn resolve(&self, encoder: &mut wgpu::CommandEncoder) -> usize {
+        let n = self.names.len() as u32;
+        if n > 0 {
+            encoder.resolve_query_set(&self.set, 0..2 * n, &self.resolve, 0);
+        }
+        4 * n as usize
+    }
+
+    /// Records the durations from the resolved words (read back as f32s).
+    pub fn record(&self, ctx: &Context, words: &[f32]) {
+        let period = ctx.queue.get_timestamp_period() as f64 * 1e-9;
+        let ticks: Vec<u64> = bytemuck::pod_collect_to_vec::<f32, u64>(words);
+        KERNEL_TIMES.with(|times| {
+            let mut times = times.borrow_mut();
+            for (i, name) in self.names.iter().enumerate() {
+                if let (Some(&a), Some(&b)) = (ticks.get(2 * i), ticks.get(2 * i + 1)) {
+                    times.push((name.to_string(), b.wrapping_sub(a) as f64 * period));
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,110 @@
+//! Test and benchmark knobs: one explicit value, all off by default. Only
+//! the `testing` cargo feature compiles a way to set them (`set`, for the
+//! calling thread); the release build always computes with the defaults,
+//! and nothing here reads the environment.
+
+use crate::gpu::kernel::Tier;
+use crate::gpu::select::AdapterCaps;
+
+/// The knobs. A call reads them once, on the thread that makes it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overrides {
+    /// The fastest tier a call may use: `Simple` everywhere, or `Tiled`
+    /// where the cooperative kernels would run (to compare tiers on one
+    /// adapter).
+    pub max_tier: Option<Tier>,
+    /// Fit tiles to at most this much workgroup memory (a 16 KiB adapter's
+    /// tiles on a larger one).
+    pub workgroup_bytes: Option<u32>,
+    /// Reduce rows through workgroup memory even where subgroups exist.
+    pub no_subgroups: bool,
+    /// Plan chunks for bindings of at most this many bytes (the split by
+    /// heads on small arrays).
+    pub binding_limit: Option<u64>,
+    /// Build the cooperative kernels from wgpu's own SPIR-V even where the
+    /// passthrough would be used.
+    pub naga_spirv: bool,
+    /// Run the portable CPU kernels even where AVX2 and FMA exist (what
+    /// other CPUs run).
+    pub portable_cpu: bool,
+}
+
+impl Overrides {
+    /// The defaults, as a constant.
+    pub const NONE: Overrides = Overrides {
+        max_tier: None,
+        workgroup_bytes: None,
+        no_subgroups: false,
+        binding_limit: None,
+        naga_spirv: false,
+        portable_cpu: false,
+    };
+
+    /// `caps` as the overrides narrow them.
+    pub fn apply(&self, mut caps: AdapterCaps) -> AdapterCaps {
+        if let Some(bytes) = self.workgroup_bytes {
+            caps.workgroup_storage_bytes = caps.workgroup_storage_bytes.min(bytes);
+        }
+        if self.no_subgroups {
+            caps.subgroups = false;
+        }
+        caps
+    }
+
+    pub(crate) fn allows(&self, tier: Tier) -> bool {
+        self.max_tier.is_none_or(|max| tier <= max)
+    }
+}
+
+#[cfg(feature = "testing")]
+thread_local! {
+    static CURRENT: std::cell::Cell<Overrides> = const { std::cell::Cell::new(Overrides::NONE) };
+}
+
+/// The overrides of the calling thread.
+#[cfg(feature = "testing")]
+pub fn current() -> Overrides {
+    CURRENT.with(std::cell::Cell::get)
+}
+
+/// The defaults: nothing can set overrides without the `testing` feature.
+#[cfg(not(feature = "testing"))]
+#[inline(always)]
+pub fn current() -> Overrides {
+    Overrides::NONE
+}
+
+/// Sets the calling thread's overrides for the calls it makes from now on.
+#[cfg(feature = "testing")]
+pub fn set(overrides: Overrides) {
+    CURRENT.with(|c| c.set(overrides));
+}
+
+/// Runs `f` with the calling thread's overrides set to `overrides`, then
+/// restores the ones it had.
+#[cfg(feature = "testing")]
+pub fn with<R>(overrides: Overrides, f: impl FnOnce() -> R) -> R {
+    let before = current();
+    set(overrides);
+    struct Restore(Overrides);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            set(self.0);
+        }
+    }
+    let _restore = Restore(before);
+    f()
+}
+
+/// Runs `f` (on a helper thread of a call) with `caller`, the overrides of
+/// the thread that made the call.
+#[inline(always)]
+pub fn on_helper<R>(caller: Overrides, f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "testing")]
+    return with(caller, f);
+    #[cfg(not(feature = "testing"))]
+    {
+        let _ = caller;
+        f()
+    }
+}
