@@ -15,10 +15,18 @@ calls are followed by `torch.cuda.synchronize()` inside the timed region):
   `attention_backward` with the forward's o and lse left on the GPU;
 - `np fwd`, `np f+b`: the same with NumPy arrays in and out;
 - `kern fwd`, `kern f+b`: the breakdown, the GPU time of the kernels of
-  the DeviceArray calls (timestamp queries, summed), and `host`: the rest
-  of the DeviceArray forward's wall time;
+  the DeviceArray calls (timestamp queries, summed; measured in calls of
+  their own after the timed ones, where the extension can switch the
+  timestamps off for the timed calls), and `host fwd`: `dev fwd` less
+  `kern fwd`;
 - `torch`: SDPA with its default backend choice on CUDA tensors of the
   same dtype; for float16 also `torch FA2` (the FLASH_ATTENTION backend).
+
+With `--ceiling BIN` (the tool `rust/tools/gemm-ceiling`, run first in
+a process of its own), the run also measures the fastest float32 FMA and
+float16 cooperative-matrix GEMMs written in WGSL through wgpu on this GPU,
+and reports each forward as a fraction of the ceiling of its dtype
+(`% ceiling`, on `dev fwd`): what a portable backend can reach.
 
 TF/s by the convention of BENCHMARKS.md: forward 4·B·H·N²·d FLOPs, halved
 when causal; forward+backward 3.5× that. The last lines are a Markdown
@@ -54,9 +62,18 @@ def kernel_seconds():
     return sum(t for name, t in _core._gpu_kernel_times() if not name.startswith("host:"))
 
 
+def phases():
+    """Seconds of each GPU time and host phase of the last call, by name."""
+    out = {}
+    for name, t in _core._gpu_kernel_times():
+        out[name] = out.get(name, 0.0) + t
+    return out
+
+
 def median_time(call, reps, warmup=2):
     """Median wall seconds of `call()` over `reps` runs after `warmup`, and
-    the median of what each run returned besides (e.g. kernel seconds)."""
+    the median of what each run returned besides (kernel seconds, or a
+    dict of phases: the median of each)."""
     walls, extras = [], []
     for i in range(warmup + reps):
         t0 = time.perf_counter()
@@ -65,7 +82,12 @@ def median_time(call, reps, warmup=2):
         if i >= warmup:
             walls.append(wall)
             extras.append(extra)
-    extra = statistics.median(extras) if extras and extras[0] is not None else None
+    if not extras or extras[0] is None:
+        extra = None
+    elif isinstance(extras[0], dict):
+        extra = {k: statistics.median(e.get(k, 0.0) for e in extras) for k in extras[0]}
+    else:
+        extra = statistics.median(extras)
     return statistics.median(walls), extra
 
 
@@ -82,6 +104,10 @@ def flashport_rows(shape, dtype, causal, reps):
         flashport.attention(dq, dk, dv, causal=causal)
         return kernel_seconds()
 
+    def dev_fwd_phases():
+        flashport.attention(dq, dk, dv, causal=causal)
+        return phases()
+
     def dev_both():
         o, lse = flashport.attention(dq, dk, dv, causal=causal, return_lse=True)
         kt = kernel_seconds()
@@ -95,13 +121,32 @@ def flashport_rows(shape, dtype, causal, reps):
         o, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, device="gpu")
         flashport.attention_backward(do, q, k, v, o, lse, causal=causal, device="gpu")
 
-    row["dev_fwd"], row["kern_fwd"] = median_time(dev_fwd, reps)
-    row["dev_both"], row["kern_both"] = median_time(dev_both, reps)
+    timing = getattr(_core, "_gpu_kernel_timing", None)
+    if timing is not None:
+        timing(False)
+    row["dev_fwd"], row["fwd_phases"] = median_time(dev_fwd_phases, reps)
+    row["dev_both"], _ = median_time(dev_both, reps)
     row["np_fwd"], _ = median_time(np_fwd, reps)
     row["np_both"], _ = median_time(np_both, reps)
-    # Where the DeviceArray forward's time goes, by phase.
-    dev_fwd()
-    row["fwd_phases"] = _core._gpu_kernel_times()
+    if timing is not None:
+        timing(True)
+    _, row["kern_fwd"] = median_time(dev_fwd, reps, warmup=1)
+    _, row["kern_both"] = median_time(dev_both, reps, warmup=1)
+
+    def np_both_kernels():
+        o, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, device="gpu")
+        kt = kernel_seconds()
+        flashport.attention_backward(do, q, k, v, o, lse, causal=causal, device="gpu")
+        return kt + kernel_seconds()
+
+    def idle_then_dev_both():
+        time.sleep(1.0)
+        return dev_both()
+
+    # The same kernels on NumPy inputs, and after the GPU idled for 1 s
+    # (its clocks drop): whether either changes the kernels' own time.
+    _, row["kern_np_both"] = median_time(np_both_kernels, min(reps, 3), warmup=1)
+    _, row["kern_both_after_idle"] = median_time(idle_then_dev_both, 2, warmup=0)
     return row
 
 
@@ -177,6 +222,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ceiling", default=None, help="path of the gemm-ceiling tool")
     args = ap.parse_args()
     shapes = SHAPES
     if args.shapes:
@@ -188,6 +234,19 @@ def main():
 
         info["torch"] = torch.__version__
     print(json.dumps(info), flush=True)
+    ceiling = {}
+    if args.ceiling:
+        done = subprocess.run(
+            [args.ceiling, "--size", "4096", "--reps", "20"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=900,
+        )
+        ceiling = json.loads(done.stdout.strip().splitlines()[-1])
+        info["ceiling"] = ceiling
+        print(json.dumps(ceiling), flush=True)
+    peak = {"float32": ceiling.get("f32_fma_tflops"), "float16": ceiling.get("f16_coop_tflops")}
 
     records = []
     for shape in shapes:
@@ -221,6 +280,7 @@ def main():
         "torch FA2 fwd",
         "torch FA2 f+b",
         "dev fwd / torch",
+        "% ceiling",
     ]
     print("\n| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -249,6 +309,7 @@ def main():
             cell(ffwd) if ffwd else "-",
             cell(fboth, True) if fboth else "-",
             f"{tfwd / r['dev_fwd']:.3f}" if tfwd else "-",
+            f"{100 * tf(s, c, r['dev_fwd']) / peak[r['dtype']]:.0f}%" if peak[r["dtype"]] else "-",
         ]
         print("| " + " | ".join(cells) + " |")
 

@@ -77,7 +77,7 @@ def uploads():
 
 def submissions():
     """The submissions the last GPU call waited for: one per chunk of heads."""
-    return sum(name == "host:submit_and_wait" for name, _ in _core._gpu_kernel_times())
+    return sum(name == "host:wait" for name, _ in _core._gpu_kernel_times())
 
 
 def check_device_path(

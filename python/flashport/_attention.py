@@ -243,8 +243,10 @@ def attention(
         Also return the log-sum-exp, which ``attention_backward`` needs.
     device : "cpu", "gpu" or "auto", optional
         Where to compute. ``None`` means ``$FLASHPORT_DEVICE`` if set, else
-        ``"auto"``: a hardware GPU when one exists and the problem is large
-        enough to gain from it, otherwise the CPU (never a software adapter).
+        ``"auto"``: a hardware GPU where a cost model of the two devices
+        (their rates, the GPU's fixed cost per call and the copies of NumPy
+        arrays to it and back) expects the call to finish sooner, otherwise
+        the CPU (never a software adapter).
         The CPU uses ``$FLASHPORT_NUM_THREADS`` threads (default: all cores).
         When ``q``, ``k`` or ``v`` is a DeviceArray, ``None`` and ``"auto"``
         mean the GPU (whatever ``$FLASHPORT_DEVICE`` says) and ``"cpu"`` is an

@@ -29,6 +29,7 @@
 //! assert!(o.iter().all(|x| (x - 1.0).abs() < 1e-6));
 //! ```
 
+pub mod auto;
 pub mod cpu;
 pub mod error;
 pub mod gpu;
@@ -181,17 +182,13 @@ impl Buffer {
 pub enum Device {
     Cpu,
     Gpu,
-    /// A hardware GPU when there is one and the problem is large enough
-    /// to gain from it, otherwise the CPU. Never a software adapter.
+    /// A hardware GPU where the cost model (`auto`) expects the call to
+    /// take less time there, otherwise the CPU. Never a software adapter.
     Auto,
 }
 
 /// Environment variable that overrides the default device `"auto"`.
 pub const DEVICE_ENV: &str = "FLASHPORT_DEVICE";
-
-/// Forward FLOPs above which `device="auto"` prefers a hardware GPU: below
-/// it, the host-device copies and the launch cost outweigh the GPU's speed.
-pub const AUTO_GPU_MIN_FLOPS: f64 = 1e9;
 
 impl Device {
     /// Parses the `device=` argument of a call some of whose inputs are
@@ -231,8 +228,11 @@ impl Device {
     pub fn resolve(self, problem: &Problem) -> Device {
         match self {
             Device::Auto => {
-                let big_enough = problem.forward_flops() >= AUTO_GPU_MIN_FLOPS;
-                if big_enough && problem.dtype != DType::F64 && gpu::hardware_adapter_available() {
+                let cpu = auto::CpuModel {
+                    threads: cpu::num_threads().unwrap_or(1),
+                    simd: cpu::simd_kernels(),
+                };
+                if auto::prefers_gpu(problem, cpu, gpu::hardware_gpu()) {
                     Device::Gpu
                 } else {
                     Device::Cpu

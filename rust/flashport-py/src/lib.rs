@@ -595,6 +595,13 @@ fn _gpu_kernel_times() -> Vec<(String, f64)> {
     core::gpu::last_kernel_times()
 }
 
+/// _gpu_kernel_timing(enabled): whether the calling thread's GPU calls
+/// measure their kernels with timestamp queries (on by default).
+#[pyfunction]
+fn _gpu_kernel_timing(enabled: bool) {
+    core::gpu::set_kernel_timing(enabled);
+}
+
 /// The core's test hooks (cargo feature `testing`: the development build,
 /// never the wheel).
 #[cfg(feature = "testing")]
@@ -656,6 +663,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_times, m)?)?;
+    m.add_function(wrap_pyfunction!(_gpu_kernel_timing, m)?)?;
     #[cfg(feature = "testing")]
     {
         m.add_function(wrap_pyfunction!(testing::_testing_set_overrides, m)?)?;

@@ -52,6 +52,14 @@ pub fn num_threads() -> Result<usize> {
     }
 }
 
+/// Whether float32 runs the AVX2+FMA kernels on this CPU.
+pub fn simd_kernels() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// A pool of `threads` helper threads, started on first use and kept.
 fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();

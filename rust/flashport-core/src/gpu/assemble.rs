@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use super::context::Context;
 use super::device_array;
-use crate::{Array, Buffer, DType, Error, Placement, Result};
+use super::pool::Pooled;
+use super::transfer::Submission;
+use crate::{Array, Buffer, DType, DeviceArray, Error, Placement, Result};
 
 /// Host results in the output's dtype (float16 rounded here).
 pub(crate) fn to_buffer(values: Vec<f32>, dtype: DType) -> Buffer {
@@ -87,10 +89,11 @@ impl Assembled {
 }
 
 /// One output of a call: assembled in host memory from the chunks'
-/// readbacks, or kept on the device.
+/// readbacks, or kept on the device (and finally a device array).
 pub(crate) enum Sink {
     Host(Assembled),
     Device(device_array::Resident),
+    Done(DeviceArray),
 }
 
 impl Sink {
@@ -105,20 +108,21 @@ impl Sink {
     /// `offset`, added to what is there when `add`) on the device; a host
     /// sink asks for the buffer to be read back into `reads` instead.
     #[allow(clippy::too_many_arguments)]
-    pub fn collect<'b>(
+    pub fn collect(
         &mut self,
         ctx: &Context,
-        encoder: &mut wgpu::CommandEncoder,
-        part: &'b wgpu::Buffer,
+        sub: &mut Submission<'_>,
+        part: &Arc<Pooled>,
         offset: usize,
         n: usize,
         add: bool,
-        reads: &mut Vec<(&'b wgpu::Buffer, usize)>,
+        reads: &mut Vec<(Arc<Pooled>, usize)>,
     ) -> Result<()> {
         match self {
-            Sink::Host(_) => reads.push((part, n)),
-            Sink::Device(r) if add => r.add(ctx, encoder, offset, part, n)?,
-            Sink::Device(r) => r.put(ctx, encoder, offset, part, n),
+            Sink::Host(_) => reads.push((part.clone(), n)),
+            Sink::Device(r) if add => r.add(ctx, sub, offset, part, n)?,
+            Sink::Device(r) => r.put(sub, offset, part, n),
+            Sink::Done(_) => return Err(Error::Gpu("an output was finished twice".into())),
         }
         Ok(())
     }
@@ -135,53 +139,31 @@ impl Sink {
         }
     }
 
-    /// The output: host values rounded to `dtype`, or a device tensor
-    /// rounded on the device by commands recorded in `encoder`.
-    fn finish(
-        self,
+    /// Records the last commands of a device output (its rounding to
+    /// `dtype`) in `sub`, the call's last submission.
+    pub fn finish_on_device(
+        &mut self,
         ctx: &Arc<Context>,
-        encoder: &mut wgpu::CommandEncoder,
+        sub: &mut Submission<'_>,
         dtype: DType,
         shape: Vec<usize>,
-    ) -> Result<Array> {
-        Ok(match self {
-            Sink::Host(a) => Array::Host(to_buffer(a.into_vec(), dtype)),
-            Sink::Device(r) => Array::Device(r.finish(ctx, encoder, dtype, shape)?),
-        })
+    ) -> Result<()> {
+        if let Sink::Device(r) = self {
+            let r = std::mem::replace(r, device_array::Resident::new(0));
+            *self = Sink::Done(r.finish(ctx, sub, dtype, shape)?);
+        }
+        Ok(())
     }
-}
 
-/// Finishes the outputs of a call (`(sink, dtype, shape)` each): device
-/// outputs' last commands are submitted and waited for, so the call's
-/// work is done when it returns.
-pub(crate) fn finish_outputs<const N: usize>(
-    ctx: &Arc<Context>,
-    sinks: [(Sink, DType, Vec<usize>); N],
-) -> Result<[Array; N]> {
-    let mut encoder = ctx.device.create_command_encoder(&Default::default());
-    let mut arrays = Vec::with_capacity(N);
-    let mut on_device = false;
-    for (sink, dtype, shape) in sinks {
-        on_device |= matches!(sink, Sink::Device(_));
-        arrays.push(sink.finish(ctx, &mut encoder, dtype, shape)?);
+    /// The output, once the call's last submission is done: host values
+    /// rounded to `dtype`, or the device array.
+    pub fn into_array(self, dtype: DType) -> Result<Array> {
+        match self {
+            Sink::Host(a) => Ok(Array::Host(to_buffer(a.into_vec(), dtype))),
+            Sink::Done(array) => Ok(Array::Device(array)),
+            Sink::Device(_) => Err(Error::Gpu("a device output was never finished".into())),
+        }
     }
-    if on_device {
-        let index = ctx.queue.submit([encoder.finish()]);
-        ctx.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: Some(index),
-                timeout: None,
-            })
-            .map_err(|e| {
-                Error::Gpu(format!(
-                    "waiting for the GPU failed on {}: {e}",
-                    ctx.adapter.name
-                ))
-            })?;
-    }
-    arrays
-        .try_into()
-        .map_err(|_| Error::Gpu("an output went missing".to_string()))
 }
 
 /// Outputs kept on the device are assembled in float32 buffers of their
@@ -207,22 +189,23 @@ pub(crate) fn check_device_outputs(
     }
 }
 
-/// The outputs of an empty problem, filled with `fill`, where `outputs`
-/// says.
+/// An output of an empty problem, filled with `fill`, where `outputs`
+/// says (a device one written before `sub`'s work).
 pub(crate) fn empty_output(
     ctx: &Arc<Context>,
+    sub: &mut Submission<'_>,
     outputs: Placement,
     dtype: DType,
     shape: Vec<usize>,
     fill: f32,
-) -> Array {
-    match outputs {
+) -> Result<Array> {
+    Ok(match outputs {
         Placement::Host => {
             let len = shape.iter().product();
             Array::Host(to_buffer(vec![fill; len], dtype))
         }
-        Placement::Device => Array::Device(device_array::filled(ctx, dtype, shape, fill)),
-    }
+        Placement::Device => Array::Device(device_array::filled(ctx, sub, dtype, shape, fill)?),
+    })
 }
 
 #[cfg(test)]

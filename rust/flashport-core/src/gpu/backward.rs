@@ -5,16 +5,17 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::assemble::{check_device_outputs, empty_output, finish_outputs, Assembled, Sink};
+use super::assemble::{check_device_outputs, empty_output, Assembled, Sink};
 use super::chunks::{self, binding_limit};
 use super::context::Context;
-use super::dispatch::{bind, dispatch, grid, submit_and_read, uniform, upload_variants};
+use super::dispatch::{bind, grid, upload_variants};
 use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
-use super::params::VariantData;
+use super::params::{Params, VariantData};
+use super::pool::Pooled;
 use super::run::with_inputs;
 use super::select::select_backward;
-use super::timing::{self, Timer};
-use super::transfer::{dummy_output, output};
+use super::timing;
+use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
 use crate::{
     Array, BackendGradients, Buffer, DType, Error, Input, Placement, Problem, Result, Slice,
@@ -111,14 +112,18 @@ fn backward_on(
         )));
     }
     let scores_len = p.batch * p.heads_q * p.seq_q * p.seq_k;
+    timing::start_call();
     if p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 {
         return ctx.scoped("making the outputs", || {
-            Ok(BackendGradients {
-                dq: empty_output(ctx, outputs, p.dtype, p.q_shape(), 0.0),
-                dk: empty_output(ctx, outputs, p.dtype, p.k_shape(), 0.0),
-                dv: empty_output(ctx, outputs, p.dtype, p.v_shape(), 0.0),
+            let mut sub = Submission::new(ctx);
+            let grads = BackendGradients {
+                dq: empty_output(ctx, &mut sub, outputs, p.dtype, p.q_shape(), 0.0)?,
+                dk: empty_output(ctx, &mut sub, outputs, p.dtype, p.k_shape(), 0.0)?,
+                dv: empty_output(ctx, &mut sub, outputs, p.dtype, p.v_shape(), 0.0)?,
                 d_scores: p.return_dmask.then(|| Buffer::F32(vec![0.0; scores_len])),
-            })
+            };
+            sub.submit(&[])?;
+            Ok(grads)
         });
     }
     check_device_outputs(
@@ -126,6 +131,7 @@ fn backward_on(
         outputs,
         &[("dq", p.q_len()), ("dk", p.k_len()), ("dv", p.v_len())],
     )?;
+    let prepared = Instant::now();
     let mut dq = Sink::new(outputs, p.q_len(), 0.0);
     let mut dk = Sink::new(outputs, p.k_len(), 0.0);
     let mut dv_all = Sink::new(outputs, p.v_len(), 0.0);
@@ -136,95 +142,92 @@ fn backward_on(
     let eb = if p.dtype == DType::F16 { 2 } else { 4 };
     let plan = select_backward(p, ctx.caps, overrides);
     let (kp, kq, kkv) = (plan.preprocess, plan.dq, plan.dkdv);
-    timing::start_call();
     let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
     let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
     let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;
     let limit = binding_limit(ctx, overrides);
     let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;
     let (pre, dq_pipe, dkdv_pipe) = (ctx.pipeline(kp)?, ctx.pipeline(kq)?, ctx.pipeline(kkv)?);
-    let vx = ctx.scoped("uploading the variants", || upload_variants(ctx, vd, limit))?;
     let g = p.group_size();
     let (sq_sk, dmask) = (sq * sk, p.return_dmask);
-    for chunk in &chunks {
+    for (i, chunk) in chunks.iter().enumerate() {
         let (q0, nq) = (chunk.q0(g), chunk.q_count());
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
+        let last = i + 1 == chunks.len();
         // A group cut into pieces: its pieces are summed in order, so the
         // result is still reproducible.
         let add = chunk.g0 != 0;
         let reads = ctx.scoped("running the backward pass", || {
-            let params = uniform(ctx, p, chunk, vd)?;
-            let mut encoder = ctx.device.create_command_encoder(&Default::default());
-            let t_up = Instant::now();
-            let mut up = false;
-            let enc = &mut encoder;
-            let dob = chunk_input(ctx, enc, "do", x.d_out, sq * dv, eb, q0, nq, &mut up)?;
-            let ob = chunk_input(ctx, enc, "o", x.out, sq * dv, eb, q0, nq, &mut up)?;
-            let qb = chunk_input(ctx, enc, "q", x.q, sq * d, eb, q0, nq, &mut up)?;
-            let kb = chunk_input(ctx, enc, "k", x.k, sk * d, eb, kv0, nkv, &mut up)?;
-            let vb = chunk_input(ctx, enc, "v", x.v, sk * dv, eb, kv0, nkv, &mut up)?;
-            let lb = chunk_input(ctx, enc, "lse", x.lse, sq, 4, q0, nq, &mut up)?;
-            if up {
-                timing::record_host("upload", t_up);
-            }
+            let mut sub = Submission::new(ctx);
+            let vx = upload_variants(&mut sub, vd, limit)?;
+            let params = sub.uniform(&Params::new(p, chunk, vd))?;
+            let qs = (q0, nq);
+            let kvs = (kv0, nkv);
+            let dob = chunk_input(&mut sub, "do", x.d_out, (sq * dv, eb), qs)?;
+            let ob = chunk_input(&mut sub, "o", x.out, (sq * dv, eb), qs)?;
+            let qb = chunk_input(&mut sub, "q", x.q, (sq * d, eb), qs)?;
+            let kb = chunk_input(&mut sub, "k", x.k, (sk * d, eb), kvs)?;
+            let vb = chunk_input(&mut sub, "v", x.v, (sk * dv, eb), kvs)?;
+            let lb = chunk_input(&mut sub, "lse", x.lse, (sq, 4), qs)?;
             // (lse, D) per query row: written by the pre-pass.
-            let stats = output(ctx, "stats", 2 * nq * sq);
-            let dqb = output(ctx, "dq", nq * sq * d);
-            let dkb = output(ctx, "dk", nkv * sk * d);
-            let dvb = output(ctx, "dv", nkv * sk * dv);
+            let stats = sub.output(2 * nq * sq);
+            let dqb = sub.output(nq * sq * d);
+            let dkb = sub.output(nkv * sk * d);
+            let dvb = sub.output(nkv * sk * dv);
             let dsb = if dmask {
-                output(ctx, "d_scores", nq * sq_sk)
+                sub.output(nq * sq_sk)
             } else {
-                dummy_output(ctx)
+                // A one-word stand-in for the binding the pipeline names.
+                sub.scratch(4)
             };
-            let g_pre = bind(ctx, &pre, &[&params, &dob, &ob, &lb, &stats], None);
-            let g_dq = bind(
+            let g_pre = bind(
                 ctx,
-                &dq_pipe,
-                &[&params, &dob, &qb, &kb, &vb, &stats, &dqb, &dsb],
-                Some(&vx),
-            );
-            let g_kv = bind(
-                ctx,
-                &dkdv_pipe,
-                &[&params, &dob, &qb, &kb, &vb, &stats, &dkb, &dvb],
-                Some(&vx),
-            );
-            let mut timer = Timer::new(ctx);
-            dispatch(
-                &mut encoder,
                 &pre,
-                &g_pre,
-                xp,
-                nq as u32,
-                timer.as_mut().map(|t| (t, "backward_preprocess")),
+                &[
+                    params.binding(),
+                    dob.binding(),
+                    ob.binding(),
+                    lb.binding(),
+                    stats.binding(),
+                ],
+                None,
             );
-            dispatch(
-                &mut encoder,
-                &dq_pipe,
-                &g_dq,
-                xq,
-                nq as u32,
-                timer.as_mut().map(|t| (t, kq.kernel.name())),
-            );
-            dispatch(
-                &mut encoder,
-                &dkdv_pipe,
-                &g_kv,
-                xkv,
-                nkv as u32,
-                timer.as_mut().map(|t| (t, kkv.kernel.name())),
-            );
+            let common = [
+                params.binding(),
+                dob.binding(),
+                qb.binding(),
+                kb.binding(),
+                vb.binding(),
+                stats.binding(),
+            ];
+            let mut dq_bindings = common.to_vec();
+            dq_bindings.extend([dqb.binding(), dsb.binding()]);
+            let mut kv_bindings = common.to_vec();
+            kv_bindings.extend([dkb.binding(), dvb.binding()]);
+            let g_dq = bind(ctx, &dq_pipe, &dq_bindings, Some(&vx));
+            let g_kv = bind(ctx, &dkdv_pipe, &kv_bindings, Some(&vx));
+            sub.dispatch(&pre, &g_pre, (xp, nq as u32), "backward_preprocess");
+            sub.dispatch(&dq_pipe, &g_dq, (xq, nq as u32), kq.kernel.name());
+            sub.dispatch(&dkdv_pipe, &g_kv, (xkv, nkv as u32), kkv.kernel.name());
             let mut reads = Vec::new();
-            let enc = &mut encoder;
-            dq.collect(ctx, enc, &dqb, q0 * sq * d, nq * sq * d, false, &mut reads)?;
             let (k_off, v_off) = (kv0 * sk * d, kv0 * sk * dv);
-            dk.collect(ctx, enc, &dkb, k_off, nkv * sk * d, add, &mut reads)?;
-            dv_all.collect(ctx, enc, &dvb, v_off, nkv * sk * dv, add, &mut reads)?;
+            let s = &mut sub;
+            dq.collect(ctx, s, &dqb, q0 * sq * d, nq * sq * d, false, &mut reads)?;
+            dk.collect(ctx, s, &dkb, k_off, nkv * sk * d, add, &mut reads)?;
+            dv_all.collect(ctx, s, &dvb, v_off, nkv * sk * dv, add, &mut reads)?;
             if dmask {
-                reads.push((&dsb, nq * sq_sk));
+                reads.push((dsb.clone(), nq * sq_sk));
             }
-            submit_and_read(ctx, encoder, &reads, timer.as_ref())
+            if last {
+                dq.finish_on_device(ctx, s, p.dtype, p.q_shape())?;
+                dk.finish_on_device(ctx, s, p.dtype, p.k_shape())?;
+                dv_all.finish_on_device(ctx, s, p.dtype, p.v_shape())?;
+            }
+            if i == 0 {
+                timing::record_host("prepare", prepared);
+            }
+            let reads: Vec<(&Pooled, usize)> = reads.iter().map(|(b, n)| (&**b, *n)).collect();
+            sub.submit(&reads)
         })?;
         let mut reads = reads.into_iter();
         dq.place(q0 * sq * d, false, &mut reads);
@@ -234,20 +237,10 @@ fn backward_on(
             all.put(q0 * sq_sk, reads.next().unwrap_or_default());
         }
     }
-    let [dq, dk, dv] = ctx.scoped("keeping the outputs on the device", || {
-        finish_outputs(
-            ctx,
-            [
-                (dq, p.dtype, p.q_shape()),
-                (dk, p.dtype, p.k_shape()),
-                (dv_all, p.dtype, p.v_shape()),
-            ],
-        )
-    })?;
     Ok(BackendGradients {
-        dq,
-        dk,
-        dv,
+        dq: dq.into_array(p.dtype)?,
+        dk: dk.into_array(p.dtype)?,
+        dv: dv_all.into_array(p.dtype)?,
         d_scores: d_scores.map(|s| Buffer::F32(s.into_vec())),
     })
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::pipelines::PipelineCache;
-use super::pool::BufferPool;
+use super::pool::{BufferPool, DevicePool};
 use super::select::AdapterCaps;
 use super::AdapterInfo;
 use crate::{Error, Result};
@@ -142,6 +142,8 @@ pub(crate) struct Context {
     pub readback_pool: BufferPool,
     /// Mapped staging buffers for uploads, remapped after each use.
     pub upload_pool: BufferPool,
+    /// Device-local buffers calls no longer use (src/gpu/pool.rs).
+    pub device_pool: Arc<DevicePool>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -298,7 +300,10 @@ impl Context {
             // A call's outputs read back through one buffer; its inputs
             // upload through one each (up to six, plus the parameters).
             readback_pool: BufferPool::new(2, 256 << 20, 512 << 20),
-            upload_pool: BufferPool::new(8, 256 << 20, 512 << 20),
+            upload_pool: BufferPool::new(32, 256 << 20, 512 << 20),
+            // Enough for the outputs and temporaries of a forward and
+            // backward of (4, 16, 4096, 128) float32 several times over.
+            device_pool: Arc::new(DevicePool::new(2 << 30)),
         })
     }
 

@@ -10,14 +10,13 @@
 
 use std::sync::Arc;
 
-use wgpu::util::DeviceExt;
-
 use super::chunks::binding_limit;
 use super::context::Context;
 use super::inputs::{float16_error, float64_error};
+use super::pool::Pooled;
 use super::run::{guarded, run_on, with_context};
-use super::timing::{self, record_host};
-use super::transfer::{padded, read_back, upload_as};
+use super::timing;
+use super::transfer::{submit_and_read, Submission};
 use crate::overrides;
 use crate::{ArrayInfo, Buffer, DType, Error, Result, Slice};
 
@@ -27,7 +26,7 @@ use crate::{ArrayInfo, Buffer, DType, Error, Result, Slice};
 /// Cloning shares the buffer.
 #[derive(Clone)]
 pub struct DeviceArray {
-    buffer: wgpu::Buffer,
+    buffer: Arc<Pooled>,
     ctx: Arc<Context>,
     dtype: DType,
     shape: Vec<usize>,
@@ -96,7 +95,8 @@ impl DeviceArray {
                 ctx.scoped("reading a device array back", || {
                     let encoder = ctx.device.create_command_encoder(&Default::default());
                     let words = self.nbytes().div_ceil(4);
-                    let mut r = read_back(ctx, encoder, &[(&self.buffer, words)])?;
+                    let reads = [(self.buffer.buffer(), words)];
+                    let mut r = submit_and_read(ctx, encoder, &reads, || {})?;
                     let words = r.pop().unwrap_or_default();
                     Ok(match self.dtype {
                         DType::F16 => {
@@ -115,6 +115,11 @@ impl DeviceArray {
     pub(crate) fn alive(&self, argument: &str) -> Result<()> {
         // A poll delivers a pending device-lost callback.
         let _ = self.ctx.device.poll(wgpu::PollType::Poll);
+        self.was_alive(argument)
+    }
+
+    /// [`DeviceArray::alive`] as of the last poll of its device.
+    pub(crate) fn was_alive(&self, argument: &str) -> Result<()> {
         if self.ctx.is_lost() {
             return Err(Error::Gpu(format!(
                 "{argument} is a device array on the GPU {}, which was lost or reset since \
@@ -131,13 +136,13 @@ impl DeviceArray {
     }
 
     #[cfg(feature = "testing")]
-    pub(crate) fn buffer(&self) -> &wgpu::Buffer {
+    pub(crate) fn buffer(&self) -> &Arc<Pooled> {
         &self.buffer
     }
 
     pub(crate) fn from_buffer(
         ctx: &Arc<Context>,
-        buffer: wgpu::Buffer,
+        buffer: Arc<Pooled>,
         dtype: DType,
         shape: Vec<usize>,
     ) -> DeviceArray {
@@ -149,12 +154,6 @@ impl DeviceArray {
         }
     }
 }
-
-/// The usages of every array's buffer: bound by the kernels, copied from
-/// (readback, chunks) and into (uploads, chunk results).
-pub(crate) const TENSOR_USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
-    .union(wgpu::BufferUsages::COPY_SRC)
-    .union(wgpu::BufferUsages::COPY_DST);
 
 /// Uploads `data` (of `shape`) into a new array on the shared GPU context.
 /// `argument` names it in errors: float64 is refused as the GPU refuses
@@ -179,7 +178,7 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
             return Err(float16_error(ctx, argument));
         }
         let max = ctx.limits.max_buffer_size;
-        if padded(bytes.len() as u64) > max {
+        if bytes.len().next_multiple_of(4) as u64 > max {
             return Err(Error::TooLarge(format!(
                 "{argument} ({} bytes) is larger than the largest buffer of the GPU {} \
                  ({max} bytes); keep it in NumPy (device=\"cpu\", or device=\"gpu\" with \
@@ -189,9 +188,9 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
             )));
         }
         let buffer = ctx.scoped("uploading an array", || {
-            let t = std::time::Instant::now();
-            let buffer = upload_as(ctx, argument, bytes, TENSOR_USAGE)?;
-            record_host("upload", t);
+            let mut sub = Submission::new(ctx);
+            let buffer = sub.upload(argument, bytes)?;
+            sub.submit(&[])?;
             Ok(buffer)
         })?;
         Ok(DeviceArray::from_buffer(
@@ -203,62 +202,58 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
     })
 }
 
-/// A new array filled with `value` (the outputs of empty problems).
+/// A new array filled with `value` (the outputs of empty problems),
+/// written before `sub`'s work.
 pub(crate) fn filled(
     ctx: &Arc<Context>,
+    sub: &mut Submission<'_>,
     dtype: DType,
     shape: Vec<usize>,
     value: f32,
-) -> DeviceArray {
+) -> Result<DeviceArray> {
     let len: usize = shape.iter().product();
-    let mut bytes = match dtype {
+    let bytes = match dtype {
         DType::F16 => bytemuck::cast_slice(&vec![half::f16::from_f32(value); len]).to_vec(),
         _ => bytemuck::cast_slice(&vec![value; len]).to_vec(),
     };
-    bytes.resize(padded(bytes.len() as u64) as usize, 0);
-    let buffer = ctx
-        .device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("filled"),
-            contents: &bytes,
-            usage: TENSOR_USAGE,
-        });
-    DeviceArray::from_buffer(ctx, buffer, dtype, shape)
+    let buffer = sub.upload("filled", &bytes)?;
+    Ok(DeviceArray::from_buffer(ctx, buffer, dtype, shape))
 }
 
 /// Heads `first..first + count` (of `per_head` elements each) of `t` as a
-/// buffer of their own, filled by commands recorded in `encoder`; the
-/// array's own buffer when they are all of it.
+/// buffer of their own, filled by commands recorded in `sub`; the array's
+/// own buffer when they are all of it.
 pub(crate) fn heads(
     ctx: &Context,
-    encoder: &mut wgpu::CommandEncoder,
+    sub: &mut Submission<'_>,
     t: &DeviceArray,
     per_head: usize,
     first: usize,
     count: usize,
-) -> Result<wgpu::Buffer> {
+) -> Result<Arc<Pooled>> {
     let n = count * per_head;
     if n == t.len() {
+        sub.keep(&t.buffer);
         return Ok(t.buffer.clone());
     }
     let eb = element_bytes(t.dtype) as u64;
     let start = (first * per_head) as u64 * eb;
-    let size = padded(n as u64 * eb);
-    let chunk = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("device array heads"),
-        size,
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
+    let chunk = sub.scratch(n as u64 * eb);
     if start % wgpu::COPY_BUFFER_ALIGNMENT == 0 {
         // The padded size stays inside the array's buffer, which is
         // itself padded to a 4-byte multiple.
-        encoder.copy_buffer_to_buffer(&t.buffer, start, &chunk, 0, size);
+        sub.encoder.copy_buffer_to_buffer(
+            t.buffer.buffer(),
+            start,
+            chunk.buffer(),
+            0,
+            chunk.bytes(),
+        );
     } else {
         // A float16 head of odd size: the chunk starts mid-word.
         run_helper(
             ctx,
-            encoder,
+            sub,
             Helper::CopyF16,
             (&t.buffer, (first * per_head) as u64, 2),
             (&chunk, 0, 2),
@@ -273,7 +268,7 @@ pub(crate) fn heads(
 /// output), rounded to the output's dtype at the end.
 pub(crate) struct Resident {
     len: usize,
-    full: Option<wgpu::Buffer>,
+    full: Option<Arc<Pooled>>,
 }
 
 impl Resident {
@@ -282,21 +277,20 @@ impl Resident {
     }
 
     /// Puts a chunk's `n` results at element `offset`.
-    pub fn put(
-        &mut self,
-        ctx: &Context,
-        encoder: &mut wgpu::CommandEncoder,
-        offset: usize,
-        part: &wgpu::Buffer,
-        n: usize,
-    ) {
+    pub fn put(&mut self, sub: &mut Submission<'_>, offset: usize, part: &Arc<Pooled>, n: usize) {
         if self.full.is_none() && offset == 0 && n == self.len {
             self.full = Some(part.clone());
             return;
         }
-        let full = self.full(ctx);
+        let full = self.full(sub);
         if n > 0 {
-            encoder.copy_buffer_to_buffer(part, 0, full, 4 * offset as u64, 4 * n as u64);
+            sub.encoder.copy_buffer_to_buffer(
+                part.buffer(),
+                0,
+                full.buffer(),
+                4 * offset as u64,
+                4 * n as u64,
+            );
         }
     }
 
@@ -305,15 +299,15 @@ impl Resident {
     pub fn add(
         &mut self,
         ctx: &Context,
-        encoder: &mut wgpu::CommandEncoder,
+        sub: &mut Submission<'_>,
         offset: usize,
-        part: &wgpu::Buffer,
+        part: &Arc<Pooled>,
         n: usize,
     ) -> Result<()> {
-        let full = self.full(ctx).clone();
+        let full = self.full(sub);
         run_helper(
             ctx,
-            encoder,
+            sub,
             Helper::AddF32,
             (part, 0, 4),
             (&full, offset as u64, 4),
@@ -321,40 +315,36 @@ impl Resident {
         )
     }
 
-    fn full(&mut self, ctx: &Context) -> &wgpu::Buffer {
+    /// The whole output's buffer, taken from the pool on first use and kept
+    /// alive by every submission that writes it.
+    fn full(&mut self, sub: &mut Submission<'_>) -> Arc<Pooled> {
         let len = self.len;
-        self.full.get_or_insert_with(|| {
-            ctx.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("device output"),
-                size: padded(4 * len as u64),
-                usage: TENSOR_USAGE,
-                mapped_at_creation: false,
-            })
-        })
+        let full = self
+            .full
+            .get_or_insert_with(|| Arc::new(sub.ctx().device_buffer(4 * len as u64)))
+            .clone();
+        sub.keep(&full);
+        full
     }
 
     /// The output as an array of `dtype`, float16 rounded on the device
-    /// (recorded in `encoder`).
+    /// (recorded in `sub`).
     pub fn finish(
         mut self,
         ctx: &Arc<Context>,
-        encoder: &mut wgpu::CommandEncoder,
+        sub: &mut Submission<'_>,
         dtype: DType,
         shape: Vec<usize>,
     ) -> Result<DeviceArray> {
-        let full = self.full(ctx).clone();
+        let full = self.full(sub);
         if dtype != DType::F16 {
             return Ok(DeviceArray::from_buffer(ctx, full, dtype, shape));
         }
-        let halves = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("device output float16"),
-            size: padded(2 * self.len as u64),
-            usage: TENSOR_USAGE,
-            mapped_at_creation: false,
-        });
+        let halves = Arc::new(ctx.device_buffer(2 * self.len as u64));
+        sub.keep(&halves);
         run_helper(
             ctx,
-            encoder,
+            sub,
             Helper::ToF16,
             (&full, 0, 4),
             (&halves, 0, 2),
@@ -391,10 +381,10 @@ const HELPER_WORKGROUP: u64 = 64;
 /// covered in pieces.
 pub(crate) fn run_helper(
     ctx: &Context,
-    encoder: &mut wgpu::CommandEncoder,
+    sub: &mut Submission<'_>,
     helper: Helper,
-    (src, src_start, src_eb): (&wgpu::Buffer, u64, u64),
-    (dst, dst_start, dst_eb): (&wgpu::Buffer, u64, u64),
+    (src, src_start, src_eb): (&Pooled, u64, u64),
+    (dst, dst_start, dst_eb): (&Pooled, u64, u64),
     count: u64,
 ) -> Result<()> {
     if count == 0 {
@@ -413,21 +403,15 @@ pub(crate) fn run_helper(
     let mut done = 0;
     while done < count {
         let n = piece.min(count - done);
-        let window = |buffer: &wgpu::Buffer, start: u64, eb: u64| {
+        let window = |buffer: &Pooled, start: u64, eb: u64| {
             let begin = (start + done) * eb;
             let offset = begin / align * align;
-            let end = ((begin + n * eb).next_multiple_of(4)).min(buffer.size());
+            let end = ((begin + n * eb).next_multiple_of(4)).min(buffer.bytes());
             ((begin - offset) / eb, offset, end - offset)
         };
         let (src_el, src_off, src_size) = window(src, src_start, src_eb);
         let (dst_el, dst_off, dst_size) = window(dst, dst_start, dst_eb);
-        let span = ctx
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("span"),
-                contents: bytemuck::cast_slice(&[src_el as u32, dst_el as u32, n as u32, 0u32]),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
+        let span = sub.uniform(&[src_el as u32, dst_el as u32, n as u32, 0u32])?;
         let binding = |buffer, offset, size| {
             wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                 buffer,
@@ -441,15 +425,15 @@ pub(crate) fn run_helper(
             entries: &[
                 wgpu::BindGroupEntry {
                     binding: 0,
-                    resource: span.as_entire_binding(),
+                    resource: span.binding(),
                 },
                 wgpu::BindGroupEntry {
                     binding: 1,
-                    resource: binding(src, src_off, src_size),
+                    resource: binding(src.buffer(), src_off, src_size),
                 },
                 wgpu::BindGroupEntry {
                     binding: 2,
-                    resource: binding(dst, dst_off, dst_size),
+                    resource: binding(dst.buffer(), dst_off, dst_size),
                 },
             ],
         });
@@ -468,14 +452,7 @@ pub(crate) fn run_helper(
                 ctx.adapter.name
             )));
         }
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some(helper.entry()),
-            timestamp_writes: None,
-        });
-        pass.set_pipeline(&pipeline);
-        pass.set_bind_group(0, &group, &[]);
-        pass.dispatch_workgroups(x as u32, y as u32, 1);
-        drop(pass);
+        sub.dispatch(&pipeline, &group, (x as u32, y as u32), helper.entry());
         done += n;
     }
     Ok(())

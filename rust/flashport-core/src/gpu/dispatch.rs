@@ -1,18 +1,24 @@
-//! Recording a kernel's dispatch: its uniform, its bindings, its grid, and
-//! the submission that reads the outputs back.
+//! What a pass binds and how large its grid is: the uniform, the variants'
+//! data, the bind group, the workgroup count.
 
-use super::chunks::Chunk;
+use std::sync::Arc;
+
 use super::context::Context;
-use super::params::{Params, VariantData};
-use super::timing::Timer;
-use super::transfer::{read_back, upload, upload_as};
-use crate::{Error, Problem, Result};
+use super::params::VariantData;
+use super::pool::Pooled;
+use super::transfer::Submission;
+use crate::{Error, Result};
 
 /// The binding of `vx` in the shaders' common fragment.
 const VX_BINDING: u32 = 15;
 
-/// Uploads `vx`, which must fit one binding of at most `limit` bytes.
-pub(crate) fn upload_variants(ctx: &Context, vd: &VariantData, limit: u64) -> Result<wgpu::Buffer> {
+/// The variants' data `vx` of a call, which must fit one binding of at
+/// most `limit` bytes.
+pub(crate) fn upload_variants(
+    sub: &mut Submission<'_>,
+    vd: &VariantData,
+    limit: u64,
+) -> Result<Arc<Pooled>> {
     let bytes = 4 * vd.words.len() as u64;
     if bytes > limit {
         return Err(Error::TooLarge(format!(
@@ -21,91 +27,29 @@ pub(crate) fn upload_variants(ctx: &Context, vd: &VariantData, limit: u64) -> Re
              that broadcasts"
         )));
     }
-    upload(ctx, "variants", bytemuck::cast_slice(vd.upload_words()))
-}
-
-/// The uniform block of one chunk of `p`, uploaded.
-pub(crate) fn uniform(
-    ctx: &Context,
-    p: &Problem,
-    chunk: &Chunk,
-    vd: &VariantData,
-) -> Result<wgpu::Buffer> {
-    let params = Params::new(p, chunk, vd);
-    upload_as(
-        ctx,
-        "params",
-        bytemuck::bytes_of(&params),
-        wgpu::BufferUsages::UNIFORM,
-    )
+    sub.data(vd.upload_words())
 }
 
 /// Binds `buffers` to bindings 0, 1, ... and `vx` to its own binding.
 pub(crate) fn bind(
     ctx: &Context,
     pipeline: &wgpu::ComputePipeline,
-    buffers: &[&wgpu::Buffer],
-    vx: Option<&wgpu::Buffer>,
+    buffers: &[wgpu::BindingResource<'_>],
+    vx: Option<&Pooled>,
 ) -> wgpu::BindGroup {
     let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
         .iter()
+        .cloned()
         .enumerate()
-        .map(|(i, b)| (i as u32, *b))
-        .chain(vx.map(|b| (VX_BINDING, b)))
-        .map(|(binding, b)| wgpu::BindGroupEntry {
-            binding,
-            resource: b.as_entire_binding(),
-        })
+        .map(|(i, resource)| (i as u32, resource))
+        .chain(vx.map(|b| (VX_BINDING, b.binding())))
+        .map(|(binding, resource)| wgpu::BindGroupEntry { binding, resource })
         .collect();
     ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: None,
         layout: &pipeline.get_bind_group_layout(0),
         entries: &entries,
     })
-}
-
-/// Records one pass of `pipeline` over an `x` × `y` grid, timed where the
-/// call has a timer.
-pub(crate) fn dispatch(
-    encoder: &mut wgpu::CommandEncoder,
-    pipeline: &wgpu::ComputePipeline,
-    group: &wgpu::BindGroup,
-    x: u32,
-    y: u32,
-    timer: Option<(&mut Timer, &'static str)>,
-) {
-    if x == 0 || y == 0 {
-        return;
-    }
-    let timestamp_writes = timer.and_then(|(t, name)| t.next(name));
-    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-        label: None,
-        timestamp_writes,
-    });
-    pass.set_pipeline(pipeline);
-    pass.set_bind_group(0, group, &[]);
-    pass.dispatch_workgroups(x, y, 1);
-}
-
-/// Copies `outputs` into one mappable buffer, submits, waits and returns
-/// each output's floats.
-pub(crate) fn submit_and_read(
-    ctx: &Context,
-    mut encoder: wgpu::CommandEncoder,
-    outputs: &[(&wgpu::Buffer, usize)],
-    timer: Option<&Timer>,
-) -> Result<Vec<Vec<f32>>> {
-    let mut outputs = outputs.to_vec();
-    if let Some(t) = timer {
-        let words = t.resolve(&mut encoder);
-        outputs.push((&t.resolve, words));
-    }
-    let mut results = read_back(ctx, encoder, &outputs)?;
-    if let Some(t) = timer {
-        let words = results.pop().unwrap_or_default();
-        t.record(ctx, &words);
-    }
-    Ok(results)
 }
 
 /// Workgroups along x for `count` rows in tiles of `tile`, within the

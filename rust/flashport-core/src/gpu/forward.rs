@@ -4,16 +4,17 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::assemble::{check_device_outputs, empty_output, finish_outputs, Sink};
+use super::assemble::{check_device_outputs, empty_output, Sink};
 use super::chunks::{self, binding_limit};
 use super::context::Context;
-use super::dispatch::{bind, dispatch, grid, submit_and_read, uniform, upload_variants};
+use super::dispatch::{bind, grid, upload_variants};
 use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
-use super::params::VariantData;
+use super::params::{Params, VariantData};
+use super::pool::Pooled;
 use super::run::with_inputs;
 use super::select::select_forward;
-use super::timing::{self, Timer};
-use super::transfer::output;
+use super::timing;
+use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
 use crate::{Array, DType, ForwardOutput, Input, Placement, Problem, Result, Slice, VariantArrays};
 
@@ -62,77 +63,89 @@ fn forward_on(
     overrides: &Overrides,
 ) -> Result<ForwardOutput<Array>> {
     check_f16(ctx, p)?;
+    timing::start_call();
     if (p.out_len() == 0 && p.lse_len() == 0) || p.seq_k == 0 {
         return ctx.scoped("making the outputs", || {
-            Ok(ForwardOutput {
-                out: empty_output(ctx, outputs, p.dtype, p.out_shape(), 0.0),
-                lse: empty_output(ctx, outputs, DType::F32, p.lse_shape(), f32::NEG_INFINITY),
-            })
+            let mut sub = Submission::new(ctx);
+            let out = empty_output(ctx, &mut sub, outputs, p.dtype, p.out_shape(), 0.0)?;
+            let lse = empty_output(
+                ctx,
+                &mut sub,
+                outputs,
+                DType::F32,
+                p.lse_shape(),
+                f32::NEG_INFINITY,
+            )?;
+            sub.submit(&[])?;
+            Ok(ForwardOutput { out, lse })
         });
     }
     check_device_outputs(ctx, outputs, &[("o", p.out_len()), ("lse", p.lse_len())])?;
+    let prepared = Instant::now();
     let mut out = Sink::new(outputs, p.out_len(), 0.0);
     let mut lse = Sink::new(outputs, p.lse_len(), f32::NEG_INFINITY);
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let eb = if p.dtype == DType::F16 { 2 } else { 4 };
     let key = select_forward(p, ctx.caps, overrides).forward;
-    timing::start_call();
     let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
     let limit = binding_limit(ctx, overrides);
     let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;
     let pipeline = ctx.pipeline(key)?;
-    let vx = ctx.scoped("uploading the variants", || upload_variants(ctx, vd, limit))?;
     let g = p.group_size();
-    for chunk in &chunks {
+    for (i, chunk) in chunks.iter().enumerate() {
         let (q0, nq) = (chunk.q0(g), chunk.q_count());
         let (kv0, nkv) = (chunk.kv0, chunk.kv_count);
+        let last = i + 1 == chunks.len();
         let reads = ctx.scoped("running the forward pass", || {
-            let params = uniform(ctx, p, chunk, vd)?;
-            let mut encoder = ctx.device.create_command_encoder(&Default::default());
-            let t_up = Instant::now();
-            let mut up = false;
-            let enc = &mut encoder;
-            let qb = chunk_input(ctx, enc, "q", q, sq * d, eb, q0, nq, &mut up)?;
-            let kb = chunk_input(ctx, enc, "k", k, sk * d, eb, kv0, nkv, &mut up)?;
-            let vb = chunk_input(ctx, enc, "v", v, sk * dv, eb, kv0, nkv, &mut up)?;
-            if up {
-                timing::record_host("upload", t_up);
-            }
-            let ob = output(ctx, "out", nq * sq * dv);
-            let lb = output(ctx, "lse", nq * sq);
+            let mut sub = Submission::new(ctx);
+            let vx = upload_variants(&mut sub, vd, limit)?;
+            let params = sub.uniform(&Params::new(p, chunk, vd))?;
+            let qb = chunk_input(&mut sub, "q", q, (sq * d, eb), (q0, nq))?;
+            let kb = chunk_input(&mut sub, "k", k, (sk * d, eb), (kv0, nkv))?;
+            let vb = chunk_input(&mut sub, "v", v, (sk * dv, eb), (kv0, nkv))?;
+            let ob = sub.output(nq * sq * dv);
+            let lb = sub.output(nq * sq);
             let group = bind(
                 ctx,
                 &pipeline,
-                &[&params, &qb, &kb, &vb, &ob, &lb],
+                &[
+                    params.binding(),
+                    qb.binding(),
+                    kb.binding(),
+                    vb.binding(),
+                    ob.binding(),
+                    lb.binding(),
+                ],
                 Some(&vx),
             );
-            let mut timer = Timer::new(ctx);
-            dispatch(
-                &mut encoder,
-                &pipeline,
-                &group,
-                x,
-                nq as u32,
-                timer.as_mut().map(|t| (t, key.kernel.name())),
-            );
+            sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
             let mut reads = Vec::new();
-            let enc = &mut encoder;
-            out.collect(ctx, enc, &ob, q0 * sq * dv, nq * sq * dv, false, &mut reads)?;
-            lse.collect(ctx, enc, &lb, q0 * sq, nq * sq, false, &mut reads)?;
-            submit_and_read(ctx, encoder, &reads, timer.as_ref())
+            out.collect(
+                ctx,
+                &mut sub,
+                &ob,
+                q0 * sq * dv,
+                nq * sq * dv,
+                false,
+                &mut reads,
+            )?;
+            lse.collect(ctx, &mut sub, &lb, q0 * sq, nq * sq, false, &mut reads)?;
+            if last {
+                out.finish_on_device(ctx, &mut sub, p.dtype, p.out_shape())?;
+                lse.finish_on_device(ctx, &mut sub, DType::F32, p.lse_shape())?;
+            }
+            if i == 0 {
+                timing::record_host("prepare", prepared);
+            }
+            let reads: Vec<(&Pooled, usize)> = reads.iter().map(|(b, n)| (&**b, *n)).collect();
+            sub.submit(&reads)
         })?;
         let mut reads = reads.into_iter();
         out.place(q0 * sq * dv, false, &mut reads);
         lse.place(q0 * sq, false, &mut reads);
     }
-    let [out, lse] = ctx.scoped("keeping the outputs on the device", || {
-        finish_outputs(
-            ctx,
-            [
-                (out, p.dtype, p.out_shape()),
-                (lse, DType::F32, p.lse_shape()),
-            ],
-        )
-    })?;
-    Ok(ForwardOutput { out, lse })
+    Ok(ForwardOutput {
+        out: out.into_array(p.dtype)?,
+        lse: lse.into_array(DType::F32)?,
+    })
 }

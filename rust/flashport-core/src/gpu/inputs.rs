@@ -2,8 +2,12 @@
 //! chunk, or device arrays bound in place), and the checks of what this
 //! backend cannot run, each an error naming the argument.
 
+use std::sync::Arc;
+
 use super::context::Context;
-use super::{device_array, transfer};
+use super::device_array;
+use super::pool::Pooled;
+use super::transfer::Submission;
 use crate::{DType, DeviceArray, Error, Input, Problem, Result, Slice};
 
 /// The error for float64 data offered to the GPU, naming the argument.
@@ -88,26 +92,17 @@ pub(crate) fn source<'a>(name: &str, input: Input<'a>) -> Result<Source<'a>> {
 }
 
 /// Heads `first..first + count` of an input, `per_head` elements of `eb`
-/// bytes each, as a buffer the chunk binds: uploaded from the host (and
-/// `uploaded` set), or taken from the device array by commands recorded
-/// in `encoder`.
-#[allow(clippy::too_many_arguments)]
+/// bytes each, as a buffer the chunk binds: uploaded from the host, or
+/// taken from the device array by commands recorded in `sub`.
 pub(crate) fn chunk_input(
-    ctx: &Context,
-    encoder: &mut wgpu::CommandEncoder,
+    sub: &mut Submission<'_>,
     name: &str,
     input: Source<'_>,
-    per_head: usize,
-    eb: usize,
-    first: usize,
-    count: usize,
-    uploaded: &mut bool,
-) -> Result<wgpu::Buffer> {
+    (per_head, eb): (usize, usize),
+    (first, count): (usize, usize),
+) -> Result<Arc<Pooled>> {
     match input {
-        Source::Host(bytes) => {
-            *uploaded = true;
-            transfer::upload(ctx, name, heads_of(bytes, per_head, eb, first, count))
-        }
-        Source::Device(t) => device_array::heads(ctx, encoder, t, per_head, first, count),
+        Source::Host(bytes) => sub.upload(name, heads_of(bytes, per_head, eb, first, count)),
+        Source::Device(t) => device_array::heads(sub.ctx(), sub, t, per_head, first, count),
     }
 }

@@ -63,8 +63,9 @@ use std::sync::OnceLock;
 pub use backward::{backward, backward_arrays};
 pub use device_array::{to_device, DeviceArray};
 pub use forward::{forward, forward_arrays};
-pub use timing::last_kernel_times;
+pub use timing::{last_kernel_times, set_kernel_timing};
 
+use crate::auto::GpuModel;
 use run::guarded;
 
 /// What `flashport.devices()` reports about one adapter.
@@ -92,15 +93,24 @@ pub fn adapters() -> Vec<AdapterInfo> {
 }
 
 /// Whether a non-software adapter exists (what `device="auto"` needs).
-/// Enumerated once per process.
 pub fn hardware_adapter_available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
+    hardware_gpu().is_some()
+}
+
+/// The best non-software adapter as `device="auto"`'s cost model sees it,
+/// enumerated once per process.
+pub fn hardware_gpu() -> Option<GpuModel> {
+    static BEST: OnceLock<Option<GpuModel>> = OnceLock::new();
+    *BEST.get_or_init(|| {
         guarded("listing adapters", || {
             Ok(context::enumerate()
                 .iter()
-                .any(|a| a.get_info().device_type != wgpu::DeviceType::Cpu))
+                .find(|a| a.get_info().device_type != wgpu::DeviceType::Cpu)
+                .map(|a| GpuModel {
+                    discrete: a.get_info().device_type == wgpu::DeviceType::DiscreteGpu,
+                    coop: context::coop_f16_f32(a),
+                }))
         })
-        .unwrap_or(false)
+        .unwrap_or(None)
     })
 }

@@ -1,19 +1,150 @@
-//! Host-visible buffers kept between calls: mapped staging buffers for
-//! uploads (wgpu would stage every upload through a fresh host allocation,
-//! whose first touch cost more than the copy) and mappable buffers for
-//! readbacks (allocating and first touching a fresh host buffer of the
-//! outputs' size cost more than copying out of it).
+//! Buffers kept between calls, so that a call allocates (and frees) no
+//! memory once the shapes repeat:
+//! - device-local buffers ([`DevicePool`]): every output, device array,
+//!   uploaded input and temporary of a call. On NVIDIA's Vulkan driver a
+//!   buffer of tens of MiB is a memory allocation of its own, and creating
+//!   and destroying the outputs of every call cost milliseconds.
+//! - mapped staging buffers for uploads, the small ones too (wgpu's
+//!   `Queue::write_buffer` stages every write through a fresh host-visible
+//!   allocation: on the H100, once large staging buffers were kept, the two
+//!   small writes of a call's parameters cost 2–3 ms in memory
+//!   allocations; and a fresh large host buffer's first touch cost more
+//!   than the copy) and mappable buffers for readbacks (allocating and
+//!   first touching a fresh host buffer of the outputs' size cost more than
+//!   copying out of it).
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use super::context::{lock, Context};
 
-/// Host-visible buffers kept between calls for reuse, within bounds on
-/// their count, the largest one kept and the bytes held in all: bounds the
-/// host memory a finished call leaves behind.
+/// The usages of every device-local buffer: bound by the kernels (a call's
+/// parameters as a uniform), copied from (readbacks, chunks) and into
+/// (uploads, chunk results).
+pub(crate) const DEVICE_USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::UNIFORM)
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
+
+/// The size a buffer for `bytes` is created with: the next of 8 steps per
+/// power of two (at most 12.5% more), so that calls whose sizes differ a
+/// little share buffers. Multiples of 4 bytes, never 0.
+pub(crate) fn bucket(bytes: u64) -> u64 {
+    let bytes = bytes.max(4).next_multiple_of(4);
+    if bytes <= 1024 {
+        return bytes.next_multiple_of(64);
+    }
+    let step = 1u64 << (63 - bytes.leading_zeros() - 3);
+    bytes.next_multiple_of(step)
+}
+
+/// Device-local buffers that calls no longer use, by size, kept for the
+/// next call that needs one of that size. The free ones hold at most
+/// `max_bytes` in all; the oldest go first.
+pub(crate) struct DevicePool {
+    free: Mutex<VecDeque<wgpu::Buffer>>,
+    max_bytes: u64,
+}
+
+impl DevicePool {
+    pub fn new(max_bytes: u64) -> Self {
+        DevicePool {
+            free: Default::default(),
+            max_bytes,
+        }
+    }
+
+    /// A free buffer of `bucket(bytes)`, or a new one.
+    fn take(&self, device: &wgpu::Device, bytes: u64) -> wgpu::Buffer {
+        let size = bucket(bytes);
+        let mut free = lock(&self.free);
+        if let Some(i) = free.iter().position(|b| b.size() == size) {
+            if let Some(buffer) = free.remove(i) {
+                return buffer;
+            }
+        }
+        drop(free);
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("flashport"),
+            size,
+            usage: DEVICE_USAGE,
+            mapped_at_creation: false,
+        })
+    }
+
+    fn give(&self, buffer: wgpu::Buffer) {
+        if buffer.size() > self.max_bytes {
+            return;
+        }
+        let mut free = lock(&self.free);
+        free.push_back(buffer);
+        let mut total: u64 = free.iter().map(wgpu::Buffer::size).sum();
+        while total > self.max_bytes {
+            match free.pop_front() {
+                Some(oldest) => total -= oldest.size(),
+                None => break,
+            }
+        }
+    }
+}
+
+/// A device-local buffer of the pool holding `bytes` bytes (the buffer
+/// itself may be larger: bind it with [`Pooled::binding`]). It goes back to
+/// the pool when dropped, so it must outlive every submission that uses it:
+/// a call keeps its temporaries until it has waited for its work.
+pub(crate) struct Pooled {
+    buffer: wgpu::Buffer,
+    bytes: u64,
+    pool: Arc<DevicePool>,
+}
+
+impl Pooled {
+    pub fn buffer(&self) -> &wgpu::Buffer {
+        &self.buffer
+    }
+
+    /// Bytes in use (a multiple of 4).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The binding of the bytes in use.
+    pub fn binding(&self) -> wgpu::BindingResource<'_> {
+        wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: &self.buffer,
+            offset: 0,
+            size: wgpu::BufferSize::new(self.bytes),
+        })
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        self.pool.give(self.buffer.clone());
+    }
+}
+
+impl Context {
+    /// A device-local buffer for `bytes` bytes (rounded up to 4), from the
+    /// pool where one of its size is free. Its contents are whatever an
+    /// earlier call left: every user writes it before reading.
+    pub fn device_buffer(&self, bytes: u64) -> Pooled {
+        let bytes = bytes.max(4).next_multiple_of(4);
+        Pooled {
+            buffer: self.device_pool.take(&self.device, bytes),
+            bytes,
+            pool: self.device_pool.clone(),
+        }
+    }
+}
+
+/// Host-visible buffers kept between calls for reuse, by size (`bucket`),
+/// within bounds on their count, the largest one kept and the bytes held
+/// in all (the oldest go first): bounds the host memory a finished call
+/// leaves behind.
 #[derive(Clone)]
 pub(crate) struct BufferPool {
-    buffers: Arc<Mutex<Vec<wgpu::Buffer>>>,
+    buffers: Arc<Mutex<VecDeque<wgpu::Buffer>>>,
     max_buffers: usize,
     pub max_buffer_bytes: u64,
     max_total_bytes: u64,
@@ -29,39 +160,36 @@ impl BufferPool {
         }
     }
 
-    /// The smallest kept buffer of at least `size` bytes, or `create(size)`.
+    /// A kept buffer of `bucket(size)` bytes, or `create(bucket(size))`.
     fn take(&self, size: u64, create: impl FnOnce(u64) -> wgpu::Buffer) -> wgpu::Buffer {
+        let size = bucket(size);
         let mut pool = lock(&self.buffers);
-        let best = (0..pool.len())
-            .filter(|&i| pool[i].size() >= size)
-            .min_by_key(|&i| pool[i].size());
-        match best {
-            Some(i) => pool.swap_remove(i),
+        match pool.iter().position(|b| b.size() == size) {
+            Some(i) => pool.remove(i).unwrap_or_else(|| create(size)),
             None => create(size),
         }
     }
 
-    /// Keeps `buffer`, dropping the smallest kept ones while over bounds.
+    /// Keeps `buffer`, dropping the oldest kept ones while over bounds.
     fn keep(&self, buffer: wgpu::Buffer) {
         if buffer.size() > self.max_buffer_bytes {
             return;
         }
         let mut pool = lock(&self.buffers);
-        pool.push(buffer);
+        pool.push_back(buffer);
         while pool.len() > self.max_buffers
             || pool.iter().map(wgpu::Buffer::size).sum::<u64>() > self.max_total_bytes
         {
-            match (0..pool.len()).min_by_key(|&i| pool[i].size()) {
-                Some(i) => drop(pool.swap_remove(i)),
-                None => break,
+            if pool.pop_front().is_none() {
+                break;
             }
         }
     }
 }
 
 impl Context {
-    /// A mapped MAP_WRITE | COPY_SRC buffer of at least `size` bytes: the
-    /// smallest kept one that fits, or a new one.
+    /// A mapped MAP_WRITE | COPY_SRC buffer of at least `size` bytes: a
+    /// kept one of its bucket, or a new one.
     pub fn take_upload_staging(&self, size: u64) -> wgpu::Buffer {
         self.upload_pool.take(size, |size| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
@@ -90,8 +218,8 @@ impl Context {
         });
     }
 
-    /// An unmapped MAP_READ | COPY_DST buffer of at least `size` bytes:
-    /// the smallest kept one that fits, or a new one.
+    /// An unmapped MAP_READ | COPY_DST buffer of at least `size` bytes: a
+    /// kept one of its bucket, or a new one.
     pub fn take_readback_buffer(&self, size: u64) -> wgpu::Buffer {
         self.readback_pool.take(size, |size| {
             self.device.create_buffer(&wgpu::BufferDescriptor {

@@ -80,8 +80,10 @@ pub(crate) fn with_inputs<T>(
         let Some(&(_, first)) = arrays.first() else {
             return run_on(&context::get()?, f);
         };
+        // One poll delivers a pending device-lost callback for all of them.
+        let _ = first.context().device.poll(wgpu::PollType::Poll);
         for (name, t) in &arrays {
-            t.alive(name)?;
+            t.was_alive(name)?;
         }
         let ctx = first.context().clone();
         if let Some((name, _)) = arrays.iter().find(|(_, t)| !Arc::ptr_eq(t.context(), &ctx)) {

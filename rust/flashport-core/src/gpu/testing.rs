@@ -6,6 +6,7 @@ use super::context;
 use super::device_array::{to_device, Resident};
 use super::run::{guarded, run_on};
 use super::select::{select_backward, select_forward, AdapterCaps, BackwardPlan, ForwardPlan};
+use super::transfer::Submission;
 use crate::{overrides, Buffer, DType, Error, Problem, Result, Slice};
 
 /// What the shared context's adapter offers (creating the context).
@@ -43,10 +44,10 @@ pub fn round_to_f16_on_device(values: &[f32]) -> Result<Vec<half::f16>> {
         run_on(&ctx, |ctx| {
             ctx.scoped("rounding to float16", || {
                 let mut resident = Resident::new(values.len());
-                let mut encoder = ctx.device.create_command_encoder(&Default::default());
-                resident.put(ctx, &mut encoder, 0, t.buffer(), values.len());
-                let out = resident.finish(ctx, &mut encoder, DType::F16, t.shape().to_vec())?;
-                ctx.queue.submit([encoder.finish()]);
+                let mut sub = Submission::new(ctx);
+                resident.put(&mut sub, 0, t.buffer(), values.len());
+                let out = resident.finish(ctx, &mut sub, DType::F16, t.shape().to_vec())?;
+                sub.submit(&[])?;
                 Ok(out)
             })
         })

@@ -3,22 +3,37 @@
 //! running at the same time on other threads, a threaded test runner or a
 //! user's worker pool, do not mix their times into the caller's).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::time::Instant;
 
 use super::context::Context;
 
 thread_local! {
     static KERNEL_TIMES: RefCell<Vec<(String, f64)>> = const { RefCell::new(Vec::new()) };
+    static KERNEL_TIMING: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether the calling thread's calls measure their kernels with
+/// timestamp queries (on by default, where the adapter has them).
+pub fn set_kernel_timing(enabled: bool) {
+    KERNEL_TIMING.with(|c| c.set(enabled));
+}
+
+pub(crate) fn enabled() -> bool {
+    KERNEL_TIMING.with(Cell::get)
 }
 
 /// GPU time of each kernel of the calling thread's last forward or
 /// backward call, in seconds, in dispatch order (one entry per kernel and
 /// chunk), from timestamp queries (none where the adapter has none); and
-/// wall time of the call's host phases, named "host:upload" (recorded only
-/// when host data was uploaded: device-array inputs are not),
-/// "host:submit_and_wait", "host:readback_copy". An upload into or a
-/// readback of a device array is a call too: it starts a new record.
+/// wall time of the call's host phases: "host:prepare" (selecting,
+/// allocating, binding and recording), "host:upload" (recorded only when
+/// host data was uploaded: device-array inputs are not), "host:submit"
+/// (handing the work to the driver), "host:wait" (until the GPU is done:
+/// one per submission) and "host:readback_copy". The moves of device
+/// outputs (float16 rounding, chunk assembly) are timed as passes of their
+/// own. An upload into or a readback of a device array is a call too: it
+/// starts a new record.
 pub fn last_kernel_times() -> Vec<(String, f64)> {
     KERNEL_TIMES.with(|times| times.borrow().clone())
 }
@@ -31,8 +46,12 @@ pub(crate) fn start_call() {
 /// Records a host-side phase of the current call, named "host:<name>",
 /// from `since` until now.
 pub(crate) fn record_host(name: &str, since: Instant) {
-    let elapsed = since.elapsed().as_secs_f64();
-    KERNEL_TIMES.with(|times| times.borrow_mut().push((format!("host:{name}"), elapsed)));
+    record_host_seconds(name, since.elapsed().as_secs_f64());
+}
+
+/// Records a host-side phase of the current call that took `seconds`.
+pub(crate) fn record_host_seconds(name: &str, seconds: f64) {
+    KERNEL_TIMES.with(|times| times.borrow_mut().push((format!("host:{name}"), seconds)));
 }
 
 /// Timestamp queries around each dispatch of one submission.
@@ -42,7 +61,9 @@ pub(crate) struct Timer {
     names: Vec<&'static str>,
 }
 
-const TIMER_PASSES: u32 = 8;
+/// Passes a call times at most: a backward's three kernels and the
+/// moves of its three outputs, with room to spare.
+const TIMER_PASSES: u32 = 16;
 
 impl Timer {
     /// A timer for one submission, where the device has timestamp queries.

@@ -1,11 +1,17 @@
-//! Moving bytes between the host and the GPU: uploads through reused
-//! mapped staging buffers, output buffers (poisoned with NaN where asked),
-//! and readbacks of several outputs through one mappable buffer.
+//! One submission of a call and the bytes it moves: uploads (host inputs
+//! and the call's parameters) through reused mapped staging buffers,
+//! copied by commands in the same encoder as the kernels; output buffers
+//! from the device pool (poisoned with NaN where asked); and the outputs
+//! that go back to the host, read through one mappable buffer. Everything
+//! a call records goes to the GPU in one submission with one wait, and the
+//! buffers the work uses stay out of the pool until it is done.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use super::context::Context;
-use super::timing::record_host;
+use super::pool::Pooled;
+use super::timing::{self, record_host, record_host_seconds, Timer};
 use crate::{Error, Result};
 
 /// Buffer sizes are multiples of 4 bytes, and never 0.
@@ -13,48 +19,150 @@ pub(crate) fn padded(bytes: u64) -> u64 {
     bytes.max(4).next_multiple_of(4)
 }
 
-pub(crate) fn upload(ctx: &Context, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer> {
-    upload_as(ctx, label, bytes, wgpu::BufferUsages::STORAGE)
+/// The work of one submission: its encoder, the buffers it uses (kept
+/// out of the pool until the GPU is done), the staging buffers to reuse
+/// afterwards, and the timestamps of its passes where they are measured.
+pub(crate) struct Submission<'c> {
+    ctx: &'c Context,
+    pub encoder: wgpu::CommandEncoder,
+    keep: Vec<Arc<Pooled>>,
+    staged: Vec<wgpu::Buffer>,
+    timer: Option<Timer>,
+    /// Host time spent uploading the call's input arrays.
+    uploading: Option<Duration>,
 }
 
-/// Uploads `bytes` into a new buffer of `usage` (plus COPY_DST); the copy
-/// is submitted before any later work.
-pub(crate) fn upload_as(
-    ctx: &Context,
-    label: &str,
-    bytes: &[u8],
-    usage: wgpu::BufferUsages,
-) -> Result<wgpu::Buffer> {
-    let size = padded(bytes.len() as u64);
-    let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some(label),
-        size,
-        usage: usage | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
-    let staging = ctx.take_upload_staging(size);
-    {
-        let mut view = staging
-            .slice(..size)
-            .get_mapped_range_mut()
-            .map_err(|e| Error::Gpu(format!("could not map the upload buffer {label}: {e}")))?;
-        parallel_copy(view.slice(..bytes.len()), bytes);
-        // A reused staging buffer holds an earlier upload: the padding
-        // after the data must not carry it over.
-        view.slice(bytes.len()..).fill(0);
+impl<'c> Submission<'c> {
+    pub fn new(ctx: &'c Context) -> Self {
+        Submission {
+            ctx,
+            encoder: ctx.device.create_command_encoder(&Default::default()),
+            keep: Vec::new(),
+            staged: Vec::new(),
+            timer: timing::enabled().then(|| Timer::new(ctx)).flatten(),
+            uploading: None,
+        }
     }
-    staging.unmap();
-    let mut encoder = ctx
-        .device
-        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("flashport upload"),
-        });
-    encoder.copy_buffer_to_buffer(&staging, 0, &buffer, 0, size);
-    // Submissions run in order, so the kernels submitted after this see the
-    // data.
-    ctx.queue.submit([encoder.finish()]);
-    ctx.recycle_upload_staging(staging);
-    Ok(buffer)
+
+    pub fn ctx(&self) -> &'c Context {
+        self.ctx
+    }
+
+    /// Keeps `buffer` out of the pool until the submission is done.
+    pub fn keep(&mut self, buffer: &Arc<Pooled>) {
+        self.keep.push(buffer.clone());
+    }
+
+    /// A device buffer of `bytes` bytes for this submission, contents as
+    /// an earlier call left them.
+    pub fn scratch(&mut self, bytes: u64) -> Arc<Pooled> {
+        let buffer = Arc::new(self.ctx.device_buffer(bytes));
+        self.keep(&buffer);
+        buffer
+    }
+
+    /// A float32 output of `floats` elements, filled with NaN first where
+    /// outputs are poisoned, so that an element no kernel writes shows.
+    pub fn output(&mut self, floats: usize) -> Arc<Pooled> {
+        let buffer = self.scratch(4 * floats as u64);
+        if poison_outputs() && floats > 0 {
+            let nan = vec![f32::NAN; floats];
+            self.ctx
+                .queue
+                .write_buffer(buffer.buffer(), 0, bytemuck::cast_slice(&nan));
+        }
+        buffer
+    }
+
+    /// A host input array's `bytes` in a device buffer, copied before this
+    /// submission's work (the time it takes is the call's "host:upload").
+    pub fn upload(&mut self, label: &str, bytes: &[u8]) -> Result<Arc<Pooled>> {
+        let started = Instant::now();
+        let buffer = self.upload_bytes(label, bytes);
+        *self.uploading.get_or_insert_default() += started.elapsed();
+        buffer
+    }
+
+    /// The call's own data (the variants' words) in a device buffer.
+    pub fn data(&mut self, words: &[u32]) -> Result<Arc<Pooled>> {
+        self.upload_bytes("data", bytemuck::cast_slice(words))
+    }
+
+    fn upload_bytes(&mut self, label: &str, bytes: &[u8]) -> Result<Arc<Pooled>> {
+        let size = padded(bytes.len() as u64);
+        let buffer = self.scratch(size);
+        let staging = self.ctx.take_upload_staging(size);
+        {
+            let mut view = staging.slice(..size).get_mapped_range_mut().map_err(|e| {
+                Error::Gpu(format!("could not map the upload buffer of {label}: {e}"))
+            })?;
+            parallel_copy(view.slice(..bytes.len()), bytes);
+            // A reused staging buffer holds an earlier upload: the padding
+            // after the data must not carry it over.
+            view.slice(bytes.len()..).fill(0);
+        }
+        staging.unmap();
+        self.encoder
+            .copy_buffer_to_buffer(&staging, 0, buffer.buffer(), 0, size);
+        self.staged.push(staging);
+        Ok(buffer)
+    }
+
+    /// A buffer holding `value`, to bind as a uniform.
+    pub fn uniform<T: bytemuck::Pod>(&mut self, value: &T) -> Result<Arc<Pooled>> {
+        self.upload_bytes("params", bytemuck::bytes_of(value))
+    }
+
+    /// Records one pass of `pipeline` over an `x` × `y` grid, timed as
+    /// `name` where the submission measures its passes.
+    pub fn dispatch(
+        &mut self,
+        pipeline: &wgpu::ComputePipeline,
+        group: &wgpu::BindGroup,
+        (x, y): (u32, u32),
+        name: &'static str,
+    ) {
+        if x == 0 || y == 0 {
+            return;
+        }
+        let timestamp_writes = self.timer.as_mut().and_then(|t| t.next(name));
+        let mut pass = self
+            .encoder
+            .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(name),
+                timestamp_writes,
+            });
+        pass.set_pipeline(pipeline);
+        pass.set_bind_group(0, group, &[]);
+        pass.dispatch_workgroups(x, y, 1);
+    }
+
+    /// Submits the work, reads `reads` (buffer, float32 words each) back,
+    /// and returns when the GPU is done: the words of each read.
+    pub fn submit(mut self, reads: &[(&Pooled, usize)]) -> Result<Vec<Vec<f32>>> {
+        if let Some(uploading) = self.uploading {
+            record_host_seconds("upload", uploading.as_secs_f64());
+        }
+        let mut reads: Vec<(&wgpu::Buffer, usize)> =
+            reads.iter().map(|(b, n)| (b.buffer(), *n)).collect();
+        let timer = self.timer.take();
+        if let Some(t) = &timer {
+            reads.push((&t.resolve, t.resolve(&mut self.encoder)));
+        }
+        let staged = std::mem::take(&mut self.staged);
+        let mut results = submit_and_read(self.ctx, self.encoder, &reads, || {
+            for staging in staged {
+                self.ctx.recycle_upload_staging(staging);
+            }
+        })?;
+        if let Some(t) = &timer {
+            let words = results.pop().unwrap_or_default();
+            t.record(self.ctx, &words);
+        }
+        // Only now may the buffers the work used go back to the pool.
+        drop(self.keep);
+        Ok(results)
+    }
 }
 
 /// Bytes per task of the host copies into and out of mapped GPU memory:
@@ -94,69 +202,55 @@ fn poison_outputs() -> bool {
     cfg!(debug_assertions) || std::env::var("FLASHPORT_GPU_POISON").as_deref() == Ok("1")
 }
 
-/// A new float32 output buffer of `floats` elements, poisoned where asked.
-pub(crate) fn output(ctx: &Context, label: &str, floats: usize) -> wgpu::Buffer {
-    let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some(label),
-        size: padded(4 * floats as u64),
-        usage: wgpu::BufferUsages::STORAGE
-            | wgpu::BufferUsages::COPY_SRC
-            | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
-    if poison_outputs() && floats > 0 {
-        // Poison: an element a kernel forgets to write reads back as NaN.
-        let nan = vec![f32::NAN; floats];
-        ctx.queue
-            .write_buffer(&buffer, 0, bytemuck::cast_slice(&nan));
-    }
-    buffer
-}
-
-/// A one-word buffer for a read-write binding a pipeline names but this
-/// call does not use.
-pub(crate) fn dummy_output(ctx: &Context) -> wgpu::Buffer {
-    ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("unused"),
-        size: 4,
-        usage: wgpu::BufferUsages::STORAGE,
-        mapped_at_creation: false,
-    })
-}
-
-/// Copies `outputs` (buffer, f32 words each) into one mappable buffer,
-/// submits `encoder`, waits, and returns each output's words.
-pub(crate) fn read_back(
+/// Submits `encoder` (then calls `submitted`), waits until the GPU is done
+/// and returns the float32 words of each of `reads` (buffer, words),
+/// copied through one mappable buffer.
+pub(crate) fn submit_and_read(
     ctx: &Context,
     mut encoder: wgpu::CommandEncoder,
-    outputs: &[(&wgpu::Buffer, usize)],
+    reads: &[(&wgpu::Buffer, usize)],
+    submitted: impl FnOnce(),
 ) -> Result<Vec<Vec<f32>>> {
-    let mut offsets = Vec::with_capacity(outputs.len());
+    let mut offsets = Vec::with_capacity(reads.len());
     let mut total = 0u64;
-    for (buffer, _) in outputs {
+    for (_, words) in reads {
         offsets.push(total);
-        total += buffer.size();
+        total += 4 * *words as u64;
     }
-    let staging = ctx.take_readback_buffer(total.max(4));
-    for ((buffer, _), &offset) in outputs.iter().zip(&offsets) {
-        encoder.copy_buffer_to_buffer(buffer, 0, &staging, offset, buffer.size());
+    let staging = (!reads.is_empty()).then(|| ctx.take_readback_buffer(total.max(4)));
+    if let Some(staging) = &staging {
+        for ((buffer, words), &offset) in reads.iter().zip(&offsets) {
+            if *words > 0 {
+                encoder.copy_buffer_to_buffer(buffer, 0, staging, offset, 4 * *words as u64);
+            }
+        }
     }
-    let t_submit = std::time::Instant::now();
+    let t_submit = Instant::now();
     let index = ctx.queue.submit([encoder.finish()]);
+    submitted();
+    record_host("submit", t_submit);
+    let t_wait = Instant::now();
     let (tx, rx) = mpsc::channel();
-    staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
-        let _ = tx.send(r);
-    });
-    let wait = ctx.device.poll(wgpu::PollType::Wait {
-        submission_index: Some(index),
-        timeout: None,
-    });
-    if let Err(e) = wait {
-        return Err(Error::Gpu(format!(
-            "waiting for the GPU failed on {}: {e}",
-            ctx.adapter.name
-        )));
+    if let Some(staging) = &staging {
+        staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
     }
+    ctx.device
+        .poll(wgpu::PollType::Wait {
+            submission_index: Some(index),
+            timeout: None,
+        })
+        .map_err(|e| {
+            Error::Gpu(format!(
+                "waiting for the GPU failed on {}: {e}",
+                ctx.adapter.name
+            ))
+        })?;
+    let Some(staging) = staging else {
+        record_host("wait", t_wait);
+        return Ok(Vec::new());
+    };
     // The wait above runs the callbacks of finished work; the loop only
     // covers a map that another thread's poll has not delivered yet.
     let mapped = loop {
@@ -187,18 +281,18 @@ pub(crate) fn read_back(
             ctx.adapter.name
         ))
     })?;
-    record_host("submit_and_wait", t_submit);
-    let t_copy = std::time::Instant::now();
+    record_host("wait", t_wait);
+    let t_copy = Instant::now();
     let view = staging
         .slice(..)
         .get_mapped_range()
         .map_err(|e| Error::Gpu(format!("could not read the results back: {e}")))?;
-    let results = outputs
+    let results = reads
         .iter()
         .zip(&offsets)
-        .map(|((_, floats), &offset)| {
+        .map(|((_, words), &offset)| {
             let start = offset as usize;
-            let bytes = &view[start..start + 4 * floats];
+            let bytes = &view[start..start + 4 * words];
             match bytemuck::try_cast_slice::<u8, f32>(bytes) {
                 // Collected in parallel straight into the result, without
                 // zeroing it first.
