@@ -201,7 +201,7 @@ def naive_backward(case: Case, do, q, k, v, dtype, **variants):
 
 
 def _score_kwargs(variants: dict) -> dict:
-    names = ("window", "mask", "alibi_slopes", "softcap")
+    names = ("window", "mask", "alibi_slopes", "softcap", "q_offset", "k_offset")
     return {n: variants[n] for n in names if n in variants}
 
 

@@ -68,15 +68,20 @@ impl<'a> ArrayInfo<'a> {
 /// boolean mask hides the key.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Options<'a> {
-    /// Bottom-right aligned causal mask: query `i` sees keys
-    /// `j <= i + seq_k - seq_q`.
+    /// Causal mask: query `i` sees keys `j` whose position is at most its
+    /// own, `k_offset + j <= q_offset + i` (by default bottom-right
+    /// aligned: `j <= i + seq_k - seq_q`).
     pub causal: bool,
     /// Multiplier of `q·kᵀ`; `None` means `1/sqrt(d)`.
     pub scale: Option<f64>,
     /// Sliding window `(left, right)`: query `i` sees keys
-    /// `i + off - left <= j <= i + off + right` with `off = seq_k - seq_q`;
-    /// `-1` leaves a side unbounded.
+    /// `i + off - left <= j <= i + off + right` with
+    /// `off = q_offset - k_offset`; `-1` leaves a side unbounded.
     pub window: Option<(i64, i64)>,
+    /// Global position of query row 0; `None` means `seq_k - seq_q`.
+    pub q_offset: Option<i128>,
+    /// Global position of key 0; `None` means 0.
+    pub k_offset: Option<i128>,
     /// Logit soft-capping; `None` or `0` disables it.
     pub softcap: Option<f64>,
     /// Dropout probability on the attention probabilities, in `[0, 1)`.
@@ -171,7 +176,18 @@ pub struct Problem {
     pub sinks: bool,
     /// Backward only: the gradient of the (float) mask is wanted.
     pub return_dmask: bool,
+    /// Global positions of query row 0 and of key 0: causal, the window
+    /// and ALiBi compare `q_offset + i` with `k_offset + j`. Both lie in
+    /// `[-POSITION_LIMIT, POSITION_LIMIT]`. A mask array and dropout keep
+    /// indexing by the local row and key.
+    pub q_offset: i64,
+    pub k_offset: i64,
 }
+
+/// The largest magnitude of `q_offset` and `k_offset`: positions and their
+/// differences then stay exact in 64-bit integers for any sequence length
+/// an array can have.
+pub const POSITION_LIMIT: i64 = 1 << 62;
 
 impl Problem {
     /// Query heads that share one key/value head (GQA / MQA group size).
@@ -179,30 +195,35 @@ impl Problem {
         self.heads_q / self.heads_kv
     }
 
-    /// Bottom-right causal alignment: query `i` sees keys `j <= i + offset`.
-    pub fn causal_offset(&self) -> isize {
-        self.seq_k as isize - self.seq_q as isize
+    /// `q_offset - k_offset`: query row `i` is at the position of key
+    /// `i + causal_offset()` (its diagonal), so causal attention shows it
+    /// keys `j <= i + causal_offset()`. `seq_k - seq_q` by default
+    /// (bottom-right alignment). Exact: the difference of two offsets
+    /// within [`POSITION_LIMIT`] need not fit 64 bits.
+    pub fn causal_offset(&self) -> i128 {
+        i128::from(self.q_offset) - i128::from(self.k_offset)
     }
 
     /// The keys query row `i` may attend to by the causal mask and the
     /// sliding window, as a half-open range (empty when it sees none). Both
     /// ends are non-decreasing in the row. A mask array may hide more.
     pub fn visible_keys(&self, query_row: usize) -> std::ops::Range<usize> {
-        let diagonal = query_row as i64 + self.causal_offset() as i64;
-        let seq_k = self.seq_k as i64;
+        // In i128, every sum below is exact.
+        let diagonal = query_row as i128 + self.causal_offset();
+        let seq_k = self.seq_k as i128;
         let mut end = seq_k;
         if self.causal {
             end = end.min(diagonal + 1);
         }
         if let Some(right) = self.window.right {
-            end = end.min(diagonal.saturating_add(right as i64).saturating_add(1));
+            end = end.min(diagonal + right as i128 + 1);
         }
         let start = match self.window.left {
-            Some(left) => diagonal.saturating_sub(left as i64).max(0),
+            Some(left) => (diagonal - left as i128).max(0),
             None => 0,
         };
-        let end = end.clamp(0, seq_k) as usize;
-        start.min(end as i64) as usize..end
+        let end = end.clamp(0, seq_k);
+        start.min(end) as usize..end as usize
     }
 
     /// Whether causal or the window hide any score.
@@ -453,6 +474,8 @@ pub fn validate_forward(
         alibi_per_batch: None,
         sinks: false,
         return_dmask: false,
+        q_offset: position("q_offset", options.q_offset, seq_k as i128 - seq_q as i128)?,
+        k_offset: position("k_offset", options.k_offset, 0)?,
     };
     validate_variants(&mut problem, options)?;
     if options.return_dmask {
@@ -463,6 +486,27 @@ pub fn validate_forward(
         });
     }
     Ok(problem)
+}
+
+/// A position offset as given, or its default, within [`POSITION_LIMIT`].
+fn position(argument: &str, given: Option<i128>, default: i128) -> Result<i64> {
+    let value = given.unwrap_or(default);
+    let limit = i128::from(POSITION_LIMIT);
+    if !(-limit..=limit).contains(&value) {
+        return Err(position_error(argument, &value.to_string()));
+    }
+    Ok(value as i64)
+}
+
+/// The error for a position offset out of range (also for one too large
+/// for the bindings to pass on).
+pub fn position_error(argument: &str, value: &str) -> Error {
+    value_error(
+        argument,
+        value,
+        "positions must lie within ±2**62 (so that every position and every difference \
+         of two stays exact in 64-bit integers)",
+    )
 }
 
 fn value_error(argument: &str, value: impl ToString, reason: impl ToString) -> Error {
@@ -796,6 +840,64 @@ mod tests {
             (0..5).map(|i| p.visible_keys(i).end).collect::<Vec<_>>(),
             vec![0, 0, 0, 1, 2]
         );
+    }
+
+    #[test]
+    fn offsets_default_to_bottom_right_and_move_the_diagonal() {
+        let p = fwd(&[3, 4], &[5, 4], &[5, 4]).unwrap();
+        assert_eq!((p.q_offset, p.k_offset, p.causal_offset()), (2, 0, 2));
+        let explicit = |q_offset, k_offset| {
+            validate_forward(
+                ArrayInfo::new(&[3, 4], "float32"),
+                ArrayInfo::new(&[5, 4], "float32"),
+                ArrayInfo::new(&[5, 4], "float32"),
+                &Options {
+                    causal: true,
+                    q_offset,
+                    k_offset,
+                    ..Options::default()
+                },
+            )
+            .unwrap()
+        };
+        let ends = |p: Problem| (0..3).map(|i| p.visible_keys(i)).collect::<Vec<_>>();
+        // Explicit defaults are the defaults.
+        assert_eq!(explicit(Some(2), Some(0)), explicit(None, None));
+        // Queries at 10..13 against keys at 10..15: top-left aligned.
+        assert_eq!(ends(explicit(Some(10), Some(10))), vec![0..1, 0..2, 0..3]);
+        // Keys 0..5 at 100..105 lie after queries 7..10: nothing visible.
+        assert_eq!(ends(explicit(Some(7), Some(100))), vec![0..0; 3]);
+        // The far past: every key visible, exactly at the range's ends.
+        let limit = i128::from(POSITION_LIMIT);
+        let p = explicit(Some(limit), Some(-limit));
+        assert_eq!(p.causal_offset(), 1i128 << 63);
+        assert_eq!(ends(p), vec![0..5; 3]);
+    }
+
+    #[test]
+    fn offsets_out_of_range_are_refused_by_name() {
+        let q = [3, 4];
+        let k = [5, 4];
+        for (q_offset, k_offset, name) in [
+            (Some(1i128 << 62 | 1), None, "q_offset"),
+            (None, Some(-(1i128 << 62) - 1), "k_offset"),
+            (Some(i128::MAX), None, "q_offset"),
+        ] {
+            let e = with(
+                Options {
+                    q_offset,
+                    k_offset,
+                    ..Options::default()
+                },
+                &q,
+                &k,
+            )
+            .unwrap_err();
+            match e {
+                Error::Value { ref argument, .. } => assert_eq!(argument, name, "{e}"),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
     }
 
     fn with(options: Options<'_>, q: &[usize], k: &[usize]) -> Result<Problem> {

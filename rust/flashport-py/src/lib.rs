@@ -215,7 +215,7 @@ fn validated<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
     result.map_err(|e| to_py_err(py, e))
 }
 
-/// The variant keywords of both entry points: a dict that
+/// The variant and position keywords of both entry points: a dict that
 /// `flashport._attention` builds, keyed by the keyword names.
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
@@ -227,6 +227,26 @@ struct VariantArgs<'py> {
     sinks: Option<Bound<'py, PyAny>>,
     dropout_p: f64,
     seed: Option<i128>,
+    /// Python ints (flashport._attention has checked the type), of any
+    /// size: one beyond i128 gets the core's out-of-range error.
+    q_offset: Option<Bound<'py, PyAny>>,
+    k_offset: Option<Bound<'py, PyAny>>,
+}
+
+fn position(
+    py: Python<'_>,
+    name: &str,
+    value: &Option<Bound<'_, PyAny>>,
+) -> PyResult<Option<i128>> {
+    value
+        .as_ref()
+        .map(|v| {
+            v.extract::<i128>().map_err(|_| {
+                let shown = v.str().map_or_else(|_| "?".to_string(), |s| s.to_string());
+                to_py_err(py, core::problem::position_error(name, &shown))
+            })
+        })
+        .transpose()
 }
 
 /// Shapes and dtypes of the variant arrays, read before validation.
@@ -250,14 +270,17 @@ impl VariantArgs<'_> {
 
     fn options<'m>(
         &self,
+        py: Python<'_>,
         metas: &'m VariantMetas,
         causal: bool,
         scale: Option<f64>,
-    ) -> Options<'m> {
-        Options {
+    ) -> PyResult<Options<'m>> {
+        Ok(Options {
             causal,
             scale,
             window: self.window,
+            q_offset: position(py, "q_offset", &self.q_offset)?,
+            k_offset: position(py, "k_offset", &self.k_offset)?,
             softcap: self.softcap,
             dropout_p: self.dropout_p,
             seed: self.seed,
@@ -265,7 +288,7 @@ impl VariantArgs<'_> {
             alibi_slopes: metas.alibi_slopes.as_ref().map(ArgMeta::info),
             sinks: metas.sinks.as_ref().map(ArgMeta::info),
             return_dmask: false,
-        }
+        })
     }
 }
 
@@ -336,7 +359,7 @@ fn attention<'py>(
         ArgMeta::read_main("v", v)?,
     ];
     let variant_metas = variants.metas()?;
-    let options = variants.options(&variant_metas, causal, scale);
+    let options = variants.options(py, &variant_metas, causal, scale)?;
     let problem = validated(
         py,
         core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
@@ -418,7 +441,7 @@ fn attention_backward<'py>(
     let variant_metas = variants.metas()?;
     let options = Options {
         return_dmask,
-        ..variants.options(&variant_metas, causal, scale)
+        ..variants.options(py, &variant_metas, causal, scale)?
     };
     let problem: Problem = validated(
         py,
