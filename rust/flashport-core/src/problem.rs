@@ -742,6 +742,145 @@ pub fn validate_backward(
     Ok(problem)
 }
 
+/// One argument of `merge_states`: an array with a leading parts axis, or
+/// one array per part.
+#[derive(Debug, Clone, Copy)]
+pub enum Parts<'a> {
+    Stacked(ArrayInfo<'a>),
+    Each(&'a [ArrayInfo<'a>]),
+}
+
+impl<'a> Parts<'a> {
+    /// Each part's name for messages (`outs[2]`, or `outs` when stacked)
+    /// and its shape and dtype; an error naming `argument` when there is
+    /// no part.
+    fn split(self, argument: &str) -> Result<Vec<(String, ArrayInfo<'a>)>> {
+        match self {
+            Parts::Stacked(info) => match info.shape.split_first() {
+                Some((&count, part)) if count > 0 => {
+                    Ok(vec![
+                        (argument.to_string(), ArrayInfo::new(part, info.dtype));
+                        count
+                    ])
+                }
+                _ => Err(Error::Shape(format!(
+                    "{argument} has shape {}: no parts along its first axis; \
+                     merge_states needs at least one",
+                    shape_str(info.shape)
+                ))),
+            },
+            Parts::Each([]) => Err(Error::Shape(format!(
+                "{argument} is an empty sequence: merge_states needs at least one part"
+            ))),
+            Parts::Each(infos) => Ok(infos
+                .iter()
+                .enumerate()
+                .map(|(i, info)| (format!("{argument}[{i}]"), *info))
+                .collect()),
+        }
+    }
+}
+
+/// A validated `merge_states`: `parts` attention states, each an output of
+/// `rows × value_dim` (rows = every dimension but the last, flattened) and
+/// a log-sum-exp per row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergeProblem {
+    pub parts: usize,
+    pub rows: usize,
+    pub value_dim: usize,
+    /// The outputs' dtype; the log-sum-exps are `dtype.lse_dtype()`.
+    pub dtype: DType,
+    /// The shape of one part's output, which is the merged output's.
+    pub out_shape: Vec<usize>,
+}
+
+impl MergeProblem {
+    pub fn out_len(&self) -> usize {
+        self.rows * self.value_dim
+    }
+    pub fn lse_shape(&self) -> Vec<usize> {
+        self.out_shape[..self.out_shape.len() - 1].to_vec()
+    }
+}
+
+/// Validates the arguments of `merge_states`: every part's output has one
+/// shape `(..., seq_q, d_v)` and one float dtype, and its log-sum-exp has
+/// that shape without `d_v`, in the dtype `attention` returns it in.
+pub fn validate_merge(outs: Parts<'_>, lses: Parts<'_>) -> Result<MergeProblem> {
+    let out_parts = outs.split("outs")?;
+    let lse_parts = lses.split("lses")?;
+    if out_parts.len() != lse_parts.len() {
+        return Err(Error::Shape(format!(
+            "outs has {} parts but lses has {}; each part is one (out, lse) pair",
+            out_parts.len(),
+            lse_parts.len()
+        )));
+    }
+    let (first_name, first) = &out_parts[0];
+    let dtype = dtype_of(first_name, first)?;
+    let Some((&value_dim, lead)) = first.shape.split_last().filter(|(_, l)| !l.is_empty()) else {
+        let what = match outs {
+            Parts::Stacked(_) => "(parts, ..., seq_q, d_v)",
+            Parts::Each(_) => "(..., seq_q, d_v)",
+        };
+        return Err(Error::Shape(format!(
+            "{first_name} has a part of shape {}; expected {what}",
+            shape_str(first.shape)
+        )));
+    };
+    for (name, info) in &out_parts[1..] {
+        if dtype_of(name, info)? != dtype {
+            return Err(Error::DType {
+                argument: name.clone(),
+                dtype: info.dtype.to_string(),
+                reason: format!(
+                    "{first_name} has dtype {}; every part's out must share one dtype",
+                    first.dtype
+                ),
+            });
+        }
+        if info.shape != first.shape {
+            return Err(Error::Shape(format!(
+                "{name} has shape {} but {first_name} has shape {}; every part's out has the \
+                 merged output's shape",
+                shape_str(info.shape),
+                shape_str(first.shape)
+            )));
+        }
+    }
+    let lse_dtype = dtype.lse_dtype().numpy_name();
+    for (name, info) in &lse_parts {
+        if info.dtype != lse_dtype {
+            return Err(Error::DType {
+                argument: name.clone(),
+                dtype: info.dtype.to_string(),
+                reason: format!(
+                    "the log-sum-exps of {} outs are {lse_dtype} (float64 only for float64 \
+                     outs), as flashport.attention returns them",
+                    dtype.numpy_name()
+                ),
+            });
+        }
+        if info.shape != lead {
+            return Err(Error::Shape(format!(
+                "{name} has shape {} but the outs' parts have shape {}, whose log-sum-exps \
+                 have shape {}",
+                shape_str(info.shape),
+                shape_str(first.shape),
+                shape_str(lead)
+            )));
+        }
+    }
+    Ok(MergeProblem {
+        parts: out_parts.len(),
+        rows: lead.iter().product(),
+        value_dim,
+        dtype,
+        out_shape: first.shape.to_vec(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1038,5 +1177,91 @@ mod tests {
             .to_string()
             .contains("boolean"));
         assert!(!backward("bool", false).unwrap().return_dmask);
+    }
+
+    fn merge_err(outs: Parts<'_>, lses: Parts<'_>) -> String {
+        validate_merge(outs, lses).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn merge_takes_stacked_or_separate_parts_of_any_leading_shape() {
+        let (o, l) = ([2, 3, 5, 8], [2, 3, 5]);
+        let outs = [ArrayInfo::new(&o, "float16"); 3];
+        let lses = [ArrayInfo::new(&l, "float32"); 3];
+        let each = validate_merge(Parts::Each(&outs), Parts::Each(&lses)).unwrap();
+        assert_eq!((each.parts, each.rows, each.value_dim), (3, 30, 8));
+        assert_eq!(
+            (each.out_shape.clone(), each.lse_shape()),
+            (o.to_vec(), l.to_vec())
+        );
+        let stacked = validate_merge(
+            Parts::Stacked(ArrayInfo::new(&[3, 2, 3, 5, 8], "float16")),
+            Parts::Stacked(ArrayInfo::new(&[3, 2, 3, 5], "float32")),
+        )
+        .unwrap();
+        assert_eq!(stacked, each);
+        // Mixed forms, and a part of just (seq_q, d_v).
+        let p = validate_merge(
+            Parts::Stacked(ArrayInfo::new(&[1, 4, 0], "float64")),
+            Parts::Each(&[ArrayInfo::new(&[4], "float64")]),
+        )
+        .unwrap();
+        assert_eq!((p.parts, p.rows, p.value_dim, p.out_len()), (1, 4, 0, 0));
+    }
+
+    #[test]
+    fn merge_errors_name_the_part() {
+        let (o, l) = ([4, 8], [4]);
+        let out = ArrayInfo::new(&o, "float32");
+        let lse = ArrayInfo::new(&l, "float32");
+        let e = merge_err(Parts::Each(&[]), Parts::Each(&[]));
+        assert!(e.contains("outs is an empty sequence"), "{e}");
+        let e = merge_err(
+            Parts::Stacked(ArrayInfo::new(&[0, 4, 8], "float32")),
+            Parts::Stacked(ArrayInfo::new(&[0, 4], "float32")),
+        );
+        assert!(
+            e.contains("outs has shape (0, 4, 8)") && e.contains("no parts"),
+            "{e}"
+        );
+        let e = merge_err(Parts::Each(&[out, out]), Parts::Each(&[lse]));
+        assert!(e.contains("outs has 2 parts but lses has 1"), "{e}");
+        let odd = ArrayInfo::new(&[4, 9], "float32");
+        let e = merge_err(Parts::Each(&[out, out, odd]), Parts::Each(&[lse; 3]));
+        assert!(
+            e.contains("outs[2] has shape (4, 9)") && e.contains("outs[0]"),
+            "{e}"
+        );
+        let wide = ArrayInfo::new(&o, "float64");
+        match validate_merge(Parts::Each(&[out, wide]), Parts::Each(&[lse; 2])).unwrap_err() {
+            Error::DType { argument, .. } => assert_eq!(argument, "outs[1]"),
+            other => panic!("unexpected {other:?}"),
+        }
+        let lse64 = ArrayInfo::new(&l, "float64");
+        match validate_merge(Parts::Each(&[out; 2]), Parts::Each(&[lse, lse64])).unwrap_err() {
+            Error::DType {
+                argument, reason, ..
+            } => {
+                assert_eq!(argument, "lses[1]");
+                assert!(reason.contains("float32"), "{reason}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let short = ArrayInfo::new(&[3], "float32");
+        let e = merge_err(Parts::Each(&[out]), Parts::Each(&[short]));
+        assert!(
+            e.contains("lses[0] has shape (3,)") && e.contains("(4,)"),
+            "{e}"
+        );
+        let e = merge_err(
+            Parts::Stacked(ArrayInfo::new(&[2, 8], "float32")),
+            Parts::Stacked(ArrayInfo::new(&[2], "float32")),
+        );
+        assert!(e.contains("(parts, ..., seq_q, d_v)"), "{e}");
+        let e = merge_err(
+            Parts::Each(&[ArrayInfo::new(&o, "int32")]),
+            Parts::Each(&[lse]),
+        );
+        assert!(e.contains("outs[0] has dtype int32"), "{e}");
     }
 }
