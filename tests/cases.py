@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import flashport
@@ -375,3 +376,32 @@ def check_against_oracle(case: Case, kw: dict, dtype, backend: str) -> None:
         assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype, x.dtype)
         assert_close(name, g, w, b, dtype, scores, terms[name])
     _assert_unchanged(before, [q, k, v, do, kw])
+
+
+@st.composite
+def splits(draw, seq_k: int) -> list[tuple[int, int]]:
+    """1 to 5 consecutive key blocks covering ``0..seq_k``, empty ones too."""
+    count = draw(st.integers(1, 5))
+    cuts = sorted(draw(st.lists(st.integers(0, seq_k), min_size=count - 1, max_size=count - 1)))
+    bounds = [0, *cuts, seq_k]
+    return list(itertools.pairwise(bounds))
+
+
+def naive_merge(outs, lses, dtype):
+    """The same-precision baseline of a merge: the formula in ``dtype`` (in
+    float16's case, float16 arithmetic), the parts in order."""
+    lses = [np.asarray(x, dtype) for x in lses]
+    outs = [np.asarray(x, dtype) for x in outs]
+    stacked = np.stack(lses)
+    finite = np.isfinite(stacked)
+    m = np.where(finite.any(axis=0), np.where(finite, stacked, -np.inf).max(axis=0), 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(finite, np.exp(stacked - m), 0).astype(dtype)
+    s = w.sum(axis=0)
+    out = np.zeros_like(outs[0])
+    for wi, oi in zip(w, outs, strict=True):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = out + np.where(s[..., None] > 0, (wi / s)[..., None] * oi, 0).astype(dtype)
+    with np.errstate(divide="ignore"):
+        lse = np.where(s > 0, m + np.log(np.where(s > 0, s, 1)), -np.inf)
+    return out.astype(dtype), lse.astype(dtype)

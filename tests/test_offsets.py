@@ -1,14 +1,34 @@
 """Position offsets (``q_offset``, ``k_offset``) on every backend: against
 the oracle with causal, windows, ALiBi, softcap, masks, sinks and dropout;
-explicit defaults give the bits of no offsets; offsets far apart (up to
-±2**62) hide or show every key exactly; bad values are refused by name."""
+keys cut into blocks, each with its ``k_offset``, give the whole attention
+(forward: merged with merge_states; backward: per block with the whole
+``o`` and ``lse``, dK/dV by block and dQ as the sum of the blocks'
+shares); explicit defaults give the bits of no offsets; offsets far apart
+(up to ±2**62) hide or show every key exactly; bad values are refused by
+name."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import flashport
 import numpy as np
 import pytest
-from cases import Case, cases, check_against_oracle, variants
+from cases import (
+    Case,
+    assert_close,
+    cases,
+    check_against_oracle,
+    naive,
+    naive_backward,
+    naive_merge,
+    oracle,
+    oracle_backward,
+    score_magnitude,
+    splits,
+    term_magnitudes,
+    variants,
+)
 from flashport import InvalidArgumentError, ProblemTooLargeError, reference
 from hypothesis import given
 from hypothesis import strategies as st
@@ -53,6 +73,57 @@ def test_offsets_match_reference(backend, data, dtype):
     # ALiBi with a far diagonal only subtracts a huge constant per row.
     kw.update(data.draw(positions(case, far="alibi_slopes" not in kw), label="positions"))
     check_against_oracle(case, kw, dtype, backend)
+
+
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_key_blocks_give_the_whole_attention(backend, data, dtype):
+    """Ring attention's pieces: per key block (with its k_offset), the
+    forward merged by merge_states, and the backward with the whole o and
+    lse giving that block's dK, dV and a share of dQ."""
+    dtype = _dtype_for(backend, dtype)
+    case = data.draw(cases(backend, max_work=MAX_WORK[backend]), label="case")
+    var = data.draw(variants(case, ("window", "alibi", "softcap")), label="variants")
+    kw = var.kwargs(case, dtype)
+    where = data.draw(positions(case, far="alibi_slopes" not in kw), label="positions")
+    q_offset = where.get("q_offset", case.seq_k - case.seq_q)
+    k_offset = where.get("k_offset", 0)
+    blocks = data.draw(splits(case.seq_k), label="blocks")
+    q, k, v, do = case.arrays(dtype)
+    common = {"causal": case.causal, "scale": case.scale, "device": backend, **kw}
+    whole = {"q_offset": q_offset, "k_offset": k_offset, **kw}
+    out, lse = flashport.attention(q, k, v, return_lse=True, **where, **common)
+
+    outs, lses, naive_outs, naive_lses, grads = [], [], [], [], []
+    for start, end in blocks:
+        at = {"q_offset": q_offset, "k_offset": k_offset + start}
+        kb, vb = k[..., start:end, :], v[..., start:end, :]
+        o_b, lse_b = flashport.attention(q, kb, vb, return_lse=True, **at, **common)
+        outs.append(o_b)
+        lses.append(lse_b)
+        part = dataclasses.replace(case, seq_k=end - start)
+        n_o, n_lse = naive(part, q, kb, vb, dtype, **at, **kw)
+        naive_outs.append(n_o)
+        naive_lses.append(n_lse)
+        grads.append(flashport.attention_backward(do, q, kb, vb, out, lse, **at, **common))
+    merged, merged_lse = flashport.merge_states(outs, lses, device=backend)
+
+    scores = score_magnitude(case, q, k, **whole)
+    terms = term_magnitudes(case, do, q, k, v, **whole)
+    want_out, want_lse = oracle(case, q, k, v, dtype, **whole)
+    base_out, base_lse = naive_merge(naive_outs, naive_lses, dtype)
+    assert_close("o", merged, want_out, base_out, dtype, scores, terms["o"])
+    assert_close("lse", merged_lse, want_lse, base_lse, dtype, scores, terms["lse"])
+
+    dq = grads[0][0]
+    for g in grads[1:]:
+        dq = dq + g[0]
+    dk = np.concatenate([g[1] for g in grads], axis=-2)
+    dv = np.concatenate([g[2] for g in grads], axis=-2)
+    want = oracle_backward(case, do, q, k, v, dtype, **whole)
+    baseline = naive_backward(case, do, q, k, v, dtype, **whole)
+    for name, g, w, b in zip(("dq", "dk", "dv"), (dq, dk, dv), want, baseline, strict=True):
+        assert g.dtype == dtype
+        assert_close(name, g, w, b, dtype, scores, terms[name])
 
 
 def _problem(dtype=np.float32):
