@@ -278,7 +278,7 @@ def attention(
         ``q_offset = seq_k - seq_q`` and ``k_offset = 0``, are the
         bottom-right alignment above; explicit defaults give the same bits.
         With them, attention over keys split into blocks is each block's
-        attention with its own ``k_offset``, merged by the blocks' ``lse``.
+        attention with its own ``k_offset``, merged by :func:`merge_states`.
         ``mask`` and dropout keep using the local ``(i, j)``. On the GPU,
         ALiBi needs ``|q_offset - k_offset| + seq_q + seq_k < 2**31``
         (``ProblemTooLargeError`` otherwise).
@@ -431,10 +431,11 @@ def attention_backward(
         The output and log-sum-exp :func:`attention` returned for them
         (``return_lse=True``). ``lse`` may be float32 or float64. They may
         also be those of a larger attention that these keys are a block of:
-        called per key block (each with its ``k_offset``) with the ``o``
-        and ``lse`` of the attention over all blocks, the backward
-        gives each block's ``dk`` and ``dv`` and a share of ``dq``; the
-        shares sum to the whole ``dq`` (what ring attention does).
+        called per key block (each with its ``k_offset``) with the ``o`` and
+        ``lse`` of the attention over all blocks (:func:`merge_states` of
+        the blocks' forwards), the backward gives each block's ``dk`` and
+        ``dv`` and a share of ``dq``; the shares sum to the whole ``dq``
+        (what ring attention does).
 
     Any of ``do``, ``q``, ``k``, ``v``, ``o`` and ``lse`` may be a
     :class:`DeviceArray` (the forward's DeviceArray outputs, passed back as
