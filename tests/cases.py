@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 from dataclasses import dataclass
 
+import flashport
 import numpy as np
 from flashport import reference
 from hypothesis import strategies as st
@@ -199,7 +202,7 @@ def naive_backward(case: Case, do, q, k, v, dtype, **variants):
 
 
 def _score_kwargs(variants: dict) -> dict:
-    names = ("window", "mask", "alibi_slopes", "softcap")
+    names = ("window", "mask", "alibi_slopes", "softcap", "q_offset", "k_offset")
     return {n: variants[n] for n in names if n in variants}
 
 
@@ -325,3 +328,80 @@ def assert_backends_agree(case: Case, results: dict, q, k, v, do, dtype, **varia
         floor = 8 * np.finfo(dtype).eps * magnitude * max(1.0, scores)
         gap = np.abs(on_cpu - on_gpu).max()
         assert gap <= 2 * (2 * naive_err + floor), f"{name}: cpu and gpu differ by {gap:.3g}"
+
+
+def _snapshot(*arrays):
+    return [copy.deepcopy(a) for a in arrays]
+
+
+def _assert_unchanged(before, after):
+    for b, a in zip(before, after, strict=True):
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), "input modified"
+        elif isinstance(b, dict):
+            _assert_unchanged(list(b.values()), list(a.values()))
+
+
+def check_against_oracle(case: Case, kw: dict, dtype, backend: str) -> None:
+    """Forward (o, lse) and backward (dq, dk, dv, dsinks, dmask) of ``case``
+    with the keywords ``kw`` (variants, positions) against the oracle, with
+    assert_close's tolerance rule; the inputs must come back unmodified."""
+    q, k, v, do = case.arrays(dtype)
+    before = _snapshot(q, k, v, do, kw)
+    common = {"causal": case.causal, "scale": case.scale, "device": backend, **kw}
+    out, lse = flashport.attention(q, k, v, return_lse=True, **common)
+    assert out.dtype == dtype and out.shape == (*q.shape[:-1], v.shape[-1])
+    assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    want_out, want_lse = oracle(case, q, k, v, dtype, **kw)
+    base_out, base_lse = naive(case, q, k, v, dtype, **kw)
+    scores = score_magnitude(case, q, k, **kw)
+    terms = term_magnitudes(case, do, q, k, v, **kw)
+    assert_close("o", out, want_out, base_out, dtype, scores, terms["o"])
+    assert_close("lse", lse, want_lse, base_lse, dtype, scores, terms["lse"])
+
+    mask = kw.get("mask")
+    return_dmask = mask is not None and mask.dtype != np.bool_
+    grads = flashport.attention_backward(do, q, k, v, out, lse, return_dmask=return_dmask, **common)
+    want = oracle_backward(case, do, q, k, v, dtype, return_dmask=return_dmask, **kw)
+    baseline = naive_backward(case, do, q, k, v, dtype, return_dmask=return_dmask, **kw)
+    names, like = ["dq", "dk", "dv"], [q, k, v]
+    if "sinks" in kw:
+        names.append("dsinks")
+        like.append(kw["sinks"])
+    if return_dmask:
+        names.append("dmask")
+        like.append(mask)
+    assert len(grads) == len(names), f"{len(grads)} gradients, expected {names}"
+    for name, g, w, b, x in zip(names, grads, want, baseline, like, strict=True):
+        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype, x.dtype)
+        assert_close(name, g, w, b, dtype, scores, terms[name])
+    _assert_unchanged(before, [q, k, v, do, kw])
+
+
+@st.composite
+def splits(draw, seq_k: int) -> list[tuple[int, int]]:
+    """1 to 5 consecutive key blocks covering ``0..seq_k``, empty ones too."""
+    count = draw(st.integers(1, 5))
+    cuts = sorted(draw(st.lists(st.integers(0, seq_k), min_size=count - 1, max_size=count - 1)))
+    bounds = [0, *cuts, seq_k]
+    return list(itertools.pairwise(bounds))
+
+
+def naive_merge(outs, lses, dtype):
+    """The same-precision baseline of a merge: the formula in ``dtype`` (in
+    float16's case, float16 arithmetic), the parts in order."""
+    lses = [np.asarray(x, dtype) for x in lses]
+    outs = [np.asarray(x, dtype) for x in outs]
+    stacked = np.stack(lses)
+    finite = np.isfinite(stacked)
+    m = np.where(finite.any(axis=0), np.where(finite, stacked, -np.inf).max(axis=0), 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(finite, np.exp(stacked - m), 0).astype(dtype)
+    s = w.sum(axis=0)
+    out = np.zeros_like(outs[0])
+    for wi, oi in zip(w, outs, strict=True):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = out + np.where(s[..., None] > 0, (wi / s)[..., None] * oi, 0).astype(dtype)
+    with np.errstate(divide="ignore"):
+        lse = np.where(s > 0, m + np.log(np.where(s > 0, s, 1)), -np.inf)
+    return out.astype(dtype), lse.astype(dtype)

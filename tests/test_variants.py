@@ -6,8 +6,6 @@ of a float mask; the dropout generator; finite differences; bad arguments."""
 
 from __future__ import annotations
 
-import copy
-
 import flashport
 import numpy as np
 import pytest
@@ -16,14 +14,8 @@ from cases import (
     Case,
     Variants,
     assert_backends_agree,
-    assert_close,
     cases,
-    naive,
-    naive_backward,
-    oracle,
-    oracle_backward,
-    score_magnitude,
-    term_magnitudes,
+    check_against_oracle,
     variants,
 )
 from flashport import (
@@ -53,53 +45,11 @@ def _dtype_for(backend, dtype):
     return np.float32 if backend == "gpu" and dtype == np.float64 else dtype
 
 
-def _snapshot(*arrays):
-    return [copy.deepcopy(a) for a in arrays]
-
-
-def _assert_unchanged(before, after):
-    for b, a in zip(before, after, strict=True):
-        if isinstance(b, np.ndarray):
-            assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), "input modified"
-        elif isinstance(b, dict):
-            _assert_unchanged(list(b.values()), list(a.values()))
-
-
 def check_variants(case: Case, var: Variants, dtype, backend: str) -> None:
     """Forward (o, lse) and backward (dq, dk, dv, dsinks, dmask) of ``case``
     with the variants ``var`` against the oracle, with test_properties'
     tolerance rule."""
-    q, k, v, do = case.arrays(dtype)
-    kw = var.kwargs(case, dtype)
-    before = _snapshot(q, k, v, do, kw)
-    common = {"causal": case.causal, "scale": case.scale, "device": backend, **kw}
-    out, lse = flashport.attention(q, k, v, return_lse=True, **common)
-    assert out.dtype == dtype and out.shape == (*q.shape[:-1], v.shape[-1])
-    assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
-    want_out, want_lse = oracle(case, q, k, v, dtype, **kw)
-    base_out, base_lse = naive(case, q, k, v, dtype, **kw)
-    scores = score_magnitude(case, q, k, **kw)
-    terms = term_magnitudes(case, do, q, k, v, **kw)
-    assert_close("o", out, want_out, base_out, dtype, scores, terms["o"])
-    assert_close("lse", lse, want_lse, base_lse, dtype, scores, terms["lse"])
-
-    mask = kw.get("mask")
-    return_dmask = mask is not None and mask.dtype != np.bool_
-    grads = flashport.attention_backward(do, q, k, v, out, lse, return_dmask=return_dmask, **common)
-    want = oracle_backward(case, do, q, k, v, dtype, return_dmask=return_dmask, **kw)
-    baseline = naive_backward(case, do, q, k, v, dtype, return_dmask=return_dmask, **kw)
-    names, like = ["dq", "dk", "dv"], [q, k, v]
-    if "sinks" in kw:
-        names.append("dsinks")
-        like.append(kw["sinks"])
-    if return_dmask:
-        names.append("dmask")
-        like.append(mask)
-    assert len(grads) == len(names), f"{len(grads)} gradients, expected {names}"
-    for name, g, w, b, x in zip(names, grads, want, baseline, like, strict=True):
-        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype, x.dtype)
-        assert_close(name, g, w, b, dtype, scores, terms[name])
-    _assert_unchanged(before, [q, k, v, do, kw])
+    check_against_oracle(case, var.kwargs(case, dtype), dtype, backend)
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)

@@ -27,6 +27,7 @@ from ._errors import (
     ProblemTooLargeError,
     ShapeError,
 )
+from ._merge import merge_states
 
 __all__ = [
     "BackendUnavailableError",
@@ -42,6 +43,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "devices",
+    "merge_states",
     "reference",
     "to_device",
 ]

@@ -51,6 +51,19 @@ def _scale_arg(scale: float | None) -> float | None:
 Window = tuple[int | None, int | None]
 
 
+def _position(name: str, value: Any) -> int | None:
+    """A position offset as the core takes it (which checks its range): a
+    Python or NumPy integer; a bool or a float is refused, not rounded."""
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise InvalidArgumentError(
+            f"{name}={value!r}: expected an integer position (a Python int or a NumPy "
+            f"integer scalar), got {type(value).__name__}"
+        )
+    return int(value)
+
+
 def _variants(
     window: Window | None,
     mask: npt.ArrayLike | None,
@@ -59,8 +72,11 @@ def _variants(
     sinks: npt.ArrayLike | None,
     dropout_p: float,
     seed: int | None,
+    q_offset: int | None,
+    k_offset: int | None,
 ) -> dict[str, Any]:
-    """The variant keywords as the core takes them; the core validates them."""
+    """The variant and position keywords as the core takes them; the core
+    validates them."""
     if window is not None:
         try:
             left, right = window
@@ -78,6 +94,8 @@ def _variants(
         "sinks": _variant_array("sinks", sinks),
         "dropout_p": float(dropout_p),
         "seed": None if seed is None else operator.index(seed),
+        "q_offset": _position("q_offset", q_offset),
+        "k_offset": _position("k_offset", k_offset),
     }
 
 
@@ -99,6 +117,8 @@ def attention(
     sinks: npt.ArrayLike | None = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    q_offset: int | None = ...,
+    k_offset: int | None = ...,
     return_lse: Literal[False] = ...,
     device: Device | None = ...,
 ) -> DeviceArray: ...
@@ -117,6 +137,8 @@ def attention(
     sinks: npt.ArrayLike | None = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    q_offset: int | None = ...,
+    k_offset: int | None = ...,
     return_lse: Literal[True],
     device: Device | None = ...,
 ) -> tuple[DeviceArray, DeviceArray]: ...
@@ -135,6 +157,8 @@ def attention(
     sinks: npt.ArrayLike | None = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    q_offset: int | None = ...,
+    k_offset: int | None = ...,
     return_lse: Literal[False] = ...,
     device: Device | None = ...,
 ) -> np.ndarray: ...
@@ -153,6 +177,8 @@ def attention(
     sinks: npt.ArrayLike | None = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    q_offset: int | None = ...,
+    k_offset: int | None = ...,
     return_lse: Literal[True],
     device: Device | None = ...,
 ) -> tuple[np.ndarray, np.ndarray]: ...
@@ -170,6 +196,8 @@ def attention(
     sinks: npt.ArrayLike | None = None,
     dropout_p: float = 0.0,
     seed: int | None = None,
+    q_offset: int | None = None,
+    k_offset: int | None = None,
     return_lse: bool = False,
     device: Device | None = None,
 ) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
@@ -193,8 +221,10 @@ def attention(
         GPU memory: it is used there without a copy from the host, and the
         call runs on the GPU. NumPy and device arrays may be mixed.
     causal : bool
-        Bottom-right aligned causal mask (the FlashAttention-2 convention):
-        query ``i`` sees keys ``j <= i + seq_k - seq_q``::
+        Causal mask: a query sees the keys at its position and before, at
+        the positions ``q_offset`` and ``k_offset`` give. By default
+        bottom-right aligned (the FlashAttention-2 convention): query ``i``
+        sees keys ``j <= i + seq_k - seq_q``::
 
             seq_q=3, seq_k=5         seq_q=5, seq_k=2
                   keys 0 1 2 3 4           keys 0 1
@@ -209,7 +239,8 @@ def attention(
     window : (left, right), optional
         Sliding-window (local) attention, aligned like ``causal``: query ``i``
         sees keys ``i + off - left <= j <= i + off + right`` with
-        ``off = seq_k - seq_q``. ``None`` or ``-1`` leaves a side unbounded;
+        ``off = q_offset - k_offset`` (by default ``seq_k - seq_q``). ``None``
+        or ``-1`` leaves a side unbounded;
         ``window=(w, 0)`` is causal attention over the last ``w + 1`` keys.
         Combines with ``causal`` (the tighter right side wins).
     mask : array, optional
@@ -219,8 +250,8 @@ def attention(
         to the scores; ``-inf`` hides a key. Tiles the mask hides entirely
         are skipped, so block-sparse masks run proportionally faster.
     alibi_slopes : array ``(heads_q,)`` or ``(batch, heads_q)``, optional
-        ALiBi: adds ``-slope · |i + off - j|`` to the scores (bottom-right
-        aligned, like ``causal``).
+        ALiBi: adds ``-slope · |i + off - j|`` to the scores (the distance of
+        the two positions, aligned like ``causal``).
     softcap : float, optional
         Logit soft-capping: the scaled scores ``u`` become
         ``softcap · tanh(u / softcap)`` before ALiBi and the mask are added.
@@ -239,6 +270,18 @@ def attention(
     seed : int, optional
         In ``[0, 2**64)``; required when ``dropout_p > 0``. Pass the same seed
         to :func:`attention_backward`.
+    q_offset, k_offset : int, optional
+        The global positions of query row 0 and of key 0 (Python or NumPy
+        integers within ``±2**62``): query ``i`` is at ``q_offset + i``, key
+        ``j`` at ``k_offset + j``, and ``causal``, ``window`` and
+        ``alibi_slopes`` compare these positions. The defaults,
+        ``q_offset = seq_k - seq_q`` and ``k_offset = 0``, are the
+        bottom-right alignment above; explicit defaults give the same bits.
+        With them, attention over keys split into blocks is each block's
+        attention with its own ``k_offset``, merged by :func:`merge_states`.
+        ``mask`` and dropout keep using the local ``(i, j)``. On the GPU,
+        ALiBi needs ``|q_offset - k_offset| + seq_q + seq_k < 2**31``
+        (``ProblemTooLargeError`` otherwise).
     return_lse : bool
         Also return the log-sum-exp, which ``attention_backward`` needs.
     device : "cpu", "gpu" or "auto", optional
@@ -300,7 +343,7 @@ def attention(
         bool(causal),
         _scale_arg(scale),
         device,
-        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed),
+        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, q_offset, k_offset),
     )
     return (_result(out), _result(lse)) if return_lse else _result(out)
 
@@ -324,6 +367,8 @@ def attention_backward(
     sinks: npt.ArrayLike | None = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    q_offset: int | None = ...,
+    k_offset: int | None = ...,
     return_dmask: bool = ...,
     device: Device | None = ...,
 ) -> tuple[DeviceArray | np.ndarray, ...]: ...
@@ -345,6 +390,8 @@ def attention_backward(
     sinks: npt.ArrayLike | None = ...,
     dropout_p: float = ...,
     seed: int | None = ...,
+    q_offset: int | None = ...,
+    k_offset: int | None = ...,
     return_dmask: bool = ...,
     device: Device | None = ...,
 ) -> tuple[np.ndarray, ...]: ...
@@ -365,6 +412,8 @@ def attention_backward(
     sinks: npt.ArrayLike | None = None,
     dropout_p: float = 0.0,
     seed: int | None = None,
+    q_offset: int | None = None,
+    k_offset: int | None = None,
     return_dmask: bool = False,
     device: Device | None = None,
 ) -> tuple[np.ndarray | DeviceArray, ...]:
@@ -377,11 +426,18 @@ def attention_backward(
     ---------
     do : array or DeviceArray shaped like ``o``
         Gradient of the loss with respect to the attention output.
-    q, k, v, causal, scale, window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, device
+    q, k, v, causal, scale, window, mask, alibi_slopes, softcap, sinks, dropout_p, seed
+    q_offset, k_offset, device
         Exactly as passed to :func:`attention`.
     o, lse
         The output and log-sum-exp :func:`attention` returned for them
-        (``return_lse=True``). ``lse`` may be float32 or float64.
+        (``return_lse=True``). ``lse`` may be float32 or float64. They may
+        also be those of a larger attention that these keys are a block of:
+        called per key block (each with its ``k_offset``) with the ``o`` and
+        ``lse`` of the attention over all blocks (:func:`merge_states` of
+        the blocks' forwards), the backward gives each block's ``dk`` and
+        ``dv`` and a share of ``dq``; the shares sum to the whole ``dq``
+        (what ring attention does).
 
     Any of ``do``, ``q``, ``k``, ``v``, ``o`` and ``lse`` may be a
     :class:`DeviceArray` (the forward's DeviceArray outputs, passed back as
@@ -430,7 +486,7 @@ def attention_backward(
         bool(causal),
         _scale_arg(scale),
         device,
-        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed),
+        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, q_offset, k_offset),
         bool(return_dmask),
     )
     grads = [_result(dq), _result(dk), _result(dv)]

@@ -6,7 +6,8 @@ problems. Same signatures and semantics as :func:`flashport.attention` and
 included; every result is float64.
 
 The score of batch ``b``, query head ``h``, row ``i`` and key ``j``, with
-``off = seq_k - seq_q`` (see rust/flashport-core/src/variants.rs)::
+``off = q_offset - k_offset`` (by default ``seq_k - seq_q``; see
+rust/flashport-core/src/variants.rs)::
 
     u   = scale · q[b,h,i] · k[b,h/g,j]
     t   = softcap · tanh(u / softcap)             (t = u without softcap)
@@ -100,6 +101,45 @@ def _window_sides(window):
     return left, right
 
 
+def _diagonal_offset(seq_q, seq_k, q_offset, k_offset) -> int:
+    """``off = q_offset - k_offset`` with the defaults (bottom-right)."""
+    q_offset = seq_k - seq_q if q_offset is None else int(q_offset)
+    k_offset = 0 if k_offset is None else int(k_offset)
+    return q_offset - k_offset
+
+
+def _visible(seq_q, seq_k, causal, window, off) -> np.ndarray:
+    """``(seq_q, seq_k)``, True where causal and the window show the key;
+    each row's bounds are computed in Python integers, exact for any
+    offsets."""
+    left, right = _window_sides(window)
+    starts, ends = [], []
+    for i in range(seq_q):
+        diagonal = i + off
+        end = seq_k
+        if causal:
+            end = min(end, diagonal + 1)
+        if right is not None:
+            end = min(end, diagonal + right + 1)
+        start = 0 if left is None else max(0, diagonal - left)
+        ends.append(max(0, end))
+        starts.append(min(start, seq_k))
+    j = np.arange(seq_k)
+    start = np.array(starts, dtype=np.int64).reshape(-1, 1)
+    end = np.array(ends, dtype=np.int64).reshape(-1, 1)
+    return (j >= start) & (j < end)
+
+
+def _distance(seq_q, seq_k, off, dtype) -> np.ndarray:
+    """``|i + off - j|`` as ``dtype``: exact integers, rounded once."""
+    if abs(off) + seq_q + seq_k < 2**62:
+        i = np.arange(seq_q)[:, None]
+        j = np.arange(seq_k)[None, :]
+        return np.abs(i + off - j).astype(dtype)
+    exact = [[abs(i + off - j) for j in range(seq_k)] for i in range(seq_q)]
+    return np.array(exact, dtype=object).reshape(seq_q, seq_k).astype(dtype)
+
+
 def _scores(
     q4,
     k4,
@@ -110,6 +150,8 @@ def _scores(
     mask=None,
     alibi_slopes=None,
     softcap=None,
+    q_offset=None,
+    k_offset=None,
 ):
     """Scores with the key heads repeated over their query group, and the
     visibility mask (True = the query sees the key), both
@@ -136,22 +178,13 @@ def _scores(
         s = cap * tanh
     else:
         s = u
-    i = np.arange(seq_q)[:, None]
-    j = np.arange(seq_k)[None, :]
-    off = seq_k - seq_q
-    visible = np.ones((seq_q, seq_k), dtype=bool)
-    if causal:
-        visible &= j <= i + off
-    left, right = _window_sides(window)
-    if left is not None:
-        visible &= j >= i + off - left
-    if right is not None:
-        visible &= j <= i + off + right
+    off = _diagonal_offset(seq_q, seq_k, q_offset, k_offset)
+    visible = _visible(seq_q, seq_k, causal, window, off)
     visible = np.broadcast_to(visible, (batch, heads_q, seq_q, seq_k))
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes, dtype=q4.dtype)
         slopes = np.broadcast_to(slopes.reshape((-1, heads_q))[:, :, None, None], s.shape)
-        s = s - slopes * np.abs(i + off - j).astype(q4.dtype)
+        s = s - slopes * _distance(seq_q, seq_k, off, q4.dtype)
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype == np.bool_:
@@ -215,6 +248,8 @@ def attention(
     sinks=None,
     dropout_p=0.0,
     seed=None,
+    q_offset=None,
+    k_offset=None,
     return_lse=False,
 ):
     """``softmax(scale · q kᵀ) v`` with the variants, in float64; see
@@ -234,6 +269,8 @@ def attention(
         sinks=sinks,
         dropout_p=dropout_p,
         seed=seed,
+        q_offset=q_offset,
+        k_offset=k_offset,
     )
 
 
@@ -253,6 +290,8 @@ def _attention(
     sinks=None,
     dropout_p=0.0,
     seed=None,
+    q_offset=None,
+    k_offset=None,
 ):
     """The reference computed in ``dtype``: in float64 the oracle, in float32
     the naive same-precision implementation that test tolerances are
@@ -269,6 +308,8 @@ def _attention(
         mask=mask,
         alibi_slopes=alibi_slopes,
         softcap=softcap,
+        q_offset=q_offset,
+        k_offset=k_offset,
     )
     p, lse = _probabilities(s, visible, sinks)
     z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type)
@@ -296,6 +337,8 @@ def attention_backward(
     sinks=None,
     dropout_p=0.0,
     seed=None,
+    q_offset=None,
+    k_offset=None,
     return_dmask=False,
 ):
     """Analytic gradients of :func:`attention` in float64: ``(dq, dk, dv)``,
@@ -322,6 +365,8 @@ def attention_backward(
         sinks=sinks,
         dropout_p=dropout_p,
         seed=seed,
+        q_offset=q_offset,
+        k_offset=k_offset,
         return_dmask=return_dmask,
     )
 
@@ -350,6 +395,8 @@ def _attention_backward(
     sinks=None,
     dropout_p=0.0,
     seed=None,
+    q_offset=None,
+    k_offset=None,
     return_dmask=False,
 ):
     q4, q_shape = _as_4d(q, dtype)
@@ -365,6 +412,8 @@ def _attention_backward(
         mask=mask,
         alibi_slopes=alibi_slopes,
         softcap=softcap,
+        q_offset=q_offset,
+        k_offset=k_offset,
     )
     p, lse = _probabilities(s, visible, sinks)
     z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type)

@@ -26,7 +26,9 @@ struct Params {
     q_head0: u32,
     // 1 when rows end before seq_k: causal and/or a right window.
     causal: u32,
-    // Row i sees keys below i + causal_offset + 1 (with `causal`).
+    // Row i sees keys below i + causal_offset + 1 (with `causal`). The
+    // host clamps it (and left_offset) to [-seq_q, seq_k], which cuts the
+    // same keys, so that sums with a row or a key stay in i32.
     causal_offset: i32,
     scale: f32,
     // Query heads of each key/value head bound in this dispatch (the whole
@@ -36,7 +38,8 @@ struct Params {
     // the variants' data is indexed by the absolute head.
     head0: u32,
     heads_q: u32,
-    // seq_k - seq_q: the ALiBi distance is |i + diag_offset - j|.
+    // q_offset - k_offset (by default seq_k - seq_q): the ALiBi distance
+    // is |i + diag_offset - j|.
     diag_offset: i32,
     // Row i sees keys from i + left_offset (with WINDOW).
     left_offset: i32,
@@ -99,8 +102,8 @@ fn is_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
 }
 
-// Bottom-right causal alignment and the right window: query `row` sees
-// keys below visible_end.
+// Causal and the right window, at the call's positions (by default
+// bottom-right aligned): query `row` sees keys below visible_end.
 fn visible_end(row: u32) -> u32 {
     if p.causal == 0u {
         return p.seq_k;

@@ -33,6 +33,7 @@ pub mod auto;
 pub mod cpu;
 pub mod error;
 pub mod gpu;
+pub mod merge;
 pub mod overrides;
 pub mod problem;
 pub mod variants;
@@ -40,7 +41,11 @@ pub mod variants;
 pub use error::{Error, Result};
 pub use gpu::{to_device, DeviceArray};
 pub use half::f16;
-pub use problem::{validate_backward, validate_forward, ArrayInfo, DType, Options, Problem};
+pub use merge::{merge_states, merge_states_arrays};
+pub use problem::{
+    validate_backward, validate_forward, validate_merge, ArrayInfo, DType, MergeProblem, Options,
+    Parts, Problem,
+};
 pub use variants::{MaskData, VariantArrays};
 
 /// A borrowed, contiguous, row-major input array.
@@ -381,17 +386,17 @@ fn on_host<'a>(argument: &str, input: Input<'a>) -> Result<Slice<'a>> {
 }
 
 /// The device a call runs on: the GPU whenever an input is a device
-/// tensor or the outputs are to stay there; an error naming the argument
-/// if the caller asked for the CPU then.
+/// tensor or the outputs are to stay there (an error naming the argument
+/// if the caller asked for the CPU then), else `on_host()`.
 fn resolve(
     device: Device,
-    problem: &Problem,
+    on_host: impl FnOnce() -> Device,
     inputs: &[(&str, Input<'_>)],
     outputs: Placement,
 ) -> Result<Device> {
     let on_gpu = inputs.iter().find(|(_, i)| i.is_device()).map(|(n, _)| *n);
     if on_gpu.is_none() && outputs == Placement::Host {
-        return Ok(device.resolve(problem));
+        return Ok(on_host());
     }
     if device == Device::Cpu {
         let reason = match on_gpu {
@@ -445,7 +450,7 @@ pub fn attention_arrays(
     check_len("v", &v, problem.v_len(), problem.dtype)?;
     variants.check(problem)?;
     let named = [("q", q), ("k", k), ("v", v)];
-    match resolve(device, problem, &named, outputs)? {
+    match resolve(device, || device.resolve(problem), &named, outputs)? {
         Device::Gpu => gpu::forward_arrays(problem, [q, k, v], variants, outputs),
         _ => {
             let r = cpu::forward(
@@ -521,7 +526,7 @@ pub fn attention_backward_arrays(
         ("o", out),
         ("lse", lse),
     ];
-    let grads = match resolve(device, problem, &named, outputs)? {
+    let grads = match resolve(device, || device.resolve(problem), &named, outputs)? {
         Device::Gpu => gpu::backward_arrays(problem, inputs, variants, outputs)?,
         _ => {
             let [d_out, q, k, v, out, lse] = named.map(|(name, input)| on_host(name, input));

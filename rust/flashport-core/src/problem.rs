@@ -68,15 +68,20 @@ impl<'a> ArrayInfo<'a> {
 /// boolean mask hides the key.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Options<'a> {
-    /// Bottom-right aligned causal mask: query `i` sees keys
-    /// `j <= i + seq_k - seq_q`.
+    /// Causal mask: query `i` sees keys `j` whose position is at most its
+    /// own, `k_offset + j <= q_offset + i` (by default bottom-right
+    /// aligned: `j <= i + seq_k - seq_q`).
     pub causal: bool,
     /// Multiplier of `q·kᵀ`; `None` means `1/sqrt(d)`.
     pub scale: Option<f64>,
     /// Sliding window `(left, right)`: query `i` sees keys
-    /// `i + off - left <= j <= i + off + right` with `off = seq_k - seq_q`;
-    /// `-1` leaves a side unbounded.
+    /// `i + off - left <= j <= i + off + right` with
+    /// `off = q_offset - k_offset`; `-1` leaves a side unbounded.
     pub window: Option<(i64, i64)>,
+    /// Global position of query row 0; `None` means `seq_k - seq_q`.
+    pub q_offset: Option<i128>,
+    /// Global position of key 0; `None` means 0.
+    pub k_offset: Option<i128>,
     /// Logit soft-capping; `None` or `0` disables it.
     pub softcap: Option<f64>,
     /// Dropout probability on the attention probabilities, in `[0, 1)`.
@@ -171,7 +176,18 @@ pub struct Problem {
     pub sinks: bool,
     /// Backward only: the gradient of the (float) mask is wanted.
     pub return_dmask: bool,
+    /// Global positions of query row 0 and of key 0: causal, the window
+    /// and ALiBi compare `q_offset + i` with `k_offset + j`. Both lie in
+    /// `[-POSITION_LIMIT, POSITION_LIMIT]`. A mask array and dropout keep
+    /// indexing by the local row and key.
+    pub q_offset: i64,
+    pub k_offset: i64,
 }
+
+/// The largest magnitude of `q_offset` and `k_offset`: positions and their
+/// differences then stay exact in 64-bit integers for any sequence length
+/// an array can have.
+pub const POSITION_LIMIT: i64 = 1 << 62;
 
 impl Problem {
     /// Query heads that share one key/value head (GQA / MQA group size).
@@ -179,30 +195,35 @@ impl Problem {
         self.heads_q / self.heads_kv
     }
 
-    /// Bottom-right causal alignment: query `i` sees keys `j <= i + offset`.
-    pub fn causal_offset(&self) -> isize {
-        self.seq_k as isize - self.seq_q as isize
+    /// `q_offset - k_offset`: query row `i` is at the position of key
+    /// `i + causal_offset()` (its diagonal), so causal attention shows it
+    /// keys `j <= i + causal_offset()`. `seq_k - seq_q` by default
+    /// (bottom-right alignment). Exact: the difference of two offsets
+    /// within [`POSITION_LIMIT`] need not fit 64 bits.
+    pub fn causal_offset(&self) -> i128 {
+        i128::from(self.q_offset) - i128::from(self.k_offset)
     }
 
     /// The keys query row `i` may attend to by the causal mask and the
     /// sliding window, as a half-open range (empty when it sees none). Both
     /// ends are non-decreasing in the row. A mask array may hide more.
     pub fn visible_keys(&self, query_row: usize) -> std::ops::Range<usize> {
-        let diagonal = query_row as i64 + self.causal_offset() as i64;
-        let seq_k = self.seq_k as i64;
+        // In i128, every sum below is exact.
+        let diagonal = query_row as i128 + self.causal_offset();
+        let seq_k = self.seq_k as i128;
         let mut end = seq_k;
         if self.causal {
             end = end.min(diagonal + 1);
         }
         if let Some(right) = self.window.right {
-            end = end.min(diagonal.saturating_add(right as i64).saturating_add(1));
+            end = end.min(diagonal + right as i128 + 1);
         }
         let start = match self.window.left {
-            Some(left) => diagonal.saturating_sub(left as i64).max(0),
+            Some(left) => (diagonal - left as i128).max(0),
             None => 0,
         };
-        let end = end.clamp(0, seq_k) as usize;
-        start.min(end as i64) as usize..end
+        let end = end.clamp(0, seq_k);
+        start.min(end) as usize..end as usize
     }
 
     /// Whether causal or the window hide any score.
@@ -453,6 +474,8 @@ pub fn validate_forward(
         alibi_per_batch: None,
         sinks: false,
         return_dmask: false,
+        q_offset: position("q_offset", options.q_offset, seq_k as i128 - seq_q as i128)?,
+        k_offset: position("k_offset", options.k_offset, 0)?,
     };
     validate_variants(&mut problem, options)?;
     if options.return_dmask {
@@ -463,6 +486,27 @@ pub fn validate_forward(
         });
     }
     Ok(problem)
+}
+
+/// A position offset as given, or its default, within [`POSITION_LIMIT`].
+fn position(argument: &str, given: Option<i128>, default: i128) -> Result<i64> {
+    let value = given.unwrap_or(default);
+    let limit = i128::from(POSITION_LIMIT);
+    if !(-limit..=limit).contains(&value) {
+        return Err(position_error(argument, &value.to_string()));
+    }
+    Ok(value as i64)
+}
+
+/// The error for a position offset out of range (also for one too large
+/// for the bindings to pass on).
+pub fn position_error(argument: &str, value: &str) -> Error {
+    value_error(
+        argument,
+        value,
+        "positions must lie within ±2**62 (so that every position and every difference \
+         of two stays exact in 64-bit integers)",
+    )
 }
 
 fn value_error(argument: &str, value: impl ToString, reason: impl ToString) -> Error {
@@ -698,6 +742,145 @@ pub fn validate_backward(
     Ok(problem)
 }
 
+/// One argument of `merge_states`: an array with a leading parts axis, or
+/// one array per part.
+#[derive(Debug, Clone, Copy)]
+pub enum Parts<'a> {
+    Stacked(ArrayInfo<'a>),
+    Each(&'a [ArrayInfo<'a>]),
+}
+
+impl<'a> Parts<'a> {
+    /// Each part's name for messages (`outs[2]`, or `outs` when stacked)
+    /// and its shape and dtype; an error naming `argument` when there is
+    /// no part.
+    fn split(self, argument: &str) -> Result<Vec<(String, ArrayInfo<'a>)>> {
+        match self {
+            Parts::Stacked(info) => match info.shape.split_first() {
+                Some((&count, part)) if count > 0 => {
+                    Ok(vec![
+                        (argument.to_string(), ArrayInfo::new(part, info.dtype));
+                        count
+                    ])
+                }
+                _ => Err(Error::Shape(format!(
+                    "{argument} has shape {}: no parts along its first axis; \
+                     merge_states needs at least one",
+                    shape_str(info.shape)
+                ))),
+            },
+            Parts::Each([]) => Err(Error::Shape(format!(
+                "{argument} is an empty sequence: merge_states needs at least one part"
+            ))),
+            Parts::Each(infos) => Ok(infos
+                .iter()
+                .enumerate()
+                .map(|(i, info)| (format!("{argument}[{i}]"), *info))
+                .collect()),
+        }
+    }
+}
+
+/// A validated `merge_states`: `parts` attention states, each an output of
+/// `rows × value_dim` (rows = every dimension but the last, flattened) and
+/// a log-sum-exp per row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergeProblem {
+    pub parts: usize,
+    pub rows: usize,
+    pub value_dim: usize,
+    /// The outputs' dtype; the log-sum-exps are `dtype.lse_dtype()`.
+    pub dtype: DType,
+    /// The shape of one part's output, which is the merged output's.
+    pub out_shape: Vec<usize>,
+}
+
+impl MergeProblem {
+    pub fn out_len(&self) -> usize {
+        self.rows * self.value_dim
+    }
+    pub fn lse_shape(&self) -> Vec<usize> {
+        self.out_shape[..self.out_shape.len() - 1].to_vec()
+    }
+}
+
+/// Validates the arguments of `merge_states`: every part's output has one
+/// shape `(..., seq_q, d_v)` and one float dtype, and its log-sum-exp has
+/// that shape without `d_v`, in the dtype `attention` returns it in.
+pub fn validate_merge(outs: Parts<'_>, lses: Parts<'_>) -> Result<MergeProblem> {
+    let out_parts = outs.split("outs")?;
+    let lse_parts = lses.split("lses")?;
+    if out_parts.len() != lse_parts.len() {
+        return Err(Error::Shape(format!(
+            "outs has {} parts but lses has {}; each part is one (out, lse) pair",
+            out_parts.len(),
+            lse_parts.len()
+        )));
+    }
+    let (first_name, first) = &out_parts[0];
+    let dtype = dtype_of(first_name, first)?;
+    let Some((&value_dim, lead)) = first.shape.split_last().filter(|(_, l)| !l.is_empty()) else {
+        let what = match outs {
+            Parts::Stacked(_) => "(parts, ..., seq_q, d_v)",
+            Parts::Each(_) => "(..., seq_q, d_v)",
+        };
+        return Err(Error::Shape(format!(
+            "{first_name} has a part of shape {}; expected {what}",
+            shape_str(first.shape)
+        )));
+    };
+    for (name, info) in &out_parts[1..] {
+        if dtype_of(name, info)? != dtype {
+            return Err(Error::DType {
+                argument: name.clone(),
+                dtype: info.dtype.to_string(),
+                reason: format!(
+                    "{first_name} has dtype {}; every part's out must share one dtype",
+                    first.dtype
+                ),
+            });
+        }
+        if info.shape != first.shape {
+            return Err(Error::Shape(format!(
+                "{name} has shape {} but {first_name} has shape {}; every part's out has the \
+                 merged output's shape",
+                shape_str(info.shape),
+                shape_str(first.shape)
+            )));
+        }
+    }
+    let lse_dtype = dtype.lse_dtype().numpy_name();
+    for (name, info) in &lse_parts {
+        if info.dtype != lse_dtype {
+            return Err(Error::DType {
+                argument: name.clone(),
+                dtype: info.dtype.to_string(),
+                reason: format!(
+                    "the log-sum-exps of {} outs are {lse_dtype} (float64 only for float64 \
+                     outs), as flashport.attention returns them",
+                    dtype.numpy_name()
+                ),
+            });
+        }
+        if info.shape != lead {
+            return Err(Error::Shape(format!(
+                "{name} has shape {} but the outs' parts have shape {}, whose log-sum-exps \
+                 have shape {}",
+                shape_str(info.shape),
+                shape_str(first.shape),
+                shape_str(lead)
+            )));
+        }
+    }
+    Ok(MergeProblem {
+        parts: out_parts.len(),
+        rows: lead.iter().product(),
+        value_dim,
+        dtype,
+        out_shape: first.shape.to_vec(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -796,6 +979,64 @@ mod tests {
             (0..5).map(|i| p.visible_keys(i).end).collect::<Vec<_>>(),
             vec![0, 0, 0, 1, 2]
         );
+    }
+
+    #[test]
+    fn offsets_default_to_bottom_right_and_move_the_diagonal() {
+        let p = fwd(&[3, 4], &[5, 4], &[5, 4]).unwrap();
+        assert_eq!((p.q_offset, p.k_offset, p.causal_offset()), (2, 0, 2));
+        let explicit = |q_offset, k_offset| {
+            validate_forward(
+                ArrayInfo::new(&[3, 4], "float32"),
+                ArrayInfo::new(&[5, 4], "float32"),
+                ArrayInfo::new(&[5, 4], "float32"),
+                &Options {
+                    causal: true,
+                    q_offset,
+                    k_offset,
+                    ..Options::default()
+                },
+            )
+            .unwrap()
+        };
+        let ends = |p: Problem| (0..3).map(|i| p.visible_keys(i)).collect::<Vec<_>>();
+        // Explicit defaults are the defaults.
+        assert_eq!(explicit(Some(2), Some(0)), explicit(None, None));
+        // Queries at 10..13 against keys at 10..15: top-left aligned.
+        assert_eq!(ends(explicit(Some(10), Some(10))), vec![0..1, 0..2, 0..3]);
+        // Keys 0..5 at 100..105 lie after queries 7..10: nothing visible.
+        assert_eq!(ends(explicit(Some(7), Some(100))), vec![0..0; 3]);
+        // The far past: every key visible, exactly at the range's ends.
+        let limit = i128::from(POSITION_LIMIT);
+        let p = explicit(Some(limit), Some(-limit));
+        assert_eq!(p.causal_offset(), 1i128 << 63);
+        assert_eq!(ends(p), vec![0..5; 3]);
+    }
+
+    #[test]
+    fn offsets_out_of_range_are_refused_by_name() {
+        let q = [3, 4];
+        let k = [5, 4];
+        for (q_offset, k_offset, name) in [
+            (Some(1i128 << 62 | 1), None, "q_offset"),
+            (None, Some(-(1i128 << 62) - 1), "k_offset"),
+            (Some(i128::MAX), None, "q_offset"),
+        ] {
+            let e = with(
+                Options {
+                    q_offset,
+                    k_offset,
+                    ..Options::default()
+                },
+                &q,
+                &k,
+            )
+            .unwrap_err();
+            match e {
+                Error::Value { ref argument, .. } => assert_eq!(argument, name, "{e}"),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
     }
 
     fn with(options: Options<'_>, q: &[usize], k: &[usize]) -> Result<Problem> {
@@ -936,5 +1177,91 @@ mod tests {
             .to_string()
             .contains("boolean"));
         assert!(!backward("bool", false).unwrap().return_dmask);
+    }
+
+    fn merge_err(outs: Parts<'_>, lses: Parts<'_>) -> String {
+        validate_merge(outs, lses).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn merge_takes_stacked_or_separate_parts_of_any_leading_shape() {
+        let (o, l) = ([2, 3, 5, 8], [2, 3, 5]);
+        let outs = [ArrayInfo::new(&o, "float16"); 3];
+        let lses = [ArrayInfo::new(&l, "float32"); 3];
+        let each = validate_merge(Parts::Each(&outs), Parts::Each(&lses)).unwrap();
+        assert_eq!((each.parts, each.rows, each.value_dim), (3, 30, 8));
+        assert_eq!(
+            (each.out_shape.clone(), each.lse_shape()),
+            (o.to_vec(), l.to_vec())
+        );
+        let stacked = validate_merge(
+            Parts::Stacked(ArrayInfo::new(&[3, 2, 3, 5, 8], "float16")),
+            Parts::Stacked(ArrayInfo::new(&[3, 2, 3, 5], "float32")),
+        )
+        .unwrap();
+        assert_eq!(stacked, each);
+        // Mixed forms, and a part of just (seq_q, d_v).
+        let p = validate_merge(
+            Parts::Stacked(ArrayInfo::new(&[1, 4, 0], "float64")),
+            Parts::Each(&[ArrayInfo::new(&[4], "float64")]),
+        )
+        .unwrap();
+        assert_eq!((p.parts, p.rows, p.value_dim, p.out_len()), (1, 4, 0, 0));
+    }
+
+    #[test]
+    fn merge_errors_name_the_part() {
+        let (o, l) = ([4, 8], [4]);
+        let out = ArrayInfo::new(&o, "float32");
+        let lse = ArrayInfo::new(&l, "float32");
+        let e = merge_err(Parts::Each(&[]), Parts::Each(&[]));
+        assert!(e.contains("outs is an empty sequence"), "{e}");
+        let e = merge_err(
+            Parts::Stacked(ArrayInfo::new(&[0, 4, 8], "float32")),
+            Parts::Stacked(ArrayInfo::new(&[0, 4], "float32")),
+        );
+        assert!(
+            e.contains("outs has shape (0, 4, 8)") && e.contains("no parts"),
+            "{e}"
+        );
+        let e = merge_err(Parts::Each(&[out, out]), Parts::Each(&[lse]));
+        assert!(e.contains("outs has 2 parts but lses has 1"), "{e}");
+        let odd = ArrayInfo::new(&[4, 9], "float32");
+        let e = merge_err(Parts::Each(&[out, out, odd]), Parts::Each(&[lse; 3]));
+        assert!(
+            e.contains("outs[2] has shape (4, 9)") && e.contains("outs[0]"),
+            "{e}"
+        );
+        let wide = ArrayInfo::new(&o, "float64");
+        match validate_merge(Parts::Each(&[out, wide]), Parts::Each(&[lse; 2])).unwrap_err() {
+            Error::DType { argument, .. } => assert_eq!(argument, "outs[1]"),
+            other => panic!("unexpected {other:?}"),
+        }
+        let lse64 = ArrayInfo::new(&l, "float64");
+        match validate_merge(Parts::Each(&[out; 2]), Parts::Each(&[lse, lse64])).unwrap_err() {
+            Error::DType {
+                argument, reason, ..
+            } => {
+                assert_eq!(argument, "lses[1]");
+                assert!(reason.contains("float32"), "{reason}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let short = ArrayInfo::new(&[3], "float32");
+        let e = merge_err(Parts::Each(&[out]), Parts::Each(&[short]));
+        assert!(
+            e.contains("lses[0] has shape (3,)") && e.contains("(4,)"),
+            "{e}"
+        );
+        let e = merge_err(
+            Parts::Stacked(ArrayInfo::new(&[2, 8], "float32")),
+            Parts::Stacked(ArrayInfo::new(&[2], "float32")),
+        );
+        assert!(e.contains("(parts, ..., seq_q, d_v)"), "{e}");
+        let e = merge_err(
+            Parts::Each(&[ArrayInfo::new(&o, "int32")]),
+            Parts::Each(&[lse]),
+        );
+        assert!(e.contains("outs[0] has dtype int32"), "{e}");
     }
 }

@@ -5,7 +5,9 @@
 //! # The score, exactly
 //!
 //! For batch `b`, query head `h`, query row `i`, key `j`, and
-//! `off = seq_k - seq_q` (the bottom-right alignment of `causal`):
+//! `off = q_offset - k_offset` (the global positions of query row 0 and of
+//! key 0; by default `seq_k - seq_q`, the bottom-right alignment of
+//! `causal`):
 //!
 //! ```text
 //! u    = scale · q[b,h,i] · k[b,h/g,j]
@@ -32,6 +34,12 @@
 //!
 //! `keep` comes from Philox4x32-10 ([`philox4x32_10`]) keyed by the seed:
 //! see [`DropoutMask`]. Nothing of it is stored between the passes.
+//!
+//! Only causal, the window and ALiBi use positions. The mask and dropout
+//! are indexed by the local `(i, j)`, whatever the offsets: a mask array
+//! has the call's own shape, and dropout's counter is the element's place
+//! in this call's arrays, so a problem cut into key blocks draws another
+//! dropout mask than the whole.
 
 use std::ops::Range;
 

@@ -187,7 +187,7 @@ fn every_shader_parses_and_validates() {
             assert!(taken, "shaders/{file} is a fragment no kernel takes");
             continue;
         }
-        if file == "device_arrays.wgsl" {
+        if file == "device_arrays.wgsl" || file == "merge_states.wgsl" {
             // Stand-alone modules, checked below.
             continue;
         }
@@ -238,6 +238,37 @@ fn device_array_moves_validate() {
         .collect();
     entries.sort();
     assert_eq!(entries, ["add_f32", "copy_f16", "to_f16"]);
+}
+
+/// The merge of attention states is a module of its own, with no
+/// overrides and no capabilities beyond WebGPU's core (float16 parts are
+/// widened on the bits): it must validate as it is, with the four entry
+/// points the host runs.
+#[test]
+fn merge_states_validates() {
+    let path = shader_dir().join("merge_states.wgsl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let module = parse_text("merge_states.wgsl", &text);
+    let plain =
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
+            .validate(&module);
+    if let Err(e) = plain {
+        panic!(
+            "{} does not validate:\n{}",
+            path.display(),
+            e.emit_to_string(&text)
+        );
+    }
+    let mut entries: Vec<&str> = module
+        .entry_points
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    entries.sort();
+    assert_eq!(
+        entries,
+        ["merge_accumulate", "merge_finish", "merge_max", "merge_sum"]
+    );
 }
 
 /// Every kernel binds at most 8 storage buffers per stage, WebGPU's default

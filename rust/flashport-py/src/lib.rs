@@ -8,8 +8,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use flashport_core as core;
 use flashport_core::problem::MaskDType;
 use flashport_core::{
-    f16, Array, ArrayInfo, Buffer, DType, Device, Input, MaskData, Options, Placement, Problem,
-    Slice, VariantArrays,
+    f16, Array, ArrayInfo, Buffer, DType, Device, Input, MaskData, Options, Parts, Placement,
+    Problem, Slice, VariantArrays,
 };
 use numpy::{
     Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
@@ -215,7 +215,7 @@ fn validated<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
     result.map_err(|e| to_py_err(py, e))
 }
 
-/// The variant keywords of both entry points: a dict that
+/// The variant and position keywords of both entry points: a dict that
 /// `flashport._attention` builds, keyed by the keyword names.
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
@@ -227,6 +227,26 @@ struct VariantArgs<'py> {
     sinks: Option<Bound<'py, PyAny>>,
     dropout_p: f64,
     seed: Option<i128>,
+    /// Python ints (flashport._attention has checked the type), of any
+    /// size: one beyond i128 gets the core's out-of-range error.
+    q_offset: Option<Bound<'py, PyAny>>,
+    k_offset: Option<Bound<'py, PyAny>>,
+}
+
+fn position(
+    py: Python<'_>,
+    name: &str,
+    value: &Option<Bound<'_, PyAny>>,
+) -> PyResult<Option<i128>> {
+    value
+        .as_ref()
+        .map(|v| {
+            v.extract::<i128>().map_err(|_| {
+                let shown = v.str().map_or_else(|_| "?".to_string(), |s| s.to_string());
+                to_py_err(py, core::problem::position_error(name, &shown))
+            })
+        })
+        .transpose()
 }
 
 /// Shapes and dtypes of the variant arrays, read before validation.
@@ -250,14 +270,17 @@ impl VariantArgs<'_> {
 
     fn options<'m>(
         &self,
+        py: Python<'_>,
         metas: &'m VariantMetas,
         causal: bool,
         scale: Option<f64>,
-    ) -> Options<'m> {
-        Options {
+    ) -> PyResult<Options<'m>> {
+        Ok(Options {
             causal,
             scale,
             window: self.window,
+            q_offset: position(py, "q_offset", &self.q_offset)?,
+            k_offset: position(py, "k_offset", &self.k_offset)?,
             softcap: self.softcap,
             dropout_p: self.dropout_p,
             seed: self.seed,
@@ -265,7 +288,7 @@ impl VariantArgs<'_> {
             alibi_slopes: metas.alibi_slopes.as_ref().map(ArgMeta::info),
             sinks: metas.sinks.as_ref().map(ArgMeta::info),
             return_dmask: false,
-        }
+        })
     }
 }
 
@@ -336,7 +359,7 @@ fn attention<'py>(
         ArgMeta::read_main("v", v)?,
     ];
     let variant_metas = variants.metas()?;
-    let options = variants.options(&variant_metas, causal, scale);
+    let options = variants.options(py, &variant_metas, causal, scale)?;
     let problem = validated(
         py,
         core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
@@ -418,7 +441,7 @@ fn attention_backward<'py>(
     let variant_metas = variants.metas()?;
     let options = Options {
         return_dmask,
-        ..variants.options(&variant_metas, causal, scale)
+        ..variants.options(py, &variant_metas, causal, scale)?
     };
     let problem: Problem = validated(
         py,
@@ -477,6 +500,82 @@ fn attention_backward<'py>(
         to_python(py, grads.dv, &problem.v_shape())?,
         dsinks,
         dmask,
+    ))
+}
+
+/// One argument of merge_states: a list of parts, or one array holding
+/// them all.
+fn parts_of<'py>(x: &Bound<'py, PyAny>) -> (bool, Vec<Bound<'py, PyAny>>) {
+    match x.cast::<PyList>() {
+        Ok(list) => (false, list.iter().collect()),
+        Err(_) => (true, vec![x.clone()]),
+    }
+}
+
+/// merge_states(outs, lses, device) -> (out, lse)
+///
+/// The private entry point behind `flashport.merge_states`: `outs` and
+/// `lses` are each a list of parts or one array with a leading parts axis.
+#[pyfunction]
+#[pyo3(signature = (outs, lses, device))]
+fn merge_states<'py>(
+    py: Python<'py>,
+    outs: &Bound<'py, PyAny>,
+    lses: &Bound<'py, PyAny>,
+    device: Option<&str>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let (outs_stacked, outs) = parts_of(outs);
+    let (lses_stacked, lses) = parts_of(lses);
+    let metas = |argument: &str, stacked: bool, arrays: &[Bound<'py, PyAny>]| {
+        arrays
+            .iter()
+            .enumerate()
+            .map(|(i, a)| match stacked {
+                true => ArgMeta::read_main(argument, a),
+                false => ArgMeta::read_main(&format!("{argument}[{i}]"), a),
+            })
+            .collect::<PyResult<Vec<_>>>()
+    };
+    let (out_metas, lse_metas) = (
+        metas("outs", outs_stacked, &outs)?,
+        metas("lses", lses_stacked, &lses)?,
+    );
+    let out_infos: Vec<ArrayInfo<'_>> = out_metas.iter().map(ArgMeta::info).collect();
+    let lse_infos: Vec<ArrayInfo<'_>> = lse_metas.iter().map(ArgMeta::info).collect();
+    fn parts<'a>(stacked: bool, infos: &'a [ArrayInfo<'a>]) -> Parts<'a> {
+        match (stacked, infos) {
+            (true, [info]) => Parts::Stacked(*info),
+            (_, infos) => Parts::Each(infos),
+        }
+    }
+    let problem = validated(
+        py,
+        core::validate_merge(
+            parts(outs_stacked, &out_infos[..]),
+            parts(lses_stacked, &lse_infos[..]),
+        ),
+    )?;
+    let on_gpu = outs.iter().chain(&lses).any(is_device);
+    let device = validated(py, Device::parse_for(device, on_gpu))?;
+    let held_outs = outs
+        .iter()
+        .map(|a| Held::new(a, problem.dtype))
+        .collect::<PyResult<Vec<_>>>()?;
+    let held_lses = lses
+        .iter()
+        .map(|a| Held::new(a, problem.dtype.lse_dtype()))
+        .collect::<PyResult<Vec<_>>>()?;
+    let out_data: Vec<Contiguous<'_>> = held_outs.iter().map(Held::contiguous).collect();
+    let lse_data: Vec<Contiguous<'_>> = held_lses.iter().map(Held::contiguous).collect();
+    let out_inputs: Vec<Input<'_>> = out_data.iter().map(Contiguous::input).collect();
+    let lse_inputs: Vec<Input<'_>> = lse_data.iter().map(Contiguous::input).collect();
+    let placement = Placement::of_inputs(&[out_inputs.as_slice(), &lse_inputs].concat());
+    let merged = run_detached(py, || {
+        core::merge_states_arrays(device, &problem, &out_inputs, &lse_inputs, placement)
+    })?;
+    Ok((
+        to_python(py, merged.out, &problem.out_shape)?,
+        to_python(py, merged.lse, &problem.lse_shape())?,
     ))
 }
 
@@ -661,6 +760,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(to_device, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(merge_states, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_times, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_timing, m)?)?;

@@ -10,6 +10,7 @@
 pub(crate) mod buffers;
 pub mod element;
 mod kernels;
+pub mod merge;
 mod parallel;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
@@ -93,11 +94,17 @@ fn run_on_pool<R: Send>(
 ) -> Result<R> {
     let threads = num_threads()?;
     let tiles = tiles::choose(problem, threads, element_bytes);
+    run_with(threads, || f(tiles))
+}
+
+/// Runs `f` on this thread with `threads` threads in all serving its
+/// `parallel::for_each` calls.
+fn run_with<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> Result<R> {
     let helpers = match threads {
         1 => None,
         _ => Some(thread_pool(threads - 1)?),
     };
-    Ok(parallel::with_helpers(helpers, || f(tiles)))
+    Ok(parallel::with_helpers(helpers, f))
 }
 
 /// Forward pass on the CPU.

@@ -262,6 +262,7 @@ impl<'p, T: Element> ScoreRules<'p, T> {
         let p = self.problem;
         let (batch, h) = (head / p.heads_q, head % p.heads_q);
         let n = keys.len();
+        let offset = p.causal_offset();
         for (r, (row, line)) in rows.clone().zip(scores.chunks_mut(row_stride).enumerate()) {
             let line = &mut line[..n];
             if let Some(cap) = self.softcap {
@@ -283,10 +284,12 @@ impl<'p, T: Element> ScoreRules<'p, T> {
             }
             if let Some(slopes) = &self.slopes {
                 let slope = slopes[head];
-                let diagonal = r as i64 + p.causal_offset() as i64;
+                // The distance saturates at 2^63 - 1, which only offsets
+                // at opposite ends of their ±2^62 range exceed.
+                let diagonal = (r as i128 + offset).clamp(i64::MIN.into(), i64::MAX.into()) as i64;
                 for (j, s) in keys.clone().zip(line.iter_mut()) {
-                    let distance = T::from_f64((diagonal - j as i64).abs() as f64);
-                    *s = *s - slope * distance;
+                    let distance = diagonal.saturating_sub(j as i64).unsigned_abs() as f64;
+                    *s = *s - slope * T::from_f64(distance);
                 }
             }
             if let Some(mask) = &self.mask {

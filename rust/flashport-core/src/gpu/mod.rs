@@ -39,6 +39,7 @@ mod dispatch;
 mod forward;
 mod inputs;
 pub mod kernel;
+mod merge;
 mod params;
 mod pipelines;
 mod pool;
@@ -63,6 +64,7 @@ use std::sync::OnceLock;
 pub use backward::{backward, backward_arrays};
 pub use device_array::{to_device, DeviceArray};
 pub use forward::{forward, forward_arrays};
+pub use merge::merge_states;
 pub use timing::{last_kernel_times, set_kernel_timing};
 
 use crate::auto::GpuModel;

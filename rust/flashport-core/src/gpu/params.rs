@@ -21,7 +21,8 @@ pub(crate) struct Params {
     pub q_head0: u32,
     /// 1 when rows end before seq_k: causal and/or a right window.
     pub causal: u32,
-    /// Row i sees keys below i + causal_offset + 1 (with `causal`).
+    /// Row i sees keys below i + causal_offset + 1 (with `causal`),
+    /// clamped to what cuts the same keys (`offsets` below).
     pub causal_offset: i32,
     pub scale: f32,
     /// Query heads of each key/value head bound in this dispatch.
@@ -29,9 +30,10 @@ pub(crate) struct Params {
     /// Flat (batch * heads_q + head) index of the first bound query head.
     pub head0: u32,
     pub heads_q: u32,
-    /// seq_k - seq_q: the ALiBi distance is |i + diag_offset - j|.
+    /// q_offset - k_offset (by default seq_k - seq_q): the ALiBi distance
+    /// is |i + diag_offset - j|. Exact with ALiBi, clamped otherwise.
     pub diag_offset: i32,
-    /// Row i sees keys from i + left_offset (with a left window).
+    /// Row i sees keys from i + left_offset (with a left window), clamped.
     pub left_offset: i32,
     pub softcap: f32,
     /// 1 / (1 - dropout p).
@@ -63,17 +65,7 @@ pub(crate) struct Params {
 impl Params {
     /// The uniform of one chunk of `p`.
     pub fn new(p: &Problem, chunk: &Chunk, vx: &VariantData) -> Params {
-        let off = p.causal_offset() as i64;
-        // Row i sees keys up to i + off + right (causal: right = 0). A
-        // right bound of seq_q or more cuts nothing, so larger ones are
-        // clamped to keep the sums in i32 (the sequences are bounded
-        // before any kernel runs).
-        let right = match (p.causal, p.window.right) {
-            (true, _) => Some(0),
-            (false, Some(r)) => Some(r.min(p.seq_q) as i64),
-            (false, None) => None,
-        };
-        let left = p.window.left.map_or(0, |l| l.min(p.seq_k) as i64);
+        let offsets = Offsets::new(p);
         let dropout = p.dropout.map(DropoutMask::new);
         let m = &vx.mask;
         Params {
@@ -81,14 +73,14 @@ impl Params {
             seq_k: p.seq_k as u32,
             group: p.group_size() as u32,
             q_head0: chunk.g0 as u32,
-            causal: right.is_some() as u32,
-            causal_offset: (off + right.unwrap_or(0)) as i32,
+            causal: offsets.causal as u32,
+            causal_offset: offsets.end,
             scale: p.scale as f32,
             g_count: chunk.g_count as u32,
             head0: chunk.q0(p.group_size()) as u32,
             heads_q: p.heads_q as u32,
-            diag_offset: off as i32,
-            left_offset: (off - left) as i32,
+            diag_offset: offsets.diagonal,
+            left_offset: offsets.start,
             softcap: p.softcap.map_or(1.0, |c| c as f32),
             keep_scale: p.dropout.map_or(1.0, |d| (1.0 / (1.0 - d.p)) as f32),
             drop_threshold: dropout.map_or(0, |d| d.threshold),
@@ -111,6 +103,70 @@ impl Params {
             pad1: 0,
         }
     }
+}
+
+/// The uniform's three offsets. The kernels add a row (below seq_q) or a
+/// key (below seq_k) to them in i32 and clamp the result to the keys or
+/// rows there are (shaders/lib/common.wgsl: visible_end, visible_start,
+/// rows_seeing_end; the dK/dV kernels' first_row). So an offset past
+/// `[-seq_q, seq_k]` shows or hides every key alike and is clamped into it,
+/// whatever q_offset and k_offset are, except the diagonal that ALiBi
+/// measures distances from, which must be exact (`check_alibi_positions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Offsets {
+    /// Whether rows end before seq_k: causal and/or a right window.
+    causal: bool,
+    /// Row i sees keys below i + end + 1.
+    end: i32,
+    /// Row i sees keys from i + start.
+    start: i32,
+    diagonal: i32,
+}
+
+impl Offsets {
+    fn new(p: &Problem) -> Offsets {
+        let (seq_q, seq_k) = (p.seq_q as i128, p.seq_k as i128);
+        let fit = |x: i128| x.clamp(-seq_q, seq_k) as i32;
+        let diagonal = p.causal_offset();
+        // Row i sees keys up to its diagonal + right (causal: right = 0).
+        let right = match (p.causal, p.window.right) {
+            (true, _) => Some(0),
+            (false, Some(r)) => Some(r as i128),
+            (false, None) => None,
+        };
+        let left = p.window.left.map_or(0, |l| l as i128);
+        Offsets {
+            causal: right.is_some(),
+            end: fit(diagonal + right.unwrap_or(0)),
+            start: fit(diagonal - left),
+            diagonal: if p.alibi_per_batch.is_some() {
+                // Checked to fit by check_alibi_positions.
+                diagonal as i32
+            } else {
+                fit(diagonal)
+            },
+        }
+    }
+}
+
+/// With ALiBi the kernels compute `|i + diag_offset - j|` in i32: the
+/// diagonal must fit with room for any row and key. Sequences are bounded
+/// by `inputs::check_sizes` before; offsets are only bounded by ±2^62.
+fn check_alibi_positions(p: &Problem) -> Result<()> {
+    let room = i128::from(i32::MAX) - p.seq_q as i128 - p.seq_k as i128;
+    if p.alibi_per_batch.is_some() && p.causal_offset().abs() > room {
+        return Err(Error::TooLarge(format!(
+            "with alibi_slopes the GPU measures distances in 32-bit integers, and \
+             q_offset - k_offset = {} (q_offset={}, k_offset={}) is too far from 0 for \
+             seq_q={} and seq_k={}; use device=\"cpu\"",
+            p.causal_offset(),
+            p.q_offset,
+            p.k_offset,
+            p.seq_q,
+            p.seq_k
+        )));
+    }
+    Ok(())
 }
 
 /// Where the mask lives in `vx`, as the uniform describes it.
@@ -136,6 +192,7 @@ pub(crate) struct VariantData {
 impl VariantData {
     pub fn new(p: &Problem, arrays: &VariantArrays<'_>) -> Result<VariantData> {
         arrays.check(p)?;
+        check_alibi_positions(p)?;
         let mut words: Vec<u32> = Vec::new();
         let mut mask = MaskWords::default();
         let mut blocks_off = 0;
@@ -187,6 +244,83 @@ mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
     use wgpu::naga;
+
+    fn problem(seq_q: usize, seq_k: usize, options: crate::Options<'_>) -> Problem {
+        crate::validate_forward(
+            crate::ArrayInfo::new(&[seq_q, 4][..], "float32"),
+            crate::ArrayInfo::new(&[seq_k, 4][..], "float32"),
+            crate::ArrayInfo::new(&[seq_k, 4][..], "float32"),
+            &options,
+        )
+        .unwrap()
+    }
+
+    /// With the default positions the offsets are those the uniform held
+    /// before positions existed (seq_k - seq_q, plus the right bound
+    /// clamped to seq_q, minus the left one clamped to seq_k).
+    #[test]
+    fn default_offsets_are_the_bottom_right_ones() {
+        for (seq_q, seq_k) in [(5, 9), (9, 5), (7, 7), (1, 300)] {
+            for window in [None, Some((2, 3)), Some((500, 500)), Some((0, -1))] {
+                for causal in [false, true] {
+                    let options = crate::Options {
+                        causal,
+                        window,
+                        ..Default::default()
+                    };
+                    let p = problem(seq_q, seq_k, options);
+                    let off = seq_k as i64 - seq_q as i64;
+                    let right = match (causal, p.window.right) {
+                        (true, _) => Some(0),
+                        (false, r) => r.map(|r| r.min(seq_q) as i64),
+                    };
+                    let left = p.window.left.map_or(0, |l| l.min(seq_k) as i64);
+                    let o = Offsets::new(&p);
+                    assert_eq!(
+                        (o.causal, o.end, o.start, o.diagonal),
+                        (
+                            right.is_some(),
+                            (off + right.unwrap_or(0)) as i32,
+                            (off - left) as i32,
+                            off as i32
+                        ),
+                        "{p:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Offsets far apart are clamped to [-seq_q, seq_k], where they hide
+    /// or show every key as the exact ones do; with ALiBi the diagonal
+    /// must fit instead.
+    #[test]
+    fn far_offsets_are_clamped_except_for_alibi() {
+        let far = |q_offset: i128, k_offset: i128, alibi: bool| {
+            let slopes = [1usize];
+            let options = crate::Options {
+                causal: true,
+                window: Some((3, -1)),
+                q_offset: Some(q_offset),
+                k_offset: Some(k_offset),
+                alibi_slopes: alibi.then(|| crate::ArrayInfo::new(&slopes, "float32")),
+                ..Default::default()
+            };
+            problem(6, 10, options)
+        };
+        let p = far(1 << 62, -(1 << 62), false);
+        let o = Offsets::new(&p);
+        assert_eq!((o.end, o.start, o.diagonal), (10, 10, 10));
+        assert!(check_alibi_positions(&p).is_ok());
+        let p = far(-(1 << 40), 1 << 40, false);
+        let o = Offsets::new(&p);
+        assert_eq!((o.end, o.start, o.diagonal), (-6, -6, -6));
+        let p = far(1 << 40, 0, true);
+        assert!(matches!(check_alibi_positions(&p), Err(Error::TooLarge(_))));
+        let p = far(1_000_000 + 7, 1_000_000, true);
+        assert!(check_alibi_positions(&p).is_ok());
+        assert_eq!(Offsets::new(&p).diagonal, 7);
+    }
 
     /// Every member of the shader's `struct Params`, in order, at the
     /// offset of the member of the same name here, and the same size: a
