@@ -224,12 +224,14 @@ impl Device {
         }
     }
 
-    /// The concrete device a problem runs on.
-    pub fn resolve(self, problem: &Problem) -> Device {
-        match self {
+    /// The concrete device a problem runs on. An invalid
+    /// `FLASHPORT_NUM_THREADS` is an error here too, even when the GPU
+    /// wins: the cost model would otherwise have guessed a thread count.
+    pub fn resolve(self, problem: &Problem) -> Result<Device> {
+        Ok(match self {
             Device::Auto => {
                 let cpu = auto::CpuModel {
-                    threads: cpu::num_threads().unwrap_or(1),
+                    threads: cpu::num_threads()?,
                     simd: cpu::simd_kernels(),
                 };
                 if auto::prefers_gpu(problem, cpu, gpu::hardware_gpu()) {
@@ -239,7 +241,7 @@ impl Device {
                 }
             }
             concrete => concrete,
-        }
+        })
     }
 }
 
@@ -391,7 +393,7 @@ fn resolve(
 ) -> Result<Device> {
     let on_gpu = inputs.iter().find(|(_, i)| i.is_device()).map(|(n, _)| *n);
     if on_gpu.is_none() && outputs == Placement::Host {
-        return Ok(device.resolve(problem));
+        return device.resolve(problem);
     }
     if device == Device::Cpu {
         let reason = match on_gpu {
