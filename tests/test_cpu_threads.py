@@ -84,3 +84,40 @@ def test_a_thread_count_that_is_not_text_is_rejected_not_ignored():
     )
     assert result.returncode == 0, result.stderr
     assert "rejected: FLASHPORT_NUM_THREADS=" in result.stdout, result.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_cycling_thread_counts_keeps_the_thread_count_bounded():
+    # One pool per distinct count, never freed, left 2,018 threads here.
+    result = run_python(
+        """
+        import os, time
+        import numpy as np, flashport
+        q = np.random.default_rng(0).standard_normal((1, 4, 128, 16), dtype=np.float32)
+        for _ in range(2):
+            for n in [*range(1, 65), *range(64, 0, -7)]:
+                os.environ["FLASHPORT_NUM_THREADS"] = str(n)
+                flashport.attention(q, q, q, device="cpu")
+        # Threads of a replaced pool exit on their own, soon after.
+        deadline = time.monotonic() + 10
+        while True:
+            threads = len(os.listdir("/proc/self/task"))
+            if threads <= 64 + 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        print("threads", threads)
+        """,
+        {},
+    )
+    assert result.returncode == 0, result.stderr
+    threads = int(result.stdout.split()[-1])
+    # The main thread, 63 helpers, and a few threads of Python and NumPy.
+    assert threads <= 64 + 4, result.stdout
+
+
+def test_fewer_threads_than_the_pool_has_give_the_same_bits(monkeypatch):
+    monkeypatch.setenv("FLASHPORT_NUM_THREADS", "1")
+    expected = flashport.attention(Q, Q, Q, device="cpu")
+    for n in ["5", "2", "3", "1"]:
+        monkeypatch.setenv("FLASHPORT_NUM_THREADS", n)
+        np.testing.assert_array_equal(flashport.attention(Q, Q, Q, device="cpu"), expected)

@@ -19,9 +19,8 @@ pub mod tiles;
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use crate::{
     BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
@@ -91,28 +90,36 @@ pub fn simd_kernels() -> bool {
     false
 }
 
-/// A pool of `threads` helper threads, started on first use and kept.
-fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
-    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
-    let mut pools = POOLS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(pool) = pools.get(&threads) {
-        return Ok(pool.clone());
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("flashport-{i}"))
-        .build()
-        .map_err(|e| Error::Value {
-            argument: NUM_THREADS_ENV.to_string(),
-            value: threads.to_string(),
-            reason: format!("could not start the thread pool: {e}"),
-        })?;
-    let pool = Arc::new(pool);
-    pools.insert(threads, pool.clone());
-    Ok(pool)
+/// `threads` helper threads: those of the one pool, grown first if it has
+/// fewer. A call that asks for fewer leaves the rest idle.
+///
+/// One pool, not one per thread count: a program that tries counts one
+/// after another (a benchmark over 1..64) kept every pool and 2,018
+/// threads. Growing replaces the pool; the old one's threads exit once the
+/// calls still using it are done, so the threads never exceed the largest
+/// count asked for, plus those of pools on their way out.
+fn helper_threads(threads: usize) -> Result<parallel::Helpers> {
+    static POOL: Mutex<Option<Arc<rayon::ThreadPool>>> = Mutex::new(None);
+    let mut pool = POOL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let pool = match pool.as_ref() {
+        Some(p) if p.current_num_threads() >= threads => p.clone(),
+        _ => {
+            let grown = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("flashport-{i}"))
+                .build()
+                .map_err(|e| Error::Value {
+                    argument: NUM_THREADS_ENV.to_string(),
+                    value: (threads + 1).to_string(),
+                    reason: format!("could not start the thread pool: {e}"),
+                })?;
+            pool.insert(Arc::new(grown)).clone()
+        }
+    };
+    Ok(parallel::Helpers {
+        pool,
+        count: threads,
+    })
 }
 
 /// Runs `f` on this thread with the configured number of threads in all
@@ -126,7 +133,7 @@ fn run_on_pool<R: Send>(
     let tiles = tiles::choose(problem, threads, element_bytes);
     let helpers = match threads {
         1 => None,
-        _ => Some(thread_pool(threads - 1)?),
+        _ => Some(helper_threads(threads - 1)?),
     };
     Ok(parallel::with_helpers(helpers, || f(tiles)))
 }

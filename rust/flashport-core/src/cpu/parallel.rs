@@ -20,15 +20,22 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, PoisonError};
 
-thread_local! {
-    /// The helper threads of the call running on this thread, if any.
-    static HELPERS: RefCell<Option<Arc<rayon::ThreadPool>>> = const { RefCell::new(None) };
+/// The threads beyond the calling one that serve a call: `count` of the
+/// pool's threads (the pool may have more, for calls that ask for more).
+#[derive(Clone)]
+pub struct Helpers {
+    pub pool: Arc<rayon::ThreadPool>,
+    pub count: usize,
 }
 
-/// Runs `f` with `helpers` (the threads beyond the calling one) serving
-/// [`for_each`] calls made on this thread.
-pub fn with_helpers<R>(helpers: Option<Arc<rayon::ThreadPool>>, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<Arc<rayon::ThreadPool>>);
+thread_local! {
+    /// The helper threads of the call running on this thread, if any.
+    static HELPERS: RefCell<Option<Helpers>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with `helpers` serving [`for_each`] calls made on this thread.
+pub fn with_helpers<R>(helpers: Option<Helpers>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Helpers>);
     impl Drop for Restore {
         fn drop(&mut self) {
             let previous = self.0.take();
@@ -43,8 +50,11 @@ pub fn with_helpers<R>(helpers: Option<Arc<rayon::ThreadPool>>, f: impl FnOnce()
 /// thread alone without helpers, or when called from a helper).
 pub fn for_each<I: Send>(items: Vec<I>, f: impl Fn(I) + Sync) {
     let count = items.len();
-    let pool = match HELPERS.with(|h| h.borrow().clone()) {
-        Some(pool) if count > 1 => pool,
+    let Helpers {
+        pool,
+        count: wanted,
+    } = match HELPERS.with(|h| h.borrow().clone()) {
+        Some(helpers) if count > 1 && helpers.count > 0 => helpers,
         _ => return items.into_iter().for_each(f),
     };
     let queue = Mutex::new(items.into_iter());
@@ -54,7 +64,7 @@ pub fn for_each<I: Send>(items: Vec<I>, f: impl Fn(I) + Sync) {
             f(item);
         }
     };
-    let helpers = pool.current_num_threads().min(count - 1);
+    let helpers = wanted.min(pool.current_num_threads()).min(count - 1);
     let overrides = crate::overrides::current();
     // A panic in any of them reaches the caller once all have stopped.
     pool.in_place_scope(|scope| {
@@ -78,7 +88,13 @@ mod tests {
                 .build()
                 .unwrap(),
         );
-        for helpers in [None, Some(pool)] {
+        let helpers = |count| {
+            Some(Helpers {
+                pool: pool.clone(),
+                count,
+            })
+        };
+        for helpers in [None, helpers(3), helpers(1)] {
             let mut hits = vec![0usize; 100];
             let calls = AtomicUsize::new(0);
             with_helpers(helpers, || {
