@@ -32,6 +32,7 @@
 pub mod auto;
 pub mod cpu;
 pub mod error;
+pub mod fork;
 pub mod gpu;
 pub mod overrides;
 pub mod problem;

@@ -10,7 +10,7 @@
 pub(crate) mod buffers;
 pub mod element;
 mod kernels;
-mod parallel;
+pub(crate) mod parallel;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;
@@ -20,8 +20,9 @@ pub mod tiles;
 use std::any::Any;
 use std::cell::RefCell;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use crate::fork::ForkLocal;
 use crate::{
     BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
 };
@@ -97,10 +98,11 @@ pub fn simd_kernels() -> bool {
 /// after another (a benchmark over 1..64) kept every pool and 2,018
 /// threads. Growing replaces the pool; the old one's threads exit once the
 /// calls still using it are done, so the threads never exceed the largest
-/// count asked for, plus those of pools on their way out.
+/// count asked for, plus those of pools on their way out. A forked child
+/// starts a pool of its own (`fork.rs`).
 fn helper_threads(threads: usize) -> Result<parallel::Helpers> {
-    static POOL: Mutex<Option<Arc<rayon::ThreadPool>>> = Mutex::new(None);
-    let mut pool = POOL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    static POOL: ForkLocal<Option<Arc<rayon::ThreadPool>>> = ForkLocal::new();
+    let mut pool = POOL.lock();
     let pool = match pool.as_ref() {
         Some(p) if p.current_num_threads() >= threads => p.clone(),
         _ => {

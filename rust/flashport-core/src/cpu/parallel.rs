@@ -20,6 +20,8 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::fork::ForkLocal;
+
 /// The threads beyond the calling one that serve a call: `count` of the
 /// pool's threads (the pool may have more, for calls that ask for more).
 #[derive(Clone)]
@@ -73,6 +75,35 @@ pub fn for_each<I: Send>(items: Vec<I>, f: impl Fn(I) + Sync) {
         }
         work();
     });
+}
+
+/// Runs `op` on the pool that serves rayon's parallel iterators in this
+/// crate (converting a mask, copying a GPU transfer), sized as rayon's
+/// global pool would be.
+///
+/// Never rayon's global pool itself: a process forked after using it
+/// keeps the pool without its threads, and a parallel iterator there waits
+/// for ever; this one is the current process's own (`fork.rs`). Handing
+/// `op` to the pool costs what a parallel iterator called from outside
+/// rayon's global pool cost: a wake-up and a wait.
+pub(crate) fn install<R: Send>(op: impl FnOnce() -> R + Send) -> R {
+    static POOL: ForkLocal<Option<Arc<rayon::ThreadPool>>> = ForkLocal::new();
+    let pool = {
+        let mut slot = POOL.lock();
+        match slot.as_ref() {
+            Some(pool) => Some(pool.clone()),
+            None => rayon::ThreadPoolBuilder::new()
+                .thread_name(|i| format!("flashport-rayon-{i}"))
+                .build()
+                .ok()
+                .map(|pool| slot.insert(Arc::new(pool)).clone()),
+        }
+    };
+    match pool {
+        Some(pool) => pool.install(op),
+        // Threads could not be started: rayon's global pool, as before.
+        None => op(),
+    }
 }
 
 #[cfg(test)]
