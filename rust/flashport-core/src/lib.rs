@@ -34,6 +34,7 @@ pub mod cpu;
 pub mod error;
 pub mod fork;
 pub mod gpu;
+pub mod interrupt;
 pub mod overrides;
 pub mod problem;
 pub mod variants;

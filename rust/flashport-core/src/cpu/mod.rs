@@ -200,7 +200,7 @@ fn forward_as<T: Element>(
     let (out, lse) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
         let rules = ScoreRules::<T>::new(problem, variants);
         forward_typed(problem, &rules, tiles, &q, &k, &v)
-    })?;
+    })??;
     Ok(ForwardOutput {
         out: T::into_buffer(out),
         lse: T::into_buffer(lse),
@@ -241,7 +241,7 @@ fn backward_as<T: Element>(
             lse: &lse,
         };
         backward_typed(problem, &rules, tiles, &inputs)
-    })?;
+    })??;
     Ok(BackendGradients {
         dq: T::into_buffer(dq),
         dk: T::into_buffer(dk),
@@ -483,7 +483,7 @@ fn forward_typed<T: Element>(
     q: &[T],
     k: &[T],
     v: &[T],
-) -> (Vec<T>, Vec<T>) {
+) -> Result<(Vec<T>, Vec<T>)> {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (out_len, lse_len) = (problem.out_len(), problem.lse_len());
     let mut out = Vec::with_capacity(out_len);
@@ -616,14 +616,15 @@ fn forward_typed<T: Element>(
                 }
             })
         },
-    );
+    )?;
     // SAFETY: the tasks' rows partition both outputs, and each task wrote
-    // every element of its rows (the loop over its rows' states above).
+    // every element of its rows (the loop over its rows' states above);
+    // an interrupted call has returned above.
     unsafe {
         out.set_len(out_len);
         lse.set_len(lse_len);
     }
-    (out, lse)
+    Ok((out, lse))
 }
 
 /// One key/value tile as the tile products read it: rows, and the same
@@ -813,9 +814,13 @@ impl<T: Element> ChunkStep<'_, T> {
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
         let k_rows = self.tiles.k_rows;
-        for g in 0..group {
+        'blocks: for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
             for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
+                // A task visits every query row: long at long sequences.
+                if parallel::stopping() {
+                    break 'blocks;
+                }
                 let m = rows.len();
                 let d_out_rows = layout.o_rows(x.d_out, head, &rows);
                 // Panel strides of the packed rows, once a tile needs them.
@@ -923,7 +928,7 @@ fn backward_typed<T: Element>(
     rules: &ScoreRules<'_, T>,
     tiles: TileSizes,
     x: &BackwardInputs<'_, T>,
-) -> BackwardResult<T> {
+) -> Result<BackwardResult<T>> {
     let d = problem.head_dim;
     let scale = T::from_f64(problem.scale);
 
@@ -993,10 +998,11 @@ fn backward_typed<T: Element>(
             let [dk_chunk, dv_chunk, partial] = task.outputs.map(zero_init);
             step.run(s, task.kv_head, &task.keys, dk_chunk, dv_chunk, partial);
         })
-    });
+    })?;
     // SAFETY: the tasks' chunks partition dK and dV, their dQ groups and
     // partials partition dQ and the partials, and each task initialised
-    // its parts (`zero_init`) before anything else.
+    // its parts (`zero_init`) before anything else; an interrupted call,
+    // some of whose tasks never ran, has returned above.
     unsafe {
         dq.set_len(q_len);
         dk.set_len(k_len);
@@ -1015,9 +1021,9 @@ fn backward_typed<T: Element>(
                 }
                 dq_group.iter_mut().for_each(|q| *q *= scale);
             },
-        );
+        )?;
     }
-    (dq, dk, dvv, d_scores_full)
+    Ok((dq, dk, dvv, d_scores_full))
 }
 
 /// A backward task: one key/value head, the keys of a chunk of its key
@@ -1075,6 +1081,7 @@ fn chunk_tasks<'a, T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::interrupt;
     use std::ffi::OsStr;
 
     #[test]
@@ -1110,6 +1117,61 @@ mod tests {
                 other => panic!("{bad:?} gave {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn an_interrupted_call_returns_no_result_and_the_next_call_computes() {
+        use crate::{validate_backward, validate_forward, ArrayInfo, Options};
+        use std::cell::Cell;
+        use std::rc::Rc;
+        use std::time::Duration;
+        let shape = [1, 2, 512, 32];
+        let lse_shape = [1, 2, 512];
+        let info = |shape| ArrayInfo::new(shape, "float64");
+        let options = Options::default();
+        let problem = validate_forward(info(&shape), info(&shape), info(&shape), &options).unwrap();
+        let x: Vec<f64> = (0..problem.q_len()).map(|i| (i % 7) as f64 * 0.1).collect();
+        let x = Slice::F64(&x);
+        let none = VariantArrays::default();
+        let forward_call = || forward(&problem, x, x, x, &none);
+        let asked = Rc::new(Cell::new(0));
+        let stop_at_once = |f: &dyn Fn() -> bool| {
+            let counter = asked.clone();
+            interrupt::with_check_every(
+                Duration::ZERO,
+                move || {
+                    counter.set(counter.get() + 1);
+                    true
+                },
+                f,
+            )
+        };
+        let interrupted = stop_at_once(&|| forward_call() == Err(Error::Interrupted));
+        assert!(interrupted);
+        let done = forward_call().unwrap();
+        let (Buffer::F64(out), Buffer::F64(lse)) = (&done.out, &done.lse) else {
+            unreachable!()
+        };
+
+        let problem = validate_backward(
+            info(&shape),
+            info(&shape),
+            info(&shape),
+            info(&shape),
+            info(&shape),
+            info(&lse_shape),
+            &options,
+        )
+        .unwrap();
+        let inputs = [x, x, x, x, Slice::F64(out), Slice::F64(lse)];
+        let backward_call = || backward(&problem, inputs, &none);
+        let interrupted = stop_at_once(&|| backward_call() == Err(Error::Interrupted));
+        assert!(interrupted);
+        assert_eq!(asked.get(), 2, "asked once per call");
+        assert!(backward_call().is_ok());
+        // A check that lets the call go on changes nothing.
+        let checked = interrupt::with_check_every(Duration::ZERO, || false, forward_call);
+        assert_eq!(checked.unwrap(), done);
     }
 
     #[cfg(unix)]
