@@ -28,8 +28,10 @@ def run_python(code: str, env: dict, timeout: float = 60) -> subprocess.Complete
     )
 
 
-@pytest.mark.parametrize("value", ["4294967297", "1025", "0", "-3", "", "eight", "2.5"])
+@pytest.mark.parametrize("value", ["1025", "0", "-3", "", "eight", "2.5"])
 def test_bad_thread_counts_are_rejected_naming_the_variable_and_value(monkeypatch, value):
+    # (A huge count is tried in a subprocess below: before the bound, it
+    # hung the process.)
     monkeypatch.setenv("FLASHPORT_NUM_THREADS", value)
     for call in (
         lambda: flashport.attention(Q, Q, Q, device="cpu"),
