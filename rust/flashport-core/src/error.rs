@@ -41,6 +41,11 @@ pub enum Error {
     /// buffer that could not be mapped.
     #[error("{0}")]
     Gpu(String),
+
+    /// The caller's interrupt check (`interrupt::with_check`) asked the
+    /// call to stop, and it stopped without a result.
+    #[error("the call was interrupted")]
+    Interrupted,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -32,7 +32,9 @@
 pub mod auto;
 pub mod cpu;
 pub mod error;
+pub mod fork;
 pub mod gpu;
+pub mod interrupt;
 pub mod merge;
 pub mod overrides;
 pub mod problem;
@@ -229,12 +231,14 @@ impl Device {
         }
     }
 
-    /// The concrete device a problem runs on.
-    pub fn resolve(self, problem: &Problem) -> Device {
-        match self {
+    /// The concrete device a problem runs on. An invalid
+    /// `FLASHPORT_NUM_THREADS` is an error here too, even when the GPU
+    /// wins: the cost model would otherwise have guessed a thread count.
+    pub fn resolve(self, problem: &Problem) -> Result<Device> {
+        Ok(match self {
             Device::Auto => {
                 let cpu = auto::CpuModel {
-                    threads: cpu::num_threads().unwrap_or(1),
+                    threads: cpu::num_threads()?,
                     simd: cpu::simd_kernels(),
                 };
                 if auto::prefers_gpu(problem, cpu, gpu::hardware_gpu()) {
@@ -244,7 +248,7 @@ impl Device {
                 }
             }
             concrete => concrete,
-        }
+        })
     }
 }
 
@@ -390,13 +394,13 @@ fn on_host<'a>(argument: &str, input: Input<'a>) -> Result<Slice<'a>> {
 /// if the caller asked for the CPU then), else `on_host()`.
 fn resolve(
     device: Device,
-    on_host: impl FnOnce() -> Device,
+    on_host: impl FnOnce() -> Result<Device>,
     inputs: &[(&str, Input<'_>)],
     outputs: Placement,
 ) -> Result<Device> {
     let on_gpu = inputs.iter().find(|(_, i)| i.is_device()).map(|(n, _)| *n);
     if on_gpu.is_none() && outputs == Placement::Host {
-        return Ok(on_host());
+        return on_host();
     }
     if device == Device::Cpu {
         let reason = match on_gpu {

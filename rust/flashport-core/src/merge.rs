@@ -127,9 +127,11 @@ pub fn merge_states_arrays(
         })
         .collect();
     let named: Vec<(&str, Input<'_>)> = names.iter().map(|(n, a)| (n.as_str(), *a)).collect();
-    let on_host = || match device {
-        Device::Auto => Device::Cpu,
-        concrete => concrete,
+    let on_host = || {
+        Ok(match device {
+            Device::Auto => Device::Cpu,
+            concrete => concrete,
+        })
     };
     match resolve(device, on_host, &named, outputs)? {
         Device::Gpu => gpu::merge_states(problem, outs, lses, outputs),

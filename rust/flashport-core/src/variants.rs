@@ -245,7 +245,7 @@ pub struct MaskLayout {
 
 impl MaskLayout {
     /// Maps the [`MASK_BLOCK`]² blocks of `values` (the mask in its own
-    /// shape `dims`), in parallel on the current rayon pool: for a long
+    /// shape `dims`), in parallel (`parallel::install`): for a long
     /// sequence this pass reads `seq_q × seq_k` values and must stay small
     /// next to the attention it serves.
     pub fn new<V: Sync>(
@@ -262,23 +262,26 @@ impl MaskLayout {
         let (rows, row_len) = (dims[2], dims[3]);
         if row_len > 0 {
             // One line of the map per (plane, block of rows).
-            blocks
-                .par_chunks_mut(block_counts[1])
-                .enumerate()
-                .for_each(|(line_index, line)| {
-                    let (plane, block_row) =
-                        (line_index / block_counts[0], line_index % block_counts[0]);
-                    let first = block_row * MASK_BLOCK;
-                    for row in first..(first + MASK_BLOCK).min(rows) {
-                        let start = (plane * rows + row) * row_len;
-                        let row_values = &values[start..start + row_len];
-                        for (flag, chunk) in line.iter_mut().zip(row_values.chunks(MASK_BLOCK)) {
-                            if *flag == 0 && chunk.iter().any(&visible) {
-                                *flag = 1;
+            crate::cpu::parallel::install(|| {
+                blocks
+                    .par_chunks_mut(block_counts[1])
+                    .enumerate()
+                    .for_each(|(line_index, line)| {
+                        let (plane, block_row) =
+                            (line_index / block_counts[0], line_index % block_counts[0]);
+                        let first = block_row * MASK_BLOCK;
+                        for row in first..(first + MASK_BLOCK).min(rows) {
+                            let start = (plane * rows + row) * row_len;
+                            let row_values = &values[start..start + row_len];
+                            for (flag, chunk) in line.iter_mut().zip(row_values.chunks(MASK_BLOCK))
+                            {
+                                if *flag == 0 && chunk.iter().any(&visible) {
+                                    *flag = 1;
+                                }
                             }
                         }
-                    }
-                });
+                    })
+            });
         }
         MaskLayout {
             dims,
@@ -335,11 +338,11 @@ pub struct AdditiveMask<T> {
 }
 
 impl<T: MaskScalar> AdditiveMask<T> {
-    /// Converts the mask (in parallel on the current rayon pool) and maps
+    /// Converts the mask (in parallel, `parallel::install`) and maps
     /// its blocks.
     pub fn new(problem: &Problem, data: MaskData<'_>) -> Option<Self> {
         let spec = problem.mask?;
-        let values: Vec<T> = match data {
+        let values: Vec<T> = crate::cpu::parallel::install(|| match data {
             MaskData::Bool(b) => b
                 .par_iter()
                 .map(|&keep| if keep { T::ZERO } else { T::NEG_INFINITY })
@@ -351,7 +354,7 @@ impl<T: MaskScalar> AdditiveMask<T> {
                 x.par_iter().map(|&v| T::from_f64(v.into())).collect()
             }
             MaskData::Float(Slice::F64(x)) => x.par_iter().map(|&v| T::from_f64(v)).collect(),
-        };
+        });
         let layout = MaskLayout::new(spec.dims, &values, |&v| v != T::NEG_INFINITY);
         Some(AdditiveMask {
             values,

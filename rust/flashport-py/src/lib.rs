@@ -3,7 +3,9 @@
 //! Python exceptions. No attention logic lives here.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::rc::Rc;
 
 use flashport_core as core;
 use flashport_core::problem::MaskDType;
@@ -14,7 +16,7 @@ use flashport_core::{
 use numpy::{
     Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyKeyboardInterrupt, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -28,6 +30,8 @@ fn to_py_err(py: Python<'_>, err: core::Error) -> PyErr {
         core::Error::BackendUnavailable(_) => "BackendUnavailableError",
         core::Error::TooLarge(_) => "ProblemTooLargeError",
         core::Error::Gpu(_) => "GpuError",
+        // Only when the call's check did not keep what Python raised.
+        core::Error::Interrupted => return PyKeyboardInterrupt::new_err(err.to_string()),
     };
     raise(py, class, err.to_string())
 }
@@ -45,13 +49,27 @@ fn raise(py: Python<'_>, class: &str, message: String) -> PyErr {
     }
 }
 
-/// Runs the core outside the GIL. A panic (a bug) becomes
-/// `flashport.InternalError` instead of crossing into Python.
+/// Runs the core outside the GIL, interruptible (`signals`). A panic (a
+/// bug) becomes `flashport.InternalError` instead of crossing into Python.
 fn run_detached<R: Send>(
     py: Python<'_>,
     f: impl FnOnce() -> core::Result<R> + Send,
 ) -> PyResult<R> {
-    match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
+    let (result, raised) = py.detach(|| {
+        let signals = Rc::new(Signals::default());
+        let check = signals.clone();
+        let result = core::interrupt::with_check(
+            move || check.interrupted(),
+            || catch_unwind(AssertUnwindSafe(f)),
+        );
+        (result, signals.raised.take())
+    });
+    // What a signal handler raised (KeyboardInterrupt for Ctrl-C) is the
+    // call's outcome: the handler has run, and would be lost otherwise.
+    if let Some(err) = raised {
+        return Err(err);
+    }
+    match result {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(err)) => Err(to_py_err(py, err)),
         Err(panic) => {
@@ -67,6 +85,48 @@ fn run_detached<R: Send>(
             ))
         }
     }
+}
+
+/// The core's interrupt check for a call made from Python: runs Python's
+/// signal handlers, which only the main thread runs, and keeps what one
+/// raised. The core asks only after a call's first 50 ms (and then every
+/// 50 ms), so a short call never takes the GIL back for it.
+#[derive(Default)]
+struct Signals {
+    /// Whether this call runs on Python's main thread (asked once).
+    main_thread: Cell<Option<bool>>,
+    raised: Cell<Option<PyErr>>,
+}
+
+impl Signals {
+    fn interrupted(&self) -> bool {
+        if self.main_thread.get() == Some(false) {
+            return false;
+        }
+        Python::attach(|py| {
+            if self.main_thread.get().is_none() {
+                // On another thread a check would only wait for the GIL.
+                let main = is_main_thread(py).unwrap_or(true);
+                self.main_thread.set(Some(main));
+                if !main {
+                    return false;
+                }
+            }
+            match py.check_signals() {
+                Ok(()) => false,
+                Err(err) => {
+                    self.raised.set(Some(err));
+                    true
+                }
+            }
+        })
+    }
+}
+
+fn is_main_thread(py: Python<'_>) -> PyResult<bool> {
+    let threading = py.import("threading")?;
+    let main = threading.call_method0("main_thread")?;
+    Ok(main.is(&threading.call_method0("current_thread")?))
 }
 
 /// Shape and dtype name of an argument, for validation.

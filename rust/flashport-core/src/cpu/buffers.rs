@@ -17,27 +17,29 @@
 
 use std::mem::MaybeUninit;
 use std::ops::{Deref, DerefMut};
-use std::sync::Mutex;
+
+use crate::fork::ForkLocal;
 
 /// Bytes of packed-input buffers kept between calls, in all.
 const MAX_KEPT_BYTES: usize = 16 << 20;
 
-/// Buffers of one element type that outlive a call.
+/// Buffers of one element type that outlive a call (not across a fork:
+/// a lock the parent held at the fork would never be released).
 pub struct BufferPool<T> {
-    free: Mutex<Vec<Vec<T>>>,
+    free: ForkLocal<Vec<Vec<T>>>,
 }
 
 impl<T: Copy + Default> BufferPool<T> {
     pub const fn new() -> Self {
         BufferPool {
-            free: Mutex::new(Vec::new()),
+            free: ForkLocal::new(),
         }
     }
 
     /// The smallest kept buffer with room for `len` (so that a large one
     /// stays available for a large request), or a new empty one.
     fn reuse(&self, len: usize) -> Vec<T> {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = self.free.lock();
         let best = free
             .iter()
             .enumerate()
@@ -67,7 +69,7 @@ impl<T: Copy + Default> BufferPool<T> {
         if bytes(&buffer) > MAX_KEPT_BYTES {
             return;
         }
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = self.free.lock();
         free.push(buffer);
         // Over the bound, drop the smallest first: the large ones are the
         // ones whose page faults cost most.
@@ -150,7 +152,7 @@ mod tests {
         drop(second);
         // Too large to keep: the pool still holds only the first buffer.
         drop(POOL.take(MAX_KEPT_BYTES / 4 + 1));
-        let free = POOL.free.lock().unwrap();
+        let free = POOL.free.lock();
         assert_eq!(free.len(), 1);
         assert!(free.iter().all(|b| b.capacity() * 4 <= MAX_KEPT_BYTES));
     }

@@ -470,7 +470,7 @@ fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> [Pooled<f32>; N]
             items.push((input, dst, src));
         }
     }
-    parallel::for_each(items, |(input, dst, src)| {
+    parallel::for_every(items, |(input, dst, src)| {
         let dst = match dst {
             Dst::Kept(dst) => dst,
             Dst::New(dst) => buffers::zero_init(dst),

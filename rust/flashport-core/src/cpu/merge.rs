@@ -89,7 +89,7 @@ fn merge_as<T: Element>(
                 );
             }
         })
-    })?;
+    })??;
     Ok(ForwardOutput {
         out: T::into_buffer(out),
         lse: T::into_buffer(lse),

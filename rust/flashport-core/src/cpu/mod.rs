@@ -11,7 +11,7 @@ pub(crate) mod buffers;
 pub mod element;
 mod kernels;
 pub mod merge;
-mod parallel;
+pub(crate) mod parallel;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;
@@ -20,10 +20,10 @@ pub mod tiles;
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
+use crate::fork::ForkLocal;
 use crate::{
     BackendGradients, Buffer, DType, Error, ForwardOutput, Problem, Result, Slice, VariantArrays,
 };
@@ -36,20 +36,51 @@ use tiles::TileSizes;
 /// Environment variable that sets the number of CPU threads.
 pub const NUM_THREADS_ENV: &str = "FLASHPORT_NUM_THREADS";
 
+/// The most threads `FLASHPORT_NUM_THREADS` may ask for, unless the
+/// machine has more cores.
+///
+/// This compute-bound work gains nothing from more threads than cores,
+/// but the bound is not a multiple of this machine's cores: a setting
+/// written for a large server should still work on a 2-core runner
+/// (slower, oversubscribed), not fail there. 1024 is above the hardware
+/// threads of today's largest two-socket servers (768) and far below what
+/// exhausts a process (each helper holds a stack and a kernel task), while
+/// a typo such as `4294967297` would otherwise spawn threads until the
+/// machine gives out.
+pub const MAX_THREADS: usize = 1024;
+
 /// The thread count of the next call: `FLASHPORT_NUM_THREADS` when set,
 /// otherwise every available core. Read on every call so that it can be
 /// changed at run time.
 pub fn num_threads() -> Result<usize> {
-    match std::env::var(NUM_THREADS_ENV) {
-        Ok(text) => match text.trim().parse::<usize>() {
-            Ok(n) if n >= 1 => Ok(n),
-            _ => Err(Error::Value {
-                argument: NUM_THREADS_ENV.to_string(),
-                value: format!("{text:?}"),
-                reason: "expected a positive integer".to_string(),
-            }),
-        },
-        Err(_) => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+    parse_num_threads(
+        std::env::var_os(NUM_THREADS_ENV).as_deref(),
+        available_cores(),
+    )
+}
+
+fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `FLASHPORT_NUM_THREADS`'s value (`None`: unset) on a machine of `cores`.
+/// Every value set is checked, including an empty one or one that is not
+/// text: a setting that is silently ignored looks like one that works.
+fn parse_num_threads(value: Option<&std::ffi::OsStr>, cores: usize) -> Result<usize> {
+    let Some(value) = value else {
+        return Ok(cores);
+    };
+    let max = MAX_THREADS.max(cores);
+    match value.to_str().map(|text| text.trim().parse::<usize>()) {
+        Some(Ok(n)) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(Error::Value {
+            argument: NUM_THREADS_ENV.to_string(),
+            value: format!("{:?}", value.to_string_lossy()),
+            reason: format!(
+                "expected a whole number of threads from 1 to {max} (this machine has {cores} \
+                 cores), or unset for all of them"
+            ),
+        }),
     }
 }
 
@@ -61,28 +92,37 @@ pub fn simd_kernels() -> bool {
     false
 }
 
-/// A pool of `threads` helper threads, started on first use and kept.
-fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
-    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
-    let mut pools = POOLS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(pool) = pools.get(&threads) {
-        return Ok(pool.clone());
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("flashport-{i}"))
-        .build()
-        .map_err(|e| Error::Value {
-            argument: NUM_THREADS_ENV.to_string(),
-            value: threads.to_string(),
-            reason: format!("could not start the thread pool: {e}"),
-        })?;
-    let pool = Arc::new(pool);
-    pools.insert(threads, pool.clone());
-    Ok(pool)
+/// `threads` helper threads: those of the one pool, grown first if it has
+/// fewer. A call that asks for fewer leaves the rest idle.
+///
+/// One pool, not one per thread count: a program that tries counts one
+/// after another (a benchmark over 1..64) kept every pool and 2,018
+/// threads. Growing replaces the pool; the old one's threads exit once the
+/// calls still using it are done, so the threads never exceed the largest
+/// count asked for, plus those of pools on their way out. A forked child
+/// starts a pool of its own (`fork.rs`).
+fn helper_threads(threads: usize) -> Result<parallel::Helpers> {
+    static POOL: ForkLocal<Option<Arc<rayon::ThreadPool>>> = ForkLocal::new();
+    let mut pool = POOL.lock();
+    let pool = match pool.as_ref() {
+        Some(p) if p.current_num_threads() >= threads => p.clone(),
+        _ => {
+            let grown = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("flashport-{i}"))
+                .build()
+                .map_err(|e| Error::Value {
+                    argument: NUM_THREADS_ENV.to_string(),
+                    value: (threads + 1).to_string(),
+                    reason: format!("could not start the thread pool: {e}"),
+                })?;
+            pool.insert(Arc::new(grown)).clone()
+        }
+    };
+    Ok(parallel::Helpers {
+        pool,
+        count: threads,
+    })
 }
 
 /// Runs `f` on this thread with the configured number of threads in all
@@ -102,7 +142,7 @@ fn run_on_pool<R: Send>(
 fn run_with<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> Result<R> {
     let helpers = match threads {
         1 => None,
-        _ => Some(thread_pool(threads - 1)?),
+        _ => Some(helper_threads(threads - 1)?),
     };
     Ok(parallel::with_helpers(helpers, f))
 }
@@ -167,7 +207,7 @@ fn forward_as<T: Element>(
     let (out, lse) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
         let rules = ScoreRules::<T>::new(problem, variants);
         forward_typed(problem, &rules, tiles, &q, &k, &v)
-    })?;
+    })??;
     Ok(ForwardOutput {
         out: T::into_buffer(out),
         lse: T::into_buffer(lse),
@@ -208,7 +248,7 @@ fn backward_as<T: Element>(
             lse: &lse,
         };
         backward_typed(problem, &rules, tiles, &inputs)
-    })?;
+    })??;
     Ok(BackendGradients {
         dq: T::into_buffer(dq),
         dk: T::into_buffer(dk),
@@ -450,7 +490,7 @@ fn forward_typed<T: Element>(
     q: &[T],
     k: &[T],
     v: &[T],
-) -> (Vec<T>, Vec<T>) {
+) -> Result<(Vec<T>, Vec<T>)> {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (out_len, lse_len) = (problem.out_len(), problem.lse_len());
     let mut out = Vec::with_capacity(out_len);
@@ -583,14 +623,15 @@ fn forward_typed<T: Element>(
                 }
             })
         },
-    );
+    )?;
     // SAFETY: the tasks' rows partition both outputs, and each task wrote
-    // every element of its rows (the loop over its rows' states above).
+    // every element of its rows (the loop over its rows' states above);
+    // an interrupted call has returned above.
     unsafe {
         out.set_len(out_len);
         lse.set_len(lse_len);
     }
-    (out, lse)
+    Ok((out, lse))
 }
 
 /// One key/value tile as the tile products read it: rows, and the same
@@ -780,9 +821,13 @@ impl<T: Element> ChunkStep<'_, T> {
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
         let k_rows = self.tiles.k_rows;
-        for g in 0..group {
+        'blocks: for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
             for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
+                // A task visits every query row: long at long sequences.
+                if parallel::stopping() {
+                    break 'blocks;
+                }
                 let m = rows.len();
                 let d_out_rows = layout.o_rows(x.d_out, head, &rows);
                 // Panel strides of the packed rows, once a tile needs them.
@@ -890,7 +935,7 @@ fn backward_typed<T: Element>(
     rules: &ScoreRules<'_, T>,
     tiles: TileSizes,
     x: &BackwardInputs<'_, T>,
-) -> BackwardResult<T> {
+) -> Result<BackwardResult<T>> {
     let d = problem.head_dim;
     let scale = T::from_f64(problem.scale);
 
@@ -960,10 +1005,11 @@ fn backward_typed<T: Element>(
             let [dk_chunk, dv_chunk, partial] = task.outputs.map(zero_init);
             step.run(s, task.kv_head, &task.keys, dk_chunk, dv_chunk, partial);
         })
-    });
+    })?;
     // SAFETY: the tasks' chunks partition dK and dV, their dQ groups and
     // partials partition dQ and the partials, and each task initialised
-    // its parts (`zero_init`) before anything else.
+    // its parts (`zero_init`) before anything else; an interrupted call,
+    // some of whose tasks never ran, has returned above.
     unsafe {
         dq.set_len(q_len);
         dk.set_len(k_len);
@@ -982,9 +1028,9 @@ fn backward_typed<T: Element>(
                 }
                 dq_group.iter_mut().for_each(|q| *q *= scale);
             },
-        );
+        )?;
     }
-    (dq, dk, dvv, d_scores_full)
+    Ok((dq, dk, dvv, d_scores_full))
 }
 
 /// A backward task: one key/value head, the keys of a chunk of its key
@@ -1037,4 +1083,113 @@ fn chunk_tasks<'a, T>(
         }
     }
     tasks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::interrupt;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn thread_counts_are_bounded_and_every_bad_value_is_an_error() {
+        let parse = |text: &str| parse_num_threads(Some(OsStr::new(text)), 2);
+        assert_eq!(parse_num_threads(None, 6), Ok(6));
+        assert_eq!(parse("3"), Ok(3));
+        assert_eq!(parse(" 64 "), Ok(64));
+        assert_eq!(parse("1024"), Ok(MAX_THREADS));
+        // A machine with more cores than the bound may use them all.
+        assert_eq!(parse_num_threads(Some(OsStr::new("2048")), 2048), Ok(2048));
+        for bad in [
+            "4294967297",
+            "1025",
+            "0",
+            "-1",
+            "",
+            "  ",
+            "two",
+            "1.5",
+            "99999999999999999999999",
+        ] {
+            match parse(bad) {
+                Err(Error::Value {
+                    argument,
+                    value,
+                    reason,
+                }) => {
+                    assert_eq!(argument, NUM_THREADS_ENV);
+                    assert_eq!(value, format!("{bad:?}"));
+                    assert!(reason.contains("from 1 to 1024"), "{reason}");
+                }
+                other => panic!("{bad:?} gave {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn an_interrupted_call_returns_no_result_and_the_next_call_computes() {
+        use crate::{validate_backward, validate_forward, ArrayInfo, Options};
+        use std::cell::Cell;
+        use std::rc::Rc;
+        use std::time::Duration;
+        let shape = [1, 2, 512, 32];
+        let lse_shape = [1, 2, 512];
+        let info = |shape| ArrayInfo::new(shape, "float64");
+        let options = Options::default();
+        let problem = validate_forward(info(&shape), info(&shape), info(&shape), &options).unwrap();
+        let x: Vec<f64> = (0..problem.q_len()).map(|i| (i % 7) as f64 * 0.1).collect();
+        let x = Slice::F64(&x);
+        let none = VariantArrays::default();
+        let forward_call = || forward(&problem, x, x, x, &none);
+        let asked = Rc::new(Cell::new(0));
+        let stop_at_once = |f: &dyn Fn() -> bool| {
+            let counter = asked.clone();
+            interrupt::with_check_every(
+                Duration::ZERO,
+                move || {
+                    counter.set(counter.get() + 1);
+                    true
+                },
+                f,
+            )
+        };
+        let interrupted = stop_at_once(&|| forward_call() == Err(Error::Interrupted));
+        assert!(interrupted);
+        let done = forward_call().unwrap();
+        let (Buffer::F64(out), Buffer::F64(lse)) = (&done.out, &done.lse) else {
+            unreachable!()
+        };
+
+        let problem = validate_backward(
+            info(&shape),
+            info(&shape),
+            info(&shape),
+            info(&shape),
+            info(&shape),
+            info(&lse_shape),
+            &options,
+        )
+        .unwrap();
+        let inputs = [x, x, x, x, Slice::F64(out), Slice::F64(lse)];
+        let backward_call = || backward(&problem, inputs, &none);
+        let interrupted = stop_at_once(&|| backward_call() == Err(Error::Interrupted));
+        assert!(interrupted);
+        assert_eq!(asked.get(), 2, "asked once per call");
+        assert!(backward_call().is_ok());
+        // A check that lets the call go on changes nothing.
+        let checked = interrupt::with_check_every(Duration::ZERO, || false, forward_call);
+        assert_eq!(checked.unwrap(), done);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_value_that_is_not_text_is_an_error() {
+        use std::os::unix::ffi::OsStrExt;
+        let err = parse_num_threads(Some(OsStr::from_bytes(b"4\xff")), 2).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("FLASHPORT_NUM_THREADS=\"4\u{fffd}\""),
+            "{err}"
+        );
+    }
 }

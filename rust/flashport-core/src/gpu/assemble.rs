@@ -30,12 +30,16 @@ pub(crate) fn round_to_f16(values: &[f32]) -> Vec<half::f16> {
     use half::slice::HalfFloatSliceExt;
     use rayon::prelude::*;
     let mut out = Vec::with_capacity(values.len());
-    crate::cpu::buffers::spare(&mut out, values.len())
-        .par_chunks_mut(ROUND_CHUNK)
-        .zip(values.par_chunks(ROUND_CHUNK))
-        .for_each(|(dst, src)| {
-            crate::cpu::buffers::zero_init(dst).convert_from_f32_slice(src);
-        });
+    let spare = crate::cpu::buffers::spare(&mut out, values.len());
+    // Not rayon's global pool: a forked child would wait on its threads.
+    crate::cpu::parallel::install(|| {
+        spare
+            .par_chunks_mut(ROUND_CHUNK)
+            .zip(values.par_chunks(ROUND_CHUNK))
+            .for_each(|(dst, src)| {
+                crate::cpu::buffers::zero_init(dst).convert_from_f32_slice(src);
+            })
+    });
     // SAFETY: the chunks cover all `values.len()` elements, each
     // initialised above.
     unsafe { out.set_len(values.len()) };

@@ -4,12 +4,13 @@
 //! after the device is lost.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::pipelines::PipelineCache;
 use super::pool::{BufferPool, DevicePool};
 use super::select::{driver_loop_limit, AdapterCaps};
 use super::AdapterInfo;
+use crate::fork::{self, ForkLocal};
 use crate::{Error, Result};
 
 /// Native backends only: an OpenGL adapter would be a silent correctness
@@ -19,17 +20,18 @@ pub(crate) const BACKENDS: wgpu::Backends = wgpu::Backends::VULKAN
     .union(wgpu::Backends::DX12);
 
 /// One instance per process: loading the Vulkan driver is slow (and some
-/// drivers log on every load).
+/// drivers log on every load). A forked child makes its own (`fork.rs`):
+/// the parent's belongs to driver threads the child does not have.
 pub(crate) fn instance() -> &'static wgpu::Instance {
-    static INSTANCE: OnceLock<wgpu::Instance> = OnceLock::new();
-    INSTANCE.get_or_init(|| {
+    static INSTANCE: ForkLocal<Option<&'static wgpu::Instance>> = ForkLocal::new();
+    INSTANCE.lock().get_or_insert_with(|| {
         // Environment overrides (WGPU_BACKEND, ...) are ignored on purpose:
         // only the backends above are ever sound for flashport.
-        wgpu::Instance::new(wgpu::InstanceDescriptor {
+        Box::leak(Box::new(wgpu::Instance::new(wgpu::InstanceDescriptor {
             backends: BACKENDS,
             flags: wgpu::InstanceFlags::empty(),
             ..wgpu::InstanceDescriptor::new_without_display_handle()
-        })
+        })))
     })
 }
 
@@ -134,6 +136,9 @@ pub(crate) struct Context {
     /// Timestamp queries are enabled: kernel times are measured on the GPU.
     pub timestamps: bool,
     lost: Arc<AtomicBool>,
+    /// The process that opened the device (`fork::generation`): in a
+    /// forked child the device is as good as lost.
+    generation: u64,
     /// Errors outside any error scope (there should be none): kept for the
     /// next message instead of wgpu's default handler, which panics.
     uncaptured: Arc<Mutex<Vec<String>>>,
@@ -151,12 +156,13 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-static CONTEXT: OnceLock<Mutex<Option<Arc<Context>>>> = OnceLock::new();
+/// A forked child opens a context of its own (`fork.rs`).
+static CONTEXT: ForkLocal<Option<Arc<Context>>> = ForkLocal::new();
 
 /// The shared context, created on first use and recreated after the device
 /// was lost.
 pub(crate) fn get() -> Result<Arc<Context>> {
-    let mut slot = lock(CONTEXT.get_or_init(Default::default));
+    let mut slot = CONTEXT.lock();
     if let Some(ctx) = slot.as_ref() {
         if !ctx.is_lost() {
             return Ok(ctx.clone());
@@ -171,13 +177,13 @@ pub(crate) fn get() -> Result<Arc<Context>> {
 /// The shared context if one exists, without creating one.
 #[cfg(feature = "testing")]
 pub(crate) fn current() -> Option<Arc<Context>> {
-    lock(CONTEXT.get_or_init(Default::default)).clone()
+    CONTEXT.lock().clone()
 }
 
 /// Forgets a context that failed, so the next call starts afresh.
 pub(crate) fn discard(ctx: &Arc<Context>) {
     ctx.lost.store(true, Ordering::SeqCst);
-    let mut slot = lock(CONTEXT.get_or_init(Default::default));
+    let mut slot = CONTEXT.lock();
     if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, ctx)) {
         *slot = None;
     }
@@ -296,6 +302,7 @@ impl Context {
             caps,
             timestamps,
             lost,
+            generation: fork::generation(),
             uncaptured,
             cache: PipelineCache::default(),
             // A call's outputs read back through one buffer; its inputs
@@ -309,7 +316,7 @@ impl Context {
     }
 
     pub fn is_lost(&self) -> bool {
-        self.lost.load(Ordering::SeqCst)
+        self.lost.load(Ordering::SeqCst) || self.generation != fork::generation()
     }
 
     pub fn take_uncaptured(&self) -> Vec<String> {

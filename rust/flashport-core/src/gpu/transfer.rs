@@ -178,20 +178,23 @@ fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
     unsafe impl Sync for Destination {}
     assert_eq!(dst.len(), src.len(), "upload of the wrong size");
     let destination = Destination(dst.as_raw_ptr().as_ptr() as *mut u8);
-    src.par_chunks(COPY_CHUNK)
-        .enumerate()
-        .for_each(|(i, chunk)| {
-            let destination = &destination;
-            // SAFETY: `dst` is valid for `src.len()` bytes of writes while it
-            // is borrowed here, and the chunks are disjoint.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    chunk.as_ptr(),
-                    destination.0.add(i * COPY_CHUNK),
-                    chunk.len(),
-                )
-            }
-        });
+    // Not rayon's global pool: a forked child would wait on its threads.
+    crate::cpu::parallel::install(|| {
+        src.par_chunks(COPY_CHUNK)
+            .enumerate()
+            .for_each(|(i, chunk)| {
+                let destination = &destination;
+                // SAFETY: `dst` is valid for `src.len()` bytes of writes while it
+                // is borrowed here, and the chunks are disjoint.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        chunk.as_ptr(),
+                        destination.0.add(i * COPY_CHUNK),
+                        chunk.len(),
+                    )
+                }
+            });
+    });
 }
 
 /// Whether output buffers are filled with NaN before the kernels run: in
@@ -298,7 +301,7 @@ pub(crate) fn submit_and_read(
                 // zeroing it first.
                 Ok(values) => {
                     use rayon::prelude::*;
-                    values.par_iter().copied().collect()
+                    crate::cpu::parallel::install(|| values.par_iter().copied().collect())
                 }
                 Err(_) => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
             }

@@ -1,0 +1,81 @@
+"""A process forked after flashport computed (multiprocessing's "fork" start
+method, PyTorch DataLoader workers) computes correctly instead of waiting
+for the parent's threads; device arrays it inherited are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+
+CHILD_WORK = """
+    import json, multiprocessing, sys, threading, time
+    import numpy as np, flashport
+    from flashport import reference
+
+    device = sys.argv[1]
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((2, 4, 96, 16), dtype=np.float32) for _ in range(4))
+    mask = rng.random((96, 96)) > 0.3
+
+    def errors(_):
+        o, lse = flashport.attention(q, k, v, mask=mask, return_lse=True, device=device)
+        grads = flashport.attention_backward(do, q, k, v, o, lse, mask=mask, device=device)
+        ref_o = reference.attention(q, k, v, mask=mask)
+        ref_grads = reference.attention_backward(do, q, k, v, mask=mask)
+        return max(
+            float(np.abs(got - want).max())
+            for got, want in zip((o, *grads), (ref_o, *ref_grads))
+        )
+
+    def read_inherited(_):
+        try:
+            kept.numpy()
+        except flashport.GpuError as e:
+            return str(e)
+        return "read"
+
+    # The parent computes first: its pools, buffers and GPU device exist.
+    errors(None)
+    if device == "gpu":
+        kept = flashport.to_device(q)
+    # And a call is in flight on another thread while the children fork.
+    big = rng.standard_normal((1, 4, 1024, 32))
+    busy = threading.Thread(target=lambda: flashport.attention(big, big, big, device="cpu"))
+    busy.start()
+    time.sleep(0.05)
+
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        print("children", json.dumps(pool.map_async(errors, range(4)).get(timeout=60)), flush=True)
+        if device == "gpu":
+            print("inherited", pool.apply_async(read_inherited, (0,)).get(timeout=60), flush=True)
+    busy.join()
+    print("parent", errors(None), flush=True)
+"""
+
+
+def test_forked_children_compute(backend):
+    env = {**os.environ, "FLASHPORT_NUM_THREADS": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD_WORK), backend],
+        env=env,
+        capture_output=True,
+        text=True,
+        # A child that hangs fails the test instead of hanging the suite.
+        timeout=150,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    children = json.loads(lines["children"])
+    assert len(children) == 4
+    assert max(children) < 1e-4, children
+    assert float(lines["parent"]) < 1e-4
+    if backend == "gpu":
+        # The parent's device is not the child's: its arrays are refused.
+        assert "device array" in lines["inherited"], lines["inherited"]
