@@ -59,6 +59,27 @@ def test_non_finite_scale(backend, scale):
         flashport.attention(Q, K, V, scale=scale, device=backend)
 
 
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_scale_beyond_float32_is_rejected(backend, name, dtype):
+    # float16 and float32 compute in float32, where 1e300 is infinite: every
+    # score would be inf or NaN (rows reported as seeing no key), while
+    # float64 computes it.
+    q, k, v = (x.astype(dtype) for x in (Q, K, V))
+    with pytest.raises(InvalidArgumentError, match=rf"{name}=1e300.*float32's range"):
+        flashport.attention(q, k, v, device=backend, **{name: 1e300})
+    with pytest.raises(InvalidArgumentError, match=name):
+        flashport.attention(q, k, v, device=backend, **{name: -1e300})
+
+
+def test_scale_beyond_float32_computes_in_float64():
+    q, k, v = (x.astype(np.float64) * 1e-300 for x in (Q, K, V))
+    out = flashport.attention(q, k, v, scale=1e300, device="cpu")
+    expected = flashport.reference.attention(q, k, v, scale=1e300)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-310)
+
+
 def test_unknown_device():
     with pytest.raises(InvalidArgumentError, match=r"device=\"tpu\""):
         flashport.attention(Q, K, V, device="tpu")
@@ -75,6 +96,17 @@ def test_bad_environment_variables(monkeypatch):
     monkeypatch.setenv("FLASHPORT_NUM_THREADS", "two")
     with pytest.raises(InvalidArgumentError, match="two"):
         flashport.attention(Q, K, V, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["FLASHPORT_GPU_POISON", "FLASHPORT_GPU_CHECKED"])
+@pytest.mark.parametrize("value", ["true", "yes", "2"])
+def test_bad_gpu_switches_are_rejected(gpu, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidArgumentError, match=rf'{name}="{value}".*1 \(on\) or 0'):
+        flashport.attention(Q, K, V, device=gpu)
+    monkeypatch.setenv(name, "0")
+    out = flashport.attention(Q, K, V, device=gpu)
+    np.testing.assert_allclose(out, flashport.reference.attention(Q, K, V), atol=1e-5)
 
 
 def test_not_an_array():

@@ -197,6 +197,15 @@ def test_zero_length_sequences_give_empty_results(backend):
     assert np.all(dq == 0) and dk.shape == k.shape and dv.shape == v.shape
 
 
+def test_reference_handles_empty_batches_with_gqa():
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((0, 4, 3, 8))
+    k, v = rng.standard_normal((0, 2, 5, 8)), rng.standard_normal((0, 2, 5, 6))
+    out, lse = reference.attention(q, k, v, return_lse=True)
+    dq, dk, dv = reference.attention_backward(out, q, k, v, out, lse)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float16]))
 def test_cpu_and_gpu_agree(gpu, data, dtype):
     """The two backends compute the same function: their float32 results

@@ -457,3 +457,28 @@ def test_gpu_errors_name_an_unsupported_variant_only_after_validation(gpu):
         assert "softcap" in str(e)
     with pytest.raises(InvalidArgumentError):
         flashport.attention(Q, K, V, softcap=-2.0, device=gpu)
+
+
+@pytest.mark.parametrize("value", [True, False, -0.75], ids=["true", "false", "float"])
+def test_zero_dimensional_mask_broadcasts(backend, value):
+    """A 0-d mask broadcasts to every score, as NumPy's rules say: the same
+    result as that value broadcast to the full shape."""
+    mask = np.array(value) if isinstance(value, bool) else np.array(value, np.float32)
+    full = np.broadcast_to(mask, (2, 4, 10, 12)).copy()
+    out, lse = flashport.attention(Q, K, V, mask=mask, return_lse=True, device=backend)
+    expected, expected_lse = flashport.attention(
+        Q, K, V, mask=full, return_lse=True, device=backend
+    )
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(lse, expected_lse)
+    np.testing.assert_allclose(out, flashport.reference.attention(Q, K, V, mask=mask), atol=1e-5)
+    if mask.dtype == np.float32:
+        do = rng.standard_normal(out.shape).astype(np.float32)
+        *_, dmask = flashport.attention_backward(
+            do, Q, K, V, out, lse, mask=mask, return_dmask=True, device=backend
+        )
+        *_, expected_dmask = flashport.reference.attention_backward(
+            do, Q, K, V, mask=mask, return_dmask=True
+        )
+        assert dmask.shape == ()
+        np.testing.assert_allclose(dmask, expected_dmask, rtol=1e-4, atol=1e-5)

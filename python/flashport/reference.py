@@ -434,8 +434,8 @@ def _attention_backward(
     dk_rep = (du.swapaxes(-1, -2) @ q4) * q4.dtype.type(scale)
 
     def fold(x):
-        b, _, n, width = x.shape
-        return x.reshape(b, -1, group, n, width).sum(axis=2)
+        b, h, n, width = x.shape
+        return x.reshape(b, h // group, group, n, width).sum(axis=2)
 
     grads = [
         dq.reshape(q_shape),

@@ -31,6 +31,7 @@
 
 pub mod auto;
 pub mod cpu;
+pub mod env;
 pub mod error;
 pub mod fork;
 pub mod gpu;

@@ -446,7 +446,7 @@ pub fn validate_forward(
     }
     let scale = match options.scale {
         None => 1.0 / (d as f64).sqrt(),
-        Some(s) if s.is_finite() => s,
+        Some(s) if s.is_finite() => within_compute_range("scale", s, dtype)?,
         Some(s) => {
             return Err(Error::Value {
                 argument: "scale".to_string(),
@@ -509,6 +509,24 @@ pub fn position_error(argument: &str, value: &str) -> Error {
     )
 }
 
+/// `value` if the precision `dtype` computes in holds it: float16 and
+/// float32 inputs compute in float32, where a larger scale or softcap
+/// would be infinite and turn every score into inf or NaN.
+fn within_compute_range(argument: &str, value: f64, dtype: DType) -> Result<f64> {
+    if dtype != DType::F64 && value.abs() > f32::MAX as f64 {
+        return Err(value_error(
+            argument,
+            format!("{value:e}"),
+            format!(
+                "{argument} is beyond float32's range (±{:e}), in which {} inputs compute",
+                f32::MAX,
+                dtype.numpy_name()
+            ),
+        ));
+    }
+    Ok(value)
+}
+
 fn value_error(argument: &str, value: impl ToString, reason: impl ToString) -> Error {
     Error::Value {
         argument: argument.to_string(),
@@ -551,7 +569,9 @@ fn validate_variants(problem: &mut Problem, options: &Options<'_>) -> Result<()>
     match options.softcap {
         None => {}
         Some(0.0) => {}
-        Some(c) if c.is_finite() && c > 0.0 => problem.softcap = Some(c),
+        Some(c) if c.is_finite() && c > 0.0 => {
+            problem.softcap = Some(within_compute_range("softcap", c, problem.dtype)?)
+        }
         Some(c) => {
             return Err(value_error(
                 "softcap",
@@ -606,7 +626,7 @@ fn validate_variants(problem: &mut Problem, options: &Options<'_>) -> Result<()>
             },
         };
         let ndim = mask.shape.len();
-        let broadcastable = (1..=4).contains(&ndim)
+        let broadcastable = ndim <= 4
             && mask
                 .shape
                 .iter()

@@ -27,7 +27,7 @@ pub(crate) struct PipelineCache {
 fn unchecked(kernel: Kernel) -> bool {
     (kernel.is_tiled() || kernel.is_coop())
         && !cfg!(debug_assertions)
-        && std::env::var("FLASHPORT_GPU_CHECKED").as_deref() != Ok("1")
+        && !crate::env::switch_on(crate::env::GPU_CHECKED)
 }
 
 impl Context {

@@ -39,6 +39,7 @@ pub(crate) fn run_on<T>(
     ctx: &Arc<Context>,
     f: impl FnOnce(&Arc<Context>) -> Result<T>,
 ) -> Result<T> {
+    crate::env::check_gpu_switches()?;
     match f(ctx) {
         Err(Error::Gpu(message)) => {
             // Whatever failed first (often a buffer the dead device

@@ -202,7 +202,7 @@ fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
 /// Python test suite sets it), so that an unwritten element cannot pass for
 /// a result. Off otherwise: it costs an upload of every output.
 fn poison_outputs() -> bool {
-    cfg!(debug_assertions) || std::env::var("FLASHPORT_GPU_POISON").as_deref() == Ok("1")
+    cfg!(debug_assertions) || crate::env::switch_on(crate::env::GPU_POISON)
 }
 
 /// Submits `encoder` (then calls `submitted`), waits until the GPU is done
