@@ -171,3 +171,86 @@ def test_lost_gpu_device_is_an_error_and_nothing_else_breaks(gpu):
     assert flashport.attention(Q, K, V, device="cpu").tobytes() == want.tobytes()
     again = flashport.attention(Q, K, V, device=gpu)
     np.testing.assert_allclose(again, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------- scalar keywords
+# Each keyword takes the kinds of value it means and nothing Python would
+# coerce: the core names the keyword and shows the value.
+
+BAD_SCALARS = [
+    ("scale", "abc"),
+    ("scale", "0.5"),
+    ("scale", True),
+    ("scale", 10**400),
+    ("scale", np.array(0.5)),
+    ("scale", {0.5}),
+    ("causal", "False"),
+    ("causal", 1),
+    ("causal", np.array([True, False])),
+    ("causal", None),
+    ("dropout_p", None),
+    ("dropout_p", "0.1"),
+    ("seed", 1.5),
+    ("seed", True),
+    ("seed", 2**127),
+    ("seed", "3"),
+    ("window", (1.5, 2)),
+    ("window", (True, False)),
+    ("window", {1, 2}),
+    ("window", (2**63, 0)),
+    ("window", (1, 2, 3)),
+    ("window", 3),
+    ("softcap", "30"),
+    ("q_offset", 1.0),
+    ("k_offset", np.int64(1) + 0.5),
+    ("device", 1),
+    ("device", b"cpu"),
+    ("return_lse", "no"),
+    ("return_lse", 0),
+]
+
+
+@pytest.mark.parametrize("name,value", BAD_SCALARS, ids=[f"{n}={v!r}"[:40] for n, v in BAD_SCALARS])
+def test_bad_scalar_keywords_name_the_keyword(backend, name, value):
+    kw = {"device": backend, name: value}
+    if name == "seed":
+        kw["dropout_p"] = 0.1
+    with pytest.raises(InvalidArgumentError) as info:
+        flashport.attention(Q, K, V, **kw)
+    assert str(info.value).startswith(f"{name}="), str(info.value)
+
+
+@pytest.mark.parametrize("name,value", [("causal", "False"), ("return_dmask", "no")])
+def test_bad_backward_flags_name_the_keyword(backend, name, value):
+    out, lse = flashport.attention(Q, K, V, return_lse=True, device="cpu")
+    do = arr(*out.shape)
+    mask = arr(10, 12)
+    with pytest.raises(InvalidArgumentError, match=f"^{name}="):
+        flashport.attention_backward(
+            do, Q, K, V, out, lse, mask=mask, device=backend, **{name: value}
+        )
+
+
+def test_merge_states_device_must_be_a_name():
+    out, lse = flashport.attention(Q, K, V, return_lse=True, device="cpu")
+    with pytest.raises(InvalidArgumentError, match=r"^device=1"):
+        flashport.merge_states([out], [lse], device=1)
+
+
+def test_numpy_scalars_are_taken_as_their_values(backend):
+    plain = flashport.attention(
+        Q, K, V, scale=0.5, window=(3, None), causal=True, q_offset=4, device=backend
+    )
+    numpy_scalars = flashport.attention(
+        Q,
+        K,
+        V,
+        scale=np.float32(0.5),
+        window=[np.int32(3), None],
+        causal=np.bool_(True),
+        q_offset=np.int64(4),
+        device=backend,
+    )
+    np.testing.assert_array_equal(plain, numpy_scalars)
+    whole = flashport.attention(Q, K, V, scale=1, device=backend)
+    np.testing.assert_array_equal(whole, flashport.attention(Q, K, V, scale=1.0, device=backend))

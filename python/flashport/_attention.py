@@ -3,7 +3,6 @@ computation and all validation happen in the Rust core (``flashport._core``)."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -44,24 +43,7 @@ def _result(x: np.ndarray | _core.DeviceArray) -> np.ndarray | DeviceArray:
     return DeviceArray(x) if isinstance(x, _core.DeviceArray) else x
 
 
-def _scale_arg(scale: float | None) -> float | None:
-    return None if scale is None else float(scale)
-
-
 Window = tuple[int | None, int | None]
-
-
-def _position(name: str, value: Any) -> int | None:
-    """A position offset as the core takes it (which checks its range): a
-    Python or NumPy integer; a bool or a float is refused, not rounded."""
-    if value is None:
-        return None
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
-        raise InvalidArgumentError(
-            f"{name}={value!r}: expected an integer position (a Python int or a NumPy "
-            f"integer scalar), got {type(value).__name__}"
-        )
-    return int(value)
 
 
 def _variants(
@@ -75,27 +57,18 @@ def _variants(
     q_offset: int | None,
     k_offset: int | None,
 ) -> dict[str, Any]:
-    """The variant and position keywords as the core takes them; the core
-    validates them."""
-    if window is not None:
-        try:
-            left, right = window
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                f"window={window!r}: expected a pair (left, right), each an int >= 0, "
-                "or None / -1 for unbounded"
-            ) from None
-        window = tuple(-1 if side is None else operator.index(side) for side in (left, right))
+    """The variant and position keywords as the caller gave them: the core
+    checks each (its type too), naming it."""
     return {
         "window": window,
         "mask": _variant_array("mask", mask),
         "alibi_slopes": _variant_array("alibi_slopes", alibi_slopes),
-        "softcap": None if softcap is None else float(softcap),
+        "softcap": softcap,
         "sinks": _variant_array("sinks", sinks),
-        "dropout_p": float(dropout_p),
-        "seed": None if seed is None else operator.index(seed),
-        "q_offset": _position("q_offset", q_offset),
-        "k_offset": _position("k_offset", k_offset),
+        "dropout_p": dropout_p,
+        "seed": seed,
+        "q_offset": q_offset,
+        "k_offset": k_offset,
     }
 
 
@@ -323,9 +296,12 @@ def attention(
     DTypeError (a TypeError)
         A dtype other than float16/32/64, or arrays of different dtypes.
     InvalidArgumentError (a ValueError)
-        A non-finite ``scale``, an unknown ``device``, or a variant keyword out
-        of range (``window``, ``softcap``, ``dropout_p``, ``seed``); the message
-        names the keyword and the value. Also ``device="cpu"`` with a
+        A non-finite ``scale``, an unknown ``device``, a variant keyword out
+        of range (``window``, ``softcap``, ``dropout_p``, ``seed``), or a
+        keyword of the wrong kind: flags take only ``True``/``False`` (NumPy
+        bools too), numbers only ints and floats (not bools or strings),
+        integers only ints; nothing is coerced. The message names the
+        keyword and the value. Also ``device="cpu"`` with a
         DeviceArray argument (the message names it; ``x.numpy()`` gives a
         NumPy copy to compute on the CPU), and a DeviceArray as ``mask``,
         ``alibi_slopes`` or ``sinks``, which must be NumPy arrays (they are
@@ -340,10 +316,11 @@ def attention(
         _main_array(q),
         _main_array(k),
         _main_array(v),
-        bool(causal),
-        _scale_arg(scale),
+        causal,
+        scale,
         device,
         _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, q_offset, k_offset),
+        return_lse,
     )
     return (_result(out), _result(lse)) if return_lse else _result(out)
 
@@ -483,11 +460,11 @@ def attention_backward(
         _main_array(v),
         _main_array(o),
         _main_array(lse),
-        bool(causal),
-        _scale_arg(scale),
+        causal,
+        scale,
         device,
         _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, q_offset, k_offset),
-        bool(return_dmask),
+        return_dmask,
     )
     grads = [_result(dq), _result(dk), _result(dv)]
     if sinks is not None:

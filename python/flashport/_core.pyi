@@ -27,10 +27,11 @@ def attention(
     q: _Tensor,
     k: _Tensor,
     v: _Tensor,
-    causal: bool,
-    scale: float | None,
-    device: str | None,
+    causal: object,
+    scale: object,
+    device: object,
     variants: dict[str, object],
+    return_lse: object,
 ) -> tuple[_Tensor, _Tensor]: ...
 def attention_backward(
     d_out: _Tensor,
@@ -39,11 +40,11 @@ def attention_backward(
     v: _Tensor,
     out: _Tensor,
     lse: _Tensor,
-    causal: bool,
-    scale: float | None,
-    device: str | None,
+    causal: object,
+    scale: object,
+    device: object,
     variants: dict[str, object],
-    return_dmask: bool,
+    return_dmask: object,
 ) -> tuple[
     _Tensor,
     _Tensor,
@@ -54,7 +55,7 @@ def attention_backward(
 def merge_states(
     outs: list[_Tensor] | _Tensor,
     lses: list[_Tensor] | _Tensor,
-    device: str | None,
+    device: object,
 ) -> tuple[_Tensor, _Tensor]: ...
 def devices() -> list[dict[str, object]]: ...
 def _gpu_kernel_times() -> list[tuple[str, float]]: ...

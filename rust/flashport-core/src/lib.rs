@@ -39,6 +39,7 @@ pub mod interrupt;
 pub mod merge;
 pub mod overrides;
 pub mod problem;
+pub mod scalar;
 pub mod variants;
 
 pub use error::{Error, Result};

@@ -13,6 +13,8 @@ use flashport_core::{
     f16, Array, ArrayInfo, Buffer, DType, Device, Input, MaskData, Options, Parts, Placement,
     Problem, Slice, VariantArrays,
 };
+mod scalars;
+
 use numpy::{
     Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
@@ -22,7 +24,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 /// Raises the flashport exception class (defined in `flashport._errors`)
 /// that corresponds to a core error.
-fn to_py_err(py: Python<'_>, err: core::Error) -> PyErr {
+pub(crate) fn to_py_err(py: Python<'_>, err: core::Error) -> PyErr {
     let class = match &err {
         core::Error::Shape(_) => "ShapeError",
         core::Error::DType { .. } => "DTypeError",
@@ -276,37 +278,20 @@ fn validated<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
 }
 
 /// The variant and position keywords of both entry points: a dict that
-/// `flashport._attention` builds, keyed by the keyword names.
+/// `flashport._attention` builds, keyed by the keyword names, each value
+/// as the caller gave it (`scalars` has the core check it).
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
 struct VariantArgs<'py> {
-    window: Option<(i64, i64)>,
+    window: Bound<'py, PyAny>,
     mask: Option<Bound<'py, PyAny>>,
     alibi_slopes: Option<Bound<'py, PyAny>>,
-    softcap: Option<f64>,
+    softcap: Bound<'py, PyAny>,
     sinks: Option<Bound<'py, PyAny>>,
-    dropout_p: f64,
-    seed: Option<i128>,
-    /// Python ints (flashport._attention has checked the type), of any
-    /// size: one beyond i128 gets the core's out-of-range error.
-    q_offset: Option<Bound<'py, PyAny>>,
-    k_offset: Option<Bound<'py, PyAny>>,
-}
-
-fn position(
-    py: Python<'_>,
-    name: &str,
-    value: &Option<Bound<'_, PyAny>>,
-) -> PyResult<Option<i128>> {
-    value
-        .as_ref()
-        .map(|v| {
-            v.extract::<i128>().map_err(|_| {
-                let shown = v.str().map_or_else(|_| "?".to_string(), |s| s.to_string());
-                to_py_err(py, core::problem::position_error(name, &shown))
-            })
-        })
-        .transpose()
+    dropout_p: Bound<'py, PyAny>,
+    seed: Bound<'py, PyAny>,
+    q_offset: Bound<'py, PyAny>,
+    k_offset: Bound<'py, PyAny>,
 }
 
 /// Shapes and dtypes of the variant arrays, read before validation.
@@ -330,20 +315,19 @@ impl VariantArgs<'_> {
 
     fn options<'m>(
         &self,
-        py: Python<'_>,
         metas: &'m VariantMetas,
-        causal: bool,
-        scale: Option<f64>,
+        causal: &Bound<'_, PyAny>,
+        scale: &Bound<'_, PyAny>,
     ) -> PyResult<Options<'m>> {
         Ok(Options {
-            causal,
-            scale,
-            window: self.window,
-            q_offset: position(py, "q_offset", &self.q_offset)?,
-            k_offset: position(py, "k_offset", &self.k_offset)?,
-            softcap: self.softcap,
-            dropout_p: self.dropout_p,
-            seed: self.seed,
+            causal: scalars::flag("causal", causal)?,
+            scale: scalars::optional_real("scale", scale)?,
+            window: scalars::window(&self.window)?,
+            q_offset: scalars::integer("q_offset", &self.q_offset)?,
+            k_offset: scalars::integer("k_offset", &self.k_offset)?,
+            softcap: scalars::optional_real("softcap", &self.softcap)?,
+            dropout_p: scalars::real("dropout_p", &self.dropout_p)?,
+            seed: scalars::integer("seed", &self.seed)?,
             mask: metas.mask.as_ref().map(ArgMeta::info),
             alibi_slopes: metas.alibi_slopes.as_ref().map(ArgMeta::info),
             sinks: metas.sinks.as_ref().map(ArgMeta::info),
@@ -401,31 +385,35 @@ fn as_dtype<'py>(array: Bound<'py, PyAny>, dtype: Option<String>) -> PyResult<Bo
 /// The private entry point behind `flashport.attention`; see its docstring
 /// for the contract. `variants` holds the variant keywords by name.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, causal, scale, device, variants))]
+#[pyo3(signature = (q, k, v, causal, scale, device, variants, return_lse))]
 #[allow(clippy::too_many_arguments)]
 fn attention<'py>(
     py: Python<'py>,
     q: &Bound<'py, PyAny>,
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
-    causal: bool,
-    scale: Option<f64>,
-    device: Option<&str>,
+    causal: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    device: &Bound<'py, PyAny>,
     variants: VariantArgs<'py>,
+    return_lse: &Bound<'py, PyAny>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    // Checked for the Python wrapper, which returns lse only when it is set.
+    scalars::flag("return_lse", return_lse)?;
     let metas = [
         ArgMeta::read_main("q", q)?,
         ArgMeta::read_main("k", k)?,
         ArgMeta::read_main("v", v)?,
     ];
     let variant_metas = variants.metas()?;
-    let options = variants.options(py, &variant_metas, causal, scale)?;
+    let options = variants.options(&variant_metas, causal, scale)?;
     let problem = validated(
         py,
         core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
     )?;
     let on_gpu = [q, k, v].into_iter().any(is_device);
-    let device = validated(py, Device::parse_for(device, on_gpu))?;
+    let device = scalars::device_name(device)?;
+    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
     let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let [q, k, v] = held;
     let (q, k, v) = (q?, k?, v?);
@@ -485,11 +473,11 @@ fn attention_backward<'py>(
     v: &Bound<'py, PyAny>,
     out: &Bound<'py, PyAny>,
     lse: &Bound<'py, PyAny>,
-    causal: bool,
-    scale: Option<f64>,
-    device: Option<&str>,
+    causal: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    device: &Bound<'py, PyAny>,
     variants: VariantArgs<'py>,
-    return_dmask: bool,
+    return_dmask: &Bound<'py, PyAny>,
 ) -> PyResult<BackwardOutputs<'py>> {
     let names = ["do", "q", "k", "v", "o", "lse"];
     let arrays = [d_out, q, k, v, out, lse];
@@ -500,8 +488,8 @@ fn attention_backward<'py>(
         .collect::<PyResult<Vec<_>>>()?;
     let variant_metas = variants.metas()?;
     let options = Options {
-        return_dmask,
-        ..variants.options(py, &variant_metas, causal, scale)?
+        return_dmask: scalars::flag("return_dmask", return_dmask)?,
+        ..variants.options(&variant_metas, causal, scale)?
     };
     let problem: Problem = validated(
         py,
@@ -516,7 +504,8 @@ fn attention_backward<'py>(
         ),
     )?;
     let on_gpu = arrays.into_iter().any(is_device);
-    let device = validated(py, Device::parse_for(device, on_gpu))?;
+    let device = scalars::device_name(device)?;
+    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
     let held = arrays
         .iter()
         .enumerate()
@@ -582,7 +571,7 @@ fn merge_states<'py>(
     py: Python<'py>,
     outs: &Bound<'py, PyAny>,
     lses: &Bound<'py, PyAny>,
-    device: Option<&str>,
+    device: &Bound<'py, PyAny>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let (outs_stacked, outs) = parts_of(outs);
     let (lses_stacked, lses) = parts_of(lses);
@@ -616,7 +605,8 @@ fn merge_states<'py>(
         ),
     )?;
     let on_gpu = outs.iter().chain(&lses).any(is_device);
-    let device = validated(py, Device::parse_for(device, on_gpu))?;
+    let device = scalars::device_name(device)?;
+    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
     let held_outs = outs
         .iter()
         .map(|a| Held::new(a, problem.dtype))

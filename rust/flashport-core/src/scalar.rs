@@ -1,0 +1,254 @@
+//! Scalar keywords as the caller wrote them (`scale=`, `causal=`,
+//! `window=`, `seed=`, `device=`, ...), checked here rather than coerced
+//! by the bindings: `float("0.5")` would accept a string, `bool("False")`
+//! is true, `int(1.5)` rounds. Each check takes exactly the kinds of value
+//! the keyword means and names the keyword otherwise.
+
+use crate::{Error, Result};
+
+/// What kind of value the caller gave, as the bindings classify it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    None,
+    /// Python's or NumPy's bool.
+    Bool(bool),
+    /// An integer (Python's or NumPy's); `None` when it is beyond `i128`.
+    Int(Option<i128>),
+    /// A float (Python's or NumPy's).
+    Float(f64),
+    Str(String),
+    /// Anything else, by its type's name (`set`, `ndarray`, `Tensor`).
+    Other(String),
+}
+
+/// One scalar argument: its kind and how the caller would write it (its
+/// `repr`), for messages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Given {
+    pub kind: Kind,
+    pub repr: String,
+}
+
+impl Given {
+    pub fn new(kind: Kind, repr: impl Into<String>) -> Self {
+        Given {
+            kind,
+            repr: repr.into(),
+        }
+    }
+
+    fn described(&self) -> String {
+        match &self.kind {
+            Kind::None => "None".to_string(),
+            Kind::Bool(_) => "a bool".to_string(),
+            Kind::Int(_) => "an int".to_string(),
+            Kind::Float(_) => "a float".to_string(),
+            Kind::Str(_) => "a string".to_string(),
+            Kind::Other(type_name) => format!("a value of type {type_name}"),
+        }
+    }
+
+    fn error(&self, argument: &str, expected: &str) -> Error {
+        Error::Value {
+            argument: argument.to_string(),
+            value: self.repr.clone(),
+            reason: format!("expected {expected}, got {}", self.described()),
+        }
+    }
+}
+
+/// A flag (`causal`, `return_lse`): `True` or `False`, never a value
+/// whose truth Python would guess (`"False"` is true, an array ambiguous).
+pub fn flag(argument: &str, given: &Given) -> Result<bool> {
+    match given.kind {
+        Kind::Bool(b) => Ok(b),
+        _ => Err(given.error(argument, "True or False")),
+    }
+}
+
+/// A real number (`dropout_p`). An int is exact enough; a bool is not a
+/// number here.
+pub fn real(argument: &str, given: &Given) -> Result<f64> {
+    number(argument, given, "a number")
+}
+
+/// A real number or `None` (`scale`, `softcap`).
+pub fn optional_real(argument: &str, given: &Given) -> Result<Option<f64>> {
+    match given.kind {
+        Kind::None => Ok(None),
+        _ => number(argument, given, "a number or None").map(Some),
+    }
+}
+
+fn number(argument: &str, given: &Given, expected: &str) -> Result<f64> {
+    match given.kind {
+        Kind::Float(x) => Ok(x),
+        Kind::Int(Some(i)) => Ok(i as f64),
+        Kind::Int(None) => Err(Error::Value {
+            argument: argument.to_string(),
+            value: given.repr.clone(),
+            reason: "the integer is out of range".to_string(),
+        }),
+        _ => Err(given.error(argument, expected)),
+    }
+}
+
+/// An integer (`seed`, `q_offset`), or `None`. Floats are refused even
+/// when whole: a position or a seed is never rounded. The problem's
+/// validation checks the range of what fits `i128`.
+pub fn integer(argument: &str, given: &Given) -> Result<Option<i128>> {
+    match given.kind {
+        Kind::None => Ok(None),
+        Kind::Int(Some(i)) => Ok(Some(i)),
+        Kind::Int(None) => Err(Error::Value {
+            argument: argument.to_string(),
+            value: given.repr.clone(),
+            reason: "the integer is out of range".to_string(),
+        }),
+        _ => Err(given.error(argument, "an integer or None")),
+    }
+}
+
+/// `device=`: a name, or `None` for the default.
+pub fn name(argument: &str, given: &Given) -> Result<Option<String>> {
+    match &given.kind {
+        Kind::None => Ok(None),
+        Kind::Str(s) => Ok(Some(s.clone())),
+        _ => Err(given.error(argument, "\"cpu\", \"gpu\", \"auto\" or None")),
+    }
+}
+
+/// `window=` as given: nothing, a pair (a tuple or list of two), or
+/// something else.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WindowGiven {
+    None,
+    Pair(Given, Given),
+    Other(Given),
+}
+
+/// `window=(left, right)`: each side an int (checked for range by the
+/// problem's validation) or `None` for unbounded, given as -1.
+pub fn window(given: &WindowGiven) -> Result<Option<(i64, i64)>> {
+    const PAIR: &str = "a pair (left, right), each an int >= 0, or None / -1 for unbounded";
+    let shown = |l: &Given, r: &Given| format!("({}, {})", l.repr, r.repr);
+    match given {
+        WindowGiven::None => Ok(None),
+        WindowGiven::Pair(left, right) => {
+            let side = |s: &Given, which: &str| match s.kind {
+                Kind::None => Ok(-1),
+                Kind::Int(Some(i)) if i64::try_from(i).is_ok() => Ok(i as i64),
+                Kind::Int(_) => Err(Error::Value {
+                    argument: "window".to_string(),
+                    value: shown(left, right),
+                    reason: format!("the {which} extent is out of range; expected {PAIR}"),
+                }),
+                _ => Err(Error::Value {
+                    argument: "window".to_string(),
+                    value: shown(left, right),
+                    reason: format!("expected {PAIR}; the {which} side is {}", s.described()),
+                }),
+            };
+            Ok(Some((side(left, "left")?, side(right, "right")?)))
+        }
+        WindowGiven::Other(g) => Err(g.error("window", PAIR)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn given(kind: Kind) -> Given {
+        let repr = format!("{kind:?}");
+        Given::new(kind, repr)
+    }
+
+    fn argument_of(e: Error) -> String {
+        match e {
+            Error::Value { argument, .. } => argument,
+            other => panic!("not a value error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn flags_are_bools_only() {
+        assert_eq!(flag("causal", &given(Kind::Bool(true))), Ok(true));
+        for kind in [
+            Kind::Str("False".into()),
+            Kind::Int(Some(1)),
+            Kind::None,
+            Kind::Other("ndarray".into()),
+        ] {
+            let e = flag("causal", &given(kind)).unwrap_err();
+            assert_eq!(argument_of(e), "causal");
+        }
+    }
+
+    #[test]
+    fn reals_take_ints_and_floats_not_bools_or_strings() {
+        assert_eq!(
+            optional_real("scale", &given(Kind::Float(0.5))),
+            Ok(Some(0.5))
+        );
+        assert_eq!(
+            optional_real("scale", &given(Kind::Int(Some(2)))),
+            Ok(Some(2.0))
+        );
+        assert_eq!(optional_real("scale", &given(Kind::None)), Ok(None));
+        assert_eq!(real("dropout_p", &given(Kind::Int(Some(0)))), Ok(0.0));
+        assert!(real("dropout_p", &given(Kind::None)).is_err());
+        for kind in [
+            Kind::Bool(true),
+            Kind::Str("0.5".into()),
+            Kind::Other("set".into()),
+        ] {
+            let e = optional_real("scale", &given(kind)).unwrap_err();
+            assert_eq!(argument_of(e), "scale");
+        }
+    }
+
+    #[test]
+    fn integers_are_never_rounded() {
+        assert_eq!(integer("seed", &given(Kind::Int(Some(-3)))), Ok(Some(-3)));
+        for kind in [
+            Kind::Float(1.0),
+            Kind::Bool(false),
+            Kind::Str("1".into()),
+            Kind::Int(None),
+        ] {
+            let e = integer("seed", &given(kind)).unwrap_err();
+            assert_eq!(argument_of(e), "seed");
+        }
+    }
+
+    #[test]
+    fn windows() {
+        let pair = |l, r| WindowGiven::Pair(given(l), given(r));
+        assert_eq!(window(&WindowGiven::None), Ok(None));
+        assert_eq!(
+            window(&pair(Kind::Int(Some(3)), Kind::None)),
+            Ok(Some((3, -1)))
+        );
+        for bad in [
+            pair(Kind::Float(1.5), Kind::Int(Some(2))),
+            pair(Kind::Bool(true), Kind::Bool(false)),
+            pair(Kind::Int(Some(1 << 63)), Kind::Int(Some(0))),
+            pair(Kind::Int(None), Kind::Int(Some(0))),
+            WindowGiven::Other(given(Kind::Other("set".into()))),
+            WindowGiven::Other(given(Kind::Int(Some(3)))),
+        ] {
+            assert_eq!(argument_of(window(&bad).unwrap_err()), "window", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(name("device", &given(Kind::None)), Ok(None));
+        assert_eq!(
+            name("device", &given(Kind::Str("gpu".into()))),
+            Ok(Some("gpu".into()))
+        );
+        assert!(name("device", &given(Kind::Int(Some(1)))).is_err());
+    }
+}
