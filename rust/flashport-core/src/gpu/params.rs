@@ -236,6 +236,17 @@ impl VariantData {
         })
     }
 
+    /// The sink logits per query head, as the kernels read them.
+    pub fn sinks(&self, p: &Problem) -> Option<Vec<f32>> {
+        let at = self.sinks_off as usize;
+        p.sinks.then(|| {
+            self.words[at..at + p.heads_q]
+                .iter()
+                .map(|&w| f32::from_bits(w))
+                .collect()
+        })
+    }
+
     /// The words to upload: a one-word dummy when the call has no variant
     /// arrays (the kernels name `vx` in code their overrides switch off,
     /// and every binding a pipeline names must be bound).
