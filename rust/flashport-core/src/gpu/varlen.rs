@@ -78,7 +78,8 @@ pub fn swap_leading(arrays: &[(&str, &DeviceArray, [usize; 3])]) -> Result<Vec<D
                         ctx.adapter.name
                     )));
                 }
-                let dst = sub.scratch(bytes);
+                // Poisoned where outputs are: the move writes every element.
+                let dst = sub.output_bytes(bytes);
                 let count = t.len() as u64;
                 if count > 0 {
                     let (entry, invocations) = match t.dtype() {
