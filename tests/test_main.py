@@ -56,6 +56,37 @@ def test_devices_command_lists_the_cpu():
     assert '"device": "cpu"' in proc.stdout
 
 
+def test_varlen_bench_runs_and_compares_equal_results(backend, tmp_path):
+    """The benchmark's two calls compute the same rows (its timings are
+    printed, never asserted)."""
+    out = tmp_path / "varlen.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashport",
+            "bench",
+            "varlen",
+            *("--device", backend, "--lengths", "3,17,40", "--heads", "2", "--dim", "8"),
+            *("--repeat", "1", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["lengths"] == [3, 17, 40]
+    assert [row["causal"] for row in result["rows"]] == [False, True]
+    for row in result["rows"]:
+        assert row["max_abs_diff_varlen_vs_padded"] < 1e-5
+        # Padded: 3 sequences of 40 rows; packed: 3, 17 and 40 rows.
+        padded, packed = (3 * 820, 6 + 153 + 820) if row["causal"] else (40 * 60, 9 + 289 + 1600)
+        assert row["work"] == pytest.approx(padded / packed)
+    assert "padded/varlen" in proc.stdout
+
+
 def test_stubs_match_the_extension():
     pytest.importorskip("mypy")
     proc = subprocess.run(

@@ -28,6 +28,7 @@ from ._errors import (
     ShapeError,
 )
 from ._merge import merge_states
+from ._varlen import attention_varlen, attention_varlen_backward
 
 __all__ = [
     "BackendUnavailableError",
@@ -42,6 +43,8 @@ __all__ = [
     "__version__",
     "attention",
     "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
     "devices",
     "merge_states",
     "reference",

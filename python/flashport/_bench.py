@@ -349,7 +349,15 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashport bench", description=__doc__)
+    if argv[:1] == ["varlen"]:
+        from . import _bench_varlen
+
+        return _bench_varlen.main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m flashport bench",
+        description=__doc__,
+        epilog="python -m flashport bench varlen: packed batches against padding (see its --help)",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--quick", action="store_true", help="only the first two shapes")
     parser.add_argument("--json", help="write the raw numbers to this file")

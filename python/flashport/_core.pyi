@@ -57,6 +57,32 @@ def merge_states(
     lses: list[_Tensor] | _Tensor,
     device: object,
 ) -> tuple[_Tensor, _Tensor]: ...
+def attention_varlen(
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    cu_seqlens_q: npt.NDArray[np.generic],
+    cu_seqlens_k: npt.NDArray[np.generic],
+    causal: object,
+    scale: object,
+    device: object,
+    variants: dict[str, object],
+    return_lse: object,
+) -> tuple[_Tensor, _Tensor]: ...
+def attention_varlen_backward(
+    d_out: _Tensor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    lse: _Tensor,
+    cu_seqlens_q: npt.NDArray[np.generic],
+    cu_seqlens_k: npt.NDArray[np.generic],
+    causal: object,
+    scale: object,
+    device: object,
+    variants: dict[str, object],
+) -> tuple[_Tensor, _Tensor, _Tensor, npt.NDArray[np.floating] | None]: ...
 def devices() -> list[dict[str, object]]: ...
 def _gpu_kernel_times() -> list[tuple[str, float]]: ...
 def _gpu_kernel_timing(enabled: bool) -> None: ...

@@ -25,7 +25,14 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["attention", "attention_backward", "dropout_keep", "philox4x32_10"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "dropout_keep",
+    "philox4x32_10",
+]
 
 # Philox4x32 constants (Salmon et al., SC 2011), as in variants.rs.
 _PHILOX_M0 = np.uint64(0xD2511F53)
@@ -224,13 +231,16 @@ def _probabilities(s, visible, sinks=None):
     return p, lse
 
 
-def _dropout_factor(shape, dropout_p, seed, dtype):
-    """Z = keep / (1 - p), or None without dropout."""
+def _dropout_factor(shape, dropout_p, seed, dtype, keep=None):
+    """Z = keep / (1 - p), or None without dropout; ``keep`` overrides the
+    call's own mask (a packed batch's sequences draw theirs from the
+    packed positions)."""
     if not dropout_p:
         return None
     if seed is None:
         raise ValueError(f"dropout_p={dropout_p} needs a seed")
-    keep = dropout_keep(seed, dropout_p, shape)
+    if keep is None:
+        keep = dropout_keep(seed, dropout_p, shape)
     return np.where(keep, dtype(1) / (dtype(1) - dtype(dropout_p)), dtype(0))
 
 
@@ -292,6 +302,7 @@ def _attention(
     seed=None,
     q_offset=None,
     k_offset=None,
+    _keep=None,
 ):
     """The reference computed in ``dtype``: in float64 the oracle, in float32
     the naive same-precision implementation that test tolerances are
@@ -312,7 +323,7 @@ def _attention(
         k_offset=k_offset,
     )
     p, lse = _probabilities(s, visible, sinks)
-    z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type)
+    z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type, _keep)
     pz = p if z is None else p * z
     out = pz @ np.repeat(v4, group, axis=1)
     out = out.reshape((*q_shape[:-1], v4.shape[-1]))
@@ -398,6 +409,7 @@ def _attention_backward(
     q_offset=None,
     k_offset=None,
     return_dmask=False,
+    _keep=None,
 ):
     q4, q_shape = _as_4d(q, dtype)
     k4, k_shape = _as_4d(k, dtype)
@@ -416,7 +428,7 @@ def _attention_backward(
         k_offset=k_offset,
     )
     p, lse = _probabilities(s, visible, sinks)
-    z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type)
+    z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type, _keep)
     pz = p if z is None else p * z
     v_rep = np.repeat(v4, group, axis=1)
     k_rep = np.repeat(k4, group, axis=1)
@@ -453,3 +465,215 @@ def _attention_backward(
             raise ValueError("return_dmask needs a float mask")
         grads.append(_reduce_to_shape(ds, np.shape(mask)))
     return tuple(grads)
+
+
+# Packed batches of variable-length sequences (flash-attn's varlen layout),
+# each sequence computed on its own by the functions above.
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cu_q = [int(x) for x in np.asarray(cu_seqlens_q).reshape(-1)]
+    cu_k = [int(x) for x in np.asarray(cu_seqlens_k).reshape(-1)]
+    if len(cu_q) != len(cu_k) or not cu_q or cu_q[0] != 0 or cu_k[0] != 0:
+        raise ValueError(f"bad prefix sums {cu_q}, {cu_k}")
+    return [
+        (slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)
+    ]
+
+
+def _packed_keep(seed, p, heads_q, rows, keys):
+    """The dropout mask of one sequence of a packed batch, ``(1, heads_q,
+    seq_q, seq_k)``: the Philox counter takes the packed row and key
+    indices and the head (as :func:`dropout_keep` does for one array)."""
+    threshold = np.uint64(int(np.floor(float(p) * 2.0**32)))
+    seed = int(seed)
+    bh = np.arange(heads_q, dtype=np.uint64)[:, None, None]
+    row = np.arange(rows.start, rows.stop, dtype=np.uint64)[None, :, None]
+    key = np.arange(keys.start, keys.stop, dtype=np.uint64)[None, None, :]
+    words = philox4x32_10((key // np.uint64(4), row, bh, 0), (seed & 0xFFFFFFFF, seed >> 32))
+    words = np.broadcast_arrays(*words)
+    stacked = np.stack(words, axis=-1)
+    word = np.broadcast_to(key % np.uint64(4), stacked.shape[:-1]).astype(np.intp)
+    chosen = np.take_along_axis(stacked, word[..., None], axis=-1)[..., 0]
+    return (chosen >= threshold)[None]
+
+
+def _varlen_kwargs(b, heads_q, rows, keys, alibi_slopes, dropout_p, seed, kwargs):
+    """One sequence's keywords: its slopes, and its block of the packed
+    dropout mask."""
+    kw = dict(kwargs)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes)
+        kw["alibi_slopes"] = slopes[b] if slopes.ndim == 2 else slopes
+    if dropout_p:
+        kw["dropout_p"] = dropout_p
+        kw["seed"] = seed
+        kw["_keep"] = _packed_keep(seed, dropout_p, heads_q, rows, keys)
+    return kw
+
+
+def _attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    causal,
+    scale,
+    dtype,
+    *,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    seed=None,
+    **kwargs,
+):
+    """:func:`attention_varlen` computed in ``dtype``: ``(o, lse)``."""
+    q, k, v = (np.asarray(x, dtype=dtype) for x in (q, k, v))
+    heads_q = q.shape[1]
+    out = np.zeros((q.shape[0], heads_q, v.shape[2]), dtype)
+    lse = np.full((heads_q, q.shape[0]), -np.inf, dtype)
+    for b, (rows, keys) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
+        if rows.stop == rows.start:
+            continue
+        kw = _varlen_kwargs(b, heads_q, rows, keys, alibi_slopes, dropout_p, seed, kwargs)
+        o_b, lse_b = _attention(
+            q[rows].transpose(1, 0, 2),
+            k[keys].transpose(1, 0, 2),
+            v[keys].transpose(1, 0, 2),
+            causal,
+            scale,
+            True,
+            dtype,
+            **kw,
+        )
+        out[rows] = o_b.transpose(1, 0, 2)
+        lse[:, rows] = lse_b
+    return out, lse
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    causal=False,
+    scale=None,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
+    return_lse=False,
+):
+    """:func:`attention` of each sequence of a packed batch, in float64; see
+    :func:`flashport.attention_varlen` (``q (total_q, heads_q, d)``, ``o
+    (total_q, heads_q, d_v)``, ``lse (heads_q, total_q)``)."""
+    out, lse = _attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        causal,
+        scale,
+        np.float64,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        seed=seed,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _attention_varlen_backward(
+    do,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    causal,
+    scale,
+    dtype,
+    *,
+    alibi_slopes=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
+    **kwargs,
+):
+    """:func:`attention_varlen_backward` computed in ``dtype``."""
+    do, q, k, v = (np.asarray(x, dtype=dtype) for x in (do, q, k, v))
+    heads_q = q.shape[1]
+    grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+    dsinks = None if sinks is None else np.zeros(heads_q, dtype)
+    for b, (rows, keys) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
+        # Rows that see no key have no gradient (their o is 0, so their
+        # sinks' share is 0 too).
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        kw = _varlen_kwargs(b, heads_q, rows, keys, alibi_slopes, dropout_p, seed, kwargs)
+        g = _attention_backward(
+            do[rows].transpose(1, 0, 2),
+            q[rows].transpose(1, 0, 2),
+            k[keys].transpose(1, 0, 2),
+            v[keys].transpose(1, 0, 2),
+            causal,
+            scale,
+            dtype,
+            sinks=sinks,
+            **kw,
+        )
+        for whole, part, at in zip(grads, g[:3], (rows, keys, keys), strict=True):
+            whole[at] = part.transpose(1, 0, 2)
+        if dsinks is not None:
+            dsinks += g[3]
+    return (*grads, dsinks) if dsinks is not None else tuple(grads)
+
+
+def attention_varlen_backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    causal=False,
+    scale=None,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
+):
+    """Analytic gradients of :func:`attention_varlen` in float64: ``(dq, dk,
+    dv)`` in the packed layouts, then ``dsinks`` if ``sinks`` is given; like
+    :func:`flashport.attention_varlen_backward`. ``o`` and ``lse`` are
+    ignored, as in :func:`attention_backward`."""
+    del o, lse
+    return _attention_varlen_backward(
+        do,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        causal,
+        scale,
+        np.float64,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        seed=seed,
+    )

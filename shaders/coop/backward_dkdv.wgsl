@@ -91,28 +91,41 @@ fn main(
     let h = lane >> 4u;
     let krow = k0 + srow + r;
     let hq = BQ / 2u;
+    // VARLEN: rows from `seen_by` on start after this lane's key (they
+    // belong to a later sequence, or their window has moved past it).
+    var seen_by = p.seq_q;
+    if VARLEN {
+        seen_by = varlen_key(krow + 1u, 1u);
+    }
 
-    // Query rows above `first_row` see none of these keys (causal).
+    // Query rows above `first_row` see none of these keys (causal; with
+    // VARLEN, earlier sequences), nor do those from `rows_end` on (VARLEN:
+    // later sequences).
     var first_row = 0u;
     if p.causal != 0u {
         first_row = u32(max(i32(k0) - p.causal_offset, 0));
     }
-    first_row = min(first_row, p.seq_q);
-    let n_tiles = (p.seq_q - first_row + BQ - 1u) / BQ;
+    var rows_end = p.seq_q;
+    if VARLEN {
+        first_row = varlen_first_row(k0);
+        rows_end = varlen_key(k0 + nk, 1u);
+    }
+    first_row = min(first_row, rows_end);
+    let n_tiles = (rows_end - first_row + BQ - 1u) / BQ;
     // One flat loop over (query head of the group, query tile), so that
     // the prefetch crosses head boundaries.
     let total = p.g_count * n_tiles;
     var qw: array<u32, MAXW>;
     var ow: array<u32, MAXW>;
     if total > 0u {
-        let nr = min(BQ, p.seq_q - first_row);
+        let nr = min(BQ, rows_end - first_row);
         qw = load_d(kvh * p.g_count * p.seq_q + first_row, nr, lid);
         ow = load_dv(kvh * p.g_count * p.seq_q + first_row, nr, lid);
     }
     for (var it = 0u; it < total; it++) {
         let head = kvh * p.g_count + it / n_tiles;
         let r0 = first_row + (it % n_tiles) * BQ;
-        let nr = min(BQ, p.seq_q - r0);
+        let nr = min(BQ, rows_end - r0);
         let q_row = head * p.seq_q + r0;
         // The K/V staging (first pass) or the last tile's products are
         // done with hs.
@@ -137,7 +150,7 @@ fn main(
         let it1 = it + 1u;
         if it1 < total {
             let next_row = (kvh * p.g_count + it1 / n_tiles) * p.seq_q + first_row + (it1 % n_tiles) * BQ;
-            let nr1 = min(BQ, p.seq_q - first_row - (it1 % n_tiles) * BQ);
+            let nr1 = min(BQ, rows_end - first_row - (it1 % n_tiles) * BQ);
             qw = load_d(next_row, nr1, lid);
             ow = load_dv(next_row, nr1, lid);
         }
@@ -172,7 +185,11 @@ fn main(
                 // automatic layout, which every backward binds.
                 s = score(s, p.head0 + head, r0 + j, krow);
             }
-            let pj = select(0.0, exp2((s - lse[j]) * LOG2E), krow < row_end[j]);
+            var seen = krow < row_end[j];
+            if VARLEN {
+                seen = seen && r0 + j < seen_by;
+            }
+            let pj = select(0.0, exp2((s - lse[j]) * LOG2E), seen);
             let dsj = pj * (dp_t[at] - delta[j]);
             hs[PT_OFF + (srow + r) * TS + j] = f16(pj);
             hs[DT_OFF + (srow + r) * TS + j] = f16(dsj);

@@ -93,12 +93,17 @@ fn main(
     var lse_r = 0.0;
     var delta_r = 0.0;
     var end_r = 0u;
+    // VARLEN: the row's first key (keys before it are another sequence's).
+    var start_r = 0u;
     if srow + r < rows {
         let st = stats[q_row0 + srow + r];
         lse_r = st.x;
         delta_r = st.y;
         if is_finite(st.x) {
             end_r = visible_end(row0 + srow + r);
+        }
+        if VARLEN {
+            start_r = varlen_row(row0 + srow + r, 0u);
         }
     }
     if DMASK {
@@ -107,9 +112,15 @@ fn main(
     }
 
     let key_end = visible_end(row0 + rows - 1u);
-    var kw = load_d(kv_row0, min(BK, key_end), lid);
-    var vw = load_dv(kv_row0, min(BK, key_end), lid);
-    for (var k0 = 0u; k0 < key_end; k0 += BK) {
+    // Rows start at key 0, a packed batch's at their sequence's keys (the
+    // first row starts first).
+    var key_start = 0u;
+    if VARLEN {
+        key_start = min(varlen_row(row0, 0u), key_end);
+    }
+    var kw = load_d(kv_row0 + key_start, min(BK, key_end - key_start), lid);
+    var vw = load_dv(kv_row0 + key_start, min(BK, key_end - key_start), lid);
+    for (var k0 = key_start; k0 < key_end; k0 += BK) {
         // The last tile's products are done with hs (or the Q/dO staging,
         // on the first).
         workgroupBarrier();
@@ -152,7 +163,11 @@ fn main(
                 // automatic layout, which every backward binds.
                 s = score(s, p.head0 + head, row0 + srow + r, k0 + j);
             }
-            let pj = select(0.0, exp2((s - lse_r) * LOG2E), k0 + j < end_r);
+            var seen = k0 + j < end_r;
+            if VARLEN {
+                seen = seen && k0 + j >= start_r;
+            }
+            let pj = select(0.0, exp2((s - lse_r) * LOG2E), seen);
             hs[DS_OFF + (srow + r) * TS + j] = f16(pj * (dp_f[at] - delta_r));
         }
         scratch_barrier();

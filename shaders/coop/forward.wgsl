@@ -210,8 +210,13 @@ fn main(
     let h = lane >> 4u;
     let grow = row0 + srow + r;
     var row_end = 0u;
+    // VARLEN: the row's first key (keys before it are another sequence's).
+    var row_start = 0u;
     if grow < p.seq_q {
         row_end = visible_end(grow);
+        if VARLEN {
+            row_start = varlen_row(grow, 0u);
+        }
     }
     // The online-softmax state of this lane's row (the names of
     // lib/common.wgsl; row_max in base 2), row_sum over its half of the
@@ -221,15 +226,21 @@ fn main(
     let scale_log2 = p.scale * LOG2E;
 
     let key_end = visible_end(row0 + rows - 1u);
-    var kw = load_k(kv_row0 * d2, min(BK, key_end), lid);
-    var vw = load_v(kv_row0 * dv2, min(BK, key_end), lid);
+    // Rows start at key 0, a packed batch's at their sequence's keys (the
+    // first row starts first).
+    var key_start = 0u;
+    if VARLEN {
+        key_start = min(varlen_row(row0, 0u), key_end);
+    }
+    var kw = load_k((kv_row0 + key_start) * d2, min(BK, key_end - key_start), lid);
+    var vw = load_v((kv_row0 + key_start) * dv2, min(BK, key_end - key_start), lid);
     store_k(kw, lid);
     if lid == 0u {
         moved.x = 0u;
     }
     // Q is in registers everywhere (qp becomes P), K_0 is staged.
     workgroupBarrier();
-    for (var k0 = 0u; k0 < key_end; k0 += BK) {
+    for (var k0 = key_start; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
         store_v(vw, lid);
         let k1 = k0 + BK;
@@ -266,6 +277,11 @@ fn main(
         if row_end > k0 {
             n = min(nk, row_end - k0);
         }
+        // VARLEN: keys below n0 belong to an earlier sequence.
+        var n0 = 0u;
+        if VARLEN && row_start > k0 {
+            n0 = min(row_start - k0, BK);
+        }
         let half_at = (srow + r) * FS + h * (BK / 2u);
         var sv: array<f32, MAXHALF>;
         var tile_max = NEG_BIG;
@@ -277,7 +293,11 @@ fn main(
                 // automatic layout, which every forward binds.
                 s = score(sf[half_at + i] * p.scale, bh, grow, k0 + j) * LOG2E;
             }
-            s = select(NEG_BIG, s, j < n);
+            var seen = j < n;
+            if VARLEN {
+                seen = seen && j >= n0;
+            }
+            s = select(NEG_BIG, s, seen);
             sv[i] = s;
             tile_max = max(tile_max, s);
         }
@@ -291,7 +311,7 @@ fn main(
             // On the first tile acc is still zero: nothing to rescale. (The
             // test is here, not on the uniform branch below: naga treats a
             // loaded `var` such as k0 as non-uniform.)
-            if k0 > 0u {
+            if k0 > key_start {
                 moved.x = 1u;
             }
         }
@@ -299,7 +319,11 @@ fn main(
         let p_at = (srow + r) * PS + h * (BK / 2u);
         for (var i = 0u; i < BK / 2u; i++) {
             let j = h * (BK / 2u) + i;
-            let pj = select(0.0, exp2(sv[i] - row_max), j < n);
+            var seen = j < n;
+            if VARLEN {
+                seen = seen && j >= n0;
+            }
+            let pj = select(0.0, exp2(sv[i] - row_max), seen);
             row_sum += pj;
             qp[p_at + i] = f16(pj);
         }

@@ -13,6 +13,12 @@ override DROPOUT: bool = false;
 override WINDOW: bool = false;
 // Whether score() changes u at all.
 override MODIFIES: bool = SOFTCAP || ALIBI || MASK;
+// A packed batch of variable-length sequences (attention_varlen): each
+// row's keys, diagonal and sequence come from the row table in vx
+// (src/gpu/varlen.rs) instead of the uniform's offsets. The host sets
+// WINDOW with it (rows start later than key 0), which switches the
+// kernels' per-row starts on.
+override VARLEN: bool = false;
 
 // Mirrors `params` in src/gpu/mod.rs, word for word.
 struct Params {
@@ -64,15 +70,17 @@ struct Params {
     blocks_off: u32,
     slopes_off: u32,
     sinks_off: u32,
+    // The row table of a packed batch (VARLEN) in vx.
+    rows_off: u32,
     // To 32 words: 128 bytes, a multiple of the 16-byte uniform alignment.
-    pad0: u32,
     pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 // The variants' arrays, one buffer: the mask (f32 bits) from 0, its block
 // map (one word per block) from blocks_off, ALiBi slopes per flat query
-// head from slopes_off, sinks per query head from sinks_off.
+// head from slopes_off, sinks per query head from sinks_off, a packed
+// batch's row table from rows_off.
 @group(0) @binding(15) var<storage, read> vx: array<u32>;
 
 // The online softmax has one vocabulary in every kernel: row_max (the
@@ -102,9 +110,27 @@ fn is_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+// Word `w` of `row`'s entry in the row table (VARLEN): 0 its first key,
+// 1 the end of its keys, 2 its diagonal offset (i32 bits), 3 its
+// sequence. Rows past seq_q (the padding rows of a tile) read the last
+// row's: any end up to seq_k is harmless for them.
+fn varlen_row(row: u32, w: u32) -> u32 {
+    return vx[p.rows_off + 4u * min(row, p.seq_q - 1u) + w];
+}
+
+// Word `w` of key boundary `key` (0..=seq_k) in the table after the rows:
+// 0 the first row whose keys end after `key`, 1 the first row whose keys
+// start at or after it.
+fn varlen_key(key: u32, w: u32) -> u32 {
+    return vx[p.rows_off + 4u * p.seq_q + 2u * min(key, p.seq_k) + w];
+}
+
 // Causal and the right window, at the call's positions (by default
 // bottom-right aligned): query `row` sees keys below visible_end.
 fn visible_end(row: u32) -> u32 {
+    if VARLEN {
+        return varlen_row(row, 1u);
+    }
     if p.causal == 0u {
         return p.seq_k;
     }
@@ -117,6 +143,9 @@ fn visible_start(row: u32) -> u32 {
     if !WINDOW {
         return 0u;
     }
+    if VARLEN {
+        return varlen_row(row, 0u);
+    }
     return u32(clamp(i32(row) + p.left_offset, 0, i32(p.seq_k)));
 }
 
@@ -126,7 +155,16 @@ fn rows_seeing_end(key_end: u32) -> u32 {
     if !WINDOW {
         return p.seq_q;
     }
+    if VARLEN {
+        return varlen_key(key_end, 1u);
+    }
     return u32(clamp(i32(key_end) - p.left_offset, 0, i32(p.seq_q)));
+}
+
+// VARLEN: the first query row that sees any key from `key` on (rows' ends
+// grow with their index); the dK/dV kernels start their rows there.
+fn varlen_first_row(key: u32) -> u32 {
+    return varlen_key(key, 0u);
 }
 
 fn sink_of(bh: u32) -> f32 {
@@ -148,8 +186,15 @@ fn score(u: f32, bh: u32, row: u32, key: u32) -> f32 {
         s = p.softcap * softcap_tanh(u);
     }
     if ALIBI {
-        let slope = bitcast<f32>(vx[p.slopes_off + bh]);
-        s -= slope * f32(abs(i32(row) + p.diag_offset - i32(key)));
+        if VARLEN {
+            // Distances within the row's sequence, with its slopes.
+            let slope = bitcast<f32>(vx[p.slopes_off + varlen_row(row, 3u) * p.heads_q + bh]);
+            let diagonal = bitcast<i32>(varlen_row(row, 2u));
+            s -= slope * f32(abs(i32(row) + diagonal - i32(key)));
+        } else {
+            let slope = bitcast<f32>(vx[p.slopes_off + bh]);
+            s -= slope * f32(abs(i32(row) + p.diag_offset - i32(key)));
+        }
     }
     if MASK {
         // The tiled kernels score padding rows and keys too, and run

@@ -120,11 +120,15 @@ fn main(
     var gk20 = vec4(0.0); var gk21 = vec4(0.0); var gk22 = vec4(0.0); var gk23 = vec4(0.0);
     var gk30 = vec4(0.0); var gk31 = vec4(0.0); var gk32 = vec4(0.0); var gk33 = vec4(0.0);
 
-    // Query rows above `first_row` see none of these keys (causal), nor do
-    // those from `row_end` on (the left window).
+    // Query rows above `first_row` see none of these keys (causal; with
+    // VARLEN, earlier sequences), nor do those from `row_end` on (the left
+    // window; with VARLEN, later sequences).
     var first_row = 0u;
     if p.causal != 0u {
         first_row = u32(max(i32(k0) - p.causal_offset, 0));
+    }
+    if VARLEN {
+        first_row = varlen_first_row(k0);
     }
     let row_end = rows_seeing_end(k0 + nk);
     // One flat loop over (query head of the group, query tile), so that the

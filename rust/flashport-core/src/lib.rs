@@ -41,6 +41,7 @@ pub mod overrides;
 pub mod problem;
 pub mod scalar;
 pub mod variants;
+pub mod varlen;
 
 pub use error::{Error, Result};
 pub use gpu::{to_device, DeviceArray};
@@ -50,7 +51,12 @@ pub use problem::{
     validate_backward, validate_forward, validate_merge, ArrayInfo, DType, MergeProblem, Options,
     Parts, Problem,
 };
+pub use problem::{validate_varlen_backward, validate_varlen_forward, SeqLens};
 pub use variants::{MaskData, VariantArrays};
+pub use varlen::{
+    attention_varlen, attention_varlen_arrays, attention_varlen_backward,
+    attention_varlen_backward_arrays, Segments,
+};
 
 /// A borrowed, contiguous, row-major input array.
 #[derive(Debug, Clone, Copy)]

@@ -176,6 +176,9 @@ pub struct Problem {
     pub sinks: bool,
     /// Backward only: the gradient of the (float) mask is wanted.
     pub return_dmask: bool,
+    /// A packed batch of variable-length sequences (`attention_varlen`):
+    /// see [`Varlen`]. `None` for every other problem.
+    pub varlen: Option<Varlen>,
     /// Global positions of query row 0 and of key 0: causal, the window
     /// and ALiBi compare `q_offset + i` with `k_offset + j`. Both lie in
     /// `[-POSITION_LIMIT, POSITION_LIMIT]`. A mask array and dropout keep
@@ -206,7 +209,9 @@ impl Problem {
 
     /// The keys query row `i` may attend to by the causal mask and the
     /// sliding window, as a half-open range (empty when it sees none). Both
-    /// ends are non-decreasing in the row. A mask array may hide more.
+    /// ends are non-decreasing in the row. A mask array may hide more. The
+    /// rows of a packed batch (`varlen`) see their sequence's keys instead:
+    /// [`crate::varlen::Segments::visible_keys`].
     pub fn visible_keys(&self, query_row: usize) -> std::ops::Range<usize> {
         // In i128, every sum below is exact.
         let diagonal = query_row as i128 + self.causal_offset();
@@ -321,7 +326,9 @@ impl Problem {
         let per_pair =
             2.0 * (self.batch * self.heads_q) as f64 * (self.head_dim + self.value_dim) as f64;
         let full = per_pair * self.seq_q as f64 * self.seq_k as f64;
-        if self.window != Window::default() {
+        if let Some(varlen) = self.varlen {
+            per_pair * varlen.visible_pairs as f64
+        } else if self.window != Window::default() {
             let pairs: usize = (0..self.seq_q).map(|i| self.visible_keys(i).len()).sum();
             per_pair * pairs as f64
         } else if self.causal {
@@ -474,6 +481,7 @@ pub fn validate_forward(
         alibi_per_batch: None,
         sinks: false,
         return_dmask: false,
+        varlen: None,
         q_offset: position("q_offset", options.q_offset, seq_k as i128 - seq_q as i128)?,
         k_offset: position("k_offset", options.k_offset, 0)?,
     };
@@ -901,6 +909,303 @@ pub fn validate_merge(outs: Parts<'_>, lses: Parts<'_>) -> Result<MergeProblem> 
     })
 }
 
+/// A packed batch of variable-length sequences, flash-attn's varlen layout:
+/// the [`Problem`] is the whole batch packed as one (`batch = 1`, `seq_q =
+/// total_q`, `seq_k = total_k`, head-major as the kernels take it), and
+/// [`crate::varlen::Segments`] (from `cu_seqlens_q` and `cu_seqlens_k`)
+/// cut its rows and keys into `sequences` independent attentions.
+/// Causal, the window and ALiBi are aligned within each sequence; there
+/// are no `q_offset`/`k_offset` and no mask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Varlen {
+    pub sequences: usize,
+    /// The (query, key) pairs the sequences' rows see: the work, which
+    /// follows the real lengths, not the longest.
+    pub visible_pairs: u64,
+}
+
+/// A `cu_seqlens_*` argument as validation reads it: shape and dtype, and
+/// the entries (read only when those say it is a vector of integers).
+#[derive(Debug, Clone, Copy)]
+pub struct SeqLens<'a> {
+    pub info: ArrayInfo<'a>,
+    pub values: &'a [i128],
+}
+
+/// Whether a NumPy dtype name is an integer type (cu_seqlens).
+pub fn is_integer_dtype(name: &str) -> bool {
+    matches!(
+        name,
+        "int8" | "int16" | "int32" | "int64" | "uint8" | "uint16" | "uint32" | "uint64"
+    )
+}
+
+/// The first entries of a prefix-sum argument, for messages.
+fn entries_str(values: &[i128]) -> String {
+    const SHOWN: usize = 8;
+    let mut shown: Vec<String> = values.iter().take(SHOWN).map(i128::to_string).collect();
+    if values.len() > SHOWN {
+        shown.push(format!("... ({} entries)", values.len()));
+    }
+    format!("[{}]", shown.join(", "))
+}
+
+/// The prefix sums of one `cu_seqlens_*` argument, checked to be a vector
+/// of integers from 0, never decreasing, ending at `total` (the rows of
+/// `packed`, the argument they index).
+fn prefix_sums(
+    argument: &str,
+    lens: &SeqLens<'_>,
+    total: usize,
+    packed: (&str, &[usize]),
+) -> Result<Vec<usize>> {
+    if !is_integer_dtype(lens.info.dtype) {
+        return Err(Error::DType {
+            argument: argument.to_string(),
+            dtype: lens.info.dtype.to_string(),
+            reason: "cu_seqlens are integer prefix sums of the sequence lengths (int32 or \
+                     int64, as flash-attn takes them)"
+                .to_string(),
+        });
+    }
+    let [n] = *lens.info.shape else {
+        return Err(Error::Shape(format!(
+            "{argument} has shape {}; expected (batch + 1,): the prefix sums of the \
+             sequence lengths, from 0",
+            shape_str(lens.info.shape)
+        )));
+    };
+    if n == 0 || lens.values.len() != n {
+        return Err(Error::Shape(format!(
+            "{argument} has shape {}; expected (batch + 1,) with at least the entry 0",
+            shape_str(lens.info.shape)
+        )));
+    }
+    let values = lens.values;
+    let bad = |reason: String| Err(value_error(argument, entries_str(values), reason));
+    if values[0] != 0 {
+        return bad(format!(
+            "{argument}[0] = {}; the prefix sums start at 0",
+            values[0]
+        ));
+    }
+    for i in 1..n {
+        if values[i] < values[i - 1] {
+            return bad(format!(
+                "{argument}[{i}] = {} < {argument}[{}] = {}: the prefix sums must not \
+                 decrease (a sequence length is never negative)",
+                values[i],
+                i - 1,
+                values[i - 1]
+            ));
+        }
+    }
+    if values[n - 1] != total as i128 {
+        let (name, shape) = packed;
+        return Err(Error::Shape(format!(
+            "{argument}[{}] = {} but {name} holds {total} packed rows ({name} has shape {}): \
+             the last prefix sum is the total length",
+            n - 1,
+            values[n - 1],
+            shape_str(shape)
+        )));
+    }
+    // Every entry lies in [0, total]: it fits usize.
+    Ok(values.iter().map(|&x| x as usize).collect())
+}
+
+/// Validates the arguments of `attention_varlen`: `q (total_q, heads_q,
+/// d)`, `k (total_k, heads_kv, d)`, `v (total_k, heads_kv, d_v)` and the
+/// prefix sums `cu_seqlens_q`, `cu_seqlens_k` (`(batch + 1,)` each). The
+/// problem is the head-major packed one (`(heads, total, dim)`, what the
+/// kernels run); the segments say where each sequence's rows and keys lie.
+/// `options` must not hold a mask or positions (`attention_varlen` has no
+/// such keywords); `alibi_slopes` are `(heads_q,)` or `(batch, heads_q)`
+/// with `batch` the number of sequences.
+pub fn validate_varlen_forward(
+    q: ArrayInfo<'_>,
+    k: ArrayInfo<'_>,
+    v: ArrayInfo<'_>,
+    cu_seqlens_q: SeqLens<'_>,
+    cu_seqlens_k: SeqLens<'_>,
+    options: &Options<'_>,
+) -> Result<(Problem, crate::varlen::Segments)> {
+    for (name, info) in [("q", &q), ("k", &k), ("v", &v)] {
+        if info.shape.len() != 3 {
+            return Err(Error::Shape(format!(
+                "{name} has shape {} ({} dimensions); attention_varlen takes packed \
+                 sequences, q (total_q, heads_q, d), k (total_k, heads_kv, d) and \
+                 v (total_k, heads_kv, d_v)",
+                shape_str(info.shape),
+                info.shape.len()
+            )));
+        }
+    }
+    let ([tq, hq, d], [tk, hk, dk], [tv, hv, dv]) = (
+        [q.shape[0], q.shape[1], q.shape[2]],
+        [k.shape[0], k.shape[1], k.shape[2]],
+        [v.shape[0], v.shape[1], v.shape[2]],
+    );
+    let shapes = || {
+        format!(
+            "q {}, k {}, v {}",
+            shape_str(q.shape),
+            shape_str(k.shape),
+            shape_str(v.shape)
+        )
+    };
+    if tv != tk {
+        return Err(Error::Shape(format!(
+            "k and v must hold the same packed keys (total_k: k {tk}, v {tv}); got {}",
+            shapes()
+        )));
+    }
+    if hv != hk {
+        return Err(Error::Shape(format!(
+            "k and v must have the same number of heads (k: {hk}, v: {hv}); got {}",
+            shapes()
+        )));
+    }
+    let cu_q = prefix_sums("cu_seqlens_q", &cu_seqlens_q, tq, ("q", q.shape))?;
+    let cu_k = prefix_sums("cu_seqlens_k", &cu_seqlens_k, tk, ("k", k.shape))?;
+    if cu_q.len() != cu_k.len() {
+        return Err(Error::Shape(format!(
+            "cu_seqlens_q has {} entries (batch {}) but cu_seqlens_k has {} (batch {}); \
+             each sequence has one entry in both",
+            cu_q.len(),
+            cu_q.len() - 1,
+            cu_k.len(),
+            cu_k.len() - 1
+        )));
+    }
+    let shape_error = |what: String| Err(Error::Shape(format!("{what}; got {}", shapes())));
+    if hq == 0 || hk == 0 {
+        return shape_error(format!(
+            "the number of heads must be at least 1 (q: {hq}, k/v: {hk})"
+        ));
+    }
+    if hq % hk != 0 {
+        return shape_error(format!(
+            "number of heads in k/v ({hk}) must divide number of heads in q ({hq})"
+        ));
+    }
+    if dk != d {
+        return shape_error(format!(
+            "q and k must have the same head dimension d (q: {d}, k: {dk})"
+        ));
+    }
+    if d == 0 {
+        return shape_error("the head dimension d must be at least 1".to_string());
+    }
+    // Positions are those within each sequence, and a mask would have to
+    // be one per sequence: attention_varlen has neither keyword.
+    for (name, given) in [
+        ("mask", options.mask.is_some()),
+        ("q_offset", options.q_offset.is_some()),
+        ("k_offset", options.k_offset.is_some()),
+    ] {
+        if given {
+            return Err(value_error(
+                name,
+                "given",
+                "attention_varlen takes no mask and no positions (they are those within \
+                 each sequence)",
+            ));
+        }
+    }
+    let (qh, kh, vh) = ([hq, tq, d], [hk, tk, d], [hk, tk, dv]);
+    let mut problem = validate_forward(
+        ArrayInfo::new(&qh, q.dtype),
+        ArrayInfo::new(&kh, k.dtype),
+        ArrayInfo::new(&vh, v.dtype),
+        &Options {
+            alibi_slopes: None,
+            ..*options
+        },
+    )?;
+    let sequences = cu_q.len() - 1;
+    if let Some(slopes) = options.alibi_slopes {
+        float_parameter("alibi_slopes", &slopes)?;
+        problem.alibi_per_batch = Some(match *slopes.shape {
+            [h] if h == hq => false,
+            [b, h] if b == sequences && h == hq => true,
+            _ => {
+                return Err(Error::Shape(format!(
+                    "alibi_slopes has shape {}; expected (heads_q,) = ({hq},) or \
+                     (batch, heads_q) = ({sequences}, {hq}), batch being the number of \
+                     sequences (len(cu_seqlens_q) - 1)",
+                    shape_str(slopes.shape),
+                )))
+            }
+        });
+    }
+    let segments = crate::varlen::Segments::new(cu_q, cu_k);
+    problem.varlen = Some(Varlen {
+        sequences,
+        visible_pairs: segments.visible_pairs(&problem),
+    });
+    Ok((problem, segments))
+}
+
+/// Validates the arguments of `attention_varlen_backward`: those of the
+/// forward, `do` and `o` shaped `(total_q, heads_q, d_v)` like its output
+/// and `lse` `(heads_q, total_q)`.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_varlen_backward(
+    d_out: ArrayInfo<'_>,
+    q: ArrayInfo<'_>,
+    k: ArrayInfo<'_>,
+    v: ArrayInfo<'_>,
+    out: ArrayInfo<'_>,
+    lse: ArrayInfo<'_>,
+    cu_seqlens_q: SeqLens<'_>,
+    cu_seqlens_k: SeqLens<'_>,
+    options: &Options<'_>,
+) -> Result<(Problem, crate::varlen::Segments)> {
+    let (problem, segments) =
+        validate_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options)?;
+    let out_shape = [problem.seq_q, problem.heads_q, problem.value_dim];
+    for (name, info) in [("do", &d_out), ("o", &out)] {
+        if info.shape != out_shape {
+            return Err(Error::Shape(format!(
+                "{name} has shape {} but attention_varlen's output for q {} and v {} has \
+                 shape {}",
+                shape_str(info.shape),
+                shape_str(q.shape),
+                shape_str(v.shape),
+                shape_str(&out_shape)
+            )));
+        }
+        if dtype_of(name, info)? != problem.dtype {
+            return Err(Error::DType {
+                argument: name.to_string(),
+                dtype: info.dtype.to_string(),
+                reason: format!(
+                    "q has dtype {}; do, q, k, v and o must share one dtype",
+                    q.dtype
+                ),
+            });
+        }
+    }
+    let lse_shape = [problem.heads_q, problem.seq_q];
+    if lse.shape != lse_shape {
+        return Err(Error::Shape(format!(
+            "lse has shape {} but for q {} it must have shape (heads_q, total_q) = {}",
+            shape_str(lse.shape),
+            shape_str(q.shape),
+            shape_str(&lse_shape)
+        )));
+    }
+    match dtype_of("lse", &lse)? {
+        DType::F32 | DType::F64 => Ok((problem, segments)),
+        DType::F16 => Err(Error::DType {
+            argument: "lse".to_string(),
+            dtype: lse.dtype.to_string(),
+            reason: "lse must be float32 or float64 (as returned by attention_varlen)".to_string(),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1197,6 +1502,200 @@ mod tests {
             .to_string()
             .contains("boolean"));
         assert!(!backward("bool", false).unwrap().return_dmask);
+    }
+
+    /// `attention_varlen`'s arguments with `cu_seqlens` given as (dtype,
+    /// entries); q `(total_q, 4, 8)`, k and v `(total_k, 2, 8)`.
+    fn varlen(
+        cu_q: (&str, &[i128]),
+        cu_k: (&str, &[i128]),
+        totals: (usize, usize),
+        options: Options<'_>,
+    ) -> Result<(Problem, crate::varlen::Segments)> {
+        let (tq, tk) = totals;
+        let (sq, sk) = ([cu_q.1.len()], [cu_k.1.len()]);
+        validate_varlen_forward(
+            ArrayInfo::new(&[tq, 4, 8], "float32"),
+            ArrayInfo::new(&[tk, 2, 8], "float32"),
+            ArrayInfo::new(&[tk, 2, 8], "float32"),
+            SeqLens {
+                info: ArrayInfo::new(&sq, cu_q.0),
+                values: cu_q.1,
+            },
+            SeqLens {
+                info: ArrayInfo::new(&sk, cu_k.0),
+                values: cu_k.1,
+            },
+            &options,
+        )
+    }
+
+    #[test]
+    fn varlen_packs_the_batch_head_major() {
+        let (p, s) = varlen(
+            ("int32", &[0, 3, 3, 10]),
+            ("uint64", &[0, 5, 6, 6]),
+            (10, 6),
+            Options::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.ndim),
+            (1, 4, 2, 10, 6, 3)
+        );
+        assert_eq!(p.varlen.map(|v| v.sequences), Some(3));
+        assert_eq!(p.varlen.map(|v| v.visible_pairs), Some(3 * 5));
+        assert_eq!(s.cu_seqlens_k(), &[0, 5, 6, 6]);
+        // A batch of no sequences at all.
+        let (p, _) = varlen(("int64", &[0]), ("int64", &[0]), (0, 0), Options::default()).unwrap();
+        assert_eq!((p.seq_q, p.seq_k, p.varlen.unwrap().sequences), (0, 0, 0));
+    }
+
+    #[test]
+    fn varlen_errors_name_the_argument_and_the_entry() {
+        let ok: &[i128] = &[0, 4, 10];
+        let err = |cu_q: (&str, &[i128]), cu_k: (&str, &[i128]), totals| {
+            varlen(cu_q, cu_k, totals, Options::default())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(("int32", &[0, 12, 10]), ("int32", ok), (10, 10));
+        assert!(
+            e.contains("cu_seqlens_q[2] = 10 < cu_seqlens_q[1] = 12"),
+            "{e}"
+        );
+        let e = err(("int32", ok), ("int32", &[1, 4, 10]), (10, 10));
+        assert!(e.contains("cu_seqlens_k[0] = 1"), "{e}");
+        let e = err(("int32", &[0, 4, 11]), ("int32", ok), (10, 10));
+        assert!(
+            e.contains("cu_seqlens_q[2] = 11") && e.contains("q holds 10 packed rows"),
+            "{e}"
+        );
+        let e = err(("int32", ok), ("int32", &[0, 4, 9]), (10, 10));
+        assert!(
+            e.contains("cu_seqlens_k[2] = 9") && e.contains("k holds 10"),
+            "{e}"
+        );
+        let e = err(("int32", ok), ("int32", &[0, 10]), (10, 10));
+        assert!(
+            e.contains("cu_seqlens_q has 3 entries (batch 2)")
+                && e.contains("cu_seqlens_k has 2 (batch 1)"),
+            "{e}"
+        );
+        match varlen(("float32", ok), ("int32", ok), (10, 10), Options::default()).unwrap_err() {
+            Error::DType {
+                argument, dtype, ..
+            } => {
+                assert_eq!(
+                    (argument.as_str(), dtype.as_str()),
+                    ("cu_seqlens_q", "float32")
+                )
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let e = err(("int32", &[]), ("int32", ok), (10, 10));
+        assert!(e.contains("cu_seqlens_q has shape (0,)"), "{e}");
+        // Packed shapes are reported as given.
+        let e = validate_varlen_forward(
+            ArrayInfo::new(&[10, 3, 8], "float32"),
+            ArrayInfo::new(&[10, 2, 8], "float32"),
+            ArrayInfo::new(&[10, 2, 8], "float32"),
+            SeqLens {
+                info: ArrayInfo::new(&[3], "int64"),
+                values: ok,
+            },
+            SeqLens {
+                info: ArrayInfo::new(&[3], "int64"),
+                values: ok,
+            },
+            &Options::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("(2) must divide") && e.contains("q (10, 3, 8)"),
+            "{e}"
+        );
+        let e = validate_varlen_forward(
+            ArrayInfo::new(&[2, 10, 3, 8], "float32"),
+            ArrayInfo::new(&[10, 2, 8], "float32"),
+            ArrayInfo::new(&[10, 2, 8], "float32"),
+            SeqLens {
+                info: ArrayInfo::new(&[3], "int64"),
+                values: ok,
+            },
+            SeqLens {
+                info: ArrayInfo::new(&[3], "int64"),
+                values: ok,
+            },
+            &Options::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("q has shape (2, 10, 3, 8)"), "{e}");
+        // Per-sequence ALiBi slopes are (batch, heads_q), batch counting
+        // sequences.
+        let slopes = |shape: &[usize]| {
+            varlen(
+                ("int32", ok),
+                ("int32", ok),
+                (10, 10),
+                Options {
+                    alibi_slopes: Some(ArrayInfo::new(shape, "float32")),
+                    ..Options::default()
+                },
+            )
+        };
+        assert_eq!(slopes(&[2, 4]).unwrap().0.alibi_per_batch, Some(true));
+        assert_eq!(slopes(&[4]).unwrap().0.alibi_per_batch, Some(false));
+        let e = slopes(&[1, 4]).unwrap_err().to_string();
+        assert!(
+            e.contains("alibi_slopes has shape (1, 4)") && e.contains("(2, 4)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn varlen_backward_checks_the_packed_output_and_lse() {
+        let ok: &[i128] = &[0, 4, 10];
+        let lens = SeqLens {
+            info: ArrayInfo::new(&[3], "int32"),
+            values: ok,
+        };
+        let (q, kv) = ([10, 4, 8], [10, 2, 6]);
+        let k = [10, 2, 8];
+        let backward = |o: &[usize], lse: &[usize], lse_dtype: &str| {
+            validate_varlen_backward(
+                ArrayInfo::new(o, "float32"),
+                ArrayInfo::new(&q, "float32"),
+                ArrayInfo::new(&k, "float32"),
+                ArrayInfo::new(&kv, "float32"),
+                ArrayInfo::new(o, "float32"),
+                ArrayInfo::new(lse, lse_dtype),
+                lens,
+                lens,
+                &Options::default(),
+            )
+        };
+        assert!(backward(&[10, 4, 6], &[4, 10], "float32").is_ok());
+        let e = backward(&[4, 10, 6], &[4, 10], "float32")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("do has shape (4, 10, 6)") && e.contains("(10, 4, 6)"),
+            "{e}"
+        );
+        let e = backward(&[10, 4, 6], &[10, 4], "float32")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("lse has shape (10, 4)") && e.contains("(4, 10)"),
+            "{e}"
+        );
+        assert!(matches!(
+            backward(&[10, 4, 6], &[4, 10], "float16").unwrap_err(),
+            Error::DType { .. }
+        ));
     }
 
     fn merge_err(outs: Parts<'_>, lses: Parts<'_>) -> String {

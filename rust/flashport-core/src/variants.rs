@@ -65,6 +65,8 @@ pub struct VariantArrays<'a> {
     pub alibi_slopes: Option<&'a [f64]>,
     /// `(heads_q,)` sink logits.
     pub sinks: Option<&'a [f64]>,
+    /// The sequences of a packed batch (`Problem::varlen`).
+    pub segments: Option<&'a crate::varlen::Segments>,
 }
 
 impl VariantArrays<'_> {
@@ -88,9 +90,14 @@ impl VariantArrays<'_> {
             }
             _ => return mismatch("mask"),
         }
+        match (problem.varlen, self.segments) {
+            (None, None) => {}
+            (Some(_), Some(segments)) => segments.check(problem)?,
+            _ => return mismatch("cu_seqlens"),
+        }
         let slopes_len = match problem.alibi_per_batch {
             None => None,
-            Some(true) => Some(problem.batch * problem.heads_q),
+            Some(true) => Some(slope_groups(problem) * problem.heads_q),
             Some(false) => Some(problem.heads_q),
         };
         if slopes_len != self.alibi_slopes.map(<[f64]>::len) {
@@ -366,14 +373,22 @@ impl<T: MaskScalar> AdditiveMask<T> {
     }
 }
 
-/// ALiBi slopes expanded to one per flat `(batch, query head)`.
+/// ALiBi slopes expanded to one per flat `(batch, query head)` (for a packed
+/// batch, per `(sequence, query head)`).
 pub fn slopes_per_head(problem: &Problem, slopes: &[f64]) -> Vec<f64> {
     match problem.alibi_per_batch {
         Some(true) => slopes.to_vec(),
-        _ => (0..problem.batch)
+        _ => (0..slope_groups(problem))
             .flat_map(|_| slopes.iter().copied())
             .collect(),
     }
+}
+
+/// What per-batch slopes are per: the batch, or a packed batch's
+/// sequences (flash-attn's `(batch, heads)` slopes of varlen calls), each
+/// with `heads_q` slopes.
+pub fn slope_groups(problem: &Problem) -> usize {
+    problem.varlen.map_or(problem.batch, |v| v.sequences)
 }
 
 fn read_f64(s: &Slice<'_>, i: usize) -> f64 {

@@ -187,7 +187,7 @@ fn every_shader_parses_and_validates() {
             assert!(taken, "shaders/{file} is a fragment no kernel takes");
             continue;
         }
-        if file == "device_arrays.wgsl" || file == "merge_states.wgsl" {
+        if ["device_arrays.wgsl", "merge_states.wgsl", "varlen.wgsl"].contains(&file.as_str()) {
             // Stand-alone modules, checked below.
             continue;
         }
@@ -271,6 +271,33 @@ fn merge_states_validates() {
     );
 }
 
+/// attention_varlen's moves between the packed and the head-major layout
+/// are a module of their own with WebGPU's core capabilities, like the
+/// device-array moves.
+#[test]
+fn varlen_moves_validate() {
+    let path = shader_dir().join("varlen.wgsl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let module = parse_text("varlen.wgsl", &text);
+    let plain =
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
+            .validate(&module);
+    if let Err(e) = plain {
+        panic!(
+            "{} does not validate:\n{}",
+            path.display(),
+            e.emit_to_string(&text)
+        );
+    }
+    let mut entries: Vec<&str> = module
+        .entry_points
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["varlen_swap_f16", "varlen_swap_f32"]);
+}
+
 /// Every kernel binds at most 8 storage buffers per stage, WebGPU's default
 /// limit (`wgpu::Limits::default()`), so that no adapter is refused for it.
 #[test]
@@ -305,6 +332,7 @@ fn kernels_specialise_with_every_variant() {
         dropout: true,
         window: true,
         dmask: true,
+        varlen: true,
     };
     let caps = AdapterCaps {
         workgroup_storage_bytes: 32 * 1024,
@@ -462,6 +490,19 @@ fn coop_validator() -> naga::valid::Validator {
     v
 }
 
+/// The variants of a packed batch (attention_varlen) as `select` keys
+/// them: the row table, and rows that start later than key 0.
+const PACKED: Variants = Variants {
+    softcap: false,
+    alibi: false,
+    mask: false,
+    sinks: false,
+    dropout: false,
+    window: true,
+    dmask: false,
+    varlen: true,
+};
+
 const NVIDIA: AdapterCaps = AdapterCaps {
     workgroup_storage_bytes: 48 * 1024,
     max_invocations: 1024,
@@ -495,23 +536,25 @@ fn coop_forward_validates_and_specialises() {
         let t = coop_forward_tiles(d, dv, nvidia)
             .unwrap_or_else(|| panic!("no cooperative tiles for d={d} dv={dv}"));
         assert!(coop_workgroup_bytes(d, dv, t) <= 48 * 1024);
-        let mut constants: naga::back::PipelineConstants = Default::default();
-        for (k, val) in tile_overrides(Kernel::ForwardCoop, true, d, dv, t, true)
-            .into_iter()
-            .chain(variant_overrides(Kernel::ForwardCoop, Variants::default()))
-        {
-            constants.insert(k.to_string(), val);
+        for variants in [Variants::default(), PACKED] {
+            let mut constants: naga::back::PipelineConstants = Default::default();
+            for (k, val) in tile_overrides(Kernel::ForwardCoop, true, d, dv, t, true)
+                .into_iter()
+                .chain(variant_overrides(Kernel::ForwardCoop, variants))
+            {
+                constants.insert(k.to_string(), val);
+            }
+            naga::back::pipeline_constants::process_overrides(
+                &module,
+                &info,
+                Some((naga::ShaderStage::Compute, "main")),
+                &constants,
+            )
+            .unwrap_or_else(|e| panic!("forward_coop d={d} dv={dv} {t:?} {variants:?}: {e:?}"));
+            specialised += 1;
         }
-        naga::back::pipeline_constants::process_overrides(
-            &module,
-            &info,
-            Some((naga::ShaderStage::Compute, "main")),
-            &constants,
-        )
-        .unwrap_or_else(|e| panic!("forward_coop d={d} dv={dv} {t:?}: {e:?}"));
-        specialised += 1;
     }
-    assert_eq!(specialised, 6);
+    assert_eq!(specialised, 12);
     // Shapes it does not take.
     for (d, dv) in [(8, 64), (64, 24), (256, 64)] {
         assert_eq!(coop_forward_tiles(d, dv, nvidia), None);
@@ -549,24 +592,28 @@ fn coop_backward_validates_and_specialises() {
                 tkv
             };
             assert!(workgroup_bytes(kernel, d, dv, t) <= 48 * 1024);
-            let mut constants: naga::back::PipelineConstants = Default::default();
-            for (k, val) in tile_overrides(kernel, true, d, dv, t, true)
-                .into_iter()
-                .chain(variant_overrides(kernel, Variants::default()))
-            {
-                constants.insert(k.to_string(), val);
+            for variants in [Variants::default(), PACKED] {
+                let mut constants: naga::back::PipelineConstants = Default::default();
+                for (k, val) in tile_overrides(kernel, true, d, dv, t, true)
+                    .into_iter()
+                    .chain(variant_overrides(kernel, variants))
+                {
+                    constants.insert(k.to_string(), val);
+                }
+                naga::back::pipeline_constants::process_overrides(
+                    &module,
+                    &info,
+                    Some((naga::ShaderStage::Compute, "main")),
+                    &constants,
+                )
+                .unwrap_or_else(|e| {
+                    panic!("{} d={d} dv={dv} {t:?} {variants:?}: {e:?}", kernel.name())
+                });
+                specialised += 1;
             }
-            naga::back::pipeline_constants::process_overrides(
-                &module,
-                &info,
-                Some((naga::ShaderStage::Compute, "main")),
-                &constants,
-            )
-            .unwrap_or_else(|e| panic!("{} d={d} dv={dv} {t:?}: {e:?}", kernel.name()));
-            specialised += 1;
         }
     }
-    assert_eq!(specialised, 12);
+    assert_eq!(specialised, 24);
     // d = 64 takes four subgroups and 32 streamed rows in 48 KiB; d = 128
     // four subgroups and 16 streamed rows.
     let (tq, tkv) = coop_backward_tiles(64, 64, NVIDIA).unwrap();

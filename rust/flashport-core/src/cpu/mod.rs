@@ -266,19 +266,23 @@ struct RowTile<'a, T> {
     outputs: [&'a mut [T]; 2],
 }
 
-/// Cuts two outputs of `heads × seq × widths[i]` elements into row tiles.
+/// Cuts two outputs of `heads × seq × widths[i]` elements into row tiles,
+/// none across the runs of rows `runs` (consecutive, covering `0..seq`).
 fn row_tiles<'a, T>(
     heads: usize,
-    seq: usize,
+    runs: &[Range<usize>],
     tile_rows: usize,
     outputs: [&'a mut [T]; 2],
     widths: [usize; 2],
 ) -> Vec<RowTile<'a, T>> {
     let mut rest = outputs;
-    let mut tiles = Vec::with_capacity(heads * seq.div_ceil(tile_rows));
+    let seq = runs.last().map_or(0, |r| r.end);
+    let mut tiles = Vec::with_capacity(heads * (seq.div_ceil(tile_rows) + runs.len()));
     for head in 0..heads {
-        for start in (0..seq).step_by(tile_rows) {
-            let rows = start..(start + tile_rows).min(seq);
+        for rows in runs
+            .iter()
+            .flat_map(|run| key_tiles(run.clone(), tile_rows))
+        {
             let outputs = [0, 1].map(|i| {
                 let (tile, tail) =
                     std::mem::take(&mut rest[i]).split_at_mut(rows.len() * widths[i]);
@@ -498,7 +502,7 @@ fn forward_typed<T: Element>(
     let heads = problem.batch * problem.heads_q;
     let mut tasks = row_tiles(
         heads,
-        problem.seq_q,
+        &rules.row_runs(),
         tiles.q_rows,
         [spare(&mut out, out_len), spare(&mut lse, lse_len)],
         [dv, 1],
@@ -823,7 +827,7 @@ impl<T: Element> ChunkStep<'_, T> {
         let k_rows = self.tiles.k_rows;
         'blocks: for g in 0..group {
             let head = batch * problem.heads_q + kv_index * group + g;
-            for rows in key_tiles(0..problem.seq_q, self.tiles.q_block) {
+            for rows in self.rules.row_blocks(self.tiles.q_block) {
                 // A task visits every query row: long at long sequences.
                 if parallel::stopping() {
                     break 'blocks;
@@ -974,8 +978,9 @@ fn backward_typed<T: Element>(
     );
     // Head by head, the longest first (see the forward).
     tasks.sort_by_cached_key(|t| {
-        let blocks = key_tiles(0..problem.seq_q, tiles.q_block);
+        let blocks = rules.row_blocks(tiles.q_block);
         let pairs: usize = blocks
+            .into_iter()
             .map(|rows| {
                 let seen = rules.key_range(&rows);
                 let keys = seen.start.max(t.keys.start)..seen.end.min(t.keys.end);

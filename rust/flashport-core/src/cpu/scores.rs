@@ -11,6 +11,7 @@ use super::element::Element;
 use crate::variants::{
     slopes_per_head, DropoutMask, MaskData, MaskLayout, VariantArrays, MASK_BLOCK,
 };
+use crate::varlen::{RowTable, Segments};
 use crate::Problem;
 
 /// The caller's mask as the CPU reads it, without converting a boolean
@@ -101,6 +102,8 @@ pub struct ScoreRules<'p, T: Clone> {
     dropout: Option<DropoutMask>,
     /// `1 / (1 - p)`: the scale of the kept probabilities.
     keep_scale: T,
+    /// A packed batch's sequences, and each row's visible keys in them.
+    segments: Option<(&'p Segments, RowTable)>,
 }
 
 impl<'p, T: Element> ScoreRules<'p, T> {
@@ -116,6 +119,66 @@ impl<'p, T: Element> ScoreRules<'p, T> {
             sinks: arrays.sinks.map(|s| to_t(s.to_vec())),
             dropout: problem.dropout.map(DropoutMask::new),
             keep_scale: T::from_f64(problem.dropout.map_or(1.0, |d| 1.0 / (1.0 - d.p))),
+            segments: arrays.segments.map(|s| (s, s.rows(problem))),
+        }
+    }
+
+    /// The keys query row `row` may see by causal and the window (within
+    /// its sequence, in a packed batch); both ends are non-decreasing in
+    /// the row.
+    pub fn visible_keys(&self, row: usize) -> Range<usize> {
+        match &self.segments {
+            Some((_, rows)) => rows.visible[row].clone(),
+            None => self.problem.visible_keys(row),
+        }
+    }
+
+    /// Whether rows see fewer keys than all: causal, the window, or the
+    /// sequences of a packed batch.
+    fn has_range_mask(&self) -> bool {
+        self.segments.is_some() || self.problem.has_range_mask()
+    }
+
+    /// The rows the forward cuts into tiles, each tile within one: all of
+    /// them, or each sequence's of a packed batch (so that a tile's keys
+    /// are one sequence's).
+    pub fn row_runs(&self) -> Vec<Range<usize>> {
+        match &self.segments {
+            Some((s, _)) => (0..s.sequences())
+                .map(|b| s.sequence(b).rows)
+                .filter(|rows| !rows.is_empty())
+                .collect(),
+            None => std::iter::once(0..self.problem.seq_q).collect(),
+        }
+    }
+
+    /// Blocks of at most `block` consecutive rows, none across two runs of
+    /// [`ScoreRules::row_runs`].
+    pub fn row_blocks(&self, block: usize) -> Vec<Range<usize>> {
+        let mut blocks = Vec::new();
+        for run in self.row_runs() {
+            let mut start = run.start;
+            while start < run.end {
+                let end = (start + block).min(run.end);
+                blocks.push(start..end);
+                start = end;
+            }
+        }
+        blocks
+    }
+
+    /// The ALiBi slope and diagonal offset of row `r` of flat head `head`
+    /// (a packed batch's rows take their sequence's).
+    fn alibi_of(&self, slopes: &[T], head: usize, r: usize) -> (T, i128) {
+        match &self.segments {
+            Some((s, rows)) => {
+                let b = rows.sequence[r];
+                (
+                    slopes[b * self.problem.heads_q + head],
+                    i128::from(s.diagonal(b)),
+                )
+            }
+            None => (slopes[head], self.problem.causal_offset()),
         }
     }
 
@@ -149,8 +212,8 @@ impl<'p, T: Element> ScoreRules<'p, T> {
         if rows.is_empty() {
             return 0..0;
         }
-        let start = self.problem.visible_keys(rows.start).start;
-        let end = self.problem.visible_keys(rows.end - 1).end;
+        let start = self.visible_keys(rows.start).start;
+        let end = self.visible_keys(rows.end - 1).end;
         start.min(end)..end
     }
 
@@ -222,12 +285,12 @@ impl<'p, T: Element> ScoreRules<'p, T> {
                 return TileVisibility::Hidden;
             }
         }
-        if !self.problem.has_range_mask() {
+        if !self.has_range_mask() {
             return TileVisibility::Full;
         }
         let (mut hidden, mut full) = (true, true);
         for row in rows.clone() {
-            let seen = self.problem.visible_keys(row);
+            let seen = self.visible_keys(row);
             if seen.start.max(keys.start) < seen.end.min(keys.end) {
                 hidden = false;
             }
@@ -262,7 +325,6 @@ impl<'p, T: Element> ScoreRules<'p, T> {
         let p = self.problem;
         let (batch, h) = (head / p.heads_q, head % p.heads_q);
         let n = keys.len();
-        let offset = p.causal_offset();
         for (r, (row, line)) in rows.clone().zip(scores.chunks_mut(row_stride).enumerate()) {
             let line = &mut line[..n];
             if let Some(cap) = self.softcap {
@@ -283,7 +345,7 @@ impl<'p, T: Element> ScoreRules<'p, T> {
                 }
             }
             if let Some(slopes) = &self.slopes {
-                let slope = slopes[head];
+                let (slope, offset) = self.alibi_of(slopes, head, r);
                 // The distance saturates at 2^63 - 1, which only offsets
                 // at opposite ends of their ±2^62 range exceed.
                 let diagonal = (r as i128 + offset).clamp(i64::MIN.into(), i64::MAX.into()) as i64;
@@ -299,7 +361,7 @@ impl<'p, T: Element> ScoreRules<'p, T> {
                 // The visible keys of a row are one range: hide what lies
                 // before and after it as two runs (a per-key test costs as
                 // much as the rest of the tile's softmax).
-                let seen = p.visible_keys(r);
+                let seen = self.visible_keys(r);
                 let lo = seen.start.clamp(keys.start, keys.end) - keys.start;
                 let hi = seen.end.clamp(keys.start, keys.end) - keys.start;
                 let hi = hi.max(lo);

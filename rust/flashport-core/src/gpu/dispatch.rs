@@ -22,9 +22,9 @@ pub(crate) fn upload_variants(
     let bytes = 4 * vd.words.len() as u64;
     if bytes > limit {
         return Err(Error::TooLarge(format!(
-            "the mask (with its block map, slopes and sinks: {bytes} bytes) is larger than \
-             this adapter's largest GPU binding ({limit} bytes); use device=\"cpu\" or a mask \
-             that broadcasts"
+            "the variants' data (a mask with its block map, slopes, sinks, a packed batch's \
+             row table: {bytes} bytes) is larger than this adapter's largest GPU binding \
+             ({limit} bytes); use device=\"cpu\" or a mask that broadcasts"
         )));
     }
     sub.data(vd.upload_words())

@@ -54,6 +54,29 @@ pub fn forward_arrays(
     })
 }
 
+/// Float32 `values` as an output where `outputs` says (a device one
+/// uploaded before `sub`'s work).
+fn resident(
+    ctx: &Arc<Context>,
+    sub: &mut Submission<'_>,
+    outputs: Placement,
+    values: Vec<f32>,
+    shape: Vec<usize>,
+) -> Result<Array> {
+    Ok(match outputs {
+        Placement::Host => Array::Host(crate::Buffer::F32(values)),
+        Placement::Device => {
+            let buffer = sub.upload("lse", bytemuck::cast_slice(&values))?;
+            Array::Device(crate::DeviceArray::from_buffer(
+                ctx,
+                buffer,
+                DType::F32,
+                shape,
+            ))
+        }
+    })
+}
+
 fn forward_on(
     ctx: &Arc<Context>,
     p: &Problem,
@@ -68,14 +91,24 @@ fn forward_on(
         return ctx.scoped("making the outputs", || {
             let mut sub = Submission::new(ctx);
             let out = empty_output(ctx, &mut sub, outputs, p.dtype, p.out_shape(), 0.0)?;
-            let lse = empty_output(
-                ctx,
-                &mut sub,
-                outputs,
-                DType::F32,
-                p.lse_shape(),
-                f32::NEG_INFINITY,
-            )?;
+            let lse = match vd.sinks(p) {
+                // A row that sees no key still has its sink in the
+                // denominator: its lse is the sink's logit.
+                Some(sinks) if p.lse_len() > 0 => {
+                    let values: Vec<f32> = (0..p.batch * p.heads_q)
+                        .flat_map(|bh| std::iter::repeat_n(sinks[bh % p.heads_q], p.seq_q))
+                        .collect();
+                    resident(ctx, &mut sub, outputs, values, p.lse_shape())?
+                }
+                _ => empty_output(
+                    ctx,
+                    &mut sub,
+                    outputs,
+                    DType::F32,
+                    p.lse_shape(),
+                    f32::NEG_INFINITY,
+                )?,
+            };
             sub.submit(&[])?;
             Ok(ForwardOutput { out, lse })
         });

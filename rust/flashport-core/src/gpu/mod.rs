@@ -29,6 +29,8 @@
 //!   its reused buffers; `run`: panics and lost devices as errors;
 //! - `timing`: kernel timestamps and host phases; `shaders`, `spirv`: the
 //!   WGSL sources and the SPIR-V of the cooperative kernels.
+//! - `varlen`: packed batches of variable-length sequences, their row table
+//!   in `vx` and the moves of device arrays between layouts.
 
 mod assemble;
 mod backward;
@@ -58,6 +60,7 @@ pub mod testing;
 pub mod tiles;
 mod timing;
 mod transfer;
+mod varlen;
 
 use std::sync::OnceLock;
 
@@ -66,6 +69,7 @@ pub use device_array::{to_device, DeviceArray};
 pub use forward::{forward, forward_arrays};
 pub use merge::merge_states;
 pub use timing::{last_kernel_times, set_kernel_timing};
+pub use varlen::swap_leading;
 
 use crate::auto::GpuModel;
 use run::guarded;

@@ -57,8 +57,10 @@ pub(crate) struct Params {
     pub blocks_off: u32,
     pub slopes_off: u32,
     pub sinks_off: u32,
+    /// Word offset in `vx` of a packed batch's row table (`VARLEN`,
+    /// `gpu/varlen.rs`).
+    pub rows_off: u32,
     /// To 128 bytes, a multiple of the 16-byte uniform alignment.
-    pub pad0: u32,
     pub pad1: u32,
 }
 
@@ -99,7 +101,7 @@ impl Params {
             blocks_off: vx.blocks_off,
             slopes_off: vx.slopes_off,
             sinks_off: vx.sinks_off,
-            pad0: 0,
+            rows_off: vx.rows_off,
             pad1: 0,
         }
     }
@@ -180,13 +182,15 @@ pub(crate) struct MaskWords {
 /// The variant arrays of one call as the kernels read them: the words of
 /// `vx` (the mask as float32 bits from 0, its block map from `blocks_off`,
 /// ALiBi slopes per flat query head from `slopes_off`, sinks per query
-/// head from `sinks_off`) and the mask's layout.
+/// head from `sinks_off`, a packed batch's row table from `rows_off`) and
+/// the mask's layout.
 pub(crate) struct VariantData {
     pub words: Vec<u32>,
     mask: MaskWords,
     blocks_off: u32,
     slopes_off: u32,
     sinks_off: u32,
+    rows_off: u32,
 }
 
 impl VariantData {
@@ -218,12 +222,28 @@ impl VariantData {
         if let Some(sinks) = arrays.sinks {
             words.extend(sinks.iter().map(|&s| (s as f32).to_bits()));
         }
+        let rows_off = words.len() as u32;
+        if let Some(segments) = arrays.segments {
+            words.extend(super::varlen::table_words(p, segments));
+        }
         Ok(VariantData {
             words,
             mask,
             blocks_off,
             slopes_off,
             sinks_off,
+            rows_off,
+        })
+    }
+
+    /// The sink logits per query head, as the kernels read them.
+    pub fn sinks(&self, p: &Problem) -> Option<Vec<f32>> {
+        let at = self.sinks_off as usize;
+        p.sinks.then(|| {
+            self.words[at..at + p.heads_q]
+                .iter()
+                .map(|&w| f32::from_bits(w))
+                .collect()
         })
     }
 
@@ -376,7 +396,7 @@ mod tests {
             blocks_off,
             slopes_off,
             sinks_off,
-            pad0,
+            rows_off,
             pad1,
         );
         let shader: Vec<(String, usize)> = members

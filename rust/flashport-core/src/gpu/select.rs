@@ -120,8 +120,10 @@ pub fn variants_of(p: &Problem) -> Variants {
         mask: p.mask.is_some(),
         sinks: p.sinks,
         dropout: p.dropout.is_some(),
-        window: p.window.left.is_some(),
+        // A packed batch's rows start at their sequence's keys.
+        window: p.window.left.is_some() || p.varlen.is_some(),
         dmask: p.return_dmask,
+        varlen: p.varlen.is_some(),
     }
 }
 
@@ -676,6 +678,79 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             check_loop_limit(&p, H100, &keys(&p, H100)).unwrap();
+        }
+    }
+
+    /// A packed batch (attention_varlen) runs on the tier its dense
+    /// problem would, the cooperative one included, with its pipelines
+    /// keyed apart: `VARLEN` and the per-row starts (`WINDOW`) on. A
+    /// problem that is not packed keys exactly as before.
+    #[test]
+    fn packed_batches_take_every_tier_with_their_own_pipelines() {
+        use crate::problem::{validate_varlen_forward, SeqLens};
+        let packed = |dtype: &str, d: usize, causal: bool| {
+            let (cu_q, cu_k) = ([0i128, 40, 40, 100], [0i128, 20, 25, 70]);
+            validate_varlen_forward(
+                ArrayInfo::new(&[100, 8, d], dtype),
+                ArrayInfo::new(&[70, 2, d], dtype),
+                ArrayInfo::new(&[70, 2, d], dtype),
+                SeqLens {
+                    info: ArrayInfo::new(&[4], "int32"),
+                    values: &cu_q,
+                },
+                SeqLens {
+                    info: ArrayInfo::new(&[4], "int32"),
+                    values: &cu_k,
+                },
+                &Options {
+                    causal,
+                    ..Options::default()
+                },
+            )
+            .unwrap()
+            .0
+        };
+        let no = Overrides::default();
+        for (dtype, d, causal) in [
+            ("float16", 64, true),
+            ("float32", 64, false),
+            ("float16", 62, false),
+        ] {
+            let p = packed(dtype, d, causal);
+            let dense = if causal {
+                problem(
+                    dtype,
+                    d,
+                    d,
+                    Options {
+                        causal,
+                        ..Options::default()
+                    },
+                )
+            } else {
+                plain(dtype, d, d)
+            };
+            for (name, caps) in ADAPTERS {
+                assert_eq!(
+                    tiers(&p, caps, &no),
+                    tiers(&dense, caps, &no),
+                    "{name} {dtype} d={d}"
+                );
+                let (f, b) = (
+                    select_forward(&p, caps, &no),
+                    select_backward(&p, caps, &no),
+                );
+                for key in [f.forward, b.dq, b.dkdv] {
+                    assert!(key.variants.varlen && key.variants.window, "{name} {key:?}");
+                }
+                let (f, b) = (
+                    select_forward(&dense, caps, &no),
+                    select_backward(&dense, caps, &no),
+                );
+                for key in [f.forward, b.dq, b.dkdv] {
+                    assert_eq!(key.variants, Variants::default(), "{name} {key:?}");
+                }
+            }
         }
     }
 }

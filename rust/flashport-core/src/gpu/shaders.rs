@@ -38,6 +38,8 @@ const COOP_BACKWARD_DKDV: &str = shader!("coop/backward_dkdv.wgsl");
 pub(crate) const DEVICE_ARRAYS: &str = shader!("device_arrays.wgsl");
 /// The merge of attention states (a module of its own).
 pub(crate) const MERGE_STATES: &str = shader!("merge_states.wgsl");
+/// attention_varlen's moves between layouts (a module of its own).
+pub(crate) const VARLEN: &str = shader!("varlen.wgsl");
 
 /// The WGSL of `kernel`: the fragments it takes (shaders/lib), then the
 /// kernel (shaders/simple, tiled or coop). Every kernel takes
@@ -105,6 +107,9 @@ pub struct Variants {
     pub window: bool,
     /// The dQ kernels write the full score gradient.
     pub dmask: bool,
+    /// A packed batch of variable-length sequences: rows' keys from the
+    /// row table (with `window`, since rows start later than key 0).
+    pub varlen: bool,
 }
 
 /// The variant overrides of `kernel` (none for the backward pre-pass,
@@ -121,6 +126,7 @@ pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)
         ("SINKS", b(v.sinks)),
         ("DROPOUT", b(v.dropout)),
         ("WINDOW", b(v.window)),
+        ("VARLEN", b(v.varlen)),
     ];
     if matches!(
         kernel,

@@ -64,9 +64,17 @@ impl<'c> Submission<'c> {
     /// A float32 output of `floats` elements, filled with NaN first where
     /// outputs are poisoned, so that an element no kernel writes shows.
     pub fn output(&mut self, floats: usize) -> Arc<Pooled> {
-        let buffer = self.scratch(4 * floats as u64);
-        if poison_outputs() && floats > 0 {
-            let nan = vec![f32::NAN; floats];
+        self.output_bytes(4 * floats as u64)
+    }
+
+    /// An output of `bytes` bytes (a multiple of 4) in any dtype, poisoned
+    /// as [`Self::output`] says: every word is `POISON`, a NaN whether read
+    /// as one float32 or as two float16s.
+    pub fn output_bytes(&mut self, bytes: u64) -> Arc<Pooled> {
+        debug_assert_eq!(bytes % 4, 0);
+        let buffer = self.scratch(bytes);
+        if poison_outputs() && bytes > 0 {
+            let nan = vec![POISON; (bytes / 4) as usize];
             self.ctx
                 .queue
                 .write_buffer(buffer.buffer(), 0, bytemuck::cast_slice(&nan));
@@ -196,6 +204,10 @@ fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
             });
     });
 }
+
+/// The word poisoned outputs are filled with: a quiet NaN as a float32
+/// (0x7fc0_7fc0) whose halves are float16 quiet NaNs (0x7fc0) too.
+const POISON: u32 = 0x7fc0_7fc0;
 
 /// Whether output buffers are filled with NaN before the kernels run: in
 /// debug builds (the Rust tests) and with `FLASHPORT_GPU_POISON=1` (the

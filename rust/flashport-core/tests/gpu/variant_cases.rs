@@ -140,6 +140,7 @@ pub fn check_spec(
         }),
         alibi_slopes: spec.alibi.as_ref().map(|_| slopes.as_slice()),
         sinks: spec.sinks.then_some(sinks.as_slice()),
+        segments: None,
     };
     let c = Case {
         q: Inputs::new(random(p.q_len(), seed), dtype),
