@@ -46,6 +46,7 @@ pub use problem::{
     validate_backward, validate_forward, validate_merge, ArrayInfo, DType, MergeProblem, Options,
     Parts, Problem,
 };
+pub use problem::{validate_kvcache, CacheLayout, IntArray, KvCacheOptions, KvCacheProblem};
 pub use variants::{MaskData, VariantArrays};
 
 /// A borrowed, contiguous, row-major input array.
