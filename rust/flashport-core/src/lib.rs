@@ -31,6 +31,7 @@
 
 pub mod auto;
 pub mod cpu;
+pub mod decode;
 pub mod error;
 pub mod gpu;
 pub mod merge;
@@ -38,6 +39,7 @@ pub mod overrides;
 pub mod problem;
 pub mod variants;
 
+pub use decode::attention_with_kvcache_arrays;
 pub use error::{Error, Result};
 pub use gpu::{to_device, DeviceArray};
 pub use half::f16;

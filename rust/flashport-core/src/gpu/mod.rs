@@ -34,6 +34,7 @@ mod assemble;
 mod backward;
 mod chunks;
 mod context;
+pub mod decode;
 mod device_array;
 mod dispatch;
 mod forward;
