@@ -27,6 +27,7 @@ from ._errors import (
     ProblemTooLargeError,
     ShapeError,
 )
+from ._kvcache import attention_with_kvcache
 from ._merge import merge_states
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_backward",
+    "attention_with_kvcache",
     "devices",
     "merge_states",
     "reference",

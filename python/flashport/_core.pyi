@@ -56,6 +56,18 @@ def merge_states(
     lses: list[_Tensor] | _Tensor,
     device: str | None,
 ) -> tuple[_Tensor, _Tensor]: ...
+def attention_with_kvcache(
+    q: _Tensor,
+    k_cache: _Tensor,
+    v_cache: _Tensor,
+    cache_seqlens: npt.NDArray[np.integer],
+    block_table: npt.NDArray[np.integer] | None,
+    causal: bool,
+    scale: float | None,
+    device: str | None,
+    variants: dict[str, object],
+    num_splits: int | None,
+) -> tuple[_Tensor, _Tensor]: ...
 def devices() -> list[dict[str, object]]: ...
 def _gpu_kernel_times() -> list[tuple[str, float]]: ...
 def _gpu_kernel_timing(enabled: bool) -> None: ...
