@@ -13,7 +13,7 @@ use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, So
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::select::select_backward;
+use super::select::{check_loop_limit, select_backward};
 use super::timing;
 use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
@@ -142,6 +142,7 @@ fn backward_on(
     let eb = if p.dtype == DType::F16 { 2 } else { 4 };
     let plan = select_backward(p, ctx.caps, overrides);
     let (kp, kq, kkv) = (plan.preprocess, plan.dq, plan.dkdv);
+    check_loop_limit(p, ctx.caps, &[kp, kq, kkv])?;
     let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
     let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
     let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;

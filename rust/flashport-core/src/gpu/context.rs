@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::pipelines::PipelineCache;
 use super::pool::{BufferPool, DevicePool};
-use super::select::AdapterCaps;
+use super::select::{driver_loop_limit, AdapterCaps};
 use super::AdapterInfo;
 use crate::{Error, Result};
 
@@ -259,6 +259,7 @@ impl Context {
             coop,
             passthrough: coop && passthrough,
             subgroup_barrier: coop && subgroup_barrier,
+            loop_limit: driver_loop_limit(&info.name, &info.driver, &info.driver_info),
         };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("flashport"),

@@ -12,7 +12,7 @@ use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, So
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::select::select_forward;
+use super::select::{check_loop_limit, select_forward};
 use super::timing;
 use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
@@ -87,6 +87,7 @@ fn forward_on(
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let eb = if p.dtype == DType::F16 { 2 } else { 4 };
     let key = select_forward(p, ctx.caps, overrides).forward;
+    check_loop_limit(p, ctx.caps, &[key])?;
     let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
     let limit = binding_limit(ctx, overrides);
     let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;

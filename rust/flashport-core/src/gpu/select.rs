@@ -5,9 +5,9 @@
 
 use super::kernel::{Kernel, Tier};
 use super::shaders::Variants;
-use super::tiles::{self, Tiles};
+use super::tiles::{self, LoopShape, Tiles};
 pub use crate::overrides::Overrides;
-use crate::{DType, Problem};
+use crate::{DType, Error, Problem, Result};
 
 /// What the choice depends on from the adapter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +29,12 @@ pub struct AdapterCaps {
     /// wgpu validates `subgroupBarrier()`, which the cooperative backward
     /// needs where wgpu writes the SPIR-V itself.
     pub subgroup_barrier: bool,
+    /// The driver silently ends every loop of a subgroup once the
+    /// subgroup's loops have run this many iterations in all (Mesa's
+    /// llvmpipe before 25.0: `driver_loop_limit`, src/gpu/tiles/loops.rs).
+    /// Where set, the simple kernels' tiles are chosen to stay within it
+    /// and a call whose kernels would not is refused (`check_loop_limit`).
+    pub loop_limit: Option<u32>,
 }
 
 impl AdapterCaps {
@@ -41,7 +47,35 @@ impl AdapterCaps {
         coop: false,
         passthrough: false,
         subgroup_barrier: false,
+        loop_limit: None,
     };
+}
+
+/// The loop limit of Mesa's llvmpipe (lavapipe) before 25.0: gallivm's
+/// `LP_MAX_TGSI_LOOP_ITERATIONS`.
+pub const LLVMPIPE_LOOP_LIMIT: u32 = 65535;
+
+/// `AdapterCaps::loop_limit` of an adapter, from wgpu's `AdapterInfo`
+/// (`name`, `driver`, `driver_info`): Mesa's llvmpipe (lavapipe) before
+/// 25.0, whose gallivm counts every loop iteration of a shader invocation
+/// in one counter and ends all loops when it runs out (measured on Mesa
+/// 22.3.6; the counter is still in Mesa 24.2's source and gone from 25.0's,
+/// and 25.0.7 was measured to have no limit). A version it cannot read
+/// counts as limited.
+pub fn driver_loop_limit(name: &str, driver: &str, driver_info: &str) -> Option<u32> {
+    if driver != "llvmpipe" && !name.starts_with("llvmpipe") {
+        return None;
+    }
+    // "Mesa 22.3.6 (LLVM 15.0.6)", "Mesa 25.0.7-2~bpo12+1 (LLVM 15.0.6)".
+    let major = driver_info
+        .split_whitespace()
+        .skip_while(|w| *w != "Mesa")
+        .nth(1)
+        .and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+    match major {
+        Some(m) if m >= 25 => None,
+        _ => Some(LLVMPIPE_LOOP_LIMIT),
+    }
 }
 
 /// Which compiled pipeline a dispatch needs; everything that is a WGSL
@@ -91,6 +125,15 @@ pub fn variants_of(p: &Problem) -> Variants {
     }
 }
 
+/// What the loop counts of `p`'s kernels depend on beyond their pipelines.
+pub fn loop_shape(p: &Problem) -> LoopShape {
+    LoopShape {
+        seq_q: p.seq_q as u64,
+        seq_k: p.seq_k as u64,
+        group: p.group_size() as u64,
+    }
+}
+
 /// What a pass needs to know to key its pipelines.
 struct Keys {
     f16: bool,
@@ -99,6 +142,7 @@ struct Keys {
     caps: AdapterCaps,
     variants: Variants,
     passthrough: bool,
+    shape: LoopShape,
 }
 
 impl Keys {
@@ -110,6 +154,7 @@ impl Keys {
             caps,
             variants,
             passthrough: caps.passthrough && !ov.naga_spirv,
+            shape: loop_shape(p),
         }
     }
 
@@ -126,11 +171,22 @@ impl Keys {
         }
     }
 
+    /// A simple kernel: its usual tiles, or where the adapter has a loop
+    /// limit, tiles within it where the usual ones are not.
     fn simple(&self, kernel: Kernel) -> PipelineKey {
-        self.key(
-            kernel,
-            tiles::simple_tiles(kernel, self.d, self.dv, self.caps),
-        )
+        let t = match self.caps.loop_limit {
+            None => tiles::simple_tiles(kernel, self.d, self.dv, self.caps),
+            Some(limit) => {
+                tiles::simple_tiles_within(kernel, self.d, self.dv, self.caps, limit as u64, |t| {
+                    let key = self.key(kernel, t);
+                    (
+                        tiles::loop_iterations(&key, self.shape),
+                        tiles::workgroup_iterations(&key, self.shape),
+                    )
+                })
+            }
+        };
+        self.key(kernel, t)
     }
 
     /// Whether the cooperative kernels may run: float16 without variants
@@ -219,6 +275,36 @@ pub fn select_backward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Backwa
     }
 }
 
+/// Refuses a call whose kernels (`keys`, as selected for `p`) would run
+/// more loop iterations in one subgroup than the adapter's driver allows
+/// (`AdapterCaps::loop_limit`): the driver would cut their loops short and
+/// hand back wrong or unwritten outputs without an error.
+pub fn check_loop_limit(p: &Problem, caps: AdapterCaps, keys: &[PipelineKey]) -> Result<()> {
+    let Some(limit) = caps.loop_limit else {
+        return Ok(());
+    };
+    for key in keys {
+        let n = tiles::loop_iterations(key, loop_shape(p));
+        if n > limit as u64 {
+            return Err(Error::TooLarge(format!(
+                "the GPU kernel {} would run {n} loop iterations in one invocation on this \
+                 shape (batch={}, heads={}/{}, seq_q={}, seq_k={}, d={}, d_v={}), and this \
+                 adapter's driver (Mesa's llvmpipe before 25.0) silently ends a shader's \
+                 loops after {limit}; use device=\"cpu\" (or Mesa 25 or newer)",
+                key.kernel.name(),
+                p.batch,
+                p.heads_q,
+                p.heads_kv,
+                p.seq_q,
+                p.seq_k,
+                p.head_dim,
+                p.value_dim
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,8 +319,10 @@ mod tests {
         coop: true,
         passthrough: true,
         subgroup_barrier: true,
+        loop_limit: None,
     };
-    /// Mesa's lavapipe (CI): subgroups of 8 lanes, no cooperative matrices.
+    /// Mesa's lavapipe (CI): subgroups of 8 lanes, no cooperative matrices,
+    /// and (Mesa 22.3) the loop limit.
     const LAVAPIPE: AdapterCaps = AdapterCaps {
         workgroup_storage_bytes: 32 * 1024,
         max_invocations: 1024,
@@ -243,6 +331,7 @@ mod tests {
         coop: false,
         passthrough: true,
         subgroup_barrier: false,
+        loop_limit: Some(LLVMPIPE_LOOP_LIMIT),
     };
     /// An adapter with lavapipe's limits but no subgroup operations.
     const NO_SUBGROUPS: AdapterCaps = AdapterCaps {
@@ -455,5 +544,138 @@ mod tests {
         let b = select_backward(&p, H100, &Overrides::default());
         assert!(!f.forward.variants.dmask && f.forward.variants.mask);
         assert!(b.dq.variants.dmask && b.dq.variants.mask);
+    }
+
+    #[test]
+    fn llvmpipe_before_mesa_25_has_the_loop_limit() {
+        let llvmpipe = "llvmpipe (LLVM 15.0.6, 256 bits)";
+        let limit = Some(LLVMPIPE_LOOP_LIMIT);
+        for (name, driver, info, want) in [
+            (llvmpipe, "llvmpipe", "Mesa 22.3.6 (LLVM 15.0.6)", limit),
+            (
+                llvmpipe,
+                "llvmpipe",
+                "Mesa 24.2.8-1ubuntu1~24.04.1 (LLVM 19.1.1)",
+                limit,
+            ),
+            (
+                llvmpipe,
+                "llvmpipe",
+                "Mesa 25.0.7-2~bpo12+1 (LLVM 15.0.6)",
+                None,
+            ),
+            (llvmpipe, "llvmpipe", "Mesa 26.1.0 (LLVM 20.1.2)", None),
+            // A version it cannot read counts as limited.
+            (llvmpipe, "llvmpipe", "", limit),
+            (llvmpipe, "", "", limit),
+            ("NVIDIA H100 80GB HBM3", "NVIDIA", "580.95.05", None),
+            (
+                "AMD Radeon RX 7900 XTX (RADV NAVI31)",
+                "radv",
+                "Mesa 24.2.8",
+                None,
+            ),
+        ] {
+            assert_eq!(
+                driver_loop_limit(name, driver, info),
+                want,
+                "{name} / {info}"
+            );
+        }
+    }
+
+    fn shaped(s: [usize; 7], dtype: &str) -> Problem {
+        let [b, hq, hkv, sq, sk, d, dv] = s;
+        let (q, k, v, lse) = (
+            [b, hq, sq, d],
+            [b, hkv, sk, d],
+            [b, hkv, sk, dv],
+            [b, hq, sq],
+        );
+        let o = [b, hq, sq, dv];
+        let (qi, ki, vi, oi) = (
+            ArrayInfo::new(&q, dtype),
+            ArrayInfo::new(&k, dtype),
+            ArrayInfo::new(&v, dtype),
+            ArrayInfo::new(&o, dtype),
+        );
+        let lse = ArrayInfo::new(&lse, "float32");
+        validate_backward(oi, qi, ki, vi, oi, lse, &Options::default()).unwrap()
+    }
+
+    fn keys(p: &Problem, caps: AdapterCaps) -> Vec<PipelineKey> {
+        let (f, b) = (
+            select_forward(p, caps, &Overrides::NONE),
+            select_backward(p, caps, &Overrides::NONE),
+        );
+        vec![f.forward, b.preprocess, b.dq, b.dkdv]
+    }
+
+    /// The issue's shapes: lavapipe's usual simple tiles run past its loop
+    /// limit (unwritten outputs); with the limit known, the plan stays
+    /// within it. Other adapters, and shapes within the limit, keep the
+    /// usual tiles.
+    #[test]
+    fn loop_limited_adapters_get_simple_tiles_within_the_limit() {
+        let unlimited = AdapterCaps {
+            loop_limit: None,
+            ..LAVAPIPE
+        };
+        let limit = LLVMPIPE_LOOP_LIMIT as u64;
+        // (shape, passes: the forward's key, or all four)
+        for (s, passes) in [
+            ([1, 1, 1, 64, 64, 1024, 1024], 1),
+            ([1, 4, 1, 221, 244, 46, 122], 4),
+        ] {
+            let p = shaped(s, "float32");
+            let counts = |caps| -> Vec<u64> {
+                keys(&p, caps)[..passes]
+                    .iter()
+                    .map(|k| tiles::loop_iterations(k, loop_shape(&p)))
+                    .collect()
+            };
+            let before = counts(unlimited);
+            assert!(before.iter().any(|&n| n > limit), "{s:?}: {before:?}");
+            let usual = &keys(&p, unlimited)[..passes];
+            check_loop_limit(&p, unlimited, usual).unwrap();
+            assert!(check_loop_limit(&p, LAVAPIPE, usual).is_err());
+            let after = counts(LAVAPIPE);
+            assert!(after.iter().all(|&n| n <= limit), "{s:?}: {after:?}");
+            let lean = &keys(&p, LAVAPIPE)[..passes];
+            check_loop_limit(&p, LAVAPIPE, lean).unwrap();
+            for key in lean {
+                assert!(key.tiles.workgroup <= LAVAPIPE.max_invocations);
+                let bytes = tiles::workgroup_bytes(key.kernel, key.d, key.dv, key.tiles);
+                assert!(bytes <= LAVAPIPE.workgroup_storage_bytes as u64, "{key:?}");
+            }
+            for caps in [H100, AdapterCaps::WEBGPU_DEFAULT, unlimited] {
+                for key in keys(&p, caps).into_iter().filter(|k| !k.kernel.is_tiled()) {
+                    let usual = tiles::simple_tiles(key.kernel, key.d, key.dv, caps);
+                    assert_eq!(key.tiles, usual);
+                }
+            }
+            let short = shaped([s[0], s[1], s[2], 8, 8, s[5], s[6]], "float32");
+            assert_eq!(keys(&short, LAVAPIPE), keys(&short, unlimited));
+        }
+        // d = 1024's backward stays over the limit even so: refused.
+        let p = shaped([1, 1, 1, 64, 64, 1024, 1024], "float32");
+        assert!(check_loop_limit(&p, LAVAPIPE, &keys(&p, LAVAPIPE)).is_err());
+    }
+
+    /// Where no tiles stay within the limit, the call is refused, naming
+    /// the driver; the same plan is fine on an adapter without the limit.
+    #[test]
+    fn past_the_loop_limit_the_call_is_refused() {
+        // The simple kernels (d = 256 > the tiled backward's 128) and the
+        // tiled forward (d = 64), each far past the limit.
+        for s in [[1, 1, 1, 1, 20000, 256, 256], [1, 1, 1, 1, 400_000, 64, 64]] {
+            let p = shaped(s, "float32");
+            let err = check_loop_limit(&p, LAVAPIPE, &keys(&p, LAVAPIPE)).unwrap_err();
+            match err {
+                Error::TooLarge(m) => assert!(m.contains("llvmpipe") && m.contains("cpu"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+            check_loop_limit(&p, H100, &keys(&p, H100)).unwrap();
+        }
     }
 }

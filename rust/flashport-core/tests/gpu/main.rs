@@ -12,7 +12,8 @@
 //! - `variant_cases`, `variants`, `variant_edges`: the attention variants;
 //! - `coop`: the cooperative-matrix kernels; `coop_diagnostic`: their
 //!   builtins, on a device of its own;
-//! - `device_arrays`: arrays kept on the GPU; `errors`: what is refused.
+//! - `device_arrays`: arrays kept on the GPU; `errors`: what is refused;
+//! - `loop_limit`: kernels whose threads loop long (lavapipe's limit).
 //!
 //! The knobs are `flashport_core::overrides` (per thread, restored by
 //! `overrides::with`); nothing here reads another environment variable.
@@ -24,6 +25,7 @@ mod determinism;
 mod device_arrays;
 mod errors;
 mod kernels;
+mod loop_limit;
 mod require;
 mod tiers;
 mod variant_cases;

@@ -142,6 +142,7 @@ unsafe fn with_instance(instance: &ash::Instance, args: &Args) -> Result<(), Err
         coop: coop && subgroup.subgroup_size == 32,
         passthrough: true,
         subgroup_barrier: false,
+        loop_limit: None,
     };
     println!("{caps:?}");
     let device = instance.create_device(physical, &create, None)?;

@@ -57,6 +57,75 @@ pub fn simple_tiles(kernel: Kernel, d: u32, dv: u32, caps: AdapterCaps) -> Tiles
         .unwrap_or_else(|| tiles((1, 1)))
 }
 
+/// Tile heights and workgroup sizes tried where the adapter's driver ends
+/// loops early (`AdapterCaps::loop_limit`). A thread's loops shorten with
+/// a small tile of owned rows (a score's dot product is one thread's loop,
+/// and the owned rows multiply the streamed ones' work), a tall streamed
+/// tile (fewer tiles, each loop's cost spread over more rows) and more
+/// threads (strided loops split finer).
+const LEAN_SIDES: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
+const LEAN_WORKGROUPS: [u32; 2] = [64, 256];
+
+/// The tiles of simple `kernel` on an adapter whose driver lets a subgroup
+/// run at most `limit` loop iterations, `iterations(tiles)` giving the
+/// count of the busiest subgroup and that of a whole workgroup: the usual
+/// tiles (`simple_tiles`) where they stay within the limit, so that short
+/// problems run as everywhere else; otherwise, of every pair of tile
+/// heights in `LEAN_SIDES` that fits workgroup memory, with 64 or 256
+/// threads, the one within the limit whose workgroup runs the fewest
+/// iterations per owned row (llvmpipe's time); and where none is within
+/// it, the one whose busiest subgroup runs the fewest, which the caller
+/// then refuses (`select::check_loop_limit`). Each output element is
+/// summed in the same order whatever the thread count.
+pub fn simple_tiles_within(
+    kernel: Kernel,
+    d: u32,
+    dv: u32,
+    caps: AdapterCaps,
+    limit: u64,
+    iterations: impl Fn(Tiles) -> (u64, u64),
+) -> Tiles {
+    let usual = simple_tiles(kernel, d, dv, caps);
+    if iterations(usual).0 <= limit {
+        return usual;
+    }
+    let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(COMPILER_SLACK);
+    let most = caps.max_invocations.min(caps.max_workgroup_size_x).max(1);
+    let owned = |t: Tiles| match kernel {
+        Kernel::BackwardDkDv => t.k_rows,
+        _ => t.q_rows,
+    } as u64;
+    let mut candidates = vec![(iterations(usual), usual)];
+    for workgroup in LEAN_WORKGROUPS.map(|w| w.min(most)) {
+        for q_rows in LEAN_SIDES {
+            for k_rows in LEAN_SIDES {
+                let t = Tiles {
+                    q_rows,
+                    k_rows,
+                    workgroup,
+                    ..usual
+                };
+                if workgroup_bytes(kernel, d, dv, t) <= budget {
+                    candidates.push((iterations(t), t));
+                }
+            }
+        }
+    }
+    // Scaled to keep the division's precision; larger tiles first on a tie.
+    let time = |&((_, all), t): &((u64, u64), Tiles)| {
+        (
+            all * 4096 / owned(t),
+            u64::MAX - (t.q_rows * t.k_rows) as u64,
+        )
+    };
+    candidates
+        .iter()
+        .filter(|((most, _), _)| *most <= limit)
+        .min_by_key(|c| time(c))
+        .or_else(|| candidates.iter().min_by_key(|c| (c.0 .0, time(c))))
+        .map_or(usual, |&(_, t)| t)
+}
+
 /// Workgroup bytes of a simple kernel, mirroring its arrays.
 pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
     let (bq, bk) = (t.q_rows as u64, t.k_rows as u64);

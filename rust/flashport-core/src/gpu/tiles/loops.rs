@@ -1,0 +1,408 @@
+//! How many loop iterations one subgroup of a kernel runs, for the drivers
+//! that end a shader's loops after a fixed number of iterations in all
+//! (`AdapterCaps::loop_limit`).
+//!
+//! Mesa's llvmpipe (lavapipe) before 25.0 counts the back edges of every
+//! loop an invocation runs in one counter per shader function, started at
+//! 65535 (gallivm's loop limiter, `LP_MAX_TGSI_LOOP_ITERATIONS`, "shared
+//! between every loop"): each pass through a loop's end decrements it, the
+//! final pass that leaves the loop included, and once it reaches 0 every
+//! loop leaves after the pass it is in. An invocation is 8 lanes there (one
+//! SIMD subgroup, which runs a loop as long as any of its lanes does), so
+//! the count is per subgroup. Nothing reports the cut: the kernel goes on
+//! with partial sums, and where the cut subgroup then reaches fewer
+//! barriers than the others, lavapipe ends the workgroup as soon as that
+//! subgroup returns (its coroutine loop stops at the first finished
+//! coroutine), so the other subgroups' writes never happen. Measured on
+//! Mesa 22.3.6: one loop runs 65535 iterations and no more; two loops share
+//! the count; Mesa 25.0.7 has no limit.
+//!
+//! `iterations` is an upper bound of the count of a kernel's first subgroup
+//! (lanes 0..7, which every loop of these kernels gives the most work). A
+//! loop of n iterations makes n + 1 passes, and its last pass, the one that
+//! finds no lane left, runs the body once more with every lane masked off
+//! (llvmpipe masks rather than branches), so each loop nested in it makes
+//! one pass then too; an inner loop on an iteration where none of the
+//! subgroup's lanes has work also makes one. Every tile is counted as full
+//! and visible (causal masks and windows only shorten loops), and the
+//! variants' loops where they exist (the mask's block map, Philox's ten
+//! rounds, the score gradient's zero fill). Loops with a constant trip
+//! count are counted too, although the driver unrolls the short ones with
+//! small bodies (up to 32 iterations, measured), so the count can be high
+//! by a few percent, never low. The unit tests below hold it against the
+//! cuts measured on Mesa 22.3.6, which it reproduces to the iteration where
+//! no loop is unrolled (the tiled forward's: 2426 tiles of 32 keys run,
+//! 2427 do not).
+
+use super::tiled::tiled_nv;
+use super::{TILED_BK, TILED_CG};
+use crate::gpu::kernel::Kernel;
+use crate::gpu::select::PipelineKey;
+
+/// What the count depends on beyond the pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoopShape {
+    pub seq_q: u64,
+    pub seq_k: u64,
+    /// Query heads per key/value head: a dK/dV workgroup walks all of them.
+    pub group: u64,
+}
+
+/// A loop of `n` iterations whose body runs `body` loop passes per
+/// iteration and holds `nested` loops (at any depth): its own n + 1
+/// passes, its iterations' bodies, and the final pass, which runs the body
+/// once more with no lane active, where each nested loop makes one pass.
+fn lp(n: u64, body: u64, nested: u64) -> u64 {
+    n + 1 + n * body + nested
+}
+
+/// A loop with no loop inside.
+fn flat(n: u64) -> u64 {
+    lp(n, 0, 0)
+}
+
+/// Philox4x32-10: a loop of ten rounds.
+const PHILOX: u64 = 11;
+
+/// `lib/common.wgsl`'s `mask_tile_visible` over `rows` x `keys`: two
+/// nested loops over the 16 x 16 blocks the span touches (one more each
+/// way where it is unaligned); 0 without a mask.
+fn mask_check(mask: bool, rows: u64, keys: u64) -> u64 {
+    if !mask {
+        return 0;
+    }
+    let (rb, kb) = (rows.div_ceil(16) + 1, keys.div_ceil(16) + 1);
+    lp(rb, flat(kb), 1)
+}
+
+/// `next_visible_tile` (the tiled kernels, with a mask): a loop whose
+/// every pass checks a tile; over a whole kernel at most two passes per
+/// tile (each tile is skipped once or stepped to once, and each call
+/// ends with one pass), so this is charged per tile.
+fn next_visible(mask: bool, rows: u64, keys: u64) -> u64 {
+    if mask {
+        2 * (1 + mask_check(true, rows, keys))
+    } else {
+        0
+    }
+}
+
+/// Lanes of a subgroup on llvmpipe (256-bit SIMD).
+const SUBGROUP: u64 = 8;
+
+/// The loop iterations the first subgroup of `key`'s kernel runs on `s`,
+/// the most of any, as Mesa's llvmpipe counts them (module documentation).
+pub fn iterations(key: &PipelineKey, s: LoopShape) -> u64 {
+    subgroup_iterations(key, s, 0)
+}
+
+/// The loop iterations of all subgroups of a workgroup of `key`'s kernel
+/// on `s` together: a measure of its time on llvmpipe, where a subgroup
+/// whose lanes all skip a loop leaves it at once.
+pub fn workgroup_iterations(key: &PipelineKey, s: LoopShape) -> u64 {
+    let wg = key.tiles.workgroup.max(1) as u64;
+    (0..wg.div_ceil(SUBGROUP))
+        .map(|i| subgroup_iterations(key, s, i * SUBGROUP))
+        .sum()
+}
+
+/// The loop iterations of the subgroup whose first lane is `lane`.
+fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
+    let t = key.tiles;
+    let (bq, bk, wg) = (t.q_rows as u64, t.k_rows as u64, t.workgroup.max(1) as u64);
+    let (d, dv) = (key.d as u64, key.dv as u64);
+    let v = key.variants;
+    let group = s.group.max(1);
+    // Trips of the subgroup (of its first lane, which has the most) in a
+    // loop over `n` elements strided by the workgroup.
+    let per = |n: u64| n.saturating_sub(lane).div_ceil(wg);
+    // Rows and keys of the fullest workgroup and tile.
+    let (rows, keys) = (bq.min(s.seq_q), bk.min(s.seq_k));
+    let philox = |on: bool| if on { PHILOX } else { 0 };
+    let (m, dmask, drop) = (v.mask, v.mask && v.dmask, v.dropout);
+    let n = |on: bool| u64::from(on);
+    // A strided loop over `total` scores of which the first `live` have
+    // rows: each live iteration runs `work` (holding `loops` loops), the
+    // others those loops' single passes.
+    let scores = |total: u64, live: u64, work: u64, loops: u64| {
+        let (trips, live) = (per(total), per(live).min(per(total)));
+        trips + 1 + live * work + (trips - live) * loops + loops
+    };
+    match key.kernel {
+        Kernel::BackwardPreprocess => flat(dv),
+        Kernel::Forward => {
+            let (tr, ta) = (per(bq), per(bq * dv));
+            // The online-softmax step, one row per thread: the row maximum
+            // over the row's keys, then the sum over the tile (a Philox
+            // call, or the single pass of its loop, per key under dropout).
+            let softmax = lp(tr, flat(keys) + lp(bk, philox(drop), n(drop)), 2 + n(drop));
+            let tile = mask_check(m, bq, bk)
+                + flat(per(bk * d))
+                + flat(per(bk * dv))
+                + scores(bq * bk, rows * bk, flat(d), 1)
+                + softmax
+                + lp(ta, flat(keys), 1);
+            let tile_loops = 2 * n(m) + 2 + 2 + 3 + n(drop) + 2;
+            let prologue = flat(per(bq * d)) + flat(ta) + flat(tr);
+            let epilogue = flat(per(rows * dv)) + flat(per(rows));
+            prologue + lp(s.seq_k.div_ceil(bk), tile, tile_loops) + epilogue
+        }
+        Kernel::BackwardDq => {
+            let tq = per(bq * d);
+            let tile = mask_check(m, bq, bk)
+                + if dmask { flat(per(bq * bk)) } else { 0 }
+                + flat(per(bk * d))
+                + flat(per(bk * dv))
+                + scores(
+                    bq * bk,
+                    rows * bk,
+                    flat(d) + flat(dv) + philox(drop),
+                    2 + n(drop),
+                )
+                + lp(tq, flat(keys), 1);
+            let tile_loops = 2 * n(m) + n(dmask) + 2 + 3 + n(drop) + 2;
+            let prologue = flat(tq) + flat(per(bq * dv)) + flat(per(bq));
+            let epilogue = if v.dmask {
+                flat(per(rows * s.seq_k))
+            } else {
+                0
+            } + flat(per(rows * d));
+            prologue + lp(s.seq_k.div_ceil(bk), tile, tile_loops) + epilogue
+        }
+        Kernel::BackwardDkDv => {
+            // Owned keys `bk`, streamed query rows `bq`.
+            let tile = mask_check(m, bq, bk)
+                + flat(per(bq * d))
+                + flat(per(bq * dv))
+                + flat(per(bq))
+                + scores(
+                    bq * bk,
+                    rows * bk,
+                    flat(d) + flat(dv) + philox(drop),
+                    2 + n(drop),
+                )
+                + lp(per(bk * dv), flat(rows), 1)
+                + lp(per(bk * d), flat(rows), 1);
+            let tile_loops = 2 * n(m) + 3 + 3 + n(drop) + 4;
+            // Every query tile of every query head of the group.
+            let heads = lp(
+                group,
+                lp(s.seq_q.div_ceil(bq), tile, tile_loops),
+                1 + tile_loops,
+            );
+            let ends = flat(per(bk * d)) + flat(per(bk * dv));
+            let last = flat(per(keys * d)) + flat(per(keys * dv));
+            ends + heads + last
+        }
+        Kernel::ForwardTiled => {
+            // The shader's key tile is a constant.
+            let bk = TILED_BK as u64;
+            let (d4, nv) = (d / 4, tiled_nv(key.dv) as u64);
+            // K and V by loops where nothing is prefetched; V over K inside
+            // the tile where they share memory.
+            let (loads, load_loops) = match (t.prefetch, t.kv_shared) {
+                (0, false) => (flat(per(bk * d4)) + flat(per(bk * 8 * nv)), 2),
+                (0, true) => (flat(per(bk * d4)) + flat(per(bk * 8 * nv)), 2),
+                (_, true) => (flat(per(bk * 8 * nv)), 1),
+                (_, false) => (0, 0),
+            };
+            // Without subgroups each row reduction is a loop.
+            let reduce = u64::from(!key.subgroups);
+            let tile = next_visible(m, bq, bk)
+                + loads
+                + flat(d4)
+                + reduce * flat(TILED_CG as u64 - 1)
+                + 16 * philox(drop)
+                + flat(8);
+            let tile_loops = 3 * n(m) + load_loops + 2 + reduce + 16 * n(drop);
+            let prologue = flat(per(bq * d4)) + next_visible(m, bq, bk);
+            prologue
+                + lp(s.seq_k.div_ceil(bk), tile, tile_loops)
+                + reduce * flat(TILED_CG as u64 - 1)
+        }
+        Kernel::BackwardDqTiled => {
+            let bc = TILED_BK as u64;
+            let (d4, dv4, nd) = (d / 4, dv / 4, tiled_nv(key.d) as u64);
+            // V and K by loops where nothing is prefetched.
+            let (loads, load_loops) = if t.prefetch == 0 {
+                (flat(per(bc * dv4)) + flat(per(bc * 8 * nd)), 2)
+            } else {
+                (0, 0)
+            };
+            // The score gradient of hidden tiles zeroed, charged per tile
+            // (one call may zero several).
+            let tile = next_visible(m, bq, bc)
+                + if dmask { flat(per(bq * bc)) + 1 } else { 0 }
+                + loads
+                + flat(dv4)
+                + flat(d4)
+                + flat(8)
+                + 16 * philox(drop);
+            let tile_loops = 3 * n(m) + n(dmask) + load_loops + 3 + 16 * n(drop);
+            let prologue = flat(per(bq * d4)) + flat(per(bq * dv4)) + next_visible(m, bq, bc);
+            let epilogue = if v.dmask {
+                flat(per(rows * s.seq_k))
+            } else {
+                0
+            };
+            prologue + lp(s.seq_k.div_ceil(bc), tile, tile_loops) + epilogue
+        }
+        Kernel::BackwardDkDvTiled => {
+            let bc = TILED_BK as u64;
+            let (d4, dv4) = (d / 4, dv / 4);
+            let (nd, nv) = (tiled_nv(key.d) as u64, tiled_nv(key.dv) as u64);
+            // dO and Q streamed by loops where nothing is prefetched; the
+            // shared layout streams Q (unless prefetched) and dO again.
+            let (d_out, q) = (flat(per(bc * 8 * nv)), flat(per(bc * 8 * nd)));
+            let (loads, load_loops) = match (t.prefetch, t.kv_shared) {
+                (0, false) => (d_out + q, 2),
+                (0, true) => (2 * d_out + q, 3),
+                (_, true) => (flat(per(bc * 8 * nv)), 1),
+                (_, false) => (0, 0),
+            };
+            let products = if t.kv_shared { 2 } else { 1 };
+            let tile = next_visible(m, bc, bk)
+                + loads
+                + flat(dv4)
+                + flat(d4)
+                + products * flat(8)
+                + 16 * philox(drop);
+            let tile_loops = 3 * n(m) + load_loops + 2 + products + 16 * n(drop);
+            let prologue = flat(per(bk * d4)) + flat(per(bk * dv4)) + next_visible(m, bc, bk);
+            prologue + lp(group * s.seq_q.div_ceil(bc), tile, tile_loops)
+        }
+        // The cooperative kernels need cooperative matrices, which no
+        // adapter with a loop limit has (llvmpipe): not modelled.
+        Kernel::ForwardCoop | Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::select::AdapterCaps;
+    use crate::gpu::shaders::Variants;
+    use crate::gpu::tiles::{tiled_forward_tiles, Tiles};
+
+    const LIMIT: u64 = 65535;
+
+    fn key(kernel: Kernel, d: u32, dv: u32, tiles: Tiles) -> PipelineKey {
+        PipelineKey {
+            kernel,
+            f16_inputs: false,
+            d,
+            dv,
+            tiles,
+            subgroups: true,
+            variants: Variants::default(),
+            passthrough: false,
+        }
+    }
+
+    fn simple(q_rows: u32, k_rows: u32) -> Tiles {
+        Tiles {
+            q_rows,
+            k_rows,
+            workgroup: 64,
+            kv_shared: false,
+            prefetch: 0,
+        }
+    }
+
+    fn shape(seq_q: u64, seq_k: u64, group: u64) -> LoopShape {
+        LoopShape {
+            seq_q,
+            seq_k,
+            group,
+        }
+    }
+
+    /// Where lavapipe (Mesa 22.3.6) was measured to start cutting each
+    /// kernel short, on the usual tiles: the count must be over the limit
+    /// for the first shape that came out wrong, and is within it for the
+    /// last right one where the count is exact (every tile full, and no
+    /// loop the driver unrolls: it unrolls some with a constant trip count
+    /// of at most 32, such as the forward's sum over a tile's keys, which
+    /// are counted here all the same).
+    #[test]
+    fn counts_match_the_measured_cuts() {
+        let lavapipe = AdapterCaps {
+            workgroup_storage_bytes: 32 * 1024,
+            max_invocations: 1024,
+            max_workgroup_size_x: 1024,
+            subgroups: true,
+            ..AdapterCaps::WEBGPU_DEFAULT
+        };
+        let tiled = tiled_forward_tiles(64, 64, lavapipe).unwrap();
+        // (kernel, d, dv, tiles, (seq_q, seq_k, group) right, wrong, exact)
+        let cases = [
+            (
+                Kernel::Forward,
+                1024,
+                1024,
+                simple(2, 1),
+                (56, 56, 1),
+                (57, 57, 1),
+                false,
+            ),
+            (
+                Kernel::Forward,
+                46,
+                122,
+                simple(16, 16),
+                (16, 1275, 1),
+                (16, 1276, 1),
+                false,
+            ),
+            (
+                Kernel::BackwardDq,
+                46,
+                122,
+                simple(16, 16),
+                (16, 1091, 1),
+                (16, 1092, 1),
+                false,
+            ),
+            (
+                Kernel::BackwardDq,
+                40,
+                122,
+                simple(16, 16),
+                (16, 1168, 1),
+                (16, 1169, 1),
+                true,
+            ),
+            (
+                Kernel::BackwardDkDv,
+                46,
+                122,
+                simple(8, 16),
+                (160, 64, 4),
+                (161, 64, 4),
+                true,
+            ),
+            (
+                Kernel::ForwardTiled,
+                64,
+                64,
+                tiled,
+                (16, 77626, 1),
+                (16, 77643, 1),
+                true,
+            ),
+        ];
+        for (kernel, d, dv, t, right, wrong, exact) in cases {
+            let k = key(kernel, d, dv, t);
+            let at = |(q, kk, g)| iterations(&k, shape(q, kk, g));
+            eprintln!(
+                "{kernel:?} d={d} dv={dv} {t:?}: right {} wrong {}",
+                at(right),
+                at(wrong)
+            );
+            assert!(at(wrong) > LIMIT, "{kernel:?} {wrong:?}: {}", at(wrong));
+            if exact {
+                assert!(at(right) <= LIMIT, "{kernel:?} {right:?}: {}", at(right));
+            }
+        }
+    }
+}
