@@ -22,7 +22,7 @@ use crate::merge::PartInputs;
 use crate::overrides;
 use crate::{Array, DType, Error, ForwardOutput, Input, MergeProblem, Placement, Result};
 
-/// Invocations per workgroup of both entry points (`WG` in the shader).
+/// Invocations per workgroup of every merge pass (`WG` of lib/merge.wgsl).
 const WORKGROUP: u64 = 64;
 
 /// The shader's `struct Merge`.

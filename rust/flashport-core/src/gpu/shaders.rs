@@ -36,8 +36,13 @@ const COOP_BACKWARD_DKDV: &str = shader!("coop/backward_dkdv.wgsl");
 
 /// The device-array moves (a module of its own).
 pub(crate) const DEVICE_ARRAYS: &str = shader!("device_arrays.wgsl");
-/// The merge of attention states (a module of its own).
-pub(crate) const MERGE_STATES: &str = shader!("merge_states.wgsl");
+/// The merge of attention states (a module of its own), after the
+/// arithmetic it shares with decoding's combine pass (lib/merge.wgsl).
+pub const MERGE_STATES: &str = concat!(
+    shader!("lib/merge.wgsl"),
+    "\n",
+    shader!("merge_states.wgsl")
+);
 
 /// The WGSL of `kernel`: the fragments it takes (shaders/lib), then the
 /// kernel (shaders/simple, tiled or coop). Every kernel takes
