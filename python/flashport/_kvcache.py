@@ -147,8 +147,8 @@ def attention_with_kvcache(
         Split each sequence's keys into this many chunks computed in
         parallel (CPU threads, GPU workgroups) and merged by their
         log-sum-exps (Flash-Decoding). ``None`` chooses from the shape (and
-        on the GPU from the adapter's kind), never from timing or the
-        thread count; ``1`` does not split. At most 1024; chunks past the
+        on the GPU from the adapter's kind and its driver's limits), never
+        from timing or the thread count; ``1`` does not split. At most 1024; chunks past the
         keys are empty. The count changes the rounding, not the result.
     return_lse : bool
         Also return the log-sum-exp of each row.
@@ -190,7 +190,9 @@ def attention_with_kvcache(
         variant keyword. Nothing is read before all of these are checked.
     BackendUnavailableError, ProblemTooLargeError, GpuError
         As for :func:`attention`; on the GPU, a cache whose blocks for one
-        sequence span more than one storage binding of the adapter.
+        sequence span more than one storage binding of the adapter, or (on
+        Mesa's llvmpipe before 25.0, whose loops end silently after 65535
+        passes) a ``num_splits`` that leaves a chunk too long for it.
     """
     out, lse = _core.attention_with_kvcache(
         _main_array(q),

@@ -135,7 +135,6 @@ impl DeviceArray {
         &self.ctx
     }
 
-    #[cfg(feature = "testing")]
     pub(crate) fn buffer(&self) -> &Arc<Pooled> {
         &self.buffer
     }

@@ -44,6 +44,33 @@ pub const MERGE_STATES: &str = concat!(
     shader!("merge_states.wgsl")
 );
 
+// Decoding over a KV cache (src/gpu/decode/): a kernel with its own
+// uniform, assembled from an input fragment, a cache-load fragment and
+// the kernel, and a combine pass that is a module of its own.
+const DECODE: &str = shader!("decode/decode.wgsl");
+const DECODE_LOAD_VEC4: &str = shader!("decode/load_vec4.wgsl");
+const DECODE_LOAD_ELEMENTS: &str = shader!("decode/load_elements.wgsl");
+/// The split states' merge of decoding (a module of its own).
+pub const DECODE_COMBINE: &str = concat!(
+    shader!("lib/merge.wgsl"),
+    "\n",
+    shader!("decode/combine.wgsl")
+);
+
+/// The WGSL of the decode kernel: the input fragment of its dtype
+/// (lib/input_f16.wgsl or input_f32.wgsl), the cache loads (four elements
+/// at a time where d and d_v are multiples of 4, else element by element:
+/// a binding's type cannot be an override), then decode/decode.wgsl.
+pub fn decode_source(f16_inputs: bool, vec4: bool) -> String {
+    let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
+    let load = if vec4 {
+        DECODE_LOAD_VEC4
+    } else {
+        DECODE_LOAD_ELEMENTS
+    };
+    [input, load, DECODE].join("\n")
+}
+
 /// The WGSL of `kernel`: the fragments it takes (shaders/lib), then the
 /// kernel (shaders/simple, tiled or coop). Every kernel takes
 /// lib/common.wgsl (the uniform block, the visible key ranges and the
