@@ -758,6 +758,12 @@ impl DeviceArray {
         let buffer = run_detached(py, || self.inner.to_host())?;
         to_numpy(py, buffer, self.inner.shape())
     }
+    /// copy() -> DeviceArray: a new array with the same elements, copied
+    /// on the GPU.
+    fn copy(&self, py: Python<'_>) -> PyResult<DeviceArray> {
+        let inner = run_detached(py, || self.inner.copy())?;
+        Ok(DeviceArray { inner })
+    }
     fn __repr__(&self) -> String {
         format!(
             "DeviceArray(shape={:?}, dtype={}, adapter={:?})",
