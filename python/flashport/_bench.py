@@ -349,6 +349,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["decode"]:
+        from . import _bench_decode
+
+        return _bench_decode.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m flashport bench", description=__doc__)
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--quick", action="store_true", help="only the first two shapes")
