@@ -1,7 +1,8 @@
 // Merging attention states (flashport.merge_states): the output and
 // log-sum-exp over the union of several parts' keys. src/merge.rs defines
-// the arithmetic and its rules; the host (src/gpu/merge.rs) runs, per chunk
-// of rows, with one part's lse (and output) bound at a time:
+// the arithmetic and its rules; the host (src/gpu/merge.rs) prepends
+// lib/merge.wgsl (the row state, the weights, the bit tests) and runs, per
+// chunk of rows, with one part's lse (and output) bound at a time:
 //
 // - merge_max, per part in order, one invocation per row: the largest
 //   finite lse m, whether the row saw one, and whether any lse is NaN or
@@ -12,11 +13,8 @@
 //   w_i = exp(lse_i - m) / s;
 // - merge_finish, one invocation per row: lse = m + log(s).
 //
-// WGSL does not promise IEEE infinities or NaN in arithmetic, so they are
-// tested and written as bits: an lse of -inf (an empty part) never enters
-// an exponential and its output is not read, a row whose every part is
-// empty keeps acc = 0 and gets lse -inf, and a row with a NaN or +inf lse
-// gets NaN bits in both.
+// An empty part's output is not read, a row whose every part is empty
+// keeps acc = 0, and a row with a NaN or +inf lse gets NaN in both.
 
 struct Merge {
     // Rows of this chunk.
@@ -28,14 +26,6 @@ struct Merge {
     f16: u32,
 }
 
-// Per row, across the parts seen so far.
-struct RowState {
-    top: f32,
-    sum: f32,
-    seen: u32,
-    invalid: u32,
-}
-
 @group(0) @binding(0) var<uniform> m: Merge;
 // The part's lse of each row, float32 bits.
 @group(0) @binding(1) var<storage, read> lse: array<u32>;
@@ -43,19 +33,6 @@ struct RowState {
 @group(0) @binding(3) var<storage, read_write> lse_out: array<u32>;
 @group(0) @binding(4) var<storage, read> src: array<u32>;
 @group(0) @binding(5) var<storage, read_write> acc: array<u32>;
-
-const WG: u32 = 64u;
-const NEG_INF: u32 = 0xff800000u;
-const NAN: u32 = 0x7fc00000u;
-
-// The grid is two-dimensional when one dimension cannot hold the count.
-fn invocation(wid: vec3<u32>, groups: vec3<u32>, lid: u32) -> u32 {
-    return (wid.y * groups.x + wid.x) * WG + lid;
-}
-
-fn is_finite(bits: u32) -> bool {
-    return (bits & 0x7f800000u) != 0x7f800000u;
-}
 
 @compute @workgroup_size(WG)
 fn merge_max(
@@ -71,23 +48,7 @@ fn merge_max(
     if m.part > 0u {
         st = state[row];
     }
-    let bits = lse[row];
-    if is_finite(bits) {
-        let x = bitcast<f32>(bits);
-        st.top = select(x, max(st.top, x), st.seen != 0u);
-        st.seen = 1u;
-    } else if bits != NEG_INF {
-        st.invalid = 1u;
-    }
-    state[row] = st;
-}
-
-// exp(lse_i - m), 0 for an empty part: no -inf enters the exponential.
-fn part_weight(bits: u32, st: RowState) -> f32 {
-    if !is_finite(bits) {
-        return 0.0;
-    }
-    return exp(bitcast<f32>(bits) - st.top);
+    state[row] = fold_max(st, lse[row]);
 }
 
 @compute @workgroup_size(WG)
@@ -120,14 +81,7 @@ fn merge_finish(
     if row >= m.rows {
         return;
     }
-    let st = state[row];
-    if st.invalid != 0u {
-        lse_out[row] = NAN;
-    } else if st.seen == 0u {
-        lse_out[row] = NEG_INF;
-    } else {
-        lse_out[row] = bitcast<u32>(st.top + log(st.sum));
-    }
+    lse_out[row] = merged_lse(state[row]);
 }
 
 // A float16 value widened exactly (what unpack2x16float gives, without

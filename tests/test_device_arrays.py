@@ -156,6 +156,12 @@ def test_round_trip_is_exact(gpu, dtype):
         assert to_device(view).numpy().tobytes() == x.tobytes()
     assert to_device(t) is t
     assert to_device(np.empty((0, 4), dtype)).numpy().shape == (0, 4)
+    # A copy made on the GPU: a new array with the same bits.
+    c = t.copy()
+    assert isinstance(c, DeviceArray) and c is not t and c._array is not t._array
+    assert (c.shape, c.dtype) == (t.shape, t.dtype)
+    assert c.numpy().tobytes() == x.tobytes() and t.numpy().tobytes() == x.tobytes()
+    assert to_device(np.empty((0, 4), dtype)).copy().numpy().shape == (0, 4)
 
 
 def test_device_arrays_are_immutable(gpu):

@@ -27,6 +27,7 @@ from ._errors import (
     ProblemTooLargeError,
     ShapeError,
 )
+from ._kvcache import attention_with_kvcache
 from ._merge import merge_states
 from ._varlen import attention_varlen, attention_varlen_backward
 
@@ -45,6 +46,7 @@ __all__ = [
     "attention_backward",
     "attention_varlen",
     "attention_varlen_backward",
+    "attention_with_kvcache",
     "devices",
     "merge_states",
     "reference",

@@ -353,10 +353,15 @@ def main(argv: list[str]) -> int:
         from . import _bench_varlen
 
         return _bench_varlen.main(argv[1:])
+    if argv[:1] == ["decode"]:
+        from . import _bench_decode
+
+        return _bench_decode.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m flashport bench",
         description=__doc__,
-        epilog="python -m flashport bench varlen: packed batches against padding (see its --help)",
+        epilog="python -m flashport bench varlen: packed batches against padding; "
+        "python -m flashport bench decode: decoding over KV caches (see their --help)",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--quick", action="store_true", help="only the first two shapes")

@@ -18,6 +18,7 @@ class DeviceArray:
     @property
     def adapter(self) -> str: ...
     def numpy(self) -> npt.NDArray[np.floating]: ...
+    def copy(self) -> DeviceArray: ...
 
 # A main array argument or result: NumPy, or resident on the GPU.
 _Tensor = npt.NDArray[np.floating] | DeviceArray
@@ -83,6 +84,19 @@ def attention_varlen_backward(
     device: object,
     variants: dict[str, object],
 ) -> tuple[_Tensor, _Tensor, _Tensor, npt.NDArray[np.floating] | None]: ...
+def attention_with_kvcache(
+    q: _Tensor,
+    k_cache: _Tensor,
+    v_cache: _Tensor,
+    cache_seqlens: npt.NDArray[np.integer],
+    block_table: npt.NDArray[np.integer] | None,
+    causal: object,
+    scale: object,
+    device: object,
+    variants: dict[str, object],
+    num_splits: object,
+    return_lse: object,
+) -> tuple[_Tensor, _Tensor]: ...
 def devices() -> list[dict[str, object]]: ...
 def _gpu_kernel_times() -> list[tuple[str, float]]: ...
 def _gpu_kernel_timing(enabled: bool) -> None: ...

@@ -24,7 +24,8 @@ class DeviceArray:
     never leave the GPU.
 
     Immutable: it has no methods that modify it, and no flashport call writes
-    into an array it was given. To read it, call :meth:`numpy` (or
+    into an array it was given; :meth:`copy` makes a new one on the GPU. To
+    read it, call :meth:`numpy` (or
     ``np.asarray(x)``): each returns a new NumPy array copied back from the
     GPU. It holds GPU memory until it is garbage-collected. If the GPU device
     is lost or reset (a driver reset, a removed GPU), its data is gone:
@@ -78,6 +79,11 @@ class DeviceArray:
     def numpy(self) -> np.ndarray:
         """A new NumPy array with the values, copied back from the GPU."""
         return self._array.numpy()
+
+    def copy(self) -> DeviceArray:
+        """A new ``DeviceArray`` with the same values, copied on the GPU
+        (nothing passes through host memory)."""
+        return DeviceArray(self._array.copy())
 
     def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         # NumPy's protocol: np.asarray(x) and np.array(x) read the array back.

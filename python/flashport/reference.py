@@ -30,6 +30,8 @@ __all__ = [
     "attention_backward",
     "attention_varlen",
     "attention_varlen_backward",
+    "attention_with_kvcache",
+    "cached_sequence",
     "dropout_keep",
     "philox4x32_10",
 ]
@@ -677,3 +679,109 @@ def attention_varlen_backward(
         dropout_p=dropout_p,
         seed=seed,
     )
+
+
+def cached_sequence(k_cache, v_cache, cache_seqlens, b, block_table=None):
+    """The valid keys and values of sequence ``b`` of a cache, as
+    :func:`flashport.attention_with_kvcache` reads them:
+    ``(heads_kv, cache_seqlens[b], d)`` and ``(heads_kv, cache_seqlens[b],
+    d_v)``, gathered through ``block_table`` when it is given."""
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
+    length = int(np.asarray(cache_seqlens)[b])
+    if block_table is None:
+        return k_cache[b, :, :length], v_cache[b, :, :length]
+    block_size = k_cache.shape[2]
+    blocks = [int(x) for x in np.asarray(block_table)[b, : -(-length // block_size)]]
+    if not blocks:
+        return k_cache[0, :, :0], v_cache[0, :, :0]
+    keys = np.concatenate([k_cache[x] for x in blocks], axis=1)[:, :length]
+    values = np.concatenate([v_cache[x] for x in blocks], axis=1)[:, :length]
+    return keys, values
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    block_table=None,
+    causal=True,
+    scale=None,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    num_splits=None,
+    return_lse=False,
+):
+    """:func:`flashport.attention_with_kvcache` in float64, built from whole
+    attention: each sequence's valid keys gathered (:func:`cached_sequence`)
+    and :func:`attention` called with its queries at positions
+    ``cache_seqlens[b] - seq_q + i`` (``q_offset``) and its keys at
+    ``0 ..`` (``k_offset = 0``). ``num_splits`` is accepted and ignored."""
+    del num_splits
+    return _attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        causal,
+        scale,
+        return_lse,
+        np.float64,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        sinks=sinks,
+    )
+
+
+def _attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    causal,
+    scale,
+    return_lse,
+    dtype,
+    *,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+):
+    """The reference computed in ``dtype`` (float64: the oracle; the
+    inputs' dtype: the naive same-precision baseline)."""
+    q = np.asarray(q, dtype=dtype)
+    batch, heads_q, seq_q, _ = q.shape
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
+    if slopes is not None and slopes.ndim == 1:
+        slopes = np.broadcast_to(slopes, (batch, heads_q))
+    outs, lses = [], []
+    for b in range(batch):
+        keys, values = cached_sequence(k_cache, v_cache, cache_seqlens, b, block_table)
+        length = keys.shape[1]
+        o, lse = _attention(
+            q[b],
+            np.asarray(keys, dtype=dtype),
+            np.asarray(values, dtype=dtype),
+            causal,
+            scale,
+            True,
+            dtype,
+            window=window,
+            alibi_slopes=None if slopes is None else slopes[b],
+            softcap=softcap,
+            sinks=sinks,
+            q_offset=length - seq_q,
+            k_offset=0,
+        )
+        outs.append(o)
+        lses.append(lse)
+    out = np.stack(outs) if outs else np.zeros((0, heads_q, seq_q, np.shape(v_cache)[-1]), dtype)
+    lse = np.stack(lses) if lses else np.zeros((0, heads_q, seq_q), dtype)
+    return (out, lse) if return_lse else out

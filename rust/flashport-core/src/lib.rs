@@ -31,6 +31,7 @@
 
 pub mod auto;
 pub mod cpu;
+pub mod decode;
 pub mod env;
 pub mod error;
 pub mod fork;
@@ -43,6 +44,7 @@ pub mod scalar;
 pub mod variants;
 pub mod varlen;
 
+pub use decode::attention_with_kvcache_arrays;
 pub use error::{Error, Result};
 pub use gpu::{to_device, DeviceArray};
 pub use half::f16;
@@ -51,6 +53,7 @@ pub use problem::{
     validate_backward, validate_forward, validate_merge, ArrayInfo, DType, MergeProblem, Options,
     Parts, Problem,
 };
+pub use problem::{validate_kvcache, CacheLayout, IntArray, KvCacheOptions, KvCacheProblem};
 pub use problem::{validate_varlen_backward, validate_varlen_forward, SeqLens};
 pub use variants::{MaskData, VariantArrays};
 pub use varlen::{

@@ -8,7 +8,10 @@ use std::path::PathBuf;
 
 use flashport_core::gpu::kernel::Kernel;
 use flashport_core::gpu::select::AdapterCaps;
-use flashport_core::gpu::shaders::{source, tile_overrides, variant_overrides, Variants};
+use flashport_core::gpu::shaders::{
+    decode_source, source, tile_overrides, variant_overrides, Variants, DECODE_COMBINE,
+    MERGE_STATES,
+};
 use flashport_core::gpu::tiles::{
     coop_backward_tiles, coop_forward_tiles, coop_workgroup_bytes, simple_tiles,
     tiled_backward_tiles, tiled_forward_tiles, workgroup_bytes, Tiles,
@@ -177,17 +180,26 @@ fn every_shader_parses_and_validates() {
         if file.starts_with("lib/") {
             // A fragment is checked as part of the kernels that take it.
             let text = std::fs::read_to_string(shader_dir().join(file)).unwrap();
+            let modules = [
+                MERGE_STATES.to_string(),
+                DECODE_COMBINE.to_string(),
+                decode_source(false, true),
+                decode_source(true, false),
+            ];
             let taken = all_kernels()
                 .flat_map(|k| [(k, false), (k, true)])
                 .any(|(k, sub)| {
                     [false, true]
                         .iter()
                         .any(|&f16| source(k, sub, f16).contains(&text))
-                });
+                })
+                || modules.iter().any(|m| m.contains(&text));
             assert!(taken, "shaders/{file} is a fragment no kernel takes");
             continue;
         }
-        if ["device_arrays.wgsl", "merge_states.wgsl", "varlen.wgsl"].contains(&file.as_str()) {
+        if ["device_arrays.wgsl", "merge_states.wgsl", "varlen.wgsl"].contains(&file.as_str())
+            || file.starts_with("decode/")
+        {
             // Stand-alone modules, checked below.
             continue;
         }
@@ -246,17 +258,15 @@ fn device_array_moves_validate() {
 /// points the host runs.
 #[test]
 fn merge_states_validates() {
-    let path = shader_dir().join("merge_states.wgsl");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let module = parse_text("merge_states.wgsl", &text);
+    let text = MERGE_STATES;
+    let module = parse_text("merge_states.wgsl", text);
     let plain =
         naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
             .validate(&module);
     if let Err(e) = plain {
         panic!(
-            "{} does not validate:\n{}",
-            path.display(),
-            e.emit_to_string(&text)
+            "merge_states.wgsl does not validate:\n{}",
+            e.emit_to_string(text)
         );
     }
     let mut entries: Vec<&str> = module
@@ -725,4 +735,77 @@ fn coop_backward_subgroup_barriers_order_workgroup_memory() {
     .words;
     assert!(subgroup_barrier_semantics(&words).is_empty());
     assert_eq!(subgroup_barriers_order_workgroup_memory(&words).1, 0);
+}
+
+/// The decode kernel (shaders/decode/, with its input and cache-load
+/// fragments) validates and specialises for the layouts the host picks on
+/// small and large adapters, every variant on and off; the combine pass
+/// is a module of its own with WebGPU's core capabilities.
+#[test]
+fn decode_kernels_validate_and_specialise() {
+    use flashport_core::gpu::decode::select::{decode_tiles, AdapterKind, DecodeCaps};
+    let adapters = [
+        (AdapterKind::Discrete, 48 * 1024, 1024),
+        (AdapterKind::Software, 32 * 1024, 1024),
+        (AdapterKind::Other, 16 * 1024, 256),
+    ];
+    for (f16, vec4) in [(false, true), (false, false), (true, true), (true, false)] {
+        let text = decode_source(f16, vec4);
+        let name = format!("decode (f16={f16}, vec4={vec4})");
+        let module = parse_text(&name, &text);
+        let info = validator()
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
+        let storage = module
+            .global_variables
+            .iter()
+            .filter(|(_, g)| matches!(g.space, naga::AddressSpace::Storage { .. }))
+            .count();
+        assert!(storage <= 8, "{name} binds {storage} storage buffers");
+        for (kind, bytes, invocations) in adapters {
+            let caps = DecodeCaps {
+                kind,
+                workgroup_storage_bytes: bytes,
+                max_invocations: invocations,
+                loop_limit: None,
+            };
+            for (d, dv, rows) in [
+                (128, 128, 4),
+                (64, 32, 1),
+                (256, 256, 8),
+                (7, 5, 3),
+                (512, 12, 64),
+            ] {
+                let t = decode_tiles(d, dv, rows, caps).unwrap();
+                if t.vec4 != vec4 {
+                    continue;
+                }
+                for variants in [false, true] {
+                    let constants: naga::back::PipelineConstants = t
+                        .overrides(variants, variants, variants)
+                        .into_iter()
+                        .map(|(n, v)| (n.to_string(), v))
+                        .collect();
+                    if let Err(e) = naga::back::pipeline_constants::process_overrides(
+                        &module,
+                        &info,
+                        Some((naga::ShaderStage::Compute, "main")),
+                        &constants,
+                    ) {
+                        panic!("{name} {t:?}: {e:?}");
+                    }
+                }
+            }
+        }
+    }
+    let module = parse_text("decode/combine.wgsl", DECODE_COMBINE);
+    let plain =
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
+            .validate(&module);
+    if let Err(e) = plain {
+        panic!(
+            "decode/combine.wgsl does not validate:\n{}",
+            e.emit_to_string(DECODE_COMBINE)
+        );
+    }
 }

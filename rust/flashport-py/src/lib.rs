@@ -824,6 +824,136 @@ fn merge_states<'py>(
     ))
 }
 
+/// The variant keywords of attention_with_kvcache: a dict that
+/// `flashport._kvcache` builds, keyed by the keyword names.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct KvCacheVariantArgs<'py> {
+    window: Bound<'py, PyAny>,
+    alibi_slopes: Option<Bound<'py, PyAny>>,
+    softcap: Bound<'py, PyAny>,
+    sinks: Option<Bound<'py, PyAny>>,
+}
+
+/// The entries of an integer argument (cache_seqlens, block_table) as
+/// i64, for the core to check; empty for a dtype that is no integer type
+/// (the core refuses it by name). Unsigned entries above i64::MAX
+/// saturate: they are out of range either way.
+fn int_values(array: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Vec<i64>> {
+    match dtype {
+        "uint64" => {
+            let held: PyReadonlyArrayDyn<'_, u64> = array.extract()?;
+            Ok(held
+                .as_array()
+                .iter()
+                .map(|&v| i64::try_from(v).unwrap_or(i64::MAX))
+                .collect())
+        }
+        "int8" | "int16" | "int32" | "int64" | "uint8" | "uint16" | "uint32" => {
+            let widened = array.call_method1("astype", ("int64",))?;
+            let held: PyReadonlyArrayDyn<'_, i64> = widened.extract()?;
+            Ok(held.as_array().iter().copied().collect())
+        }
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
+/// causal, scale, device, variants, num_splits) -> (o, lse)
+///
+/// The private entry point behind `flashport.attention_with_kvcache`.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, device, variants, num_splits, return_lse))]
+#[allow(clippy::too_many_arguments)]
+fn attention_with_kvcache<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    k_cache: &Bound<'py, PyAny>,
+    v_cache: &Bound<'py, PyAny>,
+    cache_seqlens: &Bound<'py, PyAny>,
+    block_table: Option<&Bound<'py, PyAny>>,
+    causal: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    device: &Bound<'py, PyAny>,
+    variants: KvCacheVariantArgs<'py>,
+    num_splits: &Bound<'py, PyAny>,
+    return_lse: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    // Checked for the Python wrapper, which returns lse only when it is set.
+    scalars::flag("return_lse", return_lse)?;
+    let metas = [
+        ArgMeta::read_main("q", q)?,
+        ArgMeta::read_main("k_cache", k_cache)?,
+        ArgMeta::read_main("v_cache", v_cache)?,
+    ];
+    let seqlens_meta = ArgMeta::read("cache_seqlens", cache_seqlens)?;
+    let seqlens = int_values(cache_seqlens, &seqlens_meta.dtype)?;
+    let table_meta = block_table
+        .map(|t| ArgMeta::read("block_table", t))
+        .transpose()?;
+    let table = match (block_table, &table_meta) {
+        (Some(t), Some(meta)) => int_values(t, &meta.dtype)?,
+        _ => Vec::new(),
+    };
+    let read = |name: &str, a: &Option<Bound<'_, PyAny>>| {
+        a.as_ref().map(|a| ArgMeta::read(name, a)).transpose()
+    };
+    let slopes_meta = read("alibi_slopes", &variants.alibi_slopes)?;
+    let sinks_meta = read("sinks", &variants.sinks)?;
+    let num_splits = scalars::integer("num_splits", num_splits)?;
+    let options = core::KvCacheOptions {
+        causal: scalars::flag("causal", causal)?,
+        scale: scalars::optional_real("scale", scale)?,
+        window: scalars::window(&variants.window)?,
+        softcap: scalars::optional_real("softcap", &variants.softcap)?,
+        alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
+        sinks: sinks_meta.as_ref().map(ArgMeta::info),
+        num_splits,
+    };
+    fn int_array<'a>(meta: &'a ArgMeta, values: &'a [i64]) -> core::IntArray<'a> {
+        core::IntArray {
+            shape: &meta.shape,
+            dtype: &meta.dtype,
+            values,
+        }
+    }
+    let problem = validated(
+        py,
+        core::validate_kvcache(
+            metas[0].info(),
+            metas[1].info(),
+            metas[2].info(),
+            int_array(&seqlens_meta, &seqlens),
+            table_meta.as_ref().map(|m| int_array(m, &table)),
+            &options,
+        ),
+    )?;
+    let main = [q, k_cache, v_cache];
+    let on_gpu = main.into_iter().any(is_device);
+    let device = scalars::device_name(device)?;
+    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
+    let [q, k, v] = main.map(|a| Held::new(a, problem.dtype()));
+    let (q, k, v) = (q?, k?, v?);
+    let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
+    let inputs = [qc.input(), kc.input(), vc.input()];
+    let alibi_slopes = variants.alibi_slopes.as_ref().map(as_f64_vec).transpose()?;
+    let sinks = variants.sinks.as_ref().map(as_f64_vec).transpose()?;
+    let arrays = VariantArrays {
+        mask: None,
+        alibi_slopes: alibi_slopes.as_deref(),
+        sinks: sinks.as_deref(),
+        segments: None,
+    };
+    let placement = Placement::of_inputs(&inputs);
+    let result = run_detached(py, || {
+        core::attention_with_kvcache_arrays(device, &problem, inputs, &arrays, placement)
+    })?;
+    Ok((
+        to_python(py, result.out, &problem.out_shape())?,
+        to_python(py, result.lse, &problem.lse_shape())?,
+    ))
+}
+
 fn contiguous_of<'a>(array: &'a PyReadonlyArrayDyn<'_, bool>) -> Cow<'a, [bool]> {
     contiguous(array)
 }
@@ -860,6 +990,12 @@ impl DeviceArray {
     fn numpy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let buffer = run_detached(py, || self.inner.to_host())?;
         to_numpy(py, buffer, self.inner.shape())
+    }
+    /// copy() -> DeviceArray: a new array with the same elements, copied
+    /// on the GPU.
+    fn copy(&self, py: Python<'_>) -> PyResult<DeviceArray> {
+        let inner = run_detached(py, || self.inner.copy())?;
+        Ok(DeviceArray { inner })
     }
     fn __repr__(&self) -> String {
         format!(
@@ -1008,6 +1144,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge_states, m)?)?;
     m.add_function(wrap_pyfunction!(attention_varlen, m)?)?;
     m.add_function(wrap_pyfunction!(attention_varlen_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_with_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_times, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_timing, m)?)?;

@@ -98,7 +98,7 @@ fn merge_as<T: Element>(
 
 /// One row: its merged output into `out` and its merged lse returned,
 /// from each part's lse and output row. `weights` is scratch, one per part.
-fn merge_row<'r, T: Element>(
+pub(super) fn merge_row<'r, T: Element>(
     lse_of: impl Fn(usize) -> T,
     out_of: impl Fn(usize) -> &'r [T],
     weights: &mut [T],

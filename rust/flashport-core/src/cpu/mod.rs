@@ -8,6 +8,7 @@
 //! rows in a way that depends on it), so results are bitwise reproducible.
 
 pub(crate) mod buffers;
+pub mod decode;
 pub mod element;
 mod kernels;
 pub mod merge;

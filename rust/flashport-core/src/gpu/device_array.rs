@@ -85,6 +85,39 @@ impl DeviceArray {
         self.read()
     }
 
+    /// A new array with the same elements, copied from buffer to buffer on
+    /// the device (one submission, one wait): a copy to change where the
+    /// array itself may not be, and what the benchmarks measure as the
+    /// device's copy bandwidth.
+    pub fn copy(&self) -> Result<DeviceArray> {
+        timing::start_call();
+        guarded("copying a device array", || {
+            self.alive("the device array")?;
+            let ctx = self.ctx.clone();
+            run_on(&ctx, |ctx| {
+                ctx.scoped("copying a device array", || {
+                    let mut sub = Submission::new(ctx);
+                    sub.keep(&self.buffer);
+                    let copy = sub.scratch(self.buffer.bytes());
+                    sub.encoder.copy_buffer_to_buffer(
+                        self.buffer.buffer(),
+                        0,
+                        copy.buffer(),
+                        0,
+                        self.buffer.bytes(),
+                    );
+                    sub.submit(&[])?;
+                    Ok(DeviceArray::from_buffer(
+                        ctx,
+                        copy,
+                        self.dtype,
+                        self.shape.clone(),
+                    ))
+                })
+            })
+        })
+    }
+
     /// Reads the array back, adding to the current call's host phases.
     pub(crate) fn read(&self) -> Result<Buffer> {
         guarded("reading a device array back", || {

@@ -22,7 +22,7 @@ use crate::merge::PartInputs;
 use crate::overrides;
 use crate::{Array, DType, Error, ForwardOutput, Input, MergeProblem, Placement, Result};
 
-/// Invocations per workgroup of both entry points (`WG` in the shader).
+/// Invocations per workgroup of every merge pass (`WG` of lib/merge.wgsl).
 const WORKGROUP: u64 = 64;
 
 /// The shader's `struct Merge`.
@@ -182,7 +182,7 @@ fn merge_on(
             for pass in [&max, &sum] {
                 for (u, part_lse) in uniforms.iter().zip(&part_lses) {
                     let group = bind(ctx, pass, &[(0, u), (1, part_lse), (2, &state)]);
-                    run(ctx, &mut sub, pass, &group, n)?;
+                    run(ctx, &mut sub, (pass, "merge_states"), &group, n)?;
                 }
             }
             if dv > 0 {
@@ -199,7 +199,7 @@ fn merge_on(
                             (5, &out_buffer),
                         ],
                     );
-                    run(ctx, &mut sub, &accumulate, &group, n * dv)?;
+                    run(ctx, &mut sub, (&accumulate, "merge_states"), &group, n * dv)?;
                 }
             }
             let group = bind(
@@ -207,7 +207,7 @@ fn merge_on(
                 &finish,
                 &[(0, &uniforms[0]), (2, &state), (3, &lse_buffer)],
             );
-            run(ctx, &mut sub, &finish, &group, n)?;
+            run(ctx, &mut sub, (&finish, "merge_states"), &group, n)?;
             let mut reads = Vec::new();
             let s = &mut sub;
             if dv > 0 {
@@ -252,12 +252,13 @@ fn bind(
     })
 }
 
-/// Records one pass of `count` invocations, on a two-dimensional grid
-/// where one dimension cannot hold them.
-fn run(
+/// Records one pass of a merge kernel of lib/merge.wgsl's workgroup
+/// size (these, and decoding's combine pass) over `count` invocations, on
+/// a two-dimensional grid where one dimension cannot hold them.
+pub(super) fn run(
     ctx: &Context,
     sub: &mut Submission<'_>,
-    pipeline: &wgpu::ComputePipeline,
+    (pipeline, name): (&wgpu::ComputePipeline, &'static str),
     group: &wgpu::BindGroup,
     count: usize,
 ) -> Result<()> {
@@ -272,6 +273,6 @@ fn run(
             ctx.adapter.name
         )));
     }
-    sub.dispatch(pipeline, group, (x as u32, y as u32), "merge_states");
+    sub.dispatch(pipeline, group, (x as u32, y as u32), name);
     Ok(())
 }

@@ -20,7 +20,9 @@
 //! - `select`: which kernels and tiles a call runs (pure, tested without
 //!   a GPU); `kernel`: the kernels and their tiers; `tiles/`: tile sizes
 //!   fitted to workgroup memory, one file per tier;
-//! - `forward`, `backward`: the passes, encoded and dispatched;
+//! - `forward`, `backward`: the passes, encoded and dispatched; `merge`:
+//!   merging attention states; `decode/`: decoding over a KV cache, with
+//!   its own layout and split choice (`decode::select`, pure);
 //! - `params`: the uniform and the variants' data; `dispatch`: binding,
 //!   recording and submitting a pass; `chunks`: the split by heads;
 //! - `inputs`, `transfer`, `assemble`: arguments in, bytes across,
@@ -36,6 +38,7 @@ mod assemble;
 mod backward;
 mod chunks;
 mod context;
+pub mod decode;
 mod device_array;
 mod dispatch;
 mod forward;

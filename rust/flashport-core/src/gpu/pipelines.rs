@@ -18,7 +18,13 @@ pub(crate) struct PipelineCache {
     /// The device-array moves' pipelines (shaders' device-array helpers),
     /// by entry point.
     arrays: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
+    /// Pipelines of modules outside the attention tiers (decoding), by
+    /// their label (which names the source) and override values.
+    specialised: Mutex<HashMap<SpecialisedKey, wgpu::ComputePipeline>>,
 }
+
+/// A module's label and its override values (as bits), in order.
+type SpecialisedKey = (&'static str, Vec<(&'static str, u64)>);
 
 /// Whether `kernel` runs without naga's index clamps: the register-tiled
 /// and cooperative-matrix kernels in release builds, unless
@@ -153,6 +159,49 @@ impl Context {
                 }))
         })?;
         lock(&self.cache.arrays).insert(entry, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// The pipeline of entry point `main` of the WGSL `source()` names
+    /// (one text per label), specialised with `constants`, compiled once
+    /// per context. naga's bounds checks stay on.
+    pub fn specialised_pipeline(
+        &self,
+        label: &'static str,
+        source: impl FnOnce() -> String,
+        constants: &[(&'static str, f64)],
+    ) -> Result<wgpu::ComputePipeline> {
+        let key: SpecialisedKey = (
+            label,
+            constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
+        );
+        if let Some(p) = lock(&self.cache.specialised).get(&key) {
+            return Ok(p.clone());
+        }
+        let pipeline = self.scoped("building a pipeline", || {
+            let module = self
+                .device
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(label),
+                    source: wgpu::ShaderSource::Wgsl(source().into()),
+                });
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(label),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants,
+                        // The kernels write their workgroup arrays before
+                        // they read them.
+                        zero_initialize_workgroup_memory: false,
+                    },
+                    cache: None,
+                }))
+        })?;
+        lock(&self.cache.specialised).insert(key, pipeline.clone());
         Ok(pipeline)
     }
 

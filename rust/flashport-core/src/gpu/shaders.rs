@@ -12,7 +12,10 @@ macro_rules! shader {
 }
 
 // Fragments (shaders/lib): prepended to the kernels that use them.
-pub(crate) const COMMON: &str = shader!("lib/common.wgsl");
+/// tanh to float32 precision (softcap), for every kernel: after
+/// lib/common.wgsl's text and decoding's.
+const TANH: &str = shader!("lib/tanh.wgsl");
+pub(crate) const COMMON: &str = concat!(shader!("lib/tanh.wgsl"), "\n", shader!("lib/common.wgsl"));
 const INPUT_F32: &str = shader!("lib/input_f32.wgsl");
 const INPUT_F16: &str = shader!("lib/input_f16.wgsl");
 const ROW_REDUCE_SUBGROUP: &str = shader!("lib/row_reduce_subgroup.wgsl");
@@ -36,8 +39,40 @@ const COOP_BACKWARD_DKDV: &str = shader!("coop/backward_dkdv.wgsl");
 
 /// The device-array moves (a module of its own).
 pub(crate) const DEVICE_ARRAYS: &str = shader!("device_arrays.wgsl");
-/// The merge of attention states (a module of its own).
-pub(crate) const MERGE_STATES: &str = shader!("merge_states.wgsl");
+/// The merge of attention states (a module of its own), after the
+/// arithmetic it shares with decoding's combine pass (lib/merge.wgsl).
+pub const MERGE_STATES: &str = concat!(
+    shader!("lib/merge.wgsl"),
+    "\n",
+    shader!("merge_states.wgsl")
+);
+
+// Decoding over a KV cache (src/gpu/decode/): a kernel with its own
+// uniform, assembled from an input fragment, a cache-load fragment and
+// the kernel, and a combine pass that is a module of its own.
+const DECODE: &str = shader!("decode/decode.wgsl");
+const DECODE_LOAD_VEC4: &str = shader!("decode/load_vec4.wgsl");
+const DECODE_LOAD_ELEMENTS: &str = shader!("decode/load_elements.wgsl");
+/// The split states' merge of decoding (a module of its own).
+pub const DECODE_COMBINE: &str = concat!(
+    shader!("lib/merge.wgsl"),
+    "\n",
+    shader!("decode/combine.wgsl")
+);
+
+/// The WGSL of the decode kernel: the input fragment of its dtype
+/// (lib/input_f16.wgsl or input_f32.wgsl), the cache loads (four elements
+/// at a time where d and d_v are multiples of 4, else element by element:
+/// a binding's type cannot be an override), then decode/decode.wgsl.
+pub fn decode_source(f16_inputs: bool, vec4: bool) -> String {
+    let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
+    let load = if vec4 {
+        DECODE_LOAD_VEC4
+    } else {
+        DECODE_LOAD_ELEMENTS
+    };
+    [input, TANH, load, DECODE].join("\n")
+}
 /// attention_varlen's moves between layouts (a module of its own).
 pub(crate) const VARLEN: &str = shader!("varlen.wgsl");
 

@@ -13,6 +13,7 @@
 //! - `coop`: the cooperative-matrix kernels; `coop_diagnostic`: their
 //!   builtins, on a device of its own;
 //! - `device_arrays`: arrays kept on the GPU; `errors`: what is refused;
+//! - `decode`: decoding over paged KV caches (`attention_with_kvcache`);
 //! - `loop_limit`: kernels whose threads loop long (lavapipe's limit).
 //!
 //! The knobs are `flashport_core::overrides` (per thread, restored by
@@ -21,6 +22,7 @@
 mod common;
 mod coop;
 mod coop_diagnostic;
+mod decode;
 mod determinism;
 mod device_arrays;
 mod errors;

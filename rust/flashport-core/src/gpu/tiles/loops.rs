@@ -36,6 +36,7 @@
 
 use super::tiled::tiled_nv;
 use super::{TILED_BK, TILED_CG};
+use crate::gpu::decode::select::DecodeTiles;
 use crate::gpu::kernel::Kernel;
 use crate::gpu::select::PipelineKey;
 
@@ -277,6 +278,41 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
     }
 }
 
+/// The loop passes of the first subgroup of a decode workgroup
+/// (shaders/decode/decode.wgsl with layout `t`, the most of any subgroup:
+/// its lanes hold the rows' softmax loops) over a split of `keys` keys,
+/// every tile counted full. The kernel's other loops do not grow with the
+/// keys, so the split length is what the host chooses to keep within the
+/// limit (`gpu::decode::select::gpu_splits`). Measured on Mesa 22.3.6 with
+/// one split: at d = 8 and one row (tiles of 256 keys, loops of 256 that
+/// are not unrolled) 126 tiles run and 127 do not, where this counts 124;
+/// at d = 128 and four rows (tiles of 16 keys) 16384 tiles run, where this
+/// counts 922: the driver unrolls the loops over 32 lanes and 16 keys.
+pub fn decode_iterations(t: &DecodeTiles, keys: u64) -> u64 {
+    let wg = t.workgroup.max(1) as u64;
+    let (lanes, key_groups) = (t.lanes as u64, t.key_groups() as u64);
+    let (rows, tile_keys) = (t.rows as u64, t.tile_keys() as u64);
+    let per = |n: u64| n.div_ceil(wg);
+    // Each row of q scaled in a loop of its four elements.
+    let prologue = rows * flat(4);
+    // Read element by element, each key and value row is a loop of four.
+    let (loads, load_loops) = match t.vec4 {
+        true => (0, 0),
+        false => (
+            2 * t.keys_per_lane as u64 * flat(4),
+            2 * t.keys_per_lane as u64,
+        ),
+    };
+    // The scores (a strided loop over (row, key), each a sum over the
+    // lanes), then the rows' maximum and sum over the tile's keys.
+    let tile = loads + lp(per(rows * tile_keys), flat(lanes), 1) + 2 * flat(tile_keys);
+    let tile_loops = load_loops + 2 + 2;
+    // The accumulators into `part` (four elements), then each output
+    // element summed over the key groups.
+    let epilogue = flat(4) + lp(per(rows * lanes * 4), flat(key_groups), 1);
+    prologue + lp(keys.div_ceil(tile_keys.max(1)), tile, tile_loops) + epilogue
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -403,6 +439,30 @@ mod tests {
             if exact {
                 assert!(at(right) <= LIMIT, "{kernel:?} {right:?}: {}", at(right));
             }
+        }
+    }
+
+    /// Where lavapipe (Mesa 22.3.6) was measured to cut the decode kernel
+    /// short with one split: the count must be over the limit there.
+    #[test]
+    fn decode_counts_cover_the_measured_cuts() {
+        use crate::gpu::decode::select::{decode_tiles, AdapterKind, DecodeCaps};
+        let lavapipe = DecodeCaps {
+            kind: AdapterKind::Software,
+            workgroup_storage_bytes: 32 * 1024,
+            max_invocations: 1024,
+            loop_limit: Some(LIMIT as u32),
+        };
+        // (d, rows, keys that came out right, keys that did not)
+        for (d, rows, right, wrong) in [(8, 1, 32256, 32257), (128, 4, 262143, 262144)] {
+            let t = decode_tiles(d, d, rows, lavapipe).unwrap();
+            let at = |keys| decode_iterations(&t, keys);
+            eprintln!(
+                "decode d={d} rows={rows} {t:?}: right {} wrong {}",
+                at(right),
+                at(wrong)
+            );
+            assert!(at(wrong) > LIMIT, "d={d}: {}", at(wrong));
         }
     }
 }

@@ -18,7 +18,9 @@ pub use coop::{
     coop_workgroup_bytes, CoopBackwardLayout, COOP_BACKWARD_MAX_STAGED_WORDS,
     COOP_MAX_STAGED_WORDS,
 };
-pub use loops::{iterations as loop_iterations, workgroup_iterations, LoopShape};
+pub use loops::{
+    decode_iterations, iterations as loop_iterations, workgroup_iterations, LoopShape,
+};
 pub use simple::{simple_tiles, simple_tiles_within};
 pub use tiled::{
     tiled_backward_tiles, tiled_forward_tiles, tiled_nv, tiled_workgroup_vec4s, BackwardLayout,

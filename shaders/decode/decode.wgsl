@@ -1,0 +1,525 @@
+// Decoding over a KV cache (flashport.attention_with_kvcache), split-KV:
+// one workgroup per (sequence, key/value head, key split, block of RB
+// query rows), where the rows are the head's whole GQA group times seq_q
+// (row r = g * seq_q + i), so each cached key and value is read once per
+// group. It writes the split's attention state, o normalised and lse, in
+// float32; decode/combine.wgsl merges the splits in order. src/decode.rs
+// defines what is computed, src/gpu/decode/ runs it.
+//
+// The host prepends lib/input_f32.wgsl or lib/input_f16.wgsl (In4, widen,
+// in_word, in_elem) and decode/load_vec4.wgsl or decode/load_elements.wgsl
+// (the cache bindings and load_k / load_v).
+//
+// Layout of the invocations: KG = WG / LANES key groups of LANES lanes.
+// Lane l of a key group owns elements 4l..4l+3 of d and of d_v; the group
+// owns keys kg, kg + KG, ... of each tile of BK = KG * KPL keys. So the
+// lanes of a key group read one cache row together, consecutive lanes
+// consecutive words, and K and V go from memory to registers once,
+// without staging: only the partial dot products, the scores and the
+// per-row statistics pass through workgroup memory. Per tile:
+//
+// 1. every lane issues its KPL key rows' and value rows' loads;
+// 2. partial dots q_r . k (4 elements) per row and key into `part`;
+// 3. one invocation per (row, key) sums its LANES partials in lane order:
+//    the score, with softcap, ALiBi and visibility (NEG_BIG where hidden);
+// 4. one invocation per row folds the tile into row_max / row_sum (the
+//    online softmax of lib/common.wgsl's vocabulary) and leaves the
+//    probabilities in `scores` and the rescale in `stat`;
+// 5. every lane rescales its accumulators and adds p * v for its keys.
+//
+// At the end the key groups' accumulators are summed in group order
+// through `part`. The register tiles (q0..q7, acc0..acc7, k0..k3, v0..v3)
+// are named variables (docs/gpu.md#named-register-variables); RB and KPL
+// switch the unused ones off.
+
+override WG: u32 = 128u;
+override LANES: u32 = 32u;
+// Keys per lane per tile, 1, 2 or 4.
+override KPL: u32 = 4u;
+// Rows per workgroup, 1, 2, 4 or 8.
+override RB: u32 = 4u;
+override KG: u32 = WG / LANES;
+override BK: u32 = KG * KPL;
+// A (row, key)'s partials are LANES + 1 apart, so that the invocations
+// summing consecutive pairs read different banks.
+override PS: u32 = LANES + 1u;
+// max(RB * BK * PS, RB * KG * LANES * 4): the partials, or the key groups'
+// accumulators at the end.
+override PART_ELEMS: u32 = 4224u;
+override SCORE_ELEMS: u32 = 64u;
+override PAGED: bool = false;
+override SOFTCAP: bool = false;
+override ALIBI: bool = false;
+
+// Mirrors `Uniform` in src/gpu/decode/mod.rs, word for word.
+struct Decode {
+    heads_q: u32,
+    heads_kv: u32,
+    group: u32,
+    seq_q: u32,
+    // group * seq_q: the rows of one (sequence, key/value head).
+    rows: u32,
+    row_blocks: u32,
+    d: u32,
+    dv: u32,
+    // Keys per block (a contiguous cache: its capacity, one block per
+    // sequence).
+    block_size: u32,
+    max_blocks: u32,
+    splits: u32,
+    causal: u32,
+    // Window sides, NONE where unbounded; the host caps them at 2^30,
+    // beyond every position.
+    left: u32,
+    right: u32,
+    scale: f32,
+    softcap: f32,
+    // Word offsets in `seq_data`: the lengths of this dispatch's sequences,
+    // their block-table rows (blocks counted from the first block bound),
+    // the ALiBi slopes per (sequence, query head).
+    seqlens_off: u32,
+    table_off: u32,
+    slopes_off: u32,
+    pad0: u32,
+    // Elements from the start of a cache binding to its first block.
+    k_delta: u32,
+    v_delta: u32,
+    // Rows of this dispatch's output: sequences * heads_q * seq_q.
+    out_rows: u32,
+    pad1: u32,
+}
+
+const NONE: u32 = 0xffffffffu;
+// The finite stand-in for a running maximum of -inf (lib/common.wgsl).
+const NEG_BIG: f32 = -3.0e38;
+const NEG_INF: u32 = 0xff800000u;
+
+@group(0) @binding(0) var<uniform> u: Decode;
+@group(0) @binding(1) var<storage, read> q: array<u32>;
+@group(0) @binding(4) var<storage, read> seq_data: array<u32>;
+@group(0) @binding(5) var<storage, read_write> part_o: array<f32>;
+@group(0) @binding(6) var<storage, read_write> part_lse: array<u32>;
+
+var<workgroup> part: array<f32, PART_ELEMS>;
+var<workgroup> scores: array<f32, SCORE_ELEMS>;
+// Per row: the tile's rescale (0..8), and at the end row_sum (8..16), a
+// slot of its own because the last tile's rescales may still be read.
+var<workgroup> stat: array<f32, 16>;
+
+// The cache row (counted from the binding's first block) of key `key` of
+// the dispatch's sequence `b`, key/value head `h`.
+fn cache_row(b: u32, h: u32, key: u32) -> u32 {
+    var block = b;
+    var offset = key;
+    if PAGED {
+        block = seq_data[u.table_off + b * u.max_blocks + key / u.block_size];
+        offset = key % u.block_size;
+    }
+    return (block * u.heads_kv + h) * u.block_size + offset;
+}
+
+// The keys row `i` (of seq_q) of a sequence of `len` keys sees: query i is
+// at position len - seq_q + i. Lengths and seq_q are below 2^30 (checked
+// by the host), so positions fit i32.
+fn visible(len: u32, i: u32) -> vec2<u32> {
+    let pos = i32(len) - i32(u.seq_q) + i32(i);
+    var end = i32(len);
+    if u.causal != 0u {
+        end = min(end, pos + 1);
+    }
+    if u.right != NONE {
+        end = min(end, pos + i32(u.right) + 1);
+    }
+    end = clamp(end, 0, i32(len));
+    var start = 0;
+    if u.left != NONE {
+        start = max(0, pos - i32(u.left));
+    }
+    return vec2(u32(min(start, end)), u32(end));
+}
+
+// The keys any row of the sequence sees (src/problem.rs, keys_read): the
+// range the splits cut.
+fn keys_read(len: u32) -> vec2<u32> {
+    if len == 0u || u.seq_q == 0u {
+        return vec2(0u);
+    }
+    let first = visible(len, 0u);
+    let last = visible(len, u.seq_q - 1u);
+    let start = min(first.x, last.y);
+    return vec2(start, max(last.y, start));
+}
+
+// Split s of `keys` (src/decode.rs, split_keys).
+fn split_keys(keys: vec2<u32>, s: u32) -> vec2<u32> {
+    let n = keys.y - keys.x;
+    let per = ((n + u.splits - 1u) / u.splits + 15u) / 16u * 16u;
+    let start = keys.x + min(s * per, n);
+    return vec2(start, min(start + per, keys.y));
+}
+
+// The score of group row `r` (query i = r % seq_q, head h * group +
+// r / seq_q) and key `key` from u = scale * q . k, or NEG_BIG where the
+// row does not see the key.
+fn score(x: f32, b: u32, h: u32, len: u32, r: u32, key: u32, key_end: u32) -> f32 {
+    let i = r % u.seq_q;
+    let seen = visible(len, i);
+    if r >= u.rows || key >= key_end || key < seen.x || key >= seen.y {
+        return NEG_BIG;
+    }
+    var s = x;
+    if SOFTCAP {
+        s = u.softcap * tanh_f32(x / u.softcap);
+    }
+    if ALIBI {
+        let head = h * u.group + r / u.seq_q;
+        let slope = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + head]);
+        let pos = i32(len) - i32(u.seq_q) + i32(i);
+        s -= slope * f32(abs(pos - i32(key)));
+    }
+    return s;
+}
+
+// Elements 4c..4c+3 of row `row` of q (the dispatch's own rows), scaled,
+// zeros past d.
+fn load_q(row: u32, c: u32) -> vec4<f32> {
+    var x = vec4(0.0);
+    let base = row * u.d;
+    for (var e = 0u; e < 4u; e++) {
+        let col = 4u * c + e;
+        if col < u.d {
+            x[e] = in_elem(q[in_word(base + col)], base + col);
+        }
+    }
+    return x * u.scale;
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) t: u32,
+) {
+    let s = wid.x;
+    let rb = wid.y % u.row_blocks;
+    // (sequence, key/value head) of this dispatch.
+    let seq_head = wid.y / u.row_blocks;
+    let b = seq_head / u.heads_kv;
+    let h = seq_head % u.heads_kv;
+    let lane = t % LANES;
+    let kg = t / LANES;
+    let row0 = rb * RB;
+    // Read-only storage at uniform indices: uniform values, so the tile
+    // loop below (and its barriers) is uniform.
+    let len = seq_data[u.seqlens_off + b];
+    let split = split_keys(keys_read(len), s);
+    // The keys the block's rows see: the first and the last query index
+    // among them bound both ends (all of them when the block wraps from
+    // one head of the group to the next).
+    var i_lo = row0 % u.seq_q;
+    var i_hi = min(row0 + RB, u.rows) - 1u;
+    i_hi = i_hi % u.seq_q;
+    if i_hi < i_lo || min(RB, u.rows - row0) > u.seq_q {
+        i_lo = 0u;
+        i_hi = u.seq_q - 1u;
+    }
+    let key_start = max(split.x, visible(len, i_lo).x);
+    let key_end = min(split.y, visible(len, i_hi).y);
+
+    // The q rows of the group are consecutive: heads h * group.., each
+    // seq_q rows; rows past the group read row 0 (and are never written).
+    let q_first = seq_head * u.rows;
+    var q0 = vec4(0.0);
+    var q1 = vec4(0.0);
+    var q2 = vec4(0.0);
+    var q3 = vec4(0.0);
+    var q4 = vec4(0.0);
+    var q5 = vec4(0.0);
+    var q6 = vec4(0.0);
+    var q7 = vec4(0.0);
+    let last = u.rows - 1u;
+    q0 = load_q(q_first + min(row0, last), lane);
+    if RB > 1u {
+        q1 = load_q(q_first + min(row0 + 1u, last), lane);
+    }
+    if RB > 2u {
+        q2 = load_q(q_first + min(row0 + 2u, last), lane);
+        q3 = load_q(q_first + min(row0 + 3u, last), lane);
+    }
+    if RB > 4u {
+        q4 = load_q(q_first + min(row0 + 4u, last), lane);
+        q5 = load_q(q_first + min(row0 + 5u, last), lane);
+        q6 = load_q(q_first + min(row0 + 6u, last), lane);
+        q7 = load_q(q_first + min(row0 + 7u, last), lane);
+    }
+    var acc0 = vec4(0.0);
+    var acc1 = vec4(0.0);
+    var acc2 = vec4(0.0);
+    var acc3 = vec4(0.0);
+    var acc4 = vec4(0.0);
+    var acc5 = vec4(0.0);
+    var acc6 = vec4(0.0);
+    var acc7 = vec4(0.0);
+    // Held by invocation t < RB for row row0 + t.
+    var row_max = NEG_BIG;
+    var row_sum = 0.0;
+
+    for (var k0 = key_start; k0 < key_end; k0 += BK) {
+        // 1. Loads: key kk * KG + kg of the tile, zeros past key_end.
+        var k0v = vec4(0.0);
+        var k1v = vec4(0.0);
+        var k2v = vec4(0.0);
+        var k3v = vec4(0.0);
+        var v0v = vec4(0.0);
+        var v1v = vec4(0.0);
+        var v2v = vec4(0.0);
+        var v3v = vec4(0.0);
+        let key0 = k0 + kg;
+        if key0 < key_end {
+            let row = cache_row(b, h, key0);
+            k0v = load_k(row, lane);
+            v0v = load_v(row, lane);
+        }
+        if KPL > 1u {
+            let key1 = key0 + KG;
+            if key1 < key_end {
+                let row = cache_row(b, h, key1);
+                k1v = load_k(row, lane);
+                v1v = load_v(row, lane);
+            }
+        }
+        if KPL > 2u {
+            let key2 = key0 + 2u * KG;
+            if key2 < key_end {
+                let row = cache_row(b, h, key2);
+                k2v = load_k(row, lane);
+                v2v = load_v(row, lane);
+            }
+            let key3 = key0 + 3u * KG;
+            if key3 < key_end {
+                let row = cache_row(b, h, key3);
+                k3v = load_k(row, lane);
+                v3v = load_v(row, lane);
+            }
+        }
+
+        // 2. Partial dot products: row r, tile key kk * KG + kg, lane.
+        let rs = BK * PS;
+        var at = kg * PS + lane;
+        part[at] = dot(q0, k0v);
+        if RB > 1u {
+            part[at + rs] = dot(q1, k0v);
+        }
+        if RB > 2u {
+            part[at + 2u * rs] = dot(q2, k0v);
+            part[at + 3u * rs] = dot(q3, k0v);
+        }
+        if RB > 4u {
+            part[at + 4u * rs] = dot(q4, k0v);
+            part[at + 5u * rs] = dot(q5, k0v);
+            part[at + 6u * rs] = dot(q6, k0v);
+            part[at + 7u * rs] = dot(q7, k0v);
+        }
+        if KPL > 1u {
+            at = (KG + kg) * PS + lane;
+            part[at] = dot(q0, k1v);
+            if RB > 1u {
+                part[at + rs] = dot(q1, k1v);
+            }
+            if RB > 2u {
+                part[at + 2u * rs] = dot(q2, k1v);
+                part[at + 3u * rs] = dot(q3, k1v);
+            }
+            if RB > 4u {
+                part[at + 4u * rs] = dot(q4, k1v);
+                part[at + 5u * rs] = dot(q5, k1v);
+                part[at + 6u * rs] = dot(q6, k1v);
+                part[at + 7u * rs] = dot(q7, k1v);
+            }
+        }
+        if KPL > 2u {
+            at = (2u * KG + kg) * PS + lane;
+            part[at] = dot(q0, k2v);
+            if RB > 1u {
+                part[at + rs] = dot(q1, k2v);
+            }
+            if RB > 2u {
+                part[at + 2u * rs] = dot(q2, k2v);
+                part[at + 3u * rs] = dot(q3, k2v);
+            }
+            if RB > 4u {
+                part[at + 4u * rs] = dot(q4, k2v);
+                part[at + 5u * rs] = dot(q5, k2v);
+                part[at + 6u * rs] = dot(q6, k2v);
+                part[at + 7u * rs] = dot(q7, k2v);
+            }
+            at = (3u * KG + kg) * PS + lane;
+            part[at] = dot(q0, k3v);
+            if RB > 1u {
+                part[at + rs] = dot(q1, k3v);
+            }
+            if RB > 2u {
+                part[at + 2u * rs] = dot(q2, k3v);
+                part[at + 3u * rs] = dot(q3, k3v);
+            }
+            if RB > 4u {
+                part[at + 4u * rs] = dot(q4, k3v);
+                part[at + 5u * rs] = dot(q5, k3v);
+                part[at + 6u * rs] = dot(q6, k3v);
+                part[at + 7u * rs] = dot(q7, k3v);
+            }
+        }
+        workgroupBarrier();
+
+        // 3. Scores: the partials of (row, key) summed in lane order.
+        for (var pair = t; pair < RB * BK; pair += WG) {
+            let r = pair / BK;
+            let kt = pair % BK;
+            var x = 0.0;
+            for (var l = 0u; l < LANES; l++) {
+                x += part[pair * PS + l];
+            }
+            scores[pair] = score(x, b, h, len, row0 + r, k0 + kt, key_end);
+        }
+        workgroupBarrier();
+
+        // 4. The online softmax of each row over the tile.
+        if t < RB {
+            var tile_max = NEG_BIG;
+            for (var kt = 0u; kt < BK; kt++) {
+                tile_max = max(tile_max, scores[t * BK + kt]);
+            }
+            let row_max_new = max(row_max, tile_max);
+            // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at
+            // its first visible key.
+            let rescale = exp(row_max - row_max_new);
+            var tile_sum = 0.0;
+            for (var kt = 0u; kt < BK; kt++) {
+                let x = scores[t * BK + kt];
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                let pv = select(0.0, exp(x - row_max_new), x != NEG_BIG);
+                scores[t * BK + kt] = pv;
+                tile_sum += pv;
+            }
+            row_sum = row_sum * rescale + tile_sum;
+            row_max = row_max_new;
+            stat[t] = rescale;
+        }
+        workgroupBarrier();
+
+        // 5. acc = acc * rescale + p * v over the lane's keys, in order.
+        var pk = kg;
+        acc0 = acc0 * stat[0] + scores[pk] * v0v;
+        if RB > 1u {
+            acc1 = acc1 * stat[1] + scores[BK + pk] * v0v;
+        }
+        if RB > 2u {
+            acc2 = acc2 * stat[2] + scores[2u * BK + pk] * v0v;
+            acc3 = acc3 * stat[3] + scores[3u * BK + pk] * v0v;
+        }
+        if RB > 4u {
+            acc4 = acc4 * stat[4] + scores[4u * BK + pk] * v0v;
+            acc5 = acc5 * stat[5] + scores[5u * BK + pk] * v0v;
+            acc6 = acc6 * stat[6] + scores[6u * BK + pk] * v0v;
+            acc7 = acc7 * stat[7] + scores[7u * BK + pk] * v0v;
+        }
+        if KPL > 1u {
+            pk = KG + kg;
+            acc0 += scores[pk] * v1v;
+            if RB > 1u {
+                acc1 += scores[BK + pk] * v1v;
+            }
+            if RB > 2u {
+                acc2 += scores[2u * BK + pk] * v1v;
+                acc3 += scores[3u * BK + pk] * v1v;
+            }
+            if RB > 4u {
+                acc4 += scores[4u * BK + pk] * v1v;
+                acc5 += scores[5u * BK + pk] * v1v;
+                acc6 += scores[6u * BK + pk] * v1v;
+                acc7 += scores[7u * BK + pk] * v1v;
+            }
+        }
+        if KPL > 2u {
+            pk = 2u * KG + kg;
+            acc0 += scores[pk] * v2v;
+            if RB > 1u {
+                acc1 += scores[BK + pk] * v2v;
+            }
+            if RB > 2u {
+                acc2 += scores[2u * BK + pk] * v2v;
+                acc3 += scores[3u * BK + pk] * v2v;
+            }
+            if RB > 4u {
+                acc4 += scores[4u * BK + pk] * v2v;
+                acc5 += scores[5u * BK + pk] * v2v;
+                acc6 += scores[6u * BK + pk] * v2v;
+                acc7 += scores[7u * BK + pk] * v2v;
+            }
+            pk = 3u * KG + kg;
+            acc0 += scores[pk] * v3v;
+            if RB > 1u {
+                acc1 += scores[BK + pk] * v3v;
+            }
+            if RB > 2u {
+                acc2 += scores[2u * BK + pk] * v3v;
+                acc3 += scores[3u * BK + pk] * v3v;
+            }
+            if RB > 4u {
+                acc4 += scores[4u * BK + pk] * v3v;
+                acc5 += scores[5u * BK + pk] * v3v;
+                acc6 += scores[6u * BK + pk] * v3v;
+                acc7 += scores[7u * BK + pk] * v3v;
+            }
+        }
+    }
+
+    // The key groups' accumulators, summed in group order: (kg, row,
+    // lane) vec4s through `part` (its last reads were before the last
+    // tile's second barrier).
+    let ra = LANES * 4u;
+    let at = (kg * RB * LANES + lane) * 4u;
+    for (var e = 0u; e < 4u; e++) {
+        part[at + e] = acc0[e];
+        if RB > 1u {
+            part[at + ra + e] = acc1[e];
+        }
+        if RB > 2u {
+            part[at + 2u * ra + e] = acc2[e];
+            part[at + 3u * ra + e] = acc3[e];
+        }
+        if RB > 4u {
+            part[at + 4u * ra + e] = acc4[e];
+            part[at + 5u * ra + e] = acc5[e];
+            part[at + 6u * ra + e] = acc6[e];
+            part[at + 7u * ra + e] = acc7[e];
+        }
+    }
+    if t < RB {
+        stat[8u + t] = row_sum;
+        let r = row0 + t;
+        if r < u.rows {
+            // lse = row_max + ln(row_sum); -inf (as bits) for a row that
+            // saw no key in this split.
+            var bits = NEG_INF;
+            if row_sum > 0.0 {
+                bits = bitcast<u32>(row_max + log(row_sum));
+            }
+            part_lse[s * u.out_rows + seq_head * u.rows + r] = bits;
+        }
+    }
+    workgroupBarrier();
+    for (var e = t; e < RB * ra; e += WG) {
+        let r = e / ra;
+        let col = e % ra;
+        if row0 + r < u.rows && col < u.dv {
+            var x = 0.0;
+            for (var g = 0u; g < KG; g++) {
+                x += part[g * RB * ra + e];
+            }
+            let sum = stat[8u + r];
+            // A row that saw no key keeps o = 0.
+            let o = select(0.0, x / sum, sum > 0.0);
+            part_o[(s * u.out_rows + seq_head * u.rows + row0 + r) * u.dv + col] = o;
+        }
+    }
+}

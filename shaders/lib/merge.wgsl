@@ -1,0 +1,67 @@
+// Merging attention states, shared by merge_states.wgsl (parts bound one
+// at a time) and decode/combine.wgsl (the splits of a decode): the
+// arithmetic of src/merge.rs, relative to a row's largest lse, with the
+// parts in order. A row's state holds that largest finite lse, whether
+// any part saw a key, whether any lse is NaN or +inf, and the sum of the
+// parts' exp(lse_i - top); part i weighs exp(lse_i - top) / sum.
+//
+// WGSL does not promise IEEE infinities or NaN in arithmetic, so they are
+// tested and written as bits: an lse of -inf (an empty part) never enters
+// an exponential and gets weight 0, a row whose every part is empty gets
+// lse -inf, and a row with a NaN or +inf lse gets NaN bits.
+
+const NEG_INF: u32 = 0xff800000u;
+const NAN: u32 = 0x7fc00000u;
+
+// Invocations per workgroup of the merge passes, one row or one output
+// element each.
+const WG: u32 = 64u;
+
+// The grid is two-dimensional when one dimension cannot hold the count.
+fn invocation(wid: vec3<u32>, groups: vec3<u32>, lid: u32) -> u32 {
+    return (wid.y * groups.x + wid.x) * WG + lid;
+}
+
+// Per row, across the parts seen so far.
+struct RowState {
+    top: f32,
+    sum: f32,
+    seen: u32,
+    invalid: u32,
+}
+
+fn is_finite(bits: u32) -> bool {
+    return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+// `st` with one more part's lse (bits) among the largest.
+fn fold_max(st: RowState, bits: u32) -> RowState {
+    var next = st;
+    if is_finite(bits) {
+        let x = bitcast<f32>(bits);
+        next.top = select(x, max(st.top, x), st.seen != 0u);
+        next.seen = 1u;
+    } else if bits != NEG_INF {
+        next.invalid = 1u;
+    }
+    return next;
+}
+
+// exp(lse_i - top), 0 for an empty part: no -inf enters the exponential.
+fn part_weight(bits: u32, st: RowState) -> f32 {
+    if !is_finite(bits) {
+        return 0.0;
+    }
+    return exp(bitcast<f32>(bits) - st.top);
+}
+
+// The merged lse of a row whose parts are all folded and summed.
+fn merged_lse(st: RowState) -> u32 {
+    if st.invalid != 0u {
+        return NAN;
+    }
+    if st.seen == 0u {
+        return NEG_INF;
+    }
+    return bitcast<u32>(st.top + log(st.sum));
+}

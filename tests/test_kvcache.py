@@ -1,0 +1,458 @@
+"""attention_with_kvcache on every backend: contiguous caches against the
+float64 oracle (whole attention over each sequence's gathered keys), paged
+caches bit for bit equal to the contiguous cache they hold (any block
+size, permuted tables, blocks shared between sequences, NaN wherever
+nothing may be read); seq_q 1 and more, GQA, d != d_v, empty sequences,
+lengths off the block grid, the variants; explicit key splits from 1 to
+more than the blocks; bitwise reproducibility across runs and CPU thread
+counts; inputs never modified; DeviceArrays and dispatches cut to small
+bindings on the GPU; every error naming its argument and entry."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import flashport
+import numpy as np
+import pytest
+from cases import assert_close
+from conftest import overrides
+from flashport import (
+    DTypeError,
+    InvalidArgumentError,
+    ProblemTooLargeError,
+    ShapeError,
+    reference,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+MAX_LEN = {"cpu": 200, "gpu": 48}
+DIMS = {
+    "cpu": st.one_of(st.sampled_from([16, 64, 128]), st.integers(1, 80)),
+    "gpu": st.one_of(st.sampled_from([8, 16, 32]), st.integers(1, 20)),
+}
+DTYPES = {"cpu": [np.float32, np.float64, np.float16], "gpu": [np.float32, np.float16]}
+
+
+@dataclass(frozen=True)
+class KvCase:
+    """A batch of cached sequences, its queries and how they are stored."""
+
+    heads_kv: int
+    group: int
+    seq_q: int
+    d: int
+    dv: int
+    block_size: int
+    lens: tuple[int, ...]
+    # Sequence b > 0 starts with this many of sequence 0's blocks.
+    shared: int
+    causal: bool
+    scale: float | None
+    seed: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+    @property
+    def heads_q(self) -> int:
+        return self.heads_kv * self.group
+
+    def blocks_per_seq(self) -> int:
+        return max(1, max(-(-n // self.block_size) for n in self.lens))
+
+    def arrays(self, dtype):
+        """q, the paged cache (pool, table) and the contiguous cache holding
+        the same sequences. Everything no call may read is NaN (unused
+        blocks, cache rows past each length), and table entries past a
+        length are -1 or out of range."""
+        rng = np.random.default_rng(self.seed)
+        bs, per_seq, batch = self.block_size, self.blocks_per_seq(), self.batch
+        q = rng.standard_normal((batch, self.heads_q, self.seq_q, self.d)).astype(dtype)
+        # Blocks in a random order; a few spare ones are never used.
+        order = rng.permutation(batch * per_seq + 3)
+        table = order[: batch * per_seq].reshape(batch, per_seq).copy()
+        table[1:, : self.shared] = table[0, : self.shared]
+        num_blocks = len(order)
+        pool_k = np.full((num_blocks, self.heads_kv, bs, self.d), np.nan, dtype)
+        pool_v = np.full((num_blocks, self.heads_kv, bs, self.dv), np.nan, dtype)
+        for b, n in enumerate(self.lens):
+            for i in range(-(-n // bs)):
+                x = table[b, i]
+                rows = min(bs, n - i * bs)
+                if np.isnan(pool_k[x, :, :rows]).any():
+                    pool_k[x, :, :rows] = rng.standard_normal((self.heads_kv, rows, self.d))
+                    pool_v[x, :, :rows] = rng.standard_normal((self.heads_kv, rows, self.dv))
+            for i in range(-(-n // bs), per_seq):
+                table[b, i] = rng.choice([-1, num_blocks, 10**9])
+        capacity = per_seq * bs
+        k = np.full((batch, self.heads_kv, capacity, self.d), np.nan, dtype)
+        v = np.full((batch, self.heads_kv, capacity, self.dv), np.nan, dtype)
+        for b, n in enumerate(self.lens):
+            kb, vb = reference.cached_sequence(pool_k, pool_v, self.lens, b, table)
+            k[b, :, :n], v[b, :, :n] = kb, vb
+        lens = np.array(self.lens, dtype=rng.choice([np.int32, np.int64]))
+        return q, (pool_k, pool_v, table.astype(np.int32)), (k, v), lens
+
+
+@st.composite
+def kv_cases(draw, backend: str) -> KvCase:
+    batch = draw(st.integers(1, 3))
+    block_size = draw(st.sampled_from([1, 2, 3, 5, 16, 32]))
+    length = st.one_of(st.just(0), st.integers(1, MAX_LEN[backend]))
+    lens = tuple(draw(length) for _ in range(batch))
+    d = draw(DIMS[backend])
+    dv = draw(st.one_of(st.just(d), DIMS[backend]))
+    first_blocks = -(-lens[0] // block_size)
+    shared = draw(st.integers(0, first_blocks)) if batch > 1 else 0
+    # A sequence that shares blocks holds at least their keys.
+    lens = (lens[0], *(max(n, min(shared * block_size, lens[0])) for n in lens[1:]))
+    return KvCase(
+        heads_kv=draw(st.integers(1, 2)),
+        group=draw(st.sampled_from([1, 2, 4])),
+        seq_q=draw(st.sampled_from([1, 1, 2, 3, 5])),
+        d=d,
+        dv=dv,
+        block_size=block_size,
+        lens=lens,
+        shared=shared,
+        causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@st.composite
+def kv_variants(draw, case: KvCase) -> dict:
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kw: dict = {}
+    if draw(st.booleans()):
+        side = st.one_of(st.none(), st.just(-1), st.integers(0, 8), st.integers(0, 60))
+        kw["window"] = (draw(side), draw(side))
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(case.heads_q,), (case.batch, case.heads_q)]))
+        kw["alibi_slopes"] = rng.uniform(0.0, 1.0, shape)
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([1.0, 30.0]))
+    if draw(st.booleans()):
+        kw["sinks"] = rng.standard_normal(case.heads_q) * 2.0
+    return kw
+
+
+def oracle_dtype(dtype):
+    return np.longdouble if dtype == np.float64 else np.float64
+
+
+def _magnitudes(case: KvCase, q, contiguous, lens, kw) -> tuple[float, float]:
+    """The largest |score| a row sees and the largest Σ_j P_ij |v_j| (what
+    assert_close scales its floor with), over every sequence. With softcap
+    the cap counts as a score: t = cap · tanh(u / cap) is rounded relative
+    to the cap (a GPU's tanh through exp is off by an ulp of 1, times the
+    cap), however small u is."""
+    k, v = contiguous
+    scores, terms = 0.0, 0.0
+    for b, n in enumerate(lens):
+        q4 = np.asarray(q[b : b + 1], np.float64)
+        k4 = np.asarray(k[b : b + 1, :, :n], np.float64)
+        v4 = np.asarray(v[b : b + 1, :, :n], np.float64)
+        slopes = kw.get("alibi_slopes")
+        if slopes is not None and np.ndim(slopes) == 2:
+            slopes = slopes[b]
+        s, visible, group, _, (u, _) = reference._scores(
+            q4,
+            k4,
+            case.causal,
+            case.scale,
+            window=kw.get("window"),
+            alibi_slopes=slopes,
+            softcap=kw.get("softcap"),
+            q_offset=int(n) - case.seq_q,
+            k_offset=0,
+        )
+        if visible.any():
+            scores = max(scores, float(np.abs(s[visible]).max()), float(np.abs(u[visible]).max()))
+        p, _ = reference._probabilities(s, visible, kw.get("sinks"))
+        if p.size:
+            terms = max(terms, float((p @ np.abs(np.repeat(v4, group, axis=1))).max()))
+    return max(scores, kw.get("softcap") or 0.0), terms
+
+
+def _check(case: KvCase, backend, dtype, kw, num_splits=None):
+    """The contiguous cache against the oracle, the paged one bit for bit
+    against the contiguous one; inputs unmodified."""
+    q, (pool_k, pool_v, table), (k, v), lens = case.arrays(dtype)
+    before = copy.deepcopy([q, pool_k, pool_v, table, k, v, lens, kw])
+    common = {"causal": case.causal, "scale": case.scale, "device": backend, **kw}
+    out, lse = flashport.attention_with_kvcache(
+        q, k, v, lens, num_splits=num_splits, return_lse=True, **common
+    )
+    assert out.dtype == dtype and out.shape == (case.batch, case.heads_q, case.seq_q, case.dv)
+    assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    assert lse.shape == (case.batch, case.heads_q, case.seq_q)
+    args = (q, k, v, lens, None, case.causal, case.scale, True)
+    want_out, want_lse = reference._attention_with_kvcache(*args, oracle_dtype(dtype), **kw)
+    base_out, base_lse = reference._attention_with_kvcache(*args, dtype, **kw)
+    scores, terms = _magnitudes(case, q, (k, v), lens, kw)
+    assert_close("o", out, want_out, base_out, dtype, scores, terms)
+    assert_close("lse", lse, want_lse, base_lse, dtype, scores, scores)
+    paged_out, paged_lse = flashport.attention_with_kvcache(
+        q, pool_k, pool_v, lens, block_table=table, num_splits=num_splits, return_lse=True, **common
+    )
+    assert paged_out.tobytes() == out.tobytes(), "paged and contiguous outputs differ"
+    assert paged_lse.tobytes() == lse.tobytes(), "paged and contiguous lse differ"
+    after = [q, pool_k, pool_v, table, k, v, lens, kw]
+    for b, a in zip(before, after, strict=True):
+        if isinstance(b, dict):
+            assert all(np.array_equal(b[n], a[n]) for n in b), "variant modified"
+        else:
+            assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), "input modified"
+    return out, lse
+
+
+@given(data=st.data())
+def test_paged_and_contiguous_caches_against_the_oracle(backend, data):
+    case = data.draw(kv_cases(backend), label="case")
+    dtype = data.draw(st.sampled_from(DTYPES[backend]), label="dtype")
+    kw = data.draw(kv_variants(case), label="variants")
+    splits = data.draw(st.sampled_from([None, None, 1, 2, 3, 40]), label="num_splits")
+    _check(case, backend, dtype, kw, splits)
+
+
+def _decode_case(**changes) -> KvCase:
+    base = {
+        "heads_kv": 2,
+        "group": 4,
+        "seq_q": 1,
+        "d": 32,
+        "dv": 24,
+        "block_size": 5,
+        "lens": (37, 0, 48),
+        "shared": 2,
+        "causal": True,
+        "scale": None,
+        "seed": 7,
+    }
+    return KvCase(**{**base, **changes})
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 10, 64])
+def test_every_split_count_gives_the_attention(backend, splits):
+    """From one split to more than the blocks (empty splits)."""
+    _check(_decode_case(seq_q=3), backend, np.float32, {"sinks": np.arange(8.0) - 4}, splits)
+
+
+def test_empty_sequences_give_zero_and_minus_infinity(backend):
+    case = _decode_case(lens=(0, 0), seq_q=2)
+    q, (pool_k, pool_v, table), _, lens = case.arrays(np.float32)
+    out, lse = flashport.attention_with_kvcache(
+        q, pool_k, pool_v, lens, block_table=table, return_lse=True, device=backend
+    )
+    assert np.array_equal(out, np.zeros_like(out)) and not np.signbit(out).any()
+    assert np.all(lse == -np.inf)
+    sinks = np.linspace(-1.0, 1.0, case.heads_q)
+    out, lse = flashport.attention_with_kvcache(
+        q, pool_k, pool_v, lens, block_table=table, sinks=sinks, return_lse=True, device=backend
+    )
+    assert np.array_equal(out, np.zeros_like(out))
+    np.testing.assert_allclose(lse, np.broadcast_to(sinks[None, :, None], lse.shape), rtol=1e-6)
+
+
+def test_queries_before_the_first_key_see_nothing(backend):
+    """seq_q > length with causal: the first rows sit before key 0."""
+    case = _decode_case(seq_q=5, lens=(2, 3, 48))
+    out, lse = _check(case, backend, np.float32, {})
+    assert np.all(lse[0, :, :3] == -np.inf) and np.all(out[0, :, :3] == 0)
+    assert np.isfinite(lse[0, :, 3:]).all()
+
+
+def _run(backend, splits, dtype=np.float32):
+    case = _decode_case(seq_q=2, lens=(40, 13, 29), d=40, dv=16)
+    q, (pool_k, pool_v, table), _, lens = case.arrays(dtype)
+    kw = {"window": (20, None), "softcap": 30.0, "alibi_slopes": np.linspace(0.1, 1.0, 8)}
+    return flashport.attention_with_kvcache(
+        q,
+        pool_k,
+        pool_v,
+        lens,
+        block_table=table,
+        num_splits=splits,
+        return_lse=True,
+        device=backend,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_two_runs_are_bitwise_equal(backend, splits):
+    first, second = _run(backend, splits), _run(backend, splits)
+    for a, b in zip(first, second, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_thread_count_does_not_change_bits(monkeypatch, splits, dtype):
+    results = []
+    for threads in ("1", "2", "3", "8"):
+        monkeypatch.setenv("FLASHPORT_NUM_THREADS", threads)
+        results.append(_run("cpu", splits, dtype))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("paged", [False, True])
+def test_device_arrays_stay_on_the_gpu_with_the_same_bits(gpu, paged, dtype):
+    case = _decode_case(seq_q=2)
+    q, (pool_k, pool_v, table), (k, v), lens = case.arrays(dtype)
+    caches, kw = ((pool_k, pool_v), {"block_table": table}) if paged else ((k, v), {})
+    want = flashport.attention_with_kvcache(q, *caches, lens, return_lse=True, device=gpu, **kw)
+    arrays = [flashport.to_device(x) for x in (q, *caches)]
+    got = flashport.attention_with_kvcache(*arrays, lens, return_lse=True, **kw)
+    assert all(isinstance(x, flashport.DeviceArray) for x in got)
+    for g, w in zip(got, want, strict=True):
+        assert g.numpy().tobytes() == w.tobytes()
+    # Host queries with device caches decode on the GPU too.
+    mixed = flashport.attention_with_kvcache(q, *arrays[1:], lens, return_lse=True, **kw)
+    for g, w in zip(mixed, want, strict=True):
+        assert np.asarray(g).tobytes() == w.tobytes()
+    for a, b in zip(arrays, (q, *caches), strict=True):
+        assert np.array_equal(a.numpy(), b, equal_nan=True), "input modified"
+    with pytest.raises(InvalidArgumentError, match="k_cache is a device array"):
+        flashport.attention_with_kvcache(q, arrays[1], caches[1], lens, device="cpu", **kw)
+
+
+def test_long_sequences_stay_within_the_drivers_loop_limit(gpu):
+    """Mesa's lavapipe before 25.0 (CI's driver) silently ends a shader's
+    loops after 65535 passes (src/gpu/tiles/loops.rs): by default the keys
+    are split so that no workgroup walks more, and an explicit split count
+    that would is refused, never computed wrong. Elsewhere both are right."""
+    case = _decode_case(heads_kv=8, group=1, d=16, dv=16, block_size=512, lens=(40000,), shared=0)
+    _check(case, gpu, np.float32, {})
+    try:
+        _check(case, gpu, np.float32, {}, num_splits=1)
+    except ProblemTooLargeError as e:
+        assert "llvmpipe" in str(e) and "num_splits=2 or more" in str(e), str(e)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_caches_larger_than_a_binding_are_decoded_in_windows(gpu, paged):
+    """With bindings capped below two sequences' blocks, each dispatch
+    binds the blocks of one sequence; the bits are those of one dispatch."""
+    case = _decode_case(lens=(37, 20, 48, 9), shared=0, d=16, dv=16, block_size=4)
+    q, _, (k, v), lens = case.arrays(np.float32)
+    batch, heads_kv, capacity, _ = k.shape
+    blocks = capacity // case.block_size
+    # Each sequence's blocks in a row of the pool: a sequence's window is
+    # its own 6 KiB.
+    pool_k, pool_v = (
+        x.reshape(batch, heads_kv, blocks, case.block_size, -1)
+        .transpose(0, 2, 1, 3, 4)
+        .reshape(batch * blocks, heads_kv, case.block_size, -1)
+        for x in (k, v)
+    )
+    table = np.arange(batch * blocks).reshape(batch, blocks)
+    args = (q, pool_k, pool_v) if paged else (q, k, v)
+    kw = {"block_table": table if paged else None, "num_splits": 2, "return_lse": True}
+    for device_arrays in [False, True]:
+        inputs = [flashport.to_device(x) for x in args] if device_arrays else list(args)
+        whole = flashport.attention_with_kvcache(*inputs, lens, device=gpu, **kw)
+        with overrides(binding_limit=8192):
+            cut = flashport.attention_with_kvcache(*inputs, lens, device=gpu, **kw)
+        for a, b in zip(whole, cut, strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    with overrides(binding_limit=1024), pytest.raises(ProblemTooLargeError, match="sequence 0"):
+        flashport.attention_with_kvcache(*args, lens, device=gpu, **kw)
+
+
+def test_float64_is_refused_on_the_gpu(gpu):
+    case = _decode_case()
+    q, _, (k, v), lens = case.arrays(np.float64)
+    with pytest.raises(DTypeError, match="q has dtype float64"):
+        flashport.attention_with_kvcache(q, k, v, lens, device=gpu)
+
+
+Q = np.zeros((2, 4, 1, 8), np.float32)
+CACHE = np.zeros((2, 2, 6, 8), np.float32)
+POOL = np.zeros((10, 2, 3, 8), np.float32)
+LENS = np.array([3, 6])
+TABLE = np.array([[4, 9, -1], [0, 1, 7]], np.int32)
+
+
+ERRORS = [
+    # (args, keywords, exception, fragments)
+    (
+        (Q, POOL, POOL, LENS),
+        {"block_table": np.array([[4, 9, -1], [0, 13, 7]])},
+        InvalidArgumentError,
+        ["block_table[1, 1]=13", "num_blocks = 10"],
+    ),
+    (
+        (Q, POOL, POOL, LENS),
+        {"block_table": np.array([[-2, 9, -1], [0, 1, 7]])},
+        InvalidArgumentError,
+        ["block_table[0, 0]=-2"],
+    ),
+    (
+        (Q, POOL, POOL, np.array([3, 10])),
+        {"block_table": TABLE},
+        ShapeError,
+        ["block_table has shape (2, 3)", "cache_seqlens[1] = 10"],
+    ),
+    (
+        (Q, POOL, POOL, LENS),
+        {"block_table": TABLE.astype(np.float32)},
+        DTypeError,
+        ["block_table has dtype float32"],
+    ),
+    (
+        (Q, POOL, POOL, LENS),
+        {"block_table": TABLE[:1]},
+        ShapeError,
+        ["block_table has shape (1, 3)"],
+    ),
+    (
+        (Q, CACHE, CACHE, np.array([3, 7])),
+        {},
+        InvalidArgumentError,
+        ["cache_seqlens[1]=7", "capacity"],
+    ),
+    ((Q, CACHE, CACHE, np.array([-1, 2])), {}, InvalidArgumentError, ["cache_seqlens[0]=-1"]),
+    ((Q, CACHE, CACHE, np.array([1.0, 2.0])), {}, DTypeError, ["cache_seqlens has dtype float64"]),
+    ((Q, CACHE, CACHE, np.array([1, 2, 3])), {}, ShapeError, ["cache_seqlens has shape (3,)"]),
+    (
+        (Q, POOL, POOL, LENS),
+        {},
+        ShapeError,
+        ["k_cache has 10 sequences but q has 2", "block_table"],
+    ),
+    ((Q, CACHE, CACHE[:, :, :5], LENS), {}, ShapeError, ["k_cache and v_cache"]),
+    ((Q, CACHE[:, :, :, :4], CACHE[:, :, :, :4], LENS), {}, ShapeError, ["k_cache: 4"]),
+    ((Q[0], CACHE, CACHE, LENS), {}, ShapeError, ["q has shape (4, 1, 8)"]),
+    (
+        (Q, CACHE.astype(np.float16), CACHE.astype(np.float16), LENS),
+        {},
+        DTypeError,
+        ["k_cache has dtype float16"],
+    ),
+    ((Q, CACHE, CACHE, LENS), {"num_splits": 0}, InvalidArgumentError, ["num_splits=0"]),
+    ((Q, CACHE, CACHE, LENS), {"num_splits": 5000}, InvalidArgumentError, ["num_splits=5000"]),
+    ((Q, CACHE, CACHE, LENS), {"num_splits": 2.0}, InvalidArgumentError, ["num_splits=2.0"]),
+    ((Q, CACHE, CACHE, LENS), {"window": (-3, 0)}, InvalidArgumentError, ["window"]),
+    ((Q, CACHE, CACHE, LENS), {"sinks": np.zeros(3)}, ShapeError, ["sinks has shape (3,)"]),
+    ((Q, CACHE, CACHE, LENS), {"scale": float("nan")}, InvalidArgumentError, ["scale"]),
+]
+
+
+@pytest.mark.parametrize("args,kw,error,fragments", ERRORS)
+def test_errors_name_the_argument_and_the_entry(backend, args, kw, error, fragments):
+    before = copy.deepcopy(args)
+    with pytest.raises(error) as info:
+        flashport.attention_with_kvcache(*args, device=backend, **kw)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+    assert all(np.array_equal(a, b) for a, b in zip(args, before, strict=True))
