@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import flashport
 import pytest
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
@@ -25,7 +26,10 @@ CHILD_WORK = """
     mask = rng.random((96, 96)) > 0.3
 
     def errors(_):
-        o, lse = flashport.attention(q, k, v, mask=mask, return_lse=True, device=device)
+        try:
+            o, lse = flashport.attention(q, k, v, mask=mask, return_lse=True, device=device)
+        except flashport.BackendUnavailableError as e:
+            return str(e)
         grads = flashport.attention_backward(do, q, k, v, o, lse, mask=mask, device=device)
         ref_o = reference.attention(q, k, v, mask=mask)
         ref_grads = reference.attention_backward(do, q, k, v, mask=mask)
@@ -60,6 +64,10 @@ CHILD_WORK = """
 """
 
 
+def software_gpu() -> bool:
+    return any(d["type"] == "software" for d in flashport.devices() if d["device"] == "gpu")
+
+
 def test_forked_children_compute(backend):
     env = {**os.environ, "FLASHPORT_NUM_THREADS": "2"}
     result = subprocess.run(
@@ -74,7 +82,13 @@ def test_forked_children_compute(backend):
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     children = json.loads(lines["children"])
     assert len(children) == 4
-    assert max(children) < 1e-4, children
+    refused = [c for c in children if isinstance(c, str)]
+    if refused:
+        # NVIDIA's driver opens no device in a forked child: the error says
+        # so and what to do. Drivers that allow it (lavapipe) must compute.
+        assert backend == "gpu" and not software_gpu(), children
+        assert all("forked" in c and "spawn" in c for c in refused), refused
+    assert all(c < 1e-4 for c in children if not isinstance(c, str)), children
     assert float(lines["parent"]) < 1e-4
     if backend == "gpu":
         # The parent's device is not the child's: its arrays are refused.

@@ -288,6 +288,9 @@ def main(argv: list[str]) -> int:
 
     batches, contexts = (QUICK["batches"], QUICK["contexts"]) if args.quick else (BATCHES, CONTEXTS)
     limit = args.max_cache_gib * 2**30
+    if args.device == "gpu":
+        # Each of K and V is one device array, which must fit one buffer.
+        limit = min(limit, 2 * gpus[0]["limits"]["max_buffer_size"])
     widest = max(args.dtypes, key=lambda t: np.dtype(t).itemsize)
     fits = [(b, c) for b in batches for c in contexts if cache_bytes(b, c, widest) <= limit]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in fits]
@@ -303,7 +306,7 @@ def main(argv: list[str]) -> int:
     )
     print(f"\ndecode, {HEADS_Q} query heads over {HEADS_KV} key/value heads, d = {D}, one row:")
     if skipped:
-        print(f"  (skipped, K+V over {args.max_cache_gib:g} GiB: {skipped})")
+        print(f"  (skipped, K+V over {limit / 2**30:g} GiB: {skipped})")
     shapes = bench_shapes(args, fits, copy_bw, torch_dev)
     long_contexts = [c for (b, c) in fits if b == 1]
     print("\nsplit-KV at batch 1: the default split count against num_splits=1")

@@ -208,8 +208,17 @@ impl Context {
                 Err(e) => failures.push(e),
             }
         }
+        // NVIDIA's Vulkan driver refuses a device to a child forked from a
+        // process that had one ("Parent device is lost"), as CUDA does.
+        let forked = if crate::fork::generation() > 0 {
+            " (this process was forked after flashport was first used: some drivers, \
+             NVIDIA's among them, open no device in such a child; start workers with \
+             multiprocessing's \"spawn\" or \"forkserver\" method to use the GPU there)"
+        } else {
+            ""
+        };
         Err(Error::BackendUnavailable(format!(
-            "no GPU adapter could be opened: {}; use device=\"cpu\"",
+            "no GPU adapter could be opened: {}{forked}; use device=\"cpu\"",
             failures.join("; ")
         )))
     }
