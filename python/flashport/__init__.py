@@ -19,6 +19,7 @@ from ._core import __version__
 from ._device import DeviceArray, to_device
 from ._errors import (
     BackendUnavailableError,
+    CacheFullError,
     DTypeError,
     FlashportError,
     GpuError,
@@ -26,12 +27,14 @@ from ._errors import (
     InvalidArgumentError,
     ProblemTooLargeError,
     ShapeError,
+    UnknownSequenceError,
 )
 from ._kvcache import attention_with_kvcache
 from ._merge import merge_states
 
 __all__ = [
     "BackendUnavailableError",
+    "CacheFullError",
     "DTypeError",
     "DeviceArray",
     "FlashportError",
@@ -40,6 +43,7 @@ __all__ = [
     "InvalidArgumentError",
     "ProblemTooLargeError",
     "ShapeError",
+    "UnknownSequenceError",
     "__version__",
     "attention",
     "attention_backward",

@@ -34,6 +34,7 @@ pub mod cpu;
 pub mod decode;
 pub mod error;
 pub mod gpu;
+pub mod kvcache;
 pub mod merge;
 pub mod overrides;
 pub mod problem;

@@ -27,6 +27,8 @@ fn to_py_err(py: Python<'_>, err: core::Error) -> PyErr {
         core::Error::Value { .. } => "InvalidArgumentError",
         core::Error::BackendUnavailable(_) => "BackendUnavailableError",
         core::Error::TooLarge(_) => "ProblemTooLargeError",
+        core::Error::CacheFull(_) => "CacheFullError",
+        core::Error::UnknownSequence { .. } => "UnknownSequenceError",
         core::Error::Gpu(_) => "GpuError",
     };
     raise(py, class, err.to_string())
