@@ -81,10 +81,319 @@
 //! [`Error::CacheFull`] and leaves the cache, its counts and every
 //! sequence as they were.
 
+pub mod cpu_storage;
 pub mod free_queue;
 pub mod hash;
 pub mod manager;
 pub mod plan;
 pub mod pool;
+pub mod shape;
+pub mod storage;
 
 pub use manager::{BlockManager, Sequence};
+pub use shape::{CacheArgs, CacheShape};
+pub use storage::Storage;
+
+use crate::error::shape_str;
+use crate::problem::{validate_kvcache, IntArray, KvCacheOptions};
+use crate::{
+    ArrayInfo, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem, Placement,
+    Result, VariantArrays,
+};
+use cpu_storage::CpuStorage;
+
+/// A KV cache: the bookkeeping and the storage of its blocks.
+#[derive(Debug)]
+pub struct KvCache {
+    shape: CacheShape,
+    manager: BlockManager,
+    storage: Box<dyn Storage>,
+}
+
+/// An array argument: its shape and dtype name, and its data.
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayArg<'a> {
+    pub info: ArrayInfo<'a>,
+    pub data: Input<'a>,
+}
+
+fn integer_dtype(dtype: &str) -> bool {
+    matches!(
+        dtype,
+        "int8" | "int16" | "int32" | "int64" | "uint8" | "uint16" | "uint32" | "uint64"
+    )
+}
+
+impl KvCache {
+    /// A cache with every block free, its pools allocated on `device`
+    /// (`None` and `"auto"` follow [`Device::parse`]: the CPU unless
+    /// `FLASHPORT_DEVICE` says otherwise).
+    pub fn new(args: &CacheArgs<'_>, device: Option<&str>) -> Result<KvCache> {
+        let shape = CacheShape::new(args)?;
+        let storage: Box<dyn Storage> = match Device::parse(device)? {
+            Device::Cpu | Device::Auto => Box::new(CpuStorage::new(shape)?),
+            Device::Gpu => {
+                return Err(Error::BackendUnavailable(
+                    "device=\"gpu\": the KV cache's GPU storage is not built yet; \
+                     device=\"cpu\" keeps the cache in host memory (CPU attention)"
+                        .to_string(),
+                ))
+            }
+        };
+        Ok(KvCache {
+            shape,
+            manager: BlockManager::new(shape.identity(), shape.num_blocks),
+            storage,
+        })
+    }
+
+    pub fn shape(&self) -> &CacheShape {
+        &self.shape
+    }
+
+    /// `"cpu"` or `"gpu"`: where the pools live.
+    pub fn device(&self) -> &'static str {
+        self.storage.device()
+    }
+
+    /// The bookkeeping, for queries: counts, the free queue, sequences.
+    pub fn manager(&self) -> &BlockManager {
+        &self.manager
+    }
+
+    pub fn new_sequence(&mut self) -> u64 {
+        self.manager.new_sequence()
+    }
+
+    /// See [`BlockManager::fork`].
+    pub fn fork(&mut self, sid: i64) -> Result<u64> {
+        self.manager.fork(sid)
+    }
+
+    /// See [`BlockManager::free`].
+    pub fn free(&mut self, sid: i64) -> Result<()> {
+        self.manager.free(sid)
+    }
+
+    /// Positions written on `layer`, or on every layer when `None`.
+    pub fn length(&self, sid: i64, layer: Option<i64>) -> Result<usize> {
+        let seq = self.manager.sequence("sid", sid)?;
+        match layer {
+            None => Ok(seq.length()),
+            Some(l) => Ok(seq.lengths[self.manager.check_layer(l)?]),
+        }
+    }
+
+    /// The sequences' blocks, row-major `(seq_ids.len(), width)` with
+    /// `width` the most blocks any of them holds, padded with -1.
+    pub fn block_table(&self, seq_ids: &[i64]) -> Result<(Vec<i64>, usize)> {
+        let seqs = self.sequences(seq_ids)?;
+        let width = seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0);
+        let mut table = vec![-1i64; seqs.len() * width];
+        for (row, seq) in seqs.iter().enumerate() {
+            for (i, &b) in seq.blocks.iter().enumerate() {
+                table[row * width + i] = b as i64;
+            }
+        }
+        Ok((table, width))
+    }
+
+    fn sequences(&self, seq_ids: &[i64]) -> Result<Vec<&Sequence>> {
+        seq_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| self.manager.sequence(&format!("seq_ids[{i}]"), id))
+            .collect()
+    }
+
+    fn check_array(
+        &self,
+        argument: &str,
+        arg: &ArrayArg<'_>,
+        dims: [Option<usize>; 3],
+    ) -> Result<usize> {
+        let dtype = self.shape.dtype.numpy_name();
+        let want = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |d| d.to_string());
+        let expected = format!(
+            "(heads_kv, n, {}) = ({}, n, {})",
+            if argument == "k" {
+                "head_dim"
+            } else {
+                "head_dim_v"
+            },
+            want(dims[0], "heads_kv"),
+            want(dims[2], "d")
+        );
+        let shape = arg.info.shape;
+        let fits = shape.len() == 3
+            && dims
+                .iter()
+                .zip(shape)
+                .all(|(want, &got)| want.is_none_or(|w| w == got));
+        if !fits {
+            return Err(Error::Shape(format!(
+                "{argument} has shape {}; expected {expected}",
+                shape_str(shape)
+            )));
+        }
+        if arg.info.dtype != dtype {
+            return Err(Error::DType {
+                argument: argument.to_string(),
+                dtype: arg.info.dtype.to_string(),
+                reason: format!("the cache holds {dtype}"),
+            });
+        }
+        let len: usize = shape.iter().product();
+        if arg.data.len() != len || arg.data.dtype() != self.shape.dtype {
+            return Err(Error::Shape(format!(
+                "{argument} holds {} {} elements but its shape {} needs {len} {dtype}",
+                arg.data.len(),
+                arg.data.dtype().numpy_name(),
+                shape_str(shape)
+            )));
+        }
+        Ok(shape[1])
+    }
+
+    /// Appends the keys `k` `(heads_kv, n, head_dim)` and values `v`
+    /// `(heads_kv, n, head_dim_v)` of `n` new positions to `layer` of
+    /// sequence `sid`, with the positions' token ids if given. Validates
+    /// and plans everything first: on any error (including
+    /// [`Error::CacheFull`]) nothing has changed.
+    pub fn append(
+        &mut self,
+        sid: i64,
+        layer: i64,
+        k: ArrayArg<'_>,
+        v: ArrayArg<'_>,
+        tokens: Option<IntArray<'_>>,
+    ) -> Result<()> {
+        self.manager.sequence("sid", sid)?;
+        let layer = self.manager.check_layer(layer)?;
+        let s = self.shape;
+        let n = self.check_array("k", &k, [Some(s.heads_kv), None, Some(s.head_dim)])?;
+        let nv = self.check_array("v", &v, [Some(s.heads_kv), None, Some(s.head_dim_v)])?;
+        if nv != n {
+            return Err(Error::Shape(format!(
+                "k holds {n} positions but v holds {nv}; got k {}, v {}",
+                shape_str(k.info.shape),
+                shape_str(v.info.shape)
+            )));
+        }
+        if let Some(t) = &tokens {
+            if !integer_dtype(t.dtype) {
+                return Err(Error::DType {
+                    argument: "tokens".to_string(),
+                    dtype: t.dtype.to_string(),
+                    reason: "expected integer token ids".to_string(),
+                });
+            }
+            if t.shape != [n] || t.values.len() != n {
+                return Err(Error::Shape(format!(
+                    "tokens has shape {}; expected one token id per appended position, ({n},)",
+                    shape_str(t.shape)
+                )));
+            }
+        }
+        let plan = self
+            .manager
+            .plan_append(sid, layer, n, tokens.map(|t| t.values))?;
+        let stored = self
+            .storage
+            .copy_blocks(&plan.block_copies())
+            .and_then(|()| self.storage.write(layer, n, &plan.writes, k.data, v.data));
+        if let Err(e) = stored {
+            self.manager.abandon(&plan);
+            return Err(e);
+        }
+        self.manager.commit(plan);
+        Ok(())
+    }
+
+    /// Attention of `q` `(seq_ids.len(), heads_q, seq_q, head_dim)` over
+    /// `layer` of the sequences `seq_ids` (query row `i` of a sequence at
+    /// position `length - seq_q + i` of that layer, as
+    /// `attention_with_kvcache` with the sequences' block table), on the
+    /// pools where they are. Returns the outputs and the problem (for its
+    /// output shapes).
+    pub fn attention(
+        &self,
+        q: ArrayArg<'_>,
+        seq_ids: &[i64],
+        layer: i64,
+        options: &KvCacheOptions<'_>,
+        variants: &VariantArrays<'_>,
+        outputs: Placement,
+    ) -> Result<(ForwardOutput<crate::Array>, KvCacheProblem)> {
+        let layer = self.manager.check_layer(layer)?;
+        let seqs = self.sequences(seq_ids)?;
+        let s = self.shape;
+        let shape = q.info.shape;
+        if shape.len() != 4 || shape[0] != seq_ids.len() || shape[3] != s.head_dim {
+            return Err(Error::Shape(format!(
+                "q has shape {}; expected (len(seq_ids), heads_q, seq_q, head_dim) = ({}, \
+                 heads_q, seq_q, {})",
+                shape_str(shape),
+                seq_ids.len(),
+                s.head_dim
+            )));
+        }
+        if q.info.dtype != s.dtype.numpy_name() {
+            return Err(Error::DType {
+                argument: "q".to_string(),
+                dtype: q.info.dtype.to_string(),
+                reason: format!("the cache holds {}", s.dtype.numpy_name()),
+            });
+        }
+        let lengths: Vec<i64> = seqs.iter().map(|seq| seq.lengths[layer] as i64).collect();
+        let width = seqs
+            .iter()
+            .map(|seq| seq.lengths[layer].div_ceil(s.block_size))
+            .max()
+            .unwrap_or(0);
+        let mut table = vec![0i64; seqs.len() * width];
+        for (row, seq) in seqs.iter().enumerate() {
+            let used = seq.lengths[layer].div_ceil(s.block_size);
+            for (i, &b) in seq.blocks[..used].iter().enumerate() {
+                table[row * width + i] = b as i64;
+            }
+        }
+        let (k_shape, v_shape) = (s.k_pool_shape(), s.v_pool_shape());
+        let dtype = s.dtype.numpy_name();
+        let table_shape = [seqs.len(), width];
+        let problem = validate_kvcache(
+            q.info,
+            ArrayInfo::new(&k_shape, dtype),
+            ArrayInfo::new(&v_shape, dtype),
+            IntArray {
+                shape: &table_shape[..1],
+                dtype: "int64",
+                values: &lengths,
+            },
+            Some(IntArray {
+                shape: &table_shape,
+                dtype: "int64",
+                values: &table,
+            }),
+            options,
+        )?;
+        let out = self
+            .storage
+            .attention(layer, &problem, q.data, variants, outputs)?;
+        Ok((out, problem))
+    }
+
+    /// Copies of `layer`'s key and value pools, `(num_blocks, heads_kv,
+    /// block_size, head_dim)` and `(..., head_dim_v)`, in host memory.
+    pub fn read_layer(&self, layer: i64) -> Result<(Buffer, Buffer)> {
+        self.storage.read(self.manager.check_layer(layer)?)
+    }
+
+    /// The dtype of the pools.
+    pub fn dtype(&self) -> DType {
+        self.shape.dtype
+    }
+}
+
+#[cfg(test)]
+mod tests;
