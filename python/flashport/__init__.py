@@ -8,13 +8,16 @@ on the CPU (multi-threaded, tiled) and on any GPU that wgpu reaches.
 >>> dq, dk, dv = flashport.attention_backward(np.ones_like(o), q, k, v, o, lse, causal=True)
 
 Arrays can stay on the GPU between calls (``flashport.to_device``): results
-live where the inputs live.
+live where the inputs live. For inference: ``merge_states``,
+``attention_with_kvcache`` and ``KVCache``, a paged KV cache with shared,
+copy-on-write blocks and prefix reuse.
 """
 
 from __future__ import annotations
 
 from . import reference
 from ._attention import attention, attention_backward, devices
+from ._cache import KVCache
 from ._core import __version__
 from ._device import DeviceArray, to_device
 from ._errors import (
@@ -41,6 +44,7 @@ __all__ = [
     "GpuError",
     "InternalError",
     "InvalidArgumentError",
+    "KVCache",
     "ProblemTooLargeError",
     "ShapeError",
     "UnknownSequenceError",

@@ -2,6 +2,8 @@
 //! released while the core computes, core errors mapped to flashport's
 //! Python exceptions. No attention logic lives here.
 
+mod kvcache;
+
 use std::borrow::Cow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -901,6 +903,7 @@ mod testing {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<DeviceArray>()?;
+    m.add_class::<kvcache::KvCacheHandle>()?;
     m.add_function(wrap_pyfunction!(to_device, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
