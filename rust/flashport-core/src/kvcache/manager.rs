@@ -270,37 +270,34 @@ impl BlockManager {
             ))
         })?;
 
-        let mut table = seq.blocks.clone();
+        // The table is not copied: an append costs its own blocks, not the
+        // sequence's.
         let mut take = fresh.iter().copied();
         let copies: Vec<(usize, BlockCopy)> = shared
             .iter()
             .map(|&i| {
-                let dst = take.next().expect("counted");
-                table[i] = dst;
-                (
-                    i,
-                    BlockCopy {
-                        src: seq.blocks[i],
-                        dst,
-                    },
-                )
+                let (src, dst) = (seq.blocks[i], take.next().expect("counted"));
+                (i, BlockCopy { src, dst })
             })
             .collect();
         let mut adoptions = adopted.iter().peekable();
-        for i in have..reach.max(have) {
-            match adoptions.next_if(|&&(j, _)| j == i) {
-                Some(&(_, block)) => table.push(block),
-                None => table.push(take.next().expect("counted")),
-            }
-        }
-        // Positions in a cached block are not written: an adopted block
+        let new_blocks: Vec<usize> = (have..reach.max(have))
+            .map(|i| match adoptions.next_if(|&&(j, _)| j == i) {
+                Some(&(_, block)) => block,
+                None => take.next().expect("counted"),
+            })
+            .collect();
+        // Block index i after the append, and whether it is cached. The
+        // positions of a cached block are not written: an adopted block
         // holds them on every layer, and a cached block of the sequence's
         // own is full on every layer (never in an append's range).
-        let cached_after = |i: usize| {
-            if i < have {
-                table[i] == seq.blocks[i] && self.pool.hash_of(table[i]).is_some()
+        let after = |i: usize| {
+            if i >= have {
+                (new_blocks[i - have], adopted.iter().any(|&(j, _)| j == i))
+            } else if let Some(&(_, copy)) = copies.iter().find(|&&(j, _)| j == i) {
+                (copy.dst, false)
             } else {
-                adopted.iter().any(|&(j, _)| j == i)
+                (seq.blocks[i], self.pool.hash_of(seq.blocks[i]).is_some())
             }
         };
         let mut writes = Vec::new();
@@ -308,9 +305,10 @@ impl BlockManager {
         while p < end {
             let i = p / bs;
             let stop = ((i + 1) * bs).min(end);
-            if !cached_after(i) {
+            let (block, cached) = after(i);
+            if !cached {
                 writes.push(WriteRun {
-                    block: table[i],
+                    block,
                     offset: p % bs,
                     source: (p - start)..(stop - start),
                 });
@@ -324,7 +322,7 @@ impl BlockManager {
             adopted: adopted.iter().map(|&(i, b)| (b, i)).collect(),
             fresh,
             copies,
-            table,
+            new_blocks,
             writes,
             new_tokens,
             new_hashes,
@@ -348,7 +346,10 @@ impl BlockManager {
             .sequences
             .get_mut(&plan.sequence)
             .expect("a plan names a live sequence");
-        seq.blocks = plan.table;
+        for &(i, copy) in &plan.copies {
+            seq.blocks[i] = copy.dst;
+        }
+        seq.blocks.extend(plan.new_blocks);
         seq.lengths[plan.layer] = plan.positions.end;
         seq.tokens.extend(plan.new_tokens);
         seq.hashes.extend(plan.new_hashes);
@@ -490,7 +491,7 @@ mod tests {
         let s = m.new_sequence();
         let plan = append(&mut m, s, 0, 6, None);
         assert_eq!(
-            (plan.fresh.clone(), plan.table.clone()),
+            (plan.fresh.clone(), plan.new_blocks.clone()),
             (vec![0, 1], vec![0, 1])
         );
         assert_eq!(
@@ -605,7 +606,8 @@ mod tests {
         let plan = append(&mut m, c, 0, 5, None);
         assert_eq!(plan.copies, [(1, BlockCopy { src: 2, dst: 3 })]);
         assert_eq!(plan.fresh, [3, 4]);
-        assert_eq!(plan.table, [0, 3, 4]);
+        assert_eq!(plan.new_blocks, [4]);
+        assert_eq!(blocks(&m, c), [0, 3, 4]);
         assert_eq!(m.pool().ref_counts()[..5], [3, 1, 1, 1, 1]);
     }
 

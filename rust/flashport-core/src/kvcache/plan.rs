@@ -41,8 +41,8 @@ pub struct AppendPlan {
     /// Copy-on-write of shared blocks the append writes into: the block
     /// index in the sequence and the copy.
     pub copies: Vec<(usize, BlockCopy)>,
-    /// The sequence's block table after the append.
-    pub table: Vec<usize>,
+    /// Blocks the sequence's table grows by, in order (adopted or fresh).
+    pub new_blocks: Vec<usize>,
     /// Where the new tokens go. Positions in cached blocks (adopted, or
     /// full on every layer) are not written: the block holds them already.
     pub writes: Vec<WriteRun>,
