@@ -109,7 +109,10 @@ class KVCache:
     positions whose tokens are known must get the same ones again, and
     tokens must continue the known tokens from position 0 (after positions
     appended without tokens on every layer, later tokens are refused). A fork
-    inherits its parent's tokens.
+    inherits its parent's tokens. Adoption happens on the append that first
+    reaches a block, so give the tokens with the first layer's append to
+    reuse a prefix; tokens given only on later layers still let the
+    sequence's full blocks be cached for others.
 
     Errors and threads
     ------------------
