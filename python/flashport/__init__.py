@@ -8,17 +8,21 @@ on the CPU (multi-threaded, tiled) and on any GPU that wgpu reaches.
 >>> dq, dk, dv = flashport.attention_backward(np.ones_like(o), q, k, v, o, lse, causal=True)
 
 Arrays can stay on the GPU between calls (``flashport.to_device``): results
-live where the inputs live.
+live where the inputs live. For inference: ``merge_states``,
+``attention_with_kvcache`` and ``KVCache``, a paged KV cache with shared,
+copy-on-write blocks and prefix reuse.
 """
 
 from __future__ import annotations
 
 from . import reference
 from ._attention import attention, attention_backward, devices
+from ._cache import KVCache
 from ._core import __version__
 from ._device import DeviceArray, to_device
 from ._errors import (
     BackendUnavailableError,
+    CacheFullError,
     DTypeError,
     FlashportError,
     GpuError,
@@ -26,6 +30,7 @@ from ._errors import (
     InvalidArgumentError,
     ProblemTooLargeError,
     ShapeError,
+    UnknownSequenceError,
 )
 from ._kvcache import attention_with_kvcache
 from ._merge import merge_states
@@ -33,14 +38,17 @@ from ._varlen import attention_varlen, attention_varlen_backward
 
 __all__ = [
     "BackendUnavailableError",
+    "CacheFullError",
     "DTypeError",
     "DeviceArray",
     "FlashportError",
     "GpuError",
     "InternalError",
     "InvalidArgumentError",
+    "KVCache",
     "ProblemTooLargeError",
     "ShapeError",
+    "UnknownSequenceError",
     "__version__",
     "attention",
     "attention_backward",

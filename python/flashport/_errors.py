@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CacheFullError",
     "DTypeError",
     "FlashportError",
     "GpuError",
@@ -16,6 +17,7 @@ __all__ = [
     "InvalidArgumentError",
     "ProblemTooLargeError",
     "ShapeError",
+    "UnknownSequenceError",
 ]
 
 
@@ -49,6 +51,22 @@ class ProblemTooLargeError(FlashportError, ValueError):
 class GpuError(FlashportError, RuntimeError):
     """The GPU failed while running (lost device, failed submission). The CPU
     path keeps working, and a later GPU call starts afresh."""
+
+
+class CacheFullError(FlashportError, MemoryError):
+    """A :class:`flashport.KVCache` has too few free blocks for an append. It
+    is raised before anything changes: the cache, its reference counts and
+    every sequence are exactly as before the call, so the caller can free
+    sequences (preempt) and retry."""
+
+
+class UnknownSequenceError(FlashportError, KeyError):
+    """A :class:`flashport.KVCache` sequence id that was never made or has
+    been freed (ids are never reused). The message names the argument."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; this one is a sentence.
+        return str(self.args[0]) if self.args else ""
 
 
 class InternalError(FlashportError, RuntimeError):

@@ -37,6 +37,19 @@ pub enum Error {
     #[error("{0}")]
     TooLarge(String),
 
+    /// A KV cache has too few free blocks for an append. Raised before
+    /// anything changes: the cache is exactly as before the call.
+    #[error("{0}")]
+    CacheFull(String),
+
+    /// A KV cache's sequence id that was never made or was freed.
+    #[error("{argument}={value}: {reason}")]
+    UnknownSequence {
+        argument: String,
+        value: String,
+        reason: String,
+    },
+
     /// The GPU failed while running: a lost device, a failed submission, a
     /// buffer that could not be mapped.
     #[error("{0}")]

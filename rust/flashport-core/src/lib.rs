@@ -37,6 +37,7 @@ pub mod error;
 pub mod fork;
 pub mod gpu;
 pub mod interrupt;
+pub mod kvcache;
 pub mod merge;
 pub mod overrides;
 pub mod problem;
@@ -48,6 +49,7 @@ pub use decode::attention_with_kvcache_arrays;
 pub use error::{Error, Result};
 pub use gpu::{to_device, DeviceArray};
 pub use half::f16;
+pub use kvcache::KvCache;
 pub use merge::{merge_states, merge_states_arrays};
 pub use problem::{
     validate_backward, validate_forward, validate_merge, ArrayInfo, DType, MergeProblem, Options,

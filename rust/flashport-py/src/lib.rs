@@ -2,6 +2,8 @@
 //! released while the core computes, core errors mapped to flashport's
 //! Python exceptions. No attention logic lives here.
 
+mod kvcache;
+
 use std::borrow::Cow;
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -31,6 +33,8 @@ pub(crate) fn to_py_err(py: Python<'_>, err: core::Error) -> PyErr {
         core::Error::Value { .. } => "InvalidArgumentError",
         core::Error::BackendUnavailable(_) => "BackendUnavailableError",
         core::Error::TooLarge(_) => "ProblemTooLargeError",
+        core::Error::CacheFull(_) => "CacheFullError",
+        core::Error::UnknownSequence { .. } => "UnknownSequenceError",
         core::Error::Gpu(_) => "GpuError",
         // Only when the call's check did not keep what Python raised.
         core::Error::Interrupted => return PyKeyboardInterrupt::new_err(err.to_string()),
@@ -1138,6 +1142,7 @@ mod testing {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<DeviceArray>()?;
+    m.add_class::<kvcache::KvCacheHandle>()?;
     m.add_function(wrap_pyfunction!(to_device, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;

@@ -1,0 +1,417 @@
+"""flashport.KVCache: a paged KV cache for generation (block pool, block
+tables, reference-counted sharing, copy-on-write, prefix reuse). The
+bookkeeping, the storage and all validation live in the Rust core
+(``flashport._core.KVCache``); this module converts arguments and states the
+contract."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _core
+from ._attention import Tensor, Window, _main_array, _result
+from ._device import DeviceArray, as_native_array
+from ._errors import DTypeError, InvalidArgumentError
+from ._kvcache import _kvcache_variants
+
+__all__ = ["KVCache"]
+
+
+def _integer(name: str, value: Any) -> int:
+    """A Python or NumPy integer (the core checks its range); a bool or a
+    float is refused, not rounded."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise InvalidArgumentError(
+            f"{name}={value!r}: expected an integer, got {type(value).__name__}"
+        )
+    return int(value)
+
+
+def _seq_ids(seq_ids: Iterable[int] | npt.ArrayLike) -> list[int]:
+    if isinstance(seq_ids, int | np.integer) or not isinstance(seq_ids, Iterable):
+        raise InvalidArgumentError(
+            f"seq_ids={seq_ids!r}: expected a sequence of sequence ids (e.g. [sid]), got "
+            f"{type(seq_ids).__name__}"
+        )
+    return [_integer(f"seq_ids[{i}]", x) for i, x in enumerate(seq_ids)]
+
+
+class KVCache:
+    """A paged cache of attention keys and values for generation, on the CPU
+    (the GPU storage is not built yet).
+
+    ``KVCache(num_blocks, block_size, heads_kv, head_dim, *, head_dim_v=None,
+    layers=1, dtype=np.float32, device=None)`` preallocates, for each of
+    ``layers`` layers, a key pool ``(num_blocks, heads_kv, block_size,
+    head_dim)`` and a value pool ``(num_blocks, heads_kv, block_size,
+    head_dim_v)``: the paged layout of :func:`flashport.attention_with_kvcache`.
+    Any ``block_size >= 1``; ``dtype`` float16, float32 or float64.
+
+    Sequences and layers
+    --------------------
+    A sequence is an int id from :meth:`new_sequence` (or :meth:`fork`); ids
+    are never reused. Its positions live in blocks listed by its block table;
+    **a block spans every layer** (block ``b`` is slot range ``b`` of every
+    layer's pools), so a sequence has one table for all layers, and **each
+    layer has its own length**: the positions appended on that layer. A
+    model's forward over ``n`` new tokens does, for each layer ``l``::
+
+        cache.append(sid, k_l, v_l, layer=l, tokens=new_tokens)  # (heads_kv, n, d)
+        o_l = cache.attention(q_l, [sid], layer=l)               # sees layer l's length
+
+    The first layer to reach past the sequence's blocks takes new blocks (for
+    all layers); the others find them. ``length(sid)`` is the positions
+    written on every layer (the smallest layer length); ``length(sid,
+    layer=l)`` is one layer's.
+
+    Sharing
+    -------
+    Every block has a reference count, the number of sequences holding it.
+    Free blocks (count 0) wait in a queue: freed blocks join its back, new
+    blocks come from its front (the order is deterministic).
+
+    * :meth:`fork` shares every block, a partly filled last one included
+      (counts go up; no block is needed). Beam search is fork + free;
+      parallel sampling is ``n`` forks of the prompt.
+    * **Copy-on-write:** the first append into a block held by more than one
+      sequence copies that block (all its layers) into a fresh block first,
+      so no sequence ever sees another's tokens.
+    * :meth:`free` counts the sequence's blocks down (last block first);
+      blocks at 0 return to the queue.
+    * **Prefix reuse** (vLLM's prefix caching), when appends give the
+      ``tokens`` of their positions: a full block is identified by a 128-bit
+      hash chained over its whole prefix (the parent block's hash, the
+      block's tokens; the chain's root is the cache's identity: layers,
+      heads, dimensions, block size, dtype). A block is cached once it is
+      full on every layer and its tokens are known. An append that reaches a
+      new block and covers all of its positions, with tokens known from
+      position 0 through that block, adopts the cached block of the same
+      prefix (count up) instead of storing a copy; positions in an adopted
+      block are not written, on that layer or any later one. A freed cached
+      block keeps its hash and stays adoptable until the queue hands it out
+      for new data (least recently freed first).
+
+    Shared: full blocks of the same token prefix at the same positions, and
+    after a fork every block until one side writes into it. Not shared: a
+    partly filled block (except between a sequence and its forks until the
+    first write), blocks appended without tokens, and a block whose prefix
+    another block already held when it filled (it stays an unshared
+    duplicate, as in vLLM). Like vLLM, prefix reuse trusts that the same
+    tokens at the same positions give the same keys and values on every layer
+    (the same model, weights and positions): the keys and values an append
+    gives for an adopted block's positions are skipped, not compared.
+
+    ``tokens`` may be given on the first layer's append or on every layer's;
+    positions whose tokens are known must get the same ones again, and
+    tokens must continue the known tokens from position 0 (after positions
+    appended without tokens on every layer, later tokens are refused). A fork
+    inherits its parent's tokens. Adoption happens on the append that first
+    reaches a block, so give the tokens with the first layer's append to
+    reuse a prefix; tokens given only on later layers still let the
+    sequence's full blocks be cached for others.
+
+    Errors and threads
+    ------------------
+    Each mutating call checks its arguments and plans all of its work (blocks
+    taken, adopted, copied) before it changes anything: an append that needs
+    more free blocks than there are raises :class:`CacheFullError` (a
+    ``MemoryError``) and leaves the cache, its counts and every sequence as
+    they were. An unknown or freed sequence id raises
+    :class:`UnknownSequenceError` (a ``KeyError``), a layer out of range
+    :class:`InvalidArgumentError`, wrong shapes :class:`ShapeError`, wrong
+    dtypes :class:`DTypeError`, each naming the argument. The cache is safe
+    to use from several Python threads: appends, forks and frees run one at
+    a time, attention calls run together, all with the GIL released.
+
+    Arguments
+    ---------
+    num_blocks, block_size : int
+        The pool's blocks and the token slots of each (both ``>= 1``).
+    heads_kv, head_dim : int
+        Key/value heads and the key head dimension.
+    head_dim_v : int, optional
+        The value head dimension; ``head_dim`` by default.
+    layers : int
+        Layers whose keys and values each block holds (default 1).
+    dtype : float16, float32 or float64
+        Of the pools, and of every ``k``, ``v`` and ``q`` passed (not cast).
+    device : None, "auto", "cpu" or "gpu"
+        Where the pools live. ``None`` follows ``FLASHPORT_DEVICE`` like
+        every flashport call; ``"auto"`` and ``"cpu"`` keep them in host
+        memory. ``"gpu"`` raises :class:`BackendUnavailableError` for now.
+    """
+
+    __slots__ = ("_cache", "_config")
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        heads_kv: int,
+        head_dim: int,
+        *,
+        head_dim_v: int | None = None,
+        layers: int = 1,
+        dtype: npt.DTypeLike = np.float32,
+        device: Literal["cpu", "gpu", "auto"] | None = None,
+    ) -> None:
+        try:
+            dtype_name = np.dtype(dtype).name
+        except TypeError:
+            raise DTypeError(
+                f"dtype={dtype!r}: not a NumPy dtype; a KVCache holds float16, float32 or float64"
+            ) from None
+        if device is not None and not isinstance(device, str):
+            raise InvalidArgumentError(f'device={device!r}: expected None, "auto", "cpu" or "gpu"')
+        self._cache = _core.KVCache(
+            _integer("num_blocks", num_blocks),
+            _integer("block_size", block_size),
+            _integer("heads_kv", heads_kv),
+            _integer("head_dim", head_dim),
+            None if head_dim_v is None else _integer("head_dim_v", head_dim_v),
+            _integer("layers", layers),
+            dtype_name,
+            device,
+        )
+        self._config = self._cache.config()
+
+    # -- sequences ---------------------------------------------------------
+
+    def new_sequence(self) -> int:
+        """A new, empty sequence's id (no block is taken until it is
+        appended to)."""
+        return self._cache.new_sequence()
+
+    def fork(self, sid: int) -> int:
+        """A new sequence sharing every block of ``sid`` (its partly filled
+        last block too), with the same layer lengths and tokens. Each
+        block's reference count goes up by one; no block is taken, so fork
+        never raises :class:`CacheFullError`."""
+        return self._cache.fork(_integer("sid", sid))
+
+    def free(self, sid: int) -> None:
+        """Ends sequence ``sid``: its blocks' counts go down by one, blocks at
+        0 return to the free queue (cached ones stay adoptable until reused).
+        The id is unknown from then on."""
+        self._cache.free(_integer("sid", sid))
+
+    def append(
+        self,
+        sid: int,
+        k: Tensor,
+        v: Tensor,
+        *,
+        layer: int = 0,
+        tokens: npt.ArrayLike | None = None,
+    ) -> None:
+        """Appends ``n`` positions to ``layer`` of sequence ``sid``.
+
+        ``k`` is ``(heads_kv, n, head_dim)`` and ``v`` ``(heads_kv, n,
+        head_dim_v)``, in the cache's dtype; they are copied into their slots
+        (the cost is the ``n`` positions, not the sequence). ``tokens``, an
+        integer array ``(n,)``, gives the positions' token ids for prefix
+        reuse (see the class docstring). Blocks are taken from the free queue
+        as the layer's length passes the sequence's blocks; a shared block
+        written into is copied first. Everything is checked and planned
+        before anything changes; :class:`CacheFullError` if the free blocks
+        do not suffice.
+        """
+        if isinstance(tokens, DeviceArray):
+            raise InvalidArgumentError(
+                "tokens is a flashport.DeviceArray: token ids are read on the host and must "
+                "be a NumPy integer array"
+            )
+        if tokens is not None:
+            tokens = as_native_array(tokens)
+            if tokens.size == 0 and tokens.dtype.kind == "f":
+                # np.asarray([]) is float64; no token is no token.
+                tokens = tokens.astype(np.int64)
+        self._cache.append(
+            _integer("sid", sid),
+            _main_array(k),
+            _main_array(v),
+            _integer("layer", layer),
+            tokens,
+        )
+
+    @overload
+    def attention(
+        self,
+        q: Tensor,
+        seq_ids: Iterable[int],
+        *,
+        layer: int = ...,
+        causal: bool = ...,
+        scale: float | None = ...,
+        window: Window | None = ...,
+        alibi_slopes: npt.ArrayLike | None = ...,
+        softcap: float | None = ...,
+        sinks: npt.ArrayLike | None = ...,
+        num_splits: int | None = ...,
+        return_lse: Literal[False] = ...,
+    ) -> np.ndarray: ...
+    @overload
+    def attention(
+        self,
+        q: Tensor,
+        seq_ids: Iterable[int],
+        *,
+        layer: int = ...,
+        causal: bool = ...,
+        scale: float | None = ...,
+        window: Window | None = ...,
+        alibi_slopes: npt.ArrayLike | None = ...,
+        softcap: float | None = ...,
+        sinks: npt.ArrayLike | None = ...,
+        num_splits: int | None = ...,
+        return_lse: Literal[True],
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def attention(
+        self,
+        q: Tensor,
+        seq_ids: Iterable[int],
+        *,
+        layer: int = 0,
+        causal: bool = True,
+        scale: float | None = None,
+        window: Window | None = None,
+        alibi_slopes: npt.ArrayLike | None = None,
+        softcap: float | None = None,
+        sinks: npt.ArrayLike | None = None,
+        num_splits: int | None = None,
+        return_lse: bool = False,
+    ) -> np.ndarray | DeviceArray | tuple[np.ndarray | DeviceArray, np.ndarray | DeviceArray]:
+        """Attention of ``q`` over ``layer`` of the sequences ``seq_ids``.
+
+        ``q`` is ``(len(seq_ids), heads_q, seq_q, head_dim)`` in the cache's
+        dtype, ``heads_q`` a multiple of ``heads_kv`` (GQA); row ``b`` is
+        sequence ``seq_ids[b]``, whose query row ``i`` is at position
+        ``length(seq_ids[b], layer=layer) - seq_q + i`` (the queries are the
+        sequence's last ``seq_q`` positions, appended already). Sequences of
+        different lengths batch together, a sequence may appear more than
+        once. Computed by :func:`attention_with_kvcache` directly on the
+        layer's pools with the sequences' block table (no gather into
+        contiguous memory); ``causal`` (default ``True``), ``scale``,
+        ``window``, ``alibi_slopes``, ``softcap``, ``sinks``, ``num_splits``
+        and ``return_lse`` mean what they mean there.
+
+        Returns ``o`` ``(len(seq_ids), heads_q, seq_q, head_dim_v)`` in the
+        cache's dtype, and with ``return_lse=True`` also the log-sum-exp
+        ``(len(seq_ids), heads_q, seq_q)``.
+        """
+        out, lse = self._cache.attention(
+            _main_array(q),
+            _seq_ids(seq_ids),
+            _integer("layer", layer),
+            causal,
+            scale,
+            _kvcache_variants(window, alibi_slopes, softcap, sinks),
+            num_splits,
+            return_lse,
+        )
+        return (_result(out), _result(lse)) if return_lse else _result(out)
+
+    # -- queries -----------------------------------------------------------
+
+    def length(self, sid: int, *, layer: int | None = None) -> int:
+        """Positions of sequence ``sid`` written on every layer, or on
+        ``layer`` if it is given."""
+        return self._cache.length(
+            _integer("sid", sid), None if layer is None else _integer("layer", layer)
+        )
+
+    def block_table(self, seq_ids: Iterable[int]) -> np.ndarray:
+        """The sequences' block tables: int32 ``(len(seq_ids), most blocks
+        any of them holds)``, row ``b`` listing sequence ``seq_ids[b]``'s
+        blocks in position order, padded with -1. With the pools of
+        :meth:`read_layer` and the layer lengths it is what
+        :func:`attention_with_kvcache` reads."""
+        return self._cache.block_table(_seq_ids(seq_ids))
+
+    def ref_counts(self) -> np.ndarray:
+        """int64 ``(num_blocks,)``: how many sequences hold each block."""
+        return self._cache.ref_counts()
+
+    def read_layer(self, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of ``layer``'s pools: keys ``(num_blocks, heads_kv,
+        block_size, head_dim)`` and values ``(..., head_dim_v)``. Slots no
+        sequence has written hold anything."""
+        return self._cache.read_layer(_integer("layer", layer))
+
+    @property
+    def sequences(self) -> list[int]:
+        """The live sequences' ids, in increasing order."""
+        return self._cache.sequences()
+
+    def __contains__(self, sid: object) -> bool:
+        return isinstance(sid, int | np.integer) and int(sid) in self._cache.sequences()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached ones included: they are reused
+        when needed)."""
+        return self._cache.usage()[0]
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence; ``num_free_blocks +
+        num_used_blocks == num_blocks``."""
+        return self._cache.usage()[1]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a cached prefix (adoptable by prefix), used or
+        free."""
+        return self._cache.usage()[2]
+
+    @property
+    def num_blocks(self) -> int:
+        return self._config[0]
+
+    @property
+    def block_size(self) -> int:
+        return self._config[1]
+
+    @property
+    def heads_kv(self) -> int:
+        return self._config[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self._config[3]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self._config[4]
+
+    @property
+    def layers(self) -> int:
+        return self._config[5]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._config[6])
+
+    @property
+    def device(self) -> str:
+        """Where the pools live: ``"cpu"`` (or ``"gpu"``)."""
+        return self._config[7]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's key and value pools."""
+        return self._config[8]
+
+    def __repr__(self) -> str:
+        free, used, _ = self._cache.usage()
+        return (
+            f"KVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"heads_kv={self.heads_kv}, head_dim={self.head_dim}, "
+            f"head_dim_v={self.head_dim_v}, layers={self.layers}, dtype={self.dtype.name}, "
+            f"device={self.device!r}; {used} blocks used, {free} free, "
+            f"{len(self.sequences)} sequences)"
+        )

@@ -1,0 +1,260 @@
+//! A KV cache's pools in host memory, for the CPU's
+//! `attention_with_kvcache`.
+
+use super::plan::{BlockCopy, WriteRun};
+use super::shape::CacheShape;
+use super::storage::Storage;
+use crate::{
+    decode, f16, Array, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem,
+    Placement, Result, Slice, VariantArrays,
+};
+
+#[derive(Debug)]
+pub struct CpuStorage {
+    shape: CacheShape,
+    /// Per layer.
+    keys: Vec<Buffer>,
+    values: Vec<Buffer>,
+}
+
+fn zeros<T: Clone + Default>(len: usize, bytes: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        Error::TooLarge(format!(
+            "a KV cache pool of {bytes} bytes could not be allocated in host memory"
+        ))
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
+}
+
+fn pool(dtype: DType, len: usize) -> Result<Buffer> {
+    Ok(match dtype {
+        DType::F16 => Buffer::F16(zeros::<f16>(len, len * 2)?),
+        DType::F32 => Buffer::F32(zeros::<f32>(len, len * 4)?),
+        DType::F64 => Buffer::F64(zeros::<f64>(len, len * 8)?),
+    })
+}
+
+/// The host slice of a token array (`k` or `v`) the CPU writes from.
+fn host<'a>(argument: &str, input: Input<'a>) -> Result<Slice<'a>> {
+    match input {
+        Input::Host(s) => Ok(s),
+        Input::Device(_) => Err(Error::Value {
+            argument: argument.to_string(),
+            value: "a device array".to_string(),
+            reason: "this KV cache lives in host memory (device=\"cpu\"); pass a NumPy array \
+                     (the device array's .numpy())"
+                .to_string(),
+        }),
+    }
+}
+
+/// Copies `runs` of `n` tokens of `dim` elements per head from `src`
+/// `(heads, n, dim)` into `dst` `(num_blocks, heads, block_size, dim)`.
+fn scatter<T: Copy>(
+    dst: &mut [T],
+    src: &[T],
+    runs: &[WriteRun],
+    (heads, n, dim, block_size): (usize, usize, usize, usize),
+) {
+    for run in runs {
+        let len = run.source.len() * dim;
+        for h in 0..heads {
+            let from = (h * n + run.source.start) * dim;
+            let to = ((run.block * heads + h) * block_size + run.offset) * dim;
+            dst[to..to + len].copy_from_slice(&src[from..from + len]);
+        }
+    }
+}
+
+fn scatter_buffer(
+    argument: &str,
+    dst: &mut Buffer,
+    src: Slice<'_>,
+    runs: &[WriteRun],
+    dims: (usize, usize, usize, usize),
+) -> Result<()> {
+    match (dst, src) {
+        (Buffer::F16(d), Slice::F16(s)) => scatter(d, s, runs, dims),
+        (Buffer::F32(d), Slice::F32(s)) => scatter(d, s, runs, dims),
+        (Buffer::F64(d), Slice::F64(s)) => scatter(d, s, runs, dims),
+        (d, s) => {
+            return Err(Error::DType {
+                argument: argument.to_string(),
+                dtype: s.dtype().numpy_name().to_string(),
+                reason: format!("the cache holds {}", d.as_slice().dtype().numpy_name()),
+            })
+        }
+    }
+    Ok(())
+}
+
+fn copy_block(buffer: &mut Buffer, span: usize, copy: BlockCopy) {
+    let (src, dst) = (copy.src * span, copy.dst * span);
+    match buffer {
+        Buffer::F16(b) => b.copy_within(src..src + span, dst),
+        Buffer::F32(b) => b.copy_within(src..src + span, dst),
+        Buffer::F64(b) => b.copy_within(src..src + span, dst),
+    }
+}
+
+impl CpuStorage {
+    /// Zeroed pools for every layer (an error, not an abort, if host
+    /// memory cannot hold them).
+    pub fn new(shape: CacheShape) -> Result<Self> {
+        let mut keys = Vec::with_capacity(shape.layers);
+        let mut values = Vec::with_capacity(shape.layers);
+        for _ in 0..shape.layers {
+            keys.push(pool(shape.dtype, shape.k_pool_len())?);
+            values.push(pool(shape.dtype, shape.v_pool_len())?);
+        }
+        Ok(CpuStorage {
+            shape,
+            keys,
+            values,
+        })
+    }
+}
+
+impl Storage for CpuStorage {
+    fn device(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
+        let s = &self.shape;
+        let (k_span, v_span) = (
+            s.heads_kv * s.block_size * s.head_dim,
+            s.heads_kv * s.block_size * s.head_dim_v,
+        );
+        for &copy in copies {
+            for (k, v) in self.keys.iter_mut().zip(&mut self.values) {
+                copy_block(k, k_span, copy);
+                copy_block(v, v_span, copy);
+            }
+        }
+        Ok(())
+    }
+
+    fn write(
+        &mut self,
+        layer: usize,
+        n: usize,
+        runs: &[WriteRun],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        let s = self.shape;
+        let (k, v) = (host("k", k)?, host("v", v)?);
+        let dims = |dim| (s.heads_kv, n, dim, s.block_size);
+        scatter_buffer("k", &mut self.keys[layer], k, runs, dims(s.head_dim))?;
+        scatter_buffer("v", &mut self.values[layer], v, runs, dims(s.head_dim_v))
+    }
+
+    fn attention(
+        &self,
+        layer: usize,
+        problem: &KvCacheProblem,
+        q: Input<'_>,
+        variants: &VariantArrays<'_>,
+        outputs: Placement,
+    ) -> Result<ForwardOutput<Array>> {
+        let q = host("q", q)?;
+        let (k, v) = (self.keys[layer].as_slice(), self.values[layer].as_slice());
+        decode::attention_with_kvcache_arrays(
+            Device::Cpu,
+            problem,
+            [q.into(), k.into(), v.into()],
+            variants,
+            outputs,
+        )
+    }
+
+    fn read(&self, layer: usize) -> Result<(Buffer, Buffer)> {
+        Ok((self.keys[layer].clone(), self.values[layer].clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> CacheShape {
+        CacheShape {
+            num_blocks: 3,
+            block_size: 2,
+            heads_kv: 2,
+            head_dim: 3,
+            head_dim_v: 1,
+            layers: 2,
+            dtype: DType::F32,
+        }
+    }
+
+    #[test]
+    fn writes_runs_into_their_slots_and_copies_blocks_on_every_layer() {
+        let mut st = CpuStorage::new(shape()).unwrap();
+        // 3 tokens, heads 2: k[h, t, :] = 100h + 10t + (0, 1, 2).
+        let k: Vec<f32> = (0..2)
+            .flat_map(|h| {
+                (0..3).flat_map(move |t| (0..3).map(move |e| (100 * h + 10 * t + e) as f32))
+            })
+            .collect();
+        let v: Vec<f32> = (0..6).map(|i| -(i as f32) - 1.0).collect();
+        let runs = [
+            WriteRun {
+                block: 2,
+                offset: 1,
+                source: 0..1,
+            },
+            WriteRun {
+                block: 0,
+                offset: 0,
+                source: 1..3,
+            },
+        ];
+        st.write(1, 3, &runs, Slice::F32(&k).into(), Slice::F32(&v).into())
+            .unwrap();
+        let (Buffer::F32(kp), Buffer::F32(vp)) = st.read(1).unwrap() else {
+            panic!()
+        };
+        let at = |b: usize, h: usize, slot: usize| ((b * 2 + h) * 2 + slot) * 3;
+        assert_eq!(kp[at(2, 0, 1)..at(2, 0, 1) + 3], [0.0, 1.0, 2.0]);
+        assert_eq!(kp[at(2, 1, 1)..at(2, 1, 1) + 3], [100.0, 101.0, 102.0]);
+        assert_eq!(
+            kp[at(0, 1, 0)..at(0, 1, 0) + 6],
+            [110.0, 111.0, 112.0, 120.0, 121.0, 122.0]
+        );
+        // v (heads 2, 3 tokens, dim 1) = -1 .. -6; block 0 holds tokens 1, 2.
+        assert_eq!(vp[..4], [-2.0, -3.0, -5.0, -6.0]);
+        // Layer 0 untouched.
+        let (Buffer::F32(k0), _) = st.read(0).unwrap() else {
+            panic!()
+        };
+        assert!(k0.iter().all(|&x| x == 0.0));
+        st.copy_blocks(&[BlockCopy { src: 0, dst: 1 }]).unwrap();
+        let (Buffer::F32(kp2), Buffer::F32(vp2)) = st.read(1).unwrap() else {
+            panic!()
+        };
+        assert_eq!(kp2[12..24], kp[..12]);
+        assert_eq!(vp2[4..8], vp[..4]);
+        assert_eq!(kp2[24..], kp[24..]);
+    }
+
+    #[test]
+    fn refuses_device_inputs_and_other_dtypes_by_name() {
+        let mut st = CpuStorage::new(shape()).unwrap();
+        let k = [1.0f64; 6];
+        let v = [1.0f32; 2];
+        let runs = [WriteRun {
+            block: 0,
+            offset: 0,
+            source: 0..1,
+        }];
+        let e = st
+            .write(0, 1, &runs, Slice::F64(&k).into(), Slice::F32(&v).into())
+            .unwrap_err();
+        assert!(e.to_string().starts_with("k has dtype float64"), "{e}");
+    }
+}

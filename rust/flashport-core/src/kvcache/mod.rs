@@ -1,0 +1,399 @@
+//! A paged KV cache for generation: a preallocated pool of blocks, block
+//! tables, reference-counted sharing with copy-on-write, and prefix reuse
+//! (PagedAttention's memory manager, with vLLM's block-pool conventions).
+//!
+//! # Blocks and layers
+//!
+//! The pool has `num_blocks` blocks of `block_size` token slots. A block is
+//! one slot range in **every** layer's pools at once: block `b` is
+//! `k_pool[l][b]` and `v_pool[l][b]` for every layer `l`, each pool in the
+//! paged layout of `attention_with_kvcache`, `(num_blocks, heads_kv,
+//! block_size, head_dim)` (values: `head_dim_v`). A sequence therefore has
+//! one block table for all layers (as vLLM's per-layer KV tensors share
+//! one), and each layer its own *length*: the positions appended on that
+//! layer. A model's forward over new tokens does, for each layer `l`,
+//! `append(sid, k_l, v_l, layer = l)` and then attention of the layer's
+//! queries over that layer's length. The first append that reaches past
+//! the sequence's blocks (on whichever layer) allocates the new blocks for
+//! all layers; the other layers' appends then find them. The length of a
+//! sequence is the positions written on every layer (the least of its
+//! layers' lengths).
+//!
+//! # Sharing
+//!
+//! Every block has a reference count: the number of sequences whose table
+//! holds it. Free blocks (count 0) wait in a queue: freed blocks join its
+//! back, allocation takes its front, so the order is deterministic and the
+//! least recently freed block is taken first.
+//!
+//! * `fork` gives a new sequence the same table, the partly filled last
+//!   block included; every count goes up by one. It needs no free block.
+//! * `free` counts each block down (last block first); a block at 0 joins
+//!   the free queue.
+//! * **Copy-on-write:** an append that writes into a block whose count is
+//!   above 1 first copies the block, all layers of it, into a fresh block,
+//!   which replaces it in the appending sequence's table (the original's
+//!   count goes down). No sequence ever sees another's tokens: a position
+//!   is written only in a block its sequence holds alone (or one of the
+//!   cached blocks below, which are never written).
+//! * **Prefix reuse** (vLLM's prefix caching), for appends given the
+//!   `tokens` of their positions: a sequence's block `i` is identified by
+//!   the hash chained over its prefix, `h_i = H(h_{i-1}, tokens of block
+//!   i)`, rooted in the cache's identity ([`hash`]). Once a block is full
+//!   on every layer and its tokens are known, it is *cached*: its hash
+//!   maps to it (unless another block already holds that prefix; the
+//!   later one stays an uncached duplicate, as in vLLM). An append that
+//!   reaches a new block whose whole token range it covers, with tokens
+//!   known from position 0 through that block, looks the hash up; on a hit
+//!   the sequence adopts the cached block (count up; out of the free queue
+//!   if it was free) instead of a fresh one, and no position of it is
+//!   written, on this layer or any later one. A cached block is never
+//!   written again: it holds every layer's keys and values of that prefix.
+//!   A freed cached block keeps its hash in the free queue and can be
+//!   adopted until the allocator takes it for fresh data (evicting the
+//!   hash; least recently freed first).
+//!
+//! What is shared: full blocks with the same whole prefix of tokens (any
+//! sequences, at the same positions), and after a fork every block until
+//! one side writes into it. What is not: a partly filled block except
+//! between a sequence and its forks (until the first write), blocks of
+//! appends without tokens, and a block whose prefix was cached by another
+//! block when it filled. Prefix reuse trusts, as vLLM does, that the same
+//! tokens at the same positions give the same keys and values on every
+//! layer (the same model, weights and position encoding): the keys and
+//! values an append gives for positions of an adopted block are not
+//! compared, they are skipped.
+//!
+//! Tokens: an append's `tokens` are the token ids of its positions. They
+//! may be given on any layer's append (the first layer's, or every
+//! layer's); positions whose tokens are known must get the same ones
+//! again, and tokens can only extend the known tokens contiguously from
+//! position 0 (after positions appended without tokens on every layer, a
+//! sequence's later tokens are refused). A fork inherits its parent's
+//! tokens.
+//!
+//! # Errors lose nothing
+//!
+//! Every mutating call checks its arguments (unknown or freed sequence
+//! ids, layer range, shapes and dtypes, tokens) and plans its whole work
+//! (blocks taken, adopted and copied) before changing anything; an append
+//! that needs more free blocks than there are fails with
+//! [`Error::CacheFull`] and leaves the cache, its counts and every
+//! sequence as they were.
+
+pub mod cpu_storage;
+pub mod free_queue;
+pub mod hash;
+pub mod manager;
+pub mod plan;
+pub mod pool;
+pub mod shape;
+pub mod storage;
+
+pub use manager::{BlockManager, Sequence};
+pub use shape::{CacheArgs, CacheShape};
+pub use storage::Storage;
+
+use crate::error::shape_str;
+use crate::problem::{validate_kvcache, IntArray, KvCacheOptions};
+use crate::{
+    ArrayInfo, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem, Placement,
+    Result, VariantArrays,
+};
+use cpu_storage::CpuStorage;
+
+/// A KV cache: the bookkeeping and the storage of its blocks.
+#[derive(Debug)]
+pub struct KvCache {
+    shape: CacheShape,
+    manager: BlockManager,
+    storage: Box<dyn Storage>,
+}
+
+/// An array argument: its shape and dtype name, and its data.
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayArg<'a> {
+    pub info: ArrayInfo<'a>,
+    pub data: Input<'a>,
+}
+
+fn integer_dtype(dtype: &str) -> bool {
+    matches!(
+        dtype,
+        "int8" | "int16" | "int32" | "int64" | "uint8" | "uint16" | "uint32" | "uint64"
+    )
+}
+
+impl KvCache {
+    /// A cache with every block free, its pools allocated on `device`
+    /// (`None` and `"auto"` follow [`Device::parse`]: the CPU unless
+    /// `FLASHPORT_DEVICE` says otherwise).
+    pub fn new(args: &CacheArgs<'_>, device: Option<&str>) -> Result<KvCache> {
+        let shape = CacheShape::new(args)?;
+        let storage: Box<dyn Storage> = match Device::parse(device)? {
+            Device::Cpu | Device::Auto => Box::new(CpuStorage::new(shape)?),
+            Device::Gpu => {
+                return Err(Error::BackendUnavailable(
+                    "device=\"gpu\": the KV cache's GPU storage is not built yet; \
+                     device=\"cpu\" keeps the cache in host memory (CPU attention)"
+                        .to_string(),
+                ))
+            }
+        };
+        Ok(KvCache {
+            shape,
+            manager: BlockManager::new(shape.identity(), shape.num_blocks),
+            storage,
+        })
+    }
+
+    pub fn shape(&self) -> &CacheShape {
+        &self.shape
+    }
+
+    /// `"cpu"` or `"gpu"`: where the pools live.
+    pub fn device(&self) -> &'static str {
+        self.storage.device()
+    }
+
+    /// The bookkeeping, for queries: counts, the free queue, sequences.
+    pub fn manager(&self) -> &BlockManager {
+        &self.manager
+    }
+
+    pub fn new_sequence(&mut self) -> u64 {
+        self.manager.new_sequence()
+    }
+
+    /// See [`BlockManager::fork`].
+    pub fn fork(&mut self, sid: i64) -> Result<u64> {
+        self.manager.fork(sid)
+    }
+
+    /// See [`BlockManager::free`].
+    pub fn free(&mut self, sid: i64) -> Result<()> {
+        self.manager.free(sid)
+    }
+
+    /// Positions written on `layer`, or on every layer when `None`.
+    pub fn length(&self, sid: i64, layer: Option<i64>) -> Result<usize> {
+        let seq = self.manager.sequence("sid", sid)?;
+        match layer {
+            None => Ok(seq.length()),
+            Some(l) => Ok(seq.lengths[self.manager.check_layer(l)?]),
+        }
+    }
+
+    /// The sequences' blocks, row-major `(seq_ids.len(), width)` with
+    /// `width` the most blocks any of them holds, padded with -1.
+    pub fn block_table(&self, seq_ids: &[i64]) -> Result<(Vec<i64>, usize)> {
+        let seqs = self.sequences(seq_ids)?;
+        let width = seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0);
+        let mut table = vec![-1i64; seqs.len() * width];
+        for (row, seq) in seqs.iter().enumerate() {
+            for (i, &b) in seq.blocks.iter().enumerate() {
+                table[row * width + i] = b as i64;
+            }
+        }
+        Ok((table, width))
+    }
+
+    fn sequences(&self, seq_ids: &[i64]) -> Result<Vec<&Sequence>> {
+        seq_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| self.manager.sequence(&format!("seq_ids[{i}]"), id))
+            .collect()
+    }
+
+    fn check_array(
+        &self,
+        argument: &str,
+        arg: &ArrayArg<'_>,
+        dims: [Option<usize>; 3],
+    ) -> Result<usize> {
+        let dtype = self.shape.dtype.numpy_name();
+        let want = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |d| d.to_string());
+        let expected = format!(
+            "(heads_kv, n, {}) = ({}, n, {})",
+            if argument == "k" {
+                "head_dim"
+            } else {
+                "head_dim_v"
+            },
+            want(dims[0], "heads_kv"),
+            want(dims[2], "d")
+        );
+        let shape = arg.info.shape;
+        let fits = shape.len() == 3
+            && dims
+                .iter()
+                .zip(shape)
+                .all(|(want, &got)| want.is_none_or(|w| w == got));
+        if !fits {
+            return Err(Error::Shape(format!(
+                "{argument} has shape {}; expected {expected}",
+                shape_str(shape)
+            )));
+        }
+        if arg.info.dtype != dtype {
+            return Err(Error::DType {
+                argument: argument.to_string(),
+                dtype: arg.info.dtype.to_string(),
+                reason: format!("the cache holds {dtype}"),
+            });
+        }
+        let len: usize = shape.iter().product();
+        if arg.data.len() != len || arg.data.dtype() != self.shape.dtype {
+            return Err(Error::Shape(format!(
+                "{argument} holds {} {} elements but its shape {} needs {len} {dtype}",
+                arg.data.len(),
+                arg.data.dtype().numpy_name(),
+                shape_str(shape)
+            )));
+        }
+        Ok(shape[1])
+    }
+
+    /// Appends the keys `k` `(heads_kv, n, head_dim)` and values `v`
+    /// `(heads_kv, n, head_dim_v)` of `n` new positions to `layer` of
+    /// sequence `sid`, with the positions' token ids if given. Validates
+    /// and plans everything first: on any error (including
+    /// [`Error::CacheFull`]) nothing has changed.
+    pub fn append(
+        &mut self,
+        sid: i64,
+        layer: i64,
+        k: ArrayArg<'_>,
+        v: ArrayArg<'_>,
+        tokens: Option<IntArray<'_>>,
+    ) -> Result<()> {
+        self.manager.sequence("sid", sid)?;
+        let layer = self.manager.check_layer(layer)?;
+        let s = self.shape;
+        let n = self.check_array("k", &k, [Some(s.heads_kv), None, Some(s.head_dim)])?;
+        let nv = self.check_array("v", &v, [Some(s.heads_kv), None, Some(s.head_dim_v)])?;
+        if nv != n {
+            return Err(Error::Shape(format!(
+                "k holds {n} positions but v holds {nv}; got k {}, v {}",
+                shape_str(k.info.shape),
+                shape_str(v.info.shape)
+            )));
+        }
+        if let Some(t) = &tokens {
+            if !integer_dtype(t.dtype) {
+                return Err(Error::DType {
+                    argument: "tokens".to_string(),
+                    dtype: t.dtype.to_string(),
+                    reason: "expected integer token ids".to_string(),
+                });
+            }
+            if t.shape != [n] || t.values.len() != n {
+                return Err(Error::Shape(format!(
+                    "tokens has shape {}; expected one token id per appended position, ({n},)",
+                    shape_str(t.shape)
+                )));
+            }
+        }
+        let plan = self
+            .manager
+            .plan_append(sid, layer, n, tokens.map(|t| t.values))?;
+        let stored = self
+            .storage
+            .copy_blocks(&plan.block_copies())
+            .and_then(|()| self.storage.write(layer, n, &plan.writes, k.data, v.data));
+        if let Err(e) = stored {
+            self.manager.abandon(&plan);
+            return Err(e);
+        }
+        self.manager.commit(plan);
+        Ok(())
+    }
+
+    /// Attention of `q` `(seq_ids.len(), heads_q, seq_q, head_dim)` over
+    /// `layer` of the sequences `seq_ids` (query row `i` of a sequence at
+    /// position `length - seq_q + i` of that layer, as
+    /// `attention_with_kvcache` with the sequences' block table), on the
+    /// pools where they are. Returns the outputs and the problem (for its
+    /// output shapes).
+    pub fn attention(
+        &self,
+        q: ArrayArg<'_>,
+        seq_ids: &[i64],
+        layer: i64,
+        options: &KvCacheOptions<'_>,
+        variants: &VariantArrays<'_>,
+        outputs: Placement,
+    ) -> Result<(ForwardOutput<crate::Array>, KvCacheProblem)> {
+        let layer = self.manager.check_layer(layer)?;
+        let seqs = self.sequences(seq_ids)?;
+        let s = self.shape;
+        let shape = q.info.shape;
+        if shape.len() != 4 || shape[0] != seq_ids.len() || shape[3] != s.head_dim {
+            return Err(Error::Shape(format!(
+                "q has shape {}; expected (len(seq_ids), heads_q, seq_q, head_dim) = ({}, \
+                 heads_q, seq_q, {})",
+                shape_str(shape),
+                seq_ids.len(),
+                s.head_dim
+            )));
+        }
+        if q.info.dtype != s.dtype.numpy_name() {
+            return Err(Error::DType {
+                argument: "q".to_string(),
+                dtype: q.info.dtype.to_string(),
+                reason: format!("the cache holds {}", s.dtype.numpy_name()),
+            });
+        }
+        let lengths: Vec<i64> = seqs.iter().map(|seq| seq.lengths[layer] as i64).collect();
+        let width = seqs
+            .iter()
+            .map(|seq| seq.lengths[layer].div_ceil(s.block_size))
+            .max()
+            .unwrap_or(0);
+        let mut table = vec![0i64; seqs.len() * width];
+        for (row, seq) in seqs.iter().enumerate() {
+            let used = seq.lengths[layer].div_ceil(s.block_size);
+            for (i, &b) in seq.blocks[..used].iter().enumerate() {
+                table[row * width + i] = b as i64;
+            }
+        }
+        let (k_shape, v_shape) = (s.k_pool_shape(), s.v_pool_shape());
+        let dtype = s.dtype.numpy_name();
+        let table_shape = [seqs.len(), width];
+        let problem = validate_kvcache(
+            q.info,
+            ArrayInfo::new(&k_shape, dtype),
+            ArrayInfo::new(&v_shape, dtype),
+            IntArray {
+                shape: &table_shape[..1],
+                dtype: "int64",
+                values: &lengths,
+            },
+            Some(IntArray {
+                shape: &table_shape,
+                dtype: "int64",
+                values: &table,
+            }),
+            options,
+        )?;
+        let out = self
+            .storage
+            .attention(layer, &problem, q.data, variants, outputs)?;
+        Ok((out, problem))
+    }
+
+    /// Copies of `layer`'s key and value pools, `(num_blocks, heads_kv,
+    /// block_size, head_dim)` and `(..., head_dim_v)`, in host memory.
+    pub fn read_layer(&self, layer: i64) -> Result<(Buffer, Buffer)> {
+        self.storage.read(self.manager.check_layer(layer)?)
+    }
+
+    /// The dtype of the pools.
+    pub fn dtype(&self) -> DType {
+        self.shape.dtype
+    }
+}
+
+#[cfg(test)]
+mod tests;

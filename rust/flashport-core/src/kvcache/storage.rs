@@ -1,0 +1,55 @@
+//! Where a KV cache's keys and values live, behind the small interface
+//! the bookkeeping needs: write new tokens into their slots, copy whole
+//! blocks (copy-on-write), run paged attention over one layer's pools, and
+//! read a layer back.
+//!
+//! The CPU keeps the pools in host memory ([`super::cpu_storage`]). A GPU
+//! storage implements the same calls on device buffers: the writes as a
+//! scatter shader over the plan's [`WriteRun`]s, the copies as buffer
+//! copies between block ranges, and the attention as the GPU's
+//! `attention_with_kvcache` on the layer's pools with the block table the
+//! cache builds; nothing above this trait changes.
+
+use super::plan::{BlockCopy, WriteRun};
+use crate::{
+    Array, Buffer, ForwardOutput, Input, KvCacheProblem, Placement, Result, VariantArrays,
+};
+
+/// The pools of every layer: per layer a key pool `(num_blocks, heads_kv,
+/// block_size, head_dim)` and a value pool `(..., head_dim_v)`, row-major.
+pub trait Storage: Send + Sync + std::fmt::Debug {
+    /// Where the pools live: `"cpu"` or `"gpu"`.
+    fn device(&self) -> &'static str;
+
+    /// Copies each `src` block's keys and values, on every layer, into its
+    /// `dst` block, in order.
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()>;
+
+    /// Writes `n` new tokens of `layer`: `k` is `(heads_kv, n, head_dim)`
+    /// and `v` `(heads_kv, n, head_dim_v)`, row-major in the cache's dtype
+    /// (validated); each run's tokens go to consecutive slots of a block.
+    /// Costs O(the tokens written).
+    fn write(
+        &mut self,
+        layer: usize,
+        n: usize,
+        runs: &[WriteRun],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()>;
+
+    /// `attention_with_kvcache` of `q` over `layer`'s pools, as the
+    /// validated `problem` (paged, with the sequences' block table and
+    /// lengths) says; the outputs stay where `outputs` says.
+    fn attention(
+        &self,
+        layer: usize,
+        problem: &KvCacheProblem,
+        q: Input<'_>,
+        variants: &VariantArrays<'_>,
+        outputs: Placement,
+    ) -> Result<ForwardOutput<Array>>;
+
+    /// Copies of `layer`'s key and value pools, in host memory.
+    fn read(&self, layer: usize) -> Result<(Buffer, Buffer)>;
+}

@@ -1,0 +1,333 @@
+//! The binding of flashport-core's KV cache: `flashport._core.KVCache`,
+//! the object behind `flashport.KVCache`. The cache sits behind a
+//! read-write lock taken with the GIL released: appends, forks and frees
+//! take it alone, attention calls share it, so Python threads may call
+//! any method concurrently.
+
+use std::sync::{PoisonError, RwLock};
+
+use flashport_core as core;
+use flashport_core::kvcache::{ArrayArg, CacheArgs, CacheShape};
+use flashport_core::{DType, Input, Placement, VariantArrays};
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyTuple};
+
+use super::{
+    as_f64_vec, int_values, raise, run_detached, scalars, to_numpy, to_python, ArgMeta, Contiguous,
+    Held, KvCacheVariantArgs,
+};
+
+/// An integer argument as i64, saturating beyond its range (the core then
+/// refuses it by name: no sequence has such an id, no size is that large).
+fn int_arg(value: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match value.extract::<i64>() {
+        Ok(v) => Ok(v),
+        Err(e) if value.is_instance_of::<PyInt>() => {
+            let negative = value.lt(0).map_err(|_| e)?;
+            Ok(if negative { i64::MIN } else { i64::MAX })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// An array the cache reads (k, v, q): held in its own float dtype, or
+/// not at all when it has no float dtype (the core then names the
+/// argument and its dtype).
+fn hold<'py>(array: &Bound<'py, PyAny>, meta: &ArgMeta) -> PyResult<Option<Held<'py>>> {
+    DType::from_numpy_name(&meta.dtype)
+        .map(|dtype| Held::new(array, dtype))
+        .transpose()
+}
+
+/// A held array's data, or an empty one for an array not held.
+fn data<'a>(held: &'a Option<Contiguous<'a>>) -> Input<'a> {
+    held.as_ref()
+        .map_or(Input::Host(core::Slice::F32(&[])), Contiguous::input)
+}
+
+/// KVCache(num_blocks, block_size, heads_kv, head_dim, head_dim_v, layers,
+/// dtype, device): the private class behind `flashport.KVCache`; see its
+/// docstrings for the contract.
+#[pyclass(frozen, module = "flashport._core", name = "KVCache")]
+pub struct KvCacheHandle {
+    inner: RwLock<core::KvCache>,
+    /// The cache's geometry, fixed at construction.
+    shape: CacheShape,
+}
+
+impl KvCacheHandle {
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        if self.inner.is_poisoned() {
+            return Err(raise(
+                py,
+                "InternalError",
+                "this KVCache hit an internal error in an earlier call and can no longer be \
+                 used (please report it)"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the cache with the GIL released, alone.
+    fn write<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut core::KvCache) -> core::Result<R> + Send,
+    ) -> PyResult<R> {
+        self.check(py)?;
+        run_detached(py, || {
+            f(&mut self.inner.write().unwrap_or_else(PoisonError::into_inner))
+        })
+    }
+
+    /// Runs `f` on the cache with the GIL released, beside other readers.
+    fn read<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&core::KvCache) -> core::Result<R> + Send,
+    ) -> PyResult<R> {
+        self.check(py)?;
+        run_detached(py, || {
+            f(&self.inner.read().unwrap_or_else(PoisonError::into_inner))
+        })
+    }
+
+    fn ids(seq_ids: &[Bound<'_, PyAny>]) -> PyResult<Vec<i64>> {
+        seq_ids.iter().map(int_arg).collect()
+    }
+}
+
+#[pymethods]
+impl KvCacheHandle {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, heads_kv, head_dim, head_dim_v, layers, dtype, device))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        heads_kv: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        head_dim_v: Option<&Bound<'_, PyAny>>,
+        layers: &Bound<'_, PyAny>,
+        dtype: &str,
+        device: Option<&str>,
+    ) -> PyResult<Self> {
+        let args = CacheArgs {
+            num_blocks: int_arg(num_blocks)?,
+            block_size: int_arg(block_size)?,
+            heads_kv: int_arg(heads_kv)?,
+            head_dim: int_arg(head_dim)?,
+            head_dim_v: head_dim_v.map(int_arg).transpose()?,
+            layers: int_arg(layers)?,
+            dtype,
+        };
+        let cache = run_detached(py, || core::KvCache::new(&args, device))?;
+        Ok(KvCacheHandle {
+            shape: *cache.shape(),
+            inner: RwLock::new(cache),
+        })
+    }
+
+    fn new_sequence(&self, py: Python<'_>) -> PyResult<u64> {
+        self.write(py, |c| Ok(c.new_sequence()))
+    }
+
+    fn fork(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let sid = int_arg(sid)?;
+        self.write(py, |c| c.fork(sid))
+    }
+
+    fn free(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<()> {
+        let sid = int_arg(sid)?;
+        self.write(py, |c| c.free(sid))
+    }
+
+    #[pyo3(signature = (sid, k, v, layer, tokens))]
+    fn append(
+        &self,
+        py: Python<'_>,
+        sid: &Bound<'_, PyAny>,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        layer: &Bound<'_, PyAny>,
+        tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (sid, layer) = (int_arg(sid)?, int_arg(layer)?);
+        let (k_meta, v_meta) = (ArgMeta::read_main("k", k)?, ArgMeta::read_main("v", v)?);
+        let (k_held, v_held) = (hold(k, &k_meta)?, hold(v, &v_meta)?);
+        let (k_data, v_data) = (
+            k_held.as_ref().map(Held::contiguous),
+            v_held.as_ref().map(Held::contiguous),
+        );
+        let k = ArrayArg {
+            info: k_meta.info(),
+            data: data(&k_data),
+        };
+        let v = ArrayArg {
+            info: v_meta.info(),
+            data: data(&v_data),
+        };
+        let t_meta = tokens.map(|t| ArgMeta::read("tokens", t)).transpose()?;
+        let t_values = match (tokens, &t_meta) {
+            (Some(t), Some(meta)) => int_values(t, &meta.dtype)?,
+            _ => Vec::new(),
+        };
+        let tokens = t_meta.as_ref().map(|meta| core::IntArray {
+            shape: &meta.shape,
+            dtype: &meta.dtype,
+            values: &t_values,
+        });
+        self.write(py, |c| c.append(sid, layer, k, v, tokens))
+    }
+
+    #[pyo3(signature = (q, seq_ids, layer, causal, scale, variants, num_splits, return_lse))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        q: &Bound<'py, PyAny>,
+        seq_ids: Vec<Bound<'py, PyAny>>,
+        layer: &Bound<'py, PyAny>,
+        causal: &Bound<'py, PyAny>,
+        scale: &Bound<'py, PyAny>,
+        variants: KvCacheVariantArgs<'py>,
+        num_splits: &Bound<'py, PyAny>,
+        return_lse: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        // Checked for the Python wrapper, which returns lse only when set.
+        scalars::flag("return_lse", return_lse)?;
+        let (ids, layer) = (Self::ids(&seq_ids)?, int_arg(layer)?);
+        let q_meta = ArgMeta::read_main("q", q)?;
+        let q_held = hold(q, &q_meta)?;
+        let q_data = q_held.as_ref().map(Held::contiguous);
+        let q = ArrayArg {
+            info: q_meta.info(),
+            data: data(&q_data),
+        };
+        let read = |name: &str, a: &Option<Bound<'_, PyAny>>| {
+            a.as_ref().map(|a| ArgMeta::read(name, a)).transpose()
+        };
+        let slopes_meta = read("alibi_slopes", &variants.alibi_slopes)?;
+        let sinks_meta = read("sinks", &variants.sinks)?;
+        let num_splits = scalars::integer("num_splits", num_splits)?;
+        let options = core::KvCacheOptions {
+            causal: scalars::flag("causal", causal)?,
+            scale: scalars::optional_real("scale", scale)?,
+            window: scalars::window(&variants.window)?,
+            softcap: scalars::optional_real("softcap", &variants.softcap)?,
+            alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
+            sinks: sinks_meta.as_ref().map(ArgMeta::info),
+            num_splits,
+        };
+        let alibi_slopes = variants.alibi_slopes.as_ref().map(as_f64_vec).transpose()?;
+        let sinks = variants.sinks.as_ref().map(as_f64_vec).transpose()?;
+        let arrays = VariantArrays {
+            mask: None,
+            alibi_slopes: alibi_slopes.as_deref(),
+            sinks: sinks.as_deref(),
+            segments: None,
+        };
+        let placement = Placement::of_inputs(&[q.data]);
+        let (out, problem) = self.read(py, |c| {
+            c.attention(q, &ids, layer, &options, &arrays, placement)
+        })?;
+        Ok((
+            to_python(py, out.out, &problem.out_shape())?,
+            to_python(py, out.lse, &problem.lse_shape())?,
+        ))
+    }
+
+    #[pyo3(signature = (sid, layer))]
+    fn length(
+        &self,
+        py: Python<'_>,
+        sid: &Bound<'_, PyAny>,
+        layer: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let sid = int_arg(sid)?;
+        let layer = layer.map(int_arg).transpose()?;
+        self.read(py, |c| c.length(sid, layer))
+    }
+
+    /// block_table(seq_ids) -> int32 array (len(seq_ids), most blocks held),
+    /// padded with -1 (int64 for a pool of more than 2**31 blocks).
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ids = Self::ids(&seq_ids)?;
+        let (table, width) = self.read(py, |c| c.block_table(&ids))?;
+        let shape = [ids.len(), width];
+        if self.shape.num_blocks <= i32::MAX as usize {
+            let narrow: Vec<i32> = table.iter().map(|&b| b as i32).collect();
+            Ok(PyArray1::from_vec(py, narrow).reshape(shape)?.into_any())
+        } else {
+            Ok(PyArray1::from_vec(py, table).reshape(shape)?.into_any())
+        }
+    }
+
+    /// ref_counts() -> int64 array (num_blocks,): the sequences holding
+    /// each block.
+    fn ref_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let counts = self.read(py, |c| {
+            Ok(c.manager()
+                .pool()
+                .ref_counts()
+                .iter()
+                .map(|&n| n as i64)
+                .collect::<Vec<i64>>())
+        })?;
+        Ok(PyArray1::from_vec(py, counts).into_any())
+    }
+
+    /// read_layer(layer) -> (k_pool, v_pool): copies of a layer's pools.
+    fn read_layer<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let layer = int_arg(layer)?;
+        let (k, v) = self.read(py, |c| c.read_layer(layer))?;
+        Ok((
+            to_numpy(py, k, &self.shape.k_pool_shape())?,
+            to_numpy(py, v, &self.shape.v_pool_shape())?,
+        ))
+    }
+
+    /// sequences() -> list[int]: the live sequences' ids, increasing.
+    fn sequences(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.read(py, |c| Ok(c.manager().sequence_ids().collect()))
+    }
+
+    /// (num_blocks, block_size, heads_kv, head_dim, head_dim_v, layers,
+    /// dtype name, device, nbytes)
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let device = self.read(py, |c| Ok(c.device()))?;
+        let s = self.shape;
+        let nbytes = s.nbytes().unwrap_or(usize::MAX);
+        (
+            s.num_blocks,
+            s.block_size,
+            s.heads_kv,
+            s.head_dim,
+            s.head_dim_v,
+            s.layers,
+            s.dtype.numpy_name(),
+            device,
+            nbytes,
+        )
+            .into_pyobject(py)
+    }
+
+    /// (free, used, cached) block counts.
+    fn usage(&self, py: Python<'_>) -> PyResult<(usize, usize, usize)> {
+        self.read(py, |c| {
+            let pool = c.manager().pool();
+            Ok((pool.num_free(), pool.num_used(), pool.num_cached()))
+        })
+    }
+}
