@@ -159,8 +159,8 @@ impl KvCacheHandle {
         let (k_meta, v_meta) = (ArgMeta::read_main("k", k)?, ArgMeta::read_main("v", v)?);
         let (k_held, v_held) = (hold(k, &k_meta)?, hold(v, &v_meta)?);
         let (k_data, v_data) = (
-            k_held.as_ref().map(Held::contiguous),
-            v_held.as_ref().map(Held::contiguous),
+            k_held.as_ref().map(|h| h.contiguous("k")).transpose()?,
+            v_held.as_ref().map(|h| h.contiguous("v")).transpose()?,
         );
         let k = ArrayArg {
             info: k_meta.info(),
@@ -202,7 +202,7 @@ impl KvCacheHandle {
         let (ids, layer) = (Self::ids(&seq_ids)?, int_arg(layer)?);
         let q_meta = ArgMeta::read_main("q", q)?;
         let q_held = hold(q, &q_meta)?;
-        let q_data = q_held.as_ref().map(Held::contiguous);
+        let q_data = q_held.as_ref().map(|h| h.contiguous("q")).transpose()?;
         let q = ArrayArg {
             info: q_meta.info(),
             data: data(&q_data),

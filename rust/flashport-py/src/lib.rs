@@ -196,12 +196,32 @@ enum Contiguous<'a> {
     Device(&'a core::DeviceArray),
 }
 
-fn contiguous<'a, T: Element + Clone>(array: &'a PyReadonlyArrayDyn<'_, T>) -> Cow<'a, [T]> {
+/// The array's elements in one row-major slice: the array's own memory
+/// when it is C-contiguous, else a copy. The copy's memory is reserved
+/// fallibly, so that a view larger than memory (a broadcast stride-0
+/// array, say) is a ProblemTooLargeError naming it instead of an abort.
+fn contiguous<'a, T: Element + Clone>(
+    name: &str,
+    array: &'a PyReadonlyArrayDyn<'_, T>,
+) -> PyResult<Cow<'a, [T]>> {
     let view = array.as_array();
-    match view.to_slice() {
-        Some(slice) => Cow::Borrowed(slice),
-        None => Cow::Owned(view.iter().cloned().collect()),
+    if let Some(slice) = view.to_slice() {
+        return Ok(Cow::Borrowed(slice));
     }
+    let mut copy = Vec::new();
+    if copy.try_reserve_exact(view.len()).is_err() {
+        let bytes = view.len() as u128 * std::mem::size_of::<T>() as u128;
+        return Err(to_py_err(
+            array.py(),
+            core::Error::TooLarge(format!(
+                "{name} is not contiguous, and a contiguous copy of it ({bytes} bytes) \
+                 could not be allocated; pass a smaller array, or for a broadcast one \
+                 the array it broadcasts"
+            )),
+        ));
+    }
+    copy.extend(view.iter().cloned());
+    Ok(Cow::Owned(copy))
 }
 
 impl<'py> Held<'py> {
@@ -221,13 +241,15 @@ impl<'py> Held<'py> {
             DType::F64 => Held::F64(array.extract()?),
         })
     }
-    fn contiguous(&self) -> Contiguous<'_> {
-        match self {
-            Held::F16(a) => Contiguous::F16(contiguous(a)),
-            Held::F32(a) => Contiguous::F32(contiguous(a)),
-            Held::F64(a) => Contiguous::F64(contiguous(a)),
+    /// The data as the core takes it; `name` is the argument's, for the
+    /// error when a copy cannot be made.
+    fn contiguous(&self, name: &str) -> PyResult<Contiguous<'_>> {
+        Ok(match self {
+            Held::F16(a) => Contiguous::F16(contiguous(name, a)?),
+            Held::F32(a) => Contiguous::F32(contiguous(name, a)?),
+            Held::F64(a) => Contiguous::F64(contiguous(name, a)?),
             Held::Device(t) => Contiguous::Device(&t.get().inner),
-        }
+        })
     }
 }
 
@@ -421,11 +443,19 @@ fn attention<'py>(
     let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let [q, k, v] = held;
     let (q, k, v) = (q?, k?, v?);
-    let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
+    let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
     let inputs = [qc.input(), kc.input(), vc.input()];
     let held_variants = HeldVariants::new(&variants, &problem)?;
-    let mask_bool = held_variants.mask_bool.as_ref().map(contiguous_of);
-    let mask_float = held_variants.mask_float.as_ref().map(Held::contiguous);
+    let mask_bool = held_variants
+        .mask_bool
+        .as_ref()
+        .map(contiguous_of)
+        .transpose()?;
+    let mask_float = held_variants
+        .mask_float
+        .as_ref()
+        .map(|m| m.contiguous("mask"))
+        .transpose()?;
     let arrays = variant_arrays(&held_variants, &mask_bool, &mask_float);
     let placement = Placement::of_inputs(&inputs);
     let result = run_detached(py, || {
@@ -523,12 +553,24 @@ fn attention_backward<'py>(
             Held::new(a, dtype)
         })
         .collect::<PyResult<Vec<_>>>()?;
-    let contiguous: Vec<Contiguous<'_>> = held.iter().map(Held::contiguous).collect();
+    let contiguous: Vec<Contiguous<'_>> = held
+        .iter()
+        .zip(names)
+        .map(|(h, name)| h.contiguous(name))
+        .collect::<PyResult<_>>()?;
     let s: Vec<Input<'_>> = contiguous.iter().map(Contiguous::input).collect();
     let inputs = [s[0], s[1], s[2], s[3], s[4], s[5]];
     let held_variants = HeldVariants::new(&variants, &problem)?;
-    let mask_bool = held_variants.mask_bool.as_ref().map(contiguous_of);
-    let mask_float = held_variants.mask_float.as_ref().map(Held::contiguous);
+    let mask_bool = held_variants
+        .mask_bool
+        .as_ref()
+        .map(contiguous_of)
+        .transpose()?;
+    let mask_float = held_variants
+        .mask_float
+        .as_ref()
+        .map(|m| m.contiguous("mask"))
+        .transpose()?;
     let variant_data = variant_arrays(&held_variants, &mask_bool, &mask_float);
     let placement = Placement::of_inputs(&inputs);
     let grads = run_detached(py, || {
@@ -632,7 +674,7 @@ fn attention_varlen<'py>(
     let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
     let [q, k, v] = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let (q, k, v) = (q?, k?, v?);
-    let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
+    let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
     let inputs = [qc.input(), kc.input(), vc.input()];
     let held_variants = HeldVariants::new(&variants, &problem)?;
     let arrays = variant_arrays(&held_variants, &None, &None);
@@ -717,7 +759,11 @@ fn attention_varlen_backward<'py>(
             Held::new(a, dtype)
         })
         .collect::<PyResult<Vec<_>>>()?;
-    let contiguous: Vec<Contiguous<'_>> = held.iter().map(Held::contiguous).collect();
+    let contiguous: Vec<Contiguous<'_>> = held
+        .iter()
+        .zip(names)
+        .map(|(h, name)| h.contiguous(name))
+        .collect::<PyResult<_>>()?;
     let s: Vec<Input<'_>> = contiguous.iter().map(Contiguous::input).collect();
     let inputs = [s[0], s[1], s[2], s[3], s[4], s[5]];
     let held_variants = HeldVariants::new(&variants, &problem)?;
@@ -814,8 +860,14 @@ fn merge_states<'py>(
         .iter()
         .map(|a| Held::new(a, problem.dtype.lse_dtype()))
         .collect::<PyResult<Vec<_>>>()?;
-    let out_data: Vec<Contiguous<'_>> = held_outs.iter().map(Held::contiguous).collect();
-    let lse_data: Vec<Contiguous<'_>> = held_lses.iter().map(Held::contiguous).collect();
+    let out_data: Vec<Contiguous<'_>> = held_outs
+        .iter()
+        .map(|h| h.contiguous("outs"))
+        .collect::<PyResult<_>>()?;
+    let lse_data: Vec<Contiguous<'_>> = held_lses
+        .iter()
+        .map(|h| h.contiguous("lses"))
+        .collect::<PyResult<_>>()?;
     let out_inputs: Vec<Input<'_>> = out_data.iter().map(Contiguous::input).collect();
     let lse_inputs: Vec<Input<'_>> = lse_data.iter().map(Contiguous::input).collect();
     let placement = Placement::of_inputs(&[out_inputs.as_slice(), &lse_inputs].concat());
@@ -938,7 +990,7 @@ fn attention_with_kvcache<'py>(
     let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
     let [q, k, v] = main.map(|a| Held::new(a, problem.dtype()));
     let (q, k, v) = (q?, k?, v?);
-    let (qc, kc, vc) = (q.contiguous(), k.contiguous(), v.contiguous());
+    let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
     let inputs = [qc.input(), kc.input(), vc.input()];
     let alibi_slopes = variants.alibi_slopes.as_ref().map(as_f64_vec).transpose()?;
     let sinks = variants.sinks.as_ref().map(as_f64_vec).transpose()?;
@@ -958,8 +1010,8 @@ fn attention_with_kvcache<'py>(
     ))
 }
 
-fn contiguous_of<'a>(array: &'a PyReadonlyArrayDyn<'_, bool>) -> Cow<'a, [bool]> {
-    contiguous(array)
+fn contiguous_of<'a>(array: &'a PyReadonlyArrayDyn<'_, bool>) -> PyResult<Cow<'a, [bool]>> {
+    contiguous("mask", array)
 }
 
 /// DeviceArray: a float32 or float16 array resident on the GPU, made by
@@ -1027,7 +1079,14 @@ fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceArray> 
         )
     })?;
     let held = Held::host(array, dtype)?;
-    let contiguous = held.contiguous();
+    // The GPU's limit first: an array no device buffer can hold is refused
+    // before a contiguous copy of it is made.
+    if dtype != DType::F64 {
+        let element = if dtype == DType::F16 { 2 } else { 4 };
+        let bytes = meta.shape.iter().map(|&n| n as u64).product::<u64>() * element;
+        validated(py, core::gpu::check_array_bytes("array", bytes))?;
+    }
+    let contiguous = held.contiguous("array")?;
     let slice = contiguous
         .slice()
         .ok_or_else(|| PyTypeError::new_err("array must be a numpy.ndarray"))?;

@@ -95,6 +95,27 @@ impl<T: Copy + Default + 'static> Pooled<T> {
     }
 }
 
+/// An empty vector with room for `len` elements, or an error naming
+/// `what` when the memory cannot be had: an output of a problem larger
+/// than memory is a ProblemTooLargeError, not an abort.
+pub fn try_with_capacity<T>(len: usize, what: &str) -> crate::Result<Vec<T>> {
+    let mut v = Vec::new();
+    match v.try_reserve_exact(len) {
+        Ok(()) => Ok(v),
+        Err(_) => Err(crate::Error::TooLarge(format!(
+            "{what} needs {} bytes of host memory, which could not be allocated",
+            len as u128 * std::mem::size_of::<T>() as u128
+        ))),
+    }
+}
+
+/// `len` zeros, or an error naming `what` (see [`try_with_capacity`]).
+pub fn try_zeros<T: Copy + Default>(len: usize, what: &str) -> crate::Result<Vec<T>> {
+    let mut v = try_with_capacity(len, what)?;
+    v.resize(len, T::default());
+    Ok(v)
+}
+
 /// The first `len` elements of `v`'s spare capacity (`v` must be empty
 /// with room for `len`), to be initialised by the tasks that own them.
 pub fn spare<T>(v: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<T>] {

@@ -121,10 +121,11 @@ fn decode_as<T: Element>(
         .iter()
         .map(|s| ScoreRules::new(s, variants))
         .collect();
-    let mut part_out = vec![T::ZERO; heads * splits * rows * dv];
-    let mut part_lse = vec![T::ZERO; heads * splits * rows];
-    let mut out = vec![T::ZERO; p.out_len()];
-    let mut lse = vec![T::ZERO; p.lse_len()];
+    use super::buffers::try_zeros;
+    let mut part_out = try_zeros(heads * splits * rows * dv, "the splits' outputs")?;
+    let mut part_lse = try_zeros(heads * splits * rows, "the splits' lse")?;
+    let mut out = try_zeros(p.out_len(), "the output o")?;
+    let mut lse = try_zeros(p.lse_len(), "the output lse")?;
     run_with(num_threads()?, || {
         let walk = Walk {
             p,

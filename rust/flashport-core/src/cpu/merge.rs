@@ -64,8 +64,8 @@ fn merge_as<T: Element>(
     let (rows, dv, parts) = (problem.rows, problem.value_dim, problem.parts);
     let outs = Viewed::<T>::new(outs);
     let lses = Viewed::<T>::new(lses);
-    let mut out = vec![T::ZERO; rows * dv];
-    let mut lse = vec![T::ZERO; rows];
+    let mut out = crate::cpu::buffers::try_zeros(rows * dv, "the merged out")?;
+    let mut lse = crate::cpu::buffers::try_zeros(rows, "the merged lse")?;
     let block = (TASK_VALUES / (parts * dv).max(1)).max(1);
     let mut tasks = Vec::with_capacity(rows.div_ceil(block));
     let (mut out_rest, mut lse_rest) = (out.as_mut_slice(), lse.as_mut_slice());

@@ -498,8 +498,8 @@ fn forward_typed<T: Element>(
 ) -> Result<(Vec<T>, Vec<T>)> {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (out_len, lse_len) = (problem.out_len(), problem.lse_len());
-    let mut out = Vec::with_capacity(out_len);
-    let mut lse = Vec::with_capacity(lse_len);
+    let mut out = buffers::try_with_capacity(out_len, "the output o")?;
+    let mut lse = buffers::try_with_capacity(lse_len, "the output lse")?;
     let heads = problem.batch * problem.heads_q;
     let mut tasks = row_tiles(
         heads,
@@ -957,9 +957,9 @@ fn backward_typed<T: Element>(
     let group_len = problem.group_size() * problem.seq_q * d;
     let (q_len, k_len, v_len) = (problem.q_len(), problem.k_len(), problem.v_len());
     let (mut dq, mut dk, mut dvv) = (
-        Vec::with_capacity(q_len),
-        Vec::with_capacity(k_len),
-        Vec::with_capacity(v_len),
+        buffers::try_with_capacity(q_len, "the gradient dq")?,
+        buffers::try_with_capacity(k_len, "the gradient dk")?,
+        buffers::try_with_capacity(v_len, "the gradient dv")?,
     );
     // The first chunk of a head accumulates straight into dQ (0 + its
     // partial is its partial), the others into partials of their own.
@@ -991,9 +991,16 @@ fn backward_typed<T: Element>(
         (t.kv_head, std::cmp::Reverse(pairs))
     });
     // Scores no task visits (hidden tiles) have a zero gradient.
-    let mut d_scores_full = problem
-        .return_dmask
-        .then(|| vec![T::ZERO; problem.lse_len() * problem.seq_k]);
+    // Counted in u128: batch × heads × seq_q × seq_k can pass usize.
+    let d_scores_len =
+        usize::try_from(problem.lse_len() as u128 * problem.seq_k as u128).unwrap_or(usize::MAX);
+    let mut d_scores_full = match problem.return_dmask {
+        true => Some(buffers::try_zeros(
+            d_scores_len,
+            "return_dmask=True (the gradient of every score before it is summed to the mask's shape)",
+        )?),
+        false => None,
+    };
     let d_scores_sink = d_scores_full.as_mut().map(|full| ScoreGradientSink {
         data: full.as_mut_ptr(),
         seq_q: problem.seq_q,

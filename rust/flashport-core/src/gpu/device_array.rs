@@ -209,16 +209,7 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
         if data.dtype() == DType::F16 && !ctx.f16_inputs {
             return Err(float16_error(ctx, argument));
         }
-        let max = ctx.limits.max_buffer_size;
-        if bytes.len().next_multiple_of(4) as u64 > max {
-            return Err(Error::TooLarge(format!(
-                "{argument} ({} bytes) is larger than the largest buffer of the GPU {} \
-                 ({max} bytes); keep it in NumPy (device=\"cpu\", or device=\"gpu\" with \
-                 NumPy arrays, which are split by heads)",
-                bytes.len(),
-                ctx.adapter.name
-            )));
-        }
+        fits_one_buffer(ctx, argument, bytes.len() as u64)?;
         let buffer = ctx.scoped("uploading an array", || {
             let mut sub = Submission::new(ctx);
             let buffer = sub.upload(argument, bytes)?;
@@ -488,4 +479,26 @@ pub(crate) fn run_helper(
         done += n;
     }
     Ok(())
+}
+
+/// An error naming `argument` unless `bytes` fit one buffer of `ctx`.
+fn fits_one_buffer(ctx: &Context, argument: &str, bytes: u64) -> Result<()> {
+    let max = ctx.limits.max_buffer_size;
+    if bytes.next_multiple_of(4) > max {
+        return Err(Error::TooLarge(format!(
+            "{argument} ({bytes} bytes) is larger than the largest buffer of the GPU {} \
+             ({max} bytes); keep it in NumPy (device=\"cpu\", or device=\"gpu\" with \
+             NumPy arrays, which are split by heads)",
+            ctx.adapter.name
+        )));
+    }
+    Ok(())
+}
+
+/// Whether an array of `bytes` bytes could become a device array: checked
+/// before the host makes a contiguous copy of a strided one.
+pub fn check_array_bytes(argument: &str, bytes: u64) -> Result<()> {
+    with_context("checking an array's size", |ctx| {
+        fits_one_buffer(ctx, argument, bytes)
+    })
 }

@@ -68,7 +68,7 @@ mod varlen;
 use std::sync::OnceLock;
 
 pub use backward::{backward, backward_arrays};
-pub use device_array::{to_device, DeviceArray};
+pub use device_array::{check_array_bytes, to_device, DeviceArray};
 pub use forward::{forward, forward_arrays};
 pub use merge::merge_states;
 pub use timing::{last_kernel_times, set_kernel_timing};

@@ -1,0 +1,51 @@
+"""Problems larger than memory are a ProblemTooLargeError naming what could
+not be had, never an abort: every large host allocation is fallible, and a
+device array's size is checked before a strided input is copied."""
+
+from __future__ import annotations
+
+import flashport
+import numpy as np
+import pytest
+from flashport import ProblemTooLargeError
+
+
+def _overcommit_always() -> bool:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+# With overcommit_memory=1 the kernel grants any allocation and kills the
+# process when it is touched: nothing a library can turn into an error.
+pytestmark = pytest.mark.skipif(_overcommit_always(), reason="vm.overcommit_memory=1")
+
+
+def test_broadcast_query_larger_than_memory(backend):
+    # A 4-byte array viewed as 512 GiB: its contiguous copy cannot be had.
+    k = np.random.default_rng(0).standard_normal((1, 1, 16, 64)).astype(np.float32)
+    q = np.broadcast_to(np.float32(0.5), (1, 1, 2**31, 64))
+    with pytest.raises(ProblemTooLargeError, match=r"^q is not contiguous.*549755813888 bytes"):
+        flashport.attention(q, k, k, device=backend)
+    # Nothing is broken afterwards.
+    out = flashport.attention(k, k, k, device=backend)
+    np.testing.assert_allclose(out, flashport.reference.attention(k, k, k), atol=1e-5)
+
+
+def test_to_device_checks_the_gpu_limit_before_copying(gpu):
+    # 64 GiB as a stride-0 view: refused by the GPU's buffer limit without
+    # a 64 GiB host copy first.
+    with pytest.raises(ProblemTooLargeError, match=r"array \(68719476736 bytes\).*largest buffer"):
+        flashport.to_device(np.broadcast_to(np.float32(0.5), (2**34,)))
+
+
+def test_score_gradient_larger_than_memory():
+    # return_dmask=True holds every score's gradient: 2**40 float32 here.
+    n = 2**20
+    x = np.random.default_rng(1).standard_normal((1, 1, n, 1)).astype(np.float32)
+    lse = np.zeros((1, 1, n), np.float32)
+    mask = np.array([0.25], np.float32)
+    with pytest.raises(ProblemTooLargeError, match=r"return_dmask=True .*4398046511104 bytes"):
+        flashport.attention_backward(x, x, x, x, x, lse, mask=mask, return_dmask=True, device="cpu")
