@@ -349,6 +349,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["dask"]:
+        from ._bench_dask import main as dask_main
+
+        return dask_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m flashport bench", description=__doc__)
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--quick", action="store_true", help="only the first two shapes")
