@@ -4,7 +4,8 @@ flashport call, measured in the same run.
 For (1, 8, 16384, 64) float32 split into 4 query × 4 key chunks, causal and
 not: the forward and the forward+backward of ``flashport.dask`` on Dask's
 threaded scheduler and on a LocalCluster of 2 single-threaded worker
-processes (inputs persisted on the workers first, results gathered back),
+processes, each with half the cores for its flashport calls (inputs
+persisted on the workers first, results gathered back),
 against ``flashport.attention`` (+ ``attention_backward``) called once on
 the whole arrays: medians of interleaved rounds after a warm-up, and their
 ratios. Then, from one more untimed forward+backward each, the peak
@@ -216,15 +217,21 @@ def main(argv: list[str]) -> int:
     print(
         f"flashport {flashport.__version__} dask bench: {shape} float32, {CHUNKS} x {CHUNKS} "
         f"chunks, {os.cpu_count()} CPUs, {flashport.devices()[0]['threads']} flashport threads "
-        f"per call; cluster: 2 worker processes x 1 thread",
+        f"per call; cluster: 2 worker processes x 1 thread, {max(1, (os.cpu_count() or 2) // 2)} "
+        "flashport threads per call",
         flush=True,
     )
+    # Each worker's flashport calls get their share of the cores, as a
+    # deployment of one worker per core group would; the threaded scheduler
+    # and the single call use flashport's default, every core.
+    worker_threads = max(1, (os.cpu_count() or 2) // 2)
     cluster = LocalCluster(
         n_workers=2,
         processes=True,
         threads_per_worker=1,
         host="127.0.0.1",
         dashboard_address=None,
+        env={"FLASHPORT_NUM_THREADS": str(worker_threads)},
     )
     rows = []
     with Client(cluster) as client:
