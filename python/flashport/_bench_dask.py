@@ -111,13 +111,13 @@ def bench(shape, causal: bool, repeat: int, client, zigzag: bool) -> dict[str, A
 
     def graphs(arrays, backward: bool, zigzag: bool) -> list:
         dq_, dk_, dv_, ddo = arrays
-        kw = {"causal": causal, "zigzag": zigzag}
-        o, lse = fpd.attention(dq_, dk_, dv_, return_lse=True, **kw)
+        o, lse = fpd.attention(dq_, dk_, dv_, causal=causal, zigzag=zigzag, return_lse=True)
         if not backward:
             return [o, lse]
-        return [o, lse, *fpd.attention_backward(ddo, dq_, dk_, dv_, o, lse, **kw)]
+        grads = fpd.attention_backward(ddo, dq_, dk_, dv_, o, lse, causal=causal, zigzag=zigzag)
+        return [o, lse, *grads]
 
-    def run(name: str, backward: bool) -> Callable[[], object]:
+    def run(name: str, backward: bool) -> Callable[[], Any]:
         arrays, zigzag = layouts[name], "zigzag" in name
         if name.startswith("cluster"):
             return lambda: client.compute(graphs(arrays, backward, zigzag), sync=True)

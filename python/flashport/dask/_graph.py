@@ -32,7 +32,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from . import _tasks
 from ._layout import Layout, block_pairs
@@ -96,16 +96,14 @@ def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple:
     return (apply, function, list(args), (dict, [[k, v] for k, v in kwargs.items()]))
 
 
-def _graph(
-    name: str, dsk: dict, inputs: list[da.Array], outputs: dict[str, dict]
-) -> HighLevelGraph:
+def _graph(name: str, dsk: dict, inputs: list[Any], outputs: dict[str, dict]) -> HighLevelGraph:
     """One layer of tasks (``name``) over the inputs, and one layer per
     output array that reads from it, so that each output culls on its own."""
-    base = HighLevelGraph.from_collections(name, dsk, dependencies=inputs)
+    base = HighLevelGraph.from_collections(name, dsk, dependencies=list(inputs))
     layers = dict(base.layers)
     dependencies = dict(base.dependencies)
     for out_name, out_dsk in outputs.items():
-        layers[out_name] = out_dsk
+        layers[out_name] = MaterializedLayer(out_dsk)
         dependencies[out_name] = {name}
     return HighLevelGraph(layers, dependencies)
 
@@ -156,6 +154,7 @@ def forward_graph(
     for i in range(len(q_layout)):
         leaves: list[Any] = []
         row = [j for j in range(len(k_layout)) if (i, j) in blocks]
+        key: Key
         if sinks is not None or not row:
             key = (nokeys_name, i)
             dsk[key] = (
@@ -280,7 +279,7 @@ def backward_graph(
             reduce(grad, j, parts, key, (*lead_k, rows, width), dtype)
 
     if sinks is not None:
-        parts = []
+        sink_parts: list[Any] = []
         for i in range(len(q_layout)):
             key = (dsinks_part, i)
             dsk[key] = (
@@ -293,13 +292,13 @@ def backward_graph(
                 sinks,
                 options,
             )
-            parts.append(key)
+            sink_parts.append(key)
         dsinks_dtype = dtypes[3]
         root = _tree(
             dsk,
             f"{prefix}-dsinks-sum-{token}",
             (),
-            parts,
+            sink_parts,
             _tasks.add,
             {"dtype": dsinks_dtype},
             {"dtype": np.dtype(np.float64)},

@@ -9,7 +9,7 @@ finishes first or where it ran.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class Options:
     window: tuple[int | None, int | None] | None
     alibi_slopes: np.ndarray | None
     softcap: float | None
-    device: str | None
+    device: Literal["cpu", "gpu", "auto"] | None
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -82,7 +82,9 @@ def _rows(x: np.ndarray, piece: Piece, axis: int) -> np.ndarray:
     return np.ascontiguousarray(x[tuple(index)])
 
 
-def _empty_keys(q: np.ndarray, k_shape: tuple[int, ...], v_dim: int) -> tuple[np.ndarray, ...]:
+def _empty_keys(
+    q: np.ndarray, k_shape: tuple[int, ...], v_dim: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Zero-length k and v for ``q``: a call that sees no key."""
     k = np.empty((*k_shape[:-2], 0, k_shape[-1]), dtype=q.dtype)
     v = np.empty((*k_shape[:-2], 0, v_dim), dtype=q.dtype)
@@ -121,10 +123,10 @@ def forward_block(
             if pa == a
         ]
         if not parts:
-            empty = _empty_keys(q_a, k.shape, v.shape[-1])
+            k0, v0 = _empty_keys(q_a, k.shape, v.shape[-1])
             parts = [
                 flashport.attention(
-                    q_a, *empty, scale=options.scale, device=options.device, return_lse=True
+                    q_a, k0, v0, scale=options.scale, device=options.device, return_lse=True
                 )
             ]
         o, lse = parts[0] if len(parts) == 1 else merge(*parts)
@@ -146,10 +148,10 @@ def forward_no_keys(
     share of the softmax (``o = 0``, ``lse = sink``), merged in once per
     query chunk; without, ``o = 0``, ``lse = −inf`` for a chunk that no
     block reaches. Computed by flashport itself, on zero-length keys."""
-    kw = {"scale": options.scale, "device": options.device}
     q = np.ascontiguousarray(q)
+    k, v = _empty_keys(q, k_shape, v_dim)
     out, lse = flashport.attention(
-        q, *_empty_keys(q, k_shape, v_dim), sinks=sinks, return_lse=True, **kw
+        q, k, v, sinks=sinks, scale=options.scale, device=options.device, return_lse=True
     )
     return out, lse
 
@@ -158,7 +160,7 @@ def merge(*states: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarra
     """``merge_states`` of ``(o, lse)`` parts, in the order given. Host
     arrays merge on the CPU (``merge_states`` reads each value once)."""
     out, lse = flashport.merge_states([s[0] for s in states], [s[1] for s in states], device="cpu")
-    return out, lse
+    return np.asarray(out), np.asarray(lse)
 
 
 def backward_block(
