@@ -38,6 +38,7 @@ from flashport.dask._layout import (  # noqa: E402
     block_pairs,
     contiguous_layout,
     pieces_see,
+    ring_orders,
     zigzag_index,
     zigzag_layout,
     zigzag_piece_sizes,
@@ -46,6 +47,7 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 DTYPES = [np.float32, np.float64, np.float16]
+SCHEDULES = st.tuples(st.sampled_from(["tree", "ring"]), st.sampled_from(["tree", "ring"]))
 BLOCK = "flashport-attention-block-"
 BACKWARD_BLOCK = "flashport-attention-backward-block-"
 
@@ -181,6 +183,35 @@ def test_zigzag_balances_causal_work(workers):
 
 
 @given(
+    wq=st.integers(1, 9),
+    wk=st.integers(1, 9),
+    density=st.sampled_from([0.3, 0.7, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_ring_orders_chain_every_block_once_without_cycles(wq, wk, density, seed):
+    """Rows and columns each list their visible blocks once; following the
+    chains never goes back in (step, query chunk), so the graph is acyclic;
+    with equal counts and every block visible, step s is one block per row
+    and per column (the ring's lock-step)."""
+    rng = np.random.default_rng(seed)
+    visible = {(i, j) for i in range(wq) for j in range(wk) if rng.random() < density}
+    rows, cols = ring_orders(visible, wq, wk)
+    assert sorted((i, j) for i, js in rows.items() for j in js) == sorted(visible)
+    assert sorted((i, j) for j, is_ in cols.items() for i in is_) == sorted(visible)
+
+    def rank(i, j):
+        return ((j - (i * wk) // wq) % wk, i)
+
+    for i, js in rows.items():
+        assert all(rank(i, a) < rank(i, b) for a, b in itertools.pairwise(js))
+    for j, is_ in cols.items():
+        assert all(rank(a, j) < rank(b, j) for a, b in itertools.pairwise(is_))
+    if wq == wk and density == 1.0:
+        for i in range(wq):
+            assert rows[i] == [(i + s) % wk for s in range(wk)]
+
+
+@given(
     seq_q=st.integers(1, 60),
     seq_k=st.one_of(st.integers(1, 60), st.just(40)),
     data=st.data(),
@@ -219,6 +250,7 @@ def test_hidden_blocks_create_no_task(seq_q, seq_k, data, causal, window, zigzag
     q = _chunked(np.ones((1, seq_q, 4), np.float32), q_sizes)
     k = _chunked(np.ones((1, seq_k, 4), np.float32), k_sizes)
     kw = {"causal": causal, "window": window, "zigzag": zigzag}
+    kw["schedule"] = data.draw(st.sampled_from(["tree", "ring"]), "schedule")
     o, lse = fpd.attention(q, k, k, return_lse=True, **kw)
     assert _tasks(o, BLOCK) == want
     grads = fpd.attention_backward(o, q, k, k, o, lse, **kw)
@@ -254,9 +286,10 @@ def _variant_kwargs(data, case, dtype):
     return var.kwargs(case, dtype)
 
 
-def _run_and_check(case, kw, dtype, q_chunks, k_chunks, zigzag=None):
+def _run_and_check(case, kw, dtype, q_chunks, k_chunks, zigzag=None, schedules=("tree", "tree")):
     """fpd forward and backward over the chunkings against the oracle and
-    flashport; ``zigzag=(wq, wk)`` permutes q, k, v, do first."""
+    flashport; ``zigzag=(wq, wk)`` permutes q, k, v, do first; the forward
+    and the backward run with ``schedules``."""
     q, k, v, do = case.arrays(dtype)
     sources = [x.copy() for x in (q, k, v, do)]
     fp_out, fp_lse = flashport.attention(
@@ -281,8 +314,8 @@ def _run_and_check(case, kw, dtype, q_chunks, k_chunks, zigzag=None):
             _chunked(do, q_chunks),
         )
     common = {"causal": case.causal, "scale": case.scale, "zigzag": bool(zigzag), **kw}
-    o, lse = fpd.attention(dq_, dk_, dv_, return_lse=True, **common)
-    grads = fpd.attention_backward(ddo, dq_, dk_, dv_, o, lse, **common)
+    o, lse = fpd.attention(dq_, dk_, dv_, return_lse=True, schedule=schedules[0], **common)
+    grads = fpd.attention_backward(ddo, dq_, dk_, dv_, o, lse, schedule=schedules[1], **common)
     results = list(dask.compute(o, lse, *grads, scheduler="threads"))
     if zigzag:
         axes = [-2, -1, -2, -2, -2]
@@ -313,7 +346,7 @@ def test_matches_flashport_for_random_chunkings(data, dtype):
     kw = _variant_kwargs(data, case, dtype)
     q_chunks = _sizes(data.draw(splits(case.seq_q), label="q chunks"))
     k_chunks = _sizes(data.draw(splits(case.seq_k), label="k chunks"))
-    _run_and_check(case, kw, dtype, q_chunks, k_chunks)
+    _run_and_check(case, kw, dtype, q_chunks, k_chunks, schedules=data.draw(SCHEDULES, "schedules"))
 
 
 @given(data=st.data(), dtype=st.sampled_from(DTYPES))
@@ -321,7 +354,8 @@ def test_matches_flashport_in_zigzag_order(data, dtype):
     case = data.draw(cases("cpu", max_seq=80, max_work=3e6), label="case")
     kw = _variant_kwargs(data, case, dtype)
     workers = (data.draw(st.integers(1, 4), label="wq"), data.draw(st.integers(1, 4), label="wk"))
-    _run_and_check(case, kw, dtype, None, None, zigzag=workers)
+    schedules = data.draw(SCHEDULES, "schedules")
+    _run_and_check(case, kw, dtype, None, None, zigzag=workers, schedules=schedules)
 
 
 # ---------------------------------------------------------------- determinism
@@ -343,23 +377,25 @@ def _problem(seed=3):
     return (q, k, v, do), kw
 
 
-def _graphs(zigzag: bool):
+def _graphs(zigzag: bool, schedule: str):
     (q, k, v, do), kw = _problem()
     if zigzag:
         q_, k_, v_, do_ = fpd.zigzag(q, 3), fpd.zigzag(k, 4), fpd.zigzag(v, 4), fpd.zigzag(do, 3)
     else:
         q_, do_ = _chunked(q, (50, 3, 90, 60)), _chunked(do, (50, 3, 90, 60))
         k_, v_ = _chunked(k, (40, 40, 97)), _chunked(v, (40, 40, 97))
-    o, lse = fpd.attention(q_, k_, v_, return_lse=True, zigzag=zigzag, **kw)
-    grads = fpd.attention_backward(do_, q_, k_, v_, o, lse, zigzag=zigzag, **kw)
+    kw.update(zigzag=zigzag, schedule=schedule)
+    o, lse = fpd.attention(q_, k_, v_, return_lse=True, **kw)
+    grads = fpd.attention_backward(do_, q_, k_, v_, o, lse, **kw)
     return [o, lse, *grads]
 
 
+@pytest.mark.parametrize("schedule", ["tree", "ring"])
 @pytest.mark.parametrize("zigzag", [False, True], ids=["sequence", "zigzag"])
-def test_bitwise_identical_across_runs_and_schedulers(client, zigzag):
-    arrays = _graphs(zigzag)
+def test_bitwise_identical_across_runs_and_schedulers(client, zigzag, schedule):
+    arrays = _graphs(zigzag, schedule)
     first = dask.compute(*arrays, scheduler="threads")
-    again = dask.compute(*_graphs(zigzag), scheduler="threads")
+    again = dask.compute(*_graphs(zigzag, schedule), scheduler="threads")
     synchronous = dask.compute(*arrays, scheduler="synchronous")
     on_cluster = client.compute(arrays, sync=True)
     for name, a, b, c, d in zip(
@@ -455,6 +491,8 @@ def test_core_errors_come_at_graph_build_time_with_the_real_shapes():
         fpd.attention(dq, dk, _chunked(np.ones((2, 2, 20, 8), np.float32), (20,)))
     with pytest.raises(InvalidArgumentError, match="device"):
         fpd.attention(dq, dk, dv, device="tpu")
+    with pytest.raises(InvalidArgumentError, match="schedule"):
+        fpd.attention(dq, dk, dv, schedule="star")
     o, lse = fpd.attention(dq, dk, dv, return_lse=True)
     with pytest.raises(ShapeError, match="lse has shape"):
         fpd.attention_backward(o, dq, dk, dv, o, lse[:, :, :20])

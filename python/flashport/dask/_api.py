@@ -20,6 +20,13 @@ __all__ = ["attention", "attention_backward"]
 
 Device = Literal["cpu", "gpu", "auto"]
 Window = tuple[int | None, int | None]
+Schedule = Literal["tree", "ring"]
+
+
+def _schedule(schedule: Any) -> str:
+    if schedule not in ("tree", "ring"):
+        raise InvalidArgumentError(f'schedule={schedule!r}: expected "tree" or "ring"')
+    return str(schedule)
 
 
 def _window(window: Any) -> Window | None:
@@ -95,6 +102,7 @@ def attention(
     softcap: float | None = ...,
     sinks: npt.ArrayLike | None = ...,
     zigzag: bool = ...,
+    schedule: Schedule = ...,
     return_lse: Literal[False] = ...,
     device: Device | None = ...,
 ) -> da.Array: ...
@@ -111,6 +119,7 @@ def attention(
     softcap: float | None = ...,
     sinks: npt.ArrayLike | None = ...,
     zigzag: bool = ...,
+    schedule: Schedule = ...,
     return_lse: Literal[True],
     device: Device | None = ...,
 ) -> tuple[da.Array, da.Array]: ...
@@ -126,6 +135,7 @@ def attention(
     softcap: float | None = None,
     sinks: npt.ArrayLike | None = None,
     zigzag: bool = False,
+    schedule: Schedule = "tree",
     return_lse: bool = False,
     device: Device | None = None,
 ) -> da.Array | tuple[da.Array, da.Array]:
@@ -150,6 +160,19 @@ def attention(
         q and k (each) are in the zig-zag order :func:`zigzag` makes; the
         results come back in that order too. For causal attention, every
         query chunk then has the same work.
+    schedule : "tree" or "ring"
+        How a query chunk's partial results are combined. ``"tree"``: every
+        block is a task of its own and the states merge 4 at a time, in
+        key-chunk order; the scheduler runs blocks in any order and balances
+        them, but a block's result waits in memory until its group is
+        complete. ``"ring"``: each block task merges its result into the
+        state the query chunk's previous block passed on (and in the
+        backward adds its dK, dV to its key chunk's running sums), in the
+        order a ring of workers would meet the key chunks: a chain per query
+        chunk (and per key chunk), so a worker holds O(chunk) at a time,
+        but the blocks run in lock-step (balance causal work with
+        ``zigzag=True``). Both are exact and bitwise reproducible; their
+        results differ in rounding.
     return_lse : bool
         Also return the log-sum-exp (for :func:`attention_backward`).
     device : "cpu", "gpu" or "auto", optional
@@ -187,6 +210,7 @@ def attention(
     """
     _validate.dask_arrays("attention", q=q, k=k, v=v)
     _validate.check_device(device)
+    chain = _schedule(schedule)
     kwargs = _keywords(causal, scale, window, alibi_slopes, softcap, sinks)
     out_dtype, lse_dtype, q_chunks, k_chunks = _validate.validated_forward(
         q, k, v, kwargs, bool(zigzag)
@@ -204,6 +228,7 @@ def attention(
         sinks=sink_logits,
         out_dtype=out_dtype,
         lse_dtype=lse_dtype,
+        schedule=chain,
     )
     return (o, lse) if return_lse else o
 
@@ -223,6 +248,7 @@ def attention_backward(
     softcap: float | None = None,
     sinks: npt.ArrayLike | None = None,
     zigzag: bool = False,
+    schedule: Schedule = "tree",
     device: Device | None = None,
 ) -> tuple[da.Array, ...]:
     """:func:`flashport.attention_backward` over dask arrays chunked along
@@ -238,6 +264,11 @@ def attention_backward(
         sequence (as :func:`attention` returns it with ``return_lse=True``)
     q, k, v, causal, scale, window, alibi_slopes, softcap, sinks, zigzag, device
         Exactly as passed to :func:`attention`.
+    schedule : "tree" or "ring"
+        As for :func:`attention` (it need not be the forward's): ``"tree"``
+        sums each gradient chunk's shares 4 at a time in index order;
+        ``"ring"`` carries dQ along each query chunk's blocks and dK, dV
+        along each key chunk's, inside the block tasks.
 
     Returns
     -------
@@ -256,6 +287,7 @@ def attention_backward(
     """
     _validate.dask_arrays("attention_backward", do=do, q=q, k=k, v=v, o=o, lse=lse)
     _validate.check_device(device)
+    chain = _schedule(schedule)
     kwargs = _keywords(causal, scale, window, alibi_slopes, softcap, sinks)
     dtypes, q_chunks, k_chunks = _validate.validated_backward(
         do, q, k, v, o, lse, kwargs, bool(zigzag)
@@ -275,4 +307,5 @@ def attention_backward(
         options=options,
         sinks=sink_logits,
         dtypes=dtypes,
+        schedule=chain,
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable
+from itertools import pairwise
 from typing import Any
 
 import dask.array as da
@@ -35,7 +36,7 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from . import _tasks
-from ._layout import Layout, block_pairs
+from ._layout import Layout, block_pairs, ring_orders
 from ._tasks import Block, Options
 
 __all__ = ["SPLIT_EVERY", "backward_graph", "forward_graph"]
@@ -136,10 +137,11 @@ def forward_graph(
     sinks: np.ndarray | None,
     out_dtype: np.dtype,
     lse_dtype: np.dtype,
+    schedule: str,
 ) -> tuple[da.Array, da.Array]:
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     q_offset = seq_k - seq_q
-    token = tokenize(q.name, k.name, v.name, q_layout, k_layout, options, sinks)
+    token = tokenize(q.name, k.name, v.name, q_layout, k_layout, options, sinks, schedule)
     name = f"flashport-attention-{token}"
     block_name = f"flashport-attention-block-{token}"
     nokeys_name = f"flashport-attention-nokeys-{token}"
@@ -148,12 +150,13 @@ def forward_graph(
     lse_name = f"flashport-attention-lse-{token}"
 
     blocks = _blocks(q_layout, k_layout, q_offset, options)
+    rows, _ = ring_orders(set(blocks), len(q_layout), len(k_layout))
     dsk: dict = {}
     o_dsk: dict = {}
     lse_dsk: dict = {}
     for i in range(len(q_layout)):
         leaves: list[Any] = []
-        row = [j for j in range(len(k_layout)) if (i, j) in blocks]
+        row = rows.get(i, []) if schedule == "ring" else sorted(rows.get(i, []))
         key: Key
         if sinks is not None or not row:
             key = (nokeys_name, i)
@@ -166,18 +169,35 @@ def forward_graph(
                 options,
             )
             leaves.append(key)
-        for j in row:
-            key = (block_name, i, j)
-            dsk[key] = (
-                _tasks.forward_block,
-                _chunk_key(q, i),
-                _chunk_key(k, j),
-                _chunk_key(v, j),
-                blocks[i, j],
-                options,
-            )
-            leaves.append(key)
-        root = _tree(dsk, merge_name, (i,), leaves, _tasks.merge, {}, {})
+        if schedule == "ring":
+            # A chain: each block merges its state into the one passed on.
+            carry = leaves[0] if leaves else None
+            for j in row:
+                key = (block_name, i, j)
+                dsk[key] = (
+                    _tasks.forward_ring_block,
+                    _chunk_key(q, i),
+                    _chunk_key(k, j),
+                    _chunk_key(v, j),
+                    carry,
+                    blocks[i, j],
+                    options,
+                )
+                carry = key
+            root = carry
+        else:
+            for j in row:
+                key = (block_name, i, j)
+                dsk[key] = (
+                    _tasks.forward_block,
+                    _chunk_key(q, i),
+                    _chunk_key(k, j),
+                    _chunk_key(v, j),
+                    blocks[i, j],
+                    options,
+                )
+                leaves.append(key)
+            root = _tree(dsk, merge_name, (i,), leaves, _tasks.merge, {}, {})
         lead = (0,) * (q.ndim - 2)
         o_dsk[(o_name, *lead, i, 0)] = (operator.getitem, root, 0)
         lse_dsk[(lse_name, *lead, i)] = (operator.getitem, root, 1)
@@ -204,11 +224,12 @@ def backward_graph(
     options: Options,
     sinks: np.ndarray | None,
     dtypes: tuple[np.dtype, ...],
+    schedule: str,
 ) -> tuple[da.Array, ...]:
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     q_offset = seq_k - seq_q
     token = tokenize(do.name, q.name, k.name, v.name, o.name, lse.name)
-    token = tokenize(token, q_layout, k_layout, options, sinks)
+    token = tokenize(token, q_layout, k_layout, options, sinks, schedule)
     prefix = "flashport-attention-backward"
     name = f"{prefix}-{token}"
     block_name = f"{prefix}-block-{token}"
@@ -219,19 +240,35 @@ def backward_graph(
     acc = _tasks.accumulation_dtype(dq_dtype)
 
     blocks = _blocks(q_layout, k_layout, q_offset, options)
+    row_order, col_order = ring_orders(set(blocks), len(q_layout), len(k_layout))
+    if schedule == "ring":
+        # Chains: dQ runs along each row, dK and dV along each column, in
+        # ring order; every sum happens inside the block tasks.
+        before_in_row = {(i, b): a for i, js in row_order.items() for a, b in pairwise(js)}
+        before_in_col = {(b, j): a for j, is_ in col_order.items() for a, b in pairwise(is_)}
+        row_order = {i: js[-1:] for i, js in row_order.items()}
+        col_order = {j: is_[-1:] for j, is_ in col_order.items()}
     dsk: dict = {}
     for (i, j), block in blocks.items():
-        dsk[(block_name, i, j)] = (
-            _tasks.backward_block,
+        args = (
             _chunk_key(do, i),
             _chunk_key(q, i),
             _chunk_key(k, j),
             _chunk_key(v, j),
             _chunk_key(o, i),
             _lse_key(lse, i),
-            block,
-            options,
         )
+        if schedule == "ring":
+            a = before_in_row.get((i, j))
+            b = before_in_col.get((i, j))
+            carries = (
+                None if a is None else (operator.getitem, (block_name, i, a), 0),
+                None if b is None else (operator.getitem, (block_name, b, j), 1),
+                None if b is None else (operator.getitem, (block_name, b, j), 2),
+            )
+            dsk[(block_name, i, j)] = (_tasks.backward_ring_block, *args, *carries, block, options)
+        else:
+            dsk[(block_name, i, j)] = (_tasks.backward_block, *args, block, options)
 
     lead_q = q.shape[:-2]
     lead_k = k.shape[:-2]
@@ -257,11 +294,7 @@ def backward_graph(
     zeros_lead = (0,) * (q.ndim - 2)
     for i, chunk in enumerate(q_layout):
         rows = sum(p.length for p in chunk)
-        parts = [
-            (operator.getitem, (block_name, i, j), 0)
-            for j in range(len(k_layout))
-            if (i, j) in blocks
-        ]
+        parts = [(operator.getitem, (block_name, i, j), 0) for j in sorted(row_order.get(i, []))]
         key = (names["dq"], *zeros_lead, i, 0)
         reduce("dq", i, parts, key, (*lead_q, rows, q.shape[-1]), dq_dtype)
     for j, chunk in enumerate(k_layout):
@@ -271,9 +304,7 @@ def backward_graph(
             ("dv", 2, v.shape[-1], dv_dtype),
         ):
             parts = [
-                (operator.getitem, (block_name, i, j), slot)
-                for i in range(len(q_layout))
-                if (i, j) in blocks
+                (operator.getitem, (block_name, i, j), slot) for i in sorted(col_order.get(j, []))
             ]
             key = (names[grad], *zeros_lead, j, 0)
             reduce(grad, j, parts, key, (*lead_k, rows, width), dtype)

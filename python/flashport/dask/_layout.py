@@ -18,6 +18,7 @@ __all__ = [
     "block_pairs",
     "contiguous_layout",
     "pieces_see",
+    "ring_orders",
     "zigzag_index",
     "zigzag_layout",
     "zigzag_piece_sizes",
@@ -127,3 +128,31 @@ def block_pairs(
         for b, kp in enumerate(k_chunk)
         if pieces_see(q_offset + qp.position, qp.length, kp.position, kp.length, causal, window)
     )
+
+
+def ring_orders(
+    visible: set[tuple[int, int]], q_chunks: int, k_chunks: int
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The order in which ``schedule="ring"`` chains the visible blocks: for
+    each query chunk ``i`` its key chunks, for each key chunk ``j`` its query
+    chunks. Block ``(i, j)`` belongs to step ``(j − start_i) mod k_chunks``,
+    ``start_i = i · k_chunks // q_chunks``: query chunk ``i`` meets the key
+    chunks from ``start_i`` on, cyclically, as a ring of workers passes K and
+    V along, and each key chunk meets its query chunks by step (then by
+    index). Every chain then runs forward in (step, query chunk), so the two
+    together are acyclic; with equal chunk counts and every block visible,
+    step ``s`` holds one block of each row and of each column."""
+
+    def step(i: int, j: int) -> int:
+        return (j - (i * k_chunks) // q_chunks) % k_chunks
+
+    rows: dict[int, list[int]] = {}
+    cols: dict[int, list[int]] = {}
+    for i, j in visible:
+        rows.setdefault(i, []).append(j)
+        cols.setdefault(j, []).append(i)
+    for i, js in rows.items():
+        js.sort(key=lambda j: step(i, j))
+    for j, is_ in cols.items():
+        is_.sort(key=lambda i: (step(i, j), i))
+    return rows, cols

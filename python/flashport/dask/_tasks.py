@@ -22,9 +22,11 @@ __all__ = [
     "Options",
     "add",
     "backward_block",
+    "backward_ring_block",
     "dsinks_part",
     "forward_block",
     "forward_no_keys",
+    "forward_ring_block",
     "merge",
     "zeros",
 ]
@@ -137,6 +139,21 @@ def forward_block(
     return np.concatenate(outs, axis=-2), np.concatenate(lses, axis=-1)
 
 
+def forward_ring_block(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    carry: tuple[np.ndarray, np.ndarray] | None,
+    block: Block,
+    options: Options,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``schedule="ring"``: this block's ``(o, lse)`` merged into the state
+    the query chunk's previous block (in ring order) passed on, in that
+    order: ``merge(carry, own)``."""
+    own = forward_block(q, k, v, block, options)
+    return own if carry is None else merge(carry, own)
+
+
 def forward_no_keys(
     q: np.ndarray,
     k_shape: tuple[int, ...],
@@ -217,6 +234,29 @@ def backward_block(
         gather(dk, k, block.k_pieces),
         gather(dv, v, block.k_pieces),
     )
+
+
+def backward_ring_block(
+    do: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
+    dq_carry: np.ndarray | None,
+    dk_carry: np.ndarray | None,
+    dv_carry: np.ndarray | None,
+    block: Block,
+    options: Options,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``schedule="ring"``: this block's shares added to the running sums
+    its row's previous block (dQ) and its column's previous block (dK, dV)
+    passed on, ``carry + share``, in the accumulation dtype. The carries are
+    not modified (another task may still read them)."""
+    shares = backward_block(do, q, k, v, o, lse, block, options)
+    carries = (dq_carry, dk_carry, dv_carry)
+    dq, dk, dv = (s if c is None else c + s for c, s in zip(carries, shares, strict=True))
+    return dq, dk, dv
 
 
 def dsinks_part(
