@@ -27,8 +27,8 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 	cargo clippy -p flashport-py --quiet -- -D warnings
-	.venv/bin/ruff check python tests benchmarks shaders/gen scripts
-	.venv/bin/ruff format --check python tests benchmarks shaders/gen scripts
+	.venv/bin/ruff check python tests benchmarks examples shaders/gen scripts
+	.venv/bin/ruff format --check python tests benchmarks examples shaders/gen scripts
 
 test-rust:
 	FLASHPORT_REQUIRE_GPU=1 cargo test --workspace --all-features --quiet

@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per row (median)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     sub.add_parser("devices", help="list the devices flashport can use")
-    sub.add_parser("bench", help="CPU benchmark against PyTorch and NumPy (see bench --help)")
+    sub.add_parser(
+        "bench",
+        help="CPU benchmark against PyTorch and NumPy (see bench --help); "
+        "bench dask: flashport.dask against one call (bench dask --help)",
+    )
     args = parser.parse_args(argv)
     if args.command == "devices":
         return run_devices(args)

@@ -357,11 +357,16 @@ def main(argv: list[str]) -> int:
         from . import _bench_decode
 
         return _bench_decode.main(argv[1:])
+    if argv[:1] == ["dask"]:
+        from . import _bench_dask
+
+        return _bench_dask.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m flashport bench",
         description=__doc__,
         epilog="python -m flashport bench varlen: packed batches against padding; "
-        "python -m flashport bench decode: decoding over KV caches (see their --help)",
+        "decode: decoding over KV caches; dask: sequence-parallel attention on Dask "
+        "(see their --help)",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--quick", action="store_true", help="only the first two shapes")
