@@ -2,7 +2,7 @@
 cluster of worker processes, checked against the single-machine result.
 
     .venv/bin/python examples/dask_long_sequence.py                # (1, 1, 65536, 64), causal
-    .venv/bin/python examples/dask_long_sequence.py --zigzag       # in zig-zag order
+    .venv/bin/python examples/dask_long_sequence.py --zigzag --schedule ring
     .venv/bin/python examples/dask_long_sequence.py --seq 8192 --heads 4 --no-causal
 
 The same code runs on a real cluster: replace the LocalCluster by
@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--zigzag", action="store_true", help="zig-zag chunk order")
+    parser.add_argument("--schedule", choices=["tree", "ring"], default="tree")
     args = parser.parse_args(argv)
 
     shape = (1, args.heads, args.seq, args.dim)
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
         dq_, dk_, dv_, ddo = arrays
 
         start = time.perf_counter()
-        kw = {"causal": args.causal, "zigzag": args.zigzag}
+        kw = {"causal": args.causal, "zigzag": args.zigzag, "schedule": args.schedule}
         o, lse = fpd.attention(dq_, dk_, dv_, return_lse=True, **kw)
         grads = fpd.attention_backward(ddo, dq_, dk_, dv_, o, lse, **kw)
         got = client.compute([o, lse, *grads], sync=True)
@@ -85,8 +86,8 @@ def main(argv: list[str]) -> int:
     single = time.perf_counter() - start
 
     print(
-        f"{shape} causal={args.causal} zigzag={args.zigzag}: {args.chunks} x {args.chunks} "
-        f"chunks on {args.workers} worker processes"
+        f"{shape} causal={args.causal} zigzag={args.zigzag} schedule={args.schedule}: "
+        f"{args.chunks} x {args.chunks} chunks on {args.workers} worker processes"
     )
     print(
         f"forward+backward: {on_cluster:.1f} s on the cluster ({tasks} flashport tasks), "

@@ -10,7 +10,7 @@ against ``flashport.attention`` (+ ``attention_backward``) called once on
 the whole arrays: medians of interleaved rounds after a warm-up, and their
 ratios. Then, from one more untimed forward+backward each in fresh processes,
 the rise of the peak resident memory: of a new interpreter for the single
-call and the threaded scheduler, of each restarted worker for the cluster
+call and the threaded scheduler, of each worker of a new LocalCluster
 (``VmHWM``, reset through ``/proc/self/clear_refs`` before the run; Linux
 only), next to the size of the whole problem's arrays. Both schedules,
 ``tree`` and ``ring``, are measured. Needs ``pip install 'flashport[dask]'``.
@@ -33,6 +33,8 @@ import flashport
 SHAPE = (1, 8, 16384, 64)
 QUICK_SHAPE = (1, 8, 2048, 64)
 CHUNKS = 4
+# flashport threads per call in each of the cluster's 2 workers.
+WORKER_THREADS = max(1, (os.cpu_count() or 2) // 2)
 
 
 def _status_kib(field: str) -> int:
@@ -134,6 +136,51 @@ def _fresh_peak(shape, causal: bool, dask_path) -> int | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _cluster():
+    """2 single-threaded worker processes on the loopback interface, each
+    with its share of the cores for its flashport calls (as a deployment
+    of one worker per core group would; the threaded scheduler and the
+    single call use flashport's default, every core)."""
+    from distributed import LocalCluster
+
+    return LocalCluster(
+        n_workers=2,
+        processes=True,
+        threads_per_worker=1,
+        host="127.0.0.1",
+        dashboard_address=None,
+        env={"FLASHPORT_NUM_THREADS": str(WORKER_THREADS)},
+    )
+
+
+def _fresh_cluster_peaks(shape, causal: bool, zigzag: bool, schedule: str) -> list[dict]:
+    """On a new LocalCluster: each worker's peak resident set during one
+    forward+backward and its rise above the level before (inputs persisted
+    there, flashport warmed up)."""
+    import dask.array as da
+    from distributed import Client
+
+    import flashport.dask as fpd
+
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(tuple(shape), dtype=np.float32) for _ in range(4)]
+    chunks = (shape[0], shape[1], shape[2] // CHUNKS, shape[3])
+    with _cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        arrays = [fpd.zigzag(x, CHUNKS) if zigzag else da.from_array(x, chunks=chunks) for x in xs]
+        dq_, dk_, dv_, ddo = _persist(client, arrays)
+        kw = {"causal": causal, "zigzag": zigzag, "schedule": schedule}
+        client.run(_warm_up)
+        bases = client.run(reset_peak)
+        o, lse = fpd.attention(dq_, dk_, dv_, return_lse=True, **kw)  # type: ignore[call-overload]
+        grads = fpd.attention_backward(ddo, dq_, dk_, dv_, o, lse, **kw)  # type: ignore[arg-type]
+        client.compute([o, lse, *grads], sync=True)
+        peaks = client.run(peak)
+    return [
+        {"peak": peaks[w], "rise": None if bases[w] is None else peaks[w] - bases[w]}
+        for w in sorted(peaks)
+    ]
+
+
 def _persist(client, arrays: list) -> list:
     """The arrays' chunks stored on the workers, once (Dask warns about the
     NumPy arrays inside the graph that carries them there)."""
@@ -144,7 +191,8 @@ def _persist(client, arrays: list) -> list:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*large graph.*")
         remote = client.persist(arrays)
-    wait(futures_of(remote))
+    with client.as_current():
+        wait(futures_of(remote))
     return remote
 
 
@@ -214,23 +262,13 @@ def bench(shape, causal: bool, repeat: int, client, zigzag: bool) -> dict[str, A
     # Peak memory of one more fwd+bwd per path, each in fresh processes (a
     # process that computed before reuses freed pages, and its peak reads
     # low): a new interpreter for the single call and the threaded
-    # scheduler, restarted workers for the cluster.
+    # scheduler, a new LocalCluster for the cluster.
     memory: dict[str, Any] = {"single": _fresh_peak(shape, causal, None)}
     for name, (_, on_cluster, zz_, schedule) in paths.items():
-        if not on_cluster:
+        if on_cluster:
+            memory[name] = _fresh_cluster_peaks(shape, causal, zz_, schedule)
+        else:
             memory[name] = _fresh_peak(shape, causal, (zz_, schedule))
-            continue
-        client.restart()
-        arrays = [fpd.zigzag(x, CHUNKS) for x in (q, k, v, do)] if zz_ else local
-        paths[name] = (_persist(client, arrays), True, zz_, schedule)
-        client.run(_warm_up)
-        bases = client.run(reset_peak)
-        run(name, True)()
-        peaks = client.run(peak)
-        memory[name] = [
-            {"peak": peaks[w], "rise": None if bases[w] is None else peaks[w] - bases[w]}
-            for w in sorted(peaks)
-        ]
     o, lse = single_forward()
     problem = sum(x.nbytes for x in (q, k, v, do, o, lse, *want))
     return {
@@ -279,8 +317,8 @@ def format_rows(rows: list[dict]) -> str:
     lines.append(
         "peak rise: the peak resident set during one fwd+bwd above the level before it, each "
         "in fresh processes (a new interpreter for single and threads, with the inputs "
-        "allocated; restarted workers for the cluster, which hold their persisted input chunks "
-        "and the results until they are gathered)"
+        "allocated; a new LocalCluster for the cluster, whose workers hold their persisted "
+        "input chunks and the results until they are gathered)"
     )
     return "\n".join(lines)
 
@@ -293,7 +331,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", help="write the raw numbers to this file")
     args = parser.parse_args(argv)
     try:
-        from distributed import Client, LocalCluster
+        from distributed import Client
     except ImportError:
         print("needs Dask: pip install 'flashport[dask]'", file=sys.stderr)
         return 2
@@ -301,24 +339,13 @@ def main(argv: list[str]) -> int:
     print(
         f"flashport {flashport.__version__} dask bench: {shape} float32, {CHUNKS} x {CHUNKS} "
         f"chunks, {os.cpu_count()} CPUs, {flashport.devices()[0]['threads']} flashport threads "
-        f"per call; cluster: 2 worker processes x 1 thread, {max(1, (os.cpu_count() or 2) // 2)} "
-        "flashport threads per call",
+        f"per call; cluster: 2 worker processes x 1 thread, {WORKER_THREADS} flashport threads "
+        "per call",
         flush=True,
     )
-    # Each worker's flashport calls get their share of the cores, as a
-    # deployment of one worker per core group would; the threaded scheduler
-    # and the single call use flashport's default, every core.
-    worker_threads = max(1, (os.cpu_count() or 2) // 2)
-    cluster = LocalCluster(
-        n_workers=2,
-        processes=True,
-        threads_per_worker=1,
-        host="127.0.0.1",
-        dashboard_address=None,
-        env={"FLASHPORT_NUM_THREADS": str(worker_threads)},
-    )
+    cluster = _cluster()
     rows = []
-    with Client(cluster) as client:
+    with Client(cluster, set_as_default=False) as client:
         for causal in (False, True):
             print(f"causal={causal} ...", end=" ", flush=True)
             start = time.perf_counter()

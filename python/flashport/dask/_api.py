@@ -66,9 +66,10 @@ def _keywords(
     causal: Any, scale: Any, window: Any, alibi_slopes: Any, softcap: Any, sinks: Any
 ) -> dict[str, Any]:
     """The variant keywords as given, for the validating call (which checks
-    them), with the parameter arrays copied."""
+    them, so that flashport.dask accepts exactly what flashport does), with
+    the parameter arrays copied."""
     return {
-        "causal": bool(causal),
+        "causal": causal,
         "scale": scale,
         "window": window,
         "alibi_slopes": _parameter("alibi_slopes", alibi_slopes),
@@ -80,7 +81,7 @@ def _keywords(
 def _options(kwargs: dict[str, Any], device: Device | None) -> Options:
     """What every task passes to flashport, once the keywords are valid."""
     return Options(
-        causal=kwargs["causal"],
+        causal=bool(kwargs["causal"]),
         scale=None if kwargs["scale"] is None else float(kwargs["scale"]),
         window=_window(kwargs["window"]),
         alibi_slopes=kwargs["alibi_slopes"],
@@ -198,8 +199,8 @@ def attention(
     ------
     InvalidArgumentError
         An argument that is not a dask array (wrap it with
-        ``dask.array.from_array``), a bad ``device``; and as for
-        :func:`flashport.attention`.
+        ``dask.array.from_array``), a bad ``device`` or ``schedule``; and as
+        for :func:`flashport.attention`.
     ShapeError
         An array chunked along batch, heads or dim; v chunked unlike k;
         ``zigzag=True`` with chunks that are not a zig-zag layout; and the
