@@ -299,6 +299,46 @@ fn to_numpy<'py>(py: Python<'py>, buffer: Buffer, shape: &[usize]) -> PyResult<B
     Ok(array)
 }
 
+/// The device a call runs on, from `device=` as the caller gave it.
+fn device_of(py: Python<'_>, device: &Bound<'_, PyAny>, on_gpu: bool) -> PyResult<Device> {
+    let device = scalars::device_name(device)?;
+    validated(py, Device::parse_for(device.as_deref(), on_gpu))
+}
+
+/// The six arrays of a backward (do, q, k, v, o, lse) held in the
+/// problem's dtype, lse in its own (`lse_meta`).
+fn hold_backward<'py>(
+    arrays: &[&Bound<'py, PyAny>; 6],
+    lse_meta: &ArgMeta,
+    dtype: DType,
+) -> PyResult<[Held<'py>; 6]> {
+    let [d_out, q, k, v, out, lse] = *arrays;
+    Ok([
+        Held::new(d_out, dtype)?,
+        Held::new(q, dtype)?,
+        Held::new(k, dtype)?,
+        Held::new(v, dtype)?,
+        Held::new(out, dtype)?,
+        Held::new(lse, lse_dtype(lse_meta))?,
+    ])
+}
+
+/// The data of a backward's held arrays, named for errors.
+fn backward_contiguous<'a>(
+    held: &'a [Held<'_>; 6],
+    names: &[&str; 6],
+) -> PyResult<[Contiguous<'a>; 6]> {
+    let [a, b, c, d, e, f] = held;
+    Ok([
+        a.contiguous(names[0])?,
+        b.contiguous(names[1])?,
+        c.contiguous(names[2])?,
+        d.contiguous(names[3])?,
+        e.contiguous(names[4])?,
+        f.contiguous(names[5])?,
+    ])
+}
+
 fn validated<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
     result.map_err(|e| to_py_err(py, e))
 }
@@ -438,8 +478,7 @@ fn attention<'py>(
         core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
     )?;
     let on_gpu = [q, k, v].into_iter().any(is_device);
-    let device = scalars::device_name(device)?;
-    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
+    let device = device_of(py, device, on_gpu)?;
     let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let [q, k, v] = held;
     let (q, k, v) = (q?, k?, v?);
@@ -539,27 +578,10 @@ fn attention_backward<'py>(
         ),
     )?;
     let on_gpu = arrays.into_iter().any(is_device);
-    let device = scalars::device_name(device)?;
-    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
-    let held = arrays
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            let dtype = if i == 5 {
-                lse_dtype(&metas[5])
-            } else {
-                problem.dtype
-            };
-            Held::new(a, dtype)
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let contiguous: Vec<Contiguous<'_>> = held
-        .iter()
-        .zip(names)
-        .map(|(h, name)| h.contiguous(name))
-        .collect::<PyResult<_>>()?;
-    let s: Vec<Input<'_>> = contiguous.iter().map(Contiguous::input).collect();
-    let inputs = [s[0], s[1], s[2], s[3], s[4], s[5]];
+    let device = device_of(py, device, on_gpu)?;
+    let held = hold_backward(&arrays, &metas[5], problem.dtype)?;
+    let contiguous = backward_contiguous(&held, &names)?;
+    let inputs = contiguous.each_ref().map(Contiguous::input);
     let held_variants = HeldVariants::new(&variants, &problem)?;
     let mask_bool = held_variants
         .mask_bool
@@ -670,8 +692,7 @@ fn attention_varlen<'py>(
         ),
     )?;
     let on_gpu = [q, k, v].into_iter().any(is_device);
-    let device = scalars::device_name(device)?;
-    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
+    let device = device_of(py, device, on_gpu)?;
     let [q, k, v] = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let (q, k, v) = (q?, k?, v?);
     let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
@@ -745,27 +766,10 @@ fn attention_varlen_backward<'py>(
         ),
     )?;
     let on_gpu = arrays.into_iter().any(is_device);
-    let device = scalars::device_name(device)?;
-    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
-    let held = arrays
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            let dtype = if i == 5 {
-                lse_dtype(&metas[5])
-            } else {
-                problem.dtype
-            };
-            Held::new(a, dtype)
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let contiguous: Vec<Contiguous<'_>> = held
-        .iter()
-        .zip(names)
-        .map(|(h, name)| h.contiguous(name))
-        .collect::<PyResult<_>>()?;
-    let s: Vec<Input<'_>> = contiguous.iter().map(Contiguous::input).collect();
-    let inputs = [s[0], s[1], s[2], s[3], s[4], s[5]];
+    let device = device_of(py, device, on_gpu)?;
+    let held = hold_backward(&arrays, &metas[5], problem.dtype)?;
+    let contiguous = backward_contiguous(&held, &names)?;
+    let inputs = contiguous.each_ref().map(Contiguous::input);
     let held_variants = HeldVariants::new(&variants, &problem)?;
     let variant_data = variant_arrays(&held_variants, &None, &None);
     let placement = Placement::of_inputs(&inputs);
@@ -850,8 +854,7 @@ fn merge_states<'py>(
         ),
     )?;
     let on_gpu = outs.iter().chain(&lses).any(is_device);
-    let device = scalars::device_name(device)?;
-    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
+    let device = device_of(py, device, on_gpu)?;
     let held_outs = outs
         .iter()
         .map(|a| Held::new(a, problem.dtype))
@@ -986,8 +989,7 @@ fn attention_with_kvcache<'py>(
     )?;
     let main = [q, k_cache, v_cache];
     let on_gpu = main.into_iter().any(is_device);
-    let device = scalars::device_name(device)?;
-    let device = validated(py, Device::parse_for(device.as_deref(), on_gpu))?;
+    let device = device_of(py, device, on_gpu)?;
     let [q, k, v] = main.map(|a| Held::new(a, problem.dtype()));
     let (q, k, v) = (q?, k?, v?);
     let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
