@@ -107,3 +107,33 @@ def test_concurrent_calls_agree_with_serial(backend):
         assert got[0].tobytes() == expected[0].tobytes()
         for a, b in zip(got[3], expected[3], strict=True):
             assert a.tobytes() == b.tobytes()
+
+
+def test_value_dim_zero_with_a_window_and_offsets(backend):
+    # d_v = 0 leaves the CPU's packed value panels empty; a key tile past the
+    # first indexed past them (an InternalError; found by the core's fuzzer,
+    # rust/flashport-core/tests/fuzz_validation.rs).
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 1, 3, 2)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 19, 2)).astype(np.float32)
+    v = np.empty((1, 1, 19, 0), np.float32)
+    kw = dict(window=(23, -1), q_offset=46, k_offset=5)
+    o, lse = flashport.attention(q, k, v, return_lse=True, device=backend, **kw)
+    _, ref_lse = flashport.reference.attention(q, k, v, return_lse=True, **kw)
+    assert o.shape == (1, 1, 3, 0)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+
+
+def test_gradients_without_query_key_pairs_are_zero(backend):
+    # No query rows, or no keys: every gradient is zero, shaped like its input.
+    rng = np.random.default_rng(6)
+    for seq_q, seq_k in [(0, 5), (4, 0)]:
+        q = rng.standard_normal((2, 2, seq_q, 3)).astype(np.float32)
+        k = rng.standard_normal((2, 1, seq_k, 3)).astype(np.float32)
+        v = rng.standard_normal((2, 1, seq_k, 4)).astype(np.float32)
+        o, lse = flashport.attention(q, k, v, return_lse=True, device=backend)
+        do = rng.standard_normal(o.shape).astype(np.float32)
+        dq, dk, dv = flashport.attention_backward(do, q, k, v, o, lse, device=backend)
+        for grad, x in [(dq, q), (dk, k), (dv, v)]:
+            assert grad.shape == x.shape
+            assert not grad.any()

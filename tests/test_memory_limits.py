@@ -49,3 +49,15 @@ def test_score_gradient_larger_than_memory():
     mask = np.array([0.25], np.float32)
     with pytest.raises(ProblemTooLargeError, match=r"return_dmask=True .*4398046511104 bytes"):
         flashport.attention_backward(x, x, x, x, x, lse, mask=mask, return_dmask=True, device="cpu")
+
+
+def test_merge_of_a_broadcast_stack_of_parts(backend):
+    # 2**40 parts as a stride-0 view: validation counted them by building a
+    # list of 2**40 entries (an abort); now the contiguous copy is refused.
+    rng = np.random.default_rng(2)
+    out = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    lse = rng.standard_normal((2, 3)).astype(np.float32)
+    outs = np.broadcast_to(out, (2**40, *out.shape))
+    lses = np.broadcast_to(lse, (2**40, *lse.shape))
+    with pytest.raises(ProblemTooLargeError, match=r"outs is not contiguous"):
+        flashport.merge_states(outs, lses, device=backend)

@@ -231,6 +231,39 @@ impl Problem {
         start.min(end) as usize..end as usize
     }
 
+    /// The (query, key) pairs that causal and the window leave visible, in
+    /// time independent of the sequence lengths (they may be huge for an
+    /// empty or broadcast array). A row's count, `visible_keys(i).len()`,
+    /// is linear in `i` between the rows where one of its clamps engages
+    /// (the ends reaching 0 or `seq_k`, the start passing the end), so it
+    /// is summed as arithmetic series between those rows.
+    pub fn window_pairs(&self) -> f64 {
+        let c = self.causal_offset();
+        let (seq_q, seq_k) = (self.seq_q as i128, self.seq_k as i128);
+        let left = self.window.left.map(|l| l as i128);
+        let right = self.window.right.map(|r| r as i128);
+        let mut cuts = vec![0, seq_q];
+        let mut near = |row: i128| cuts.extend([row - 1, row, row + 1]);
+        if let Some(left) = left {
+            near(left - c);
+            near(seq_k + left - c);
+        }
+        for reach in [self.causal.then_some(0), right].into_iter().flatten() {
+            near(-c - reach - 1);
+            near(seq_k - c - reach - 1);
+        }
+        cuts.retain(|&row| (0..=seq_q).contains(&row));
+        cuts.sort_unstable();
+        cuts.dedup();
+        let count = |row: i128| self.visible_keys(row as usize).len() as f64;
+        cuts.windows(2)
+            .map(|w| {
+                let (first, last) = (w[0], w[1] - 1);
+                (count(first) + count(last)) * (last - first + 1) as f64 / 2.0
+            })
+            .sum()
+    }
+
     /// Whether causal or the window hide any score.
     pub fn has_range_mask(&self) -> bool {
         self.causal || self.window.left.is_some() || self.window.right.is_some()
@@ -323,14 +356,16 @@ impl Problem {
     /// With a sliding window the visible (query, key) pairs are counted
     /// exactly; a mask array is not taken into account.
     pub fn forward_flops(&self) -> f64 {
-        let per_pair =
-            2.0 * (self.batch * self.heads_q) as f64 * (self.head_dim + self.value_dim) as f64;
+        // In f64 throughout: a count, not a size, so it may exceed usize.
+        let per_pair = 2.0
+            * self.batch as f64
+            * self.heads_q as f64
+            * (self.head_dim as f64 + self.value_dim as f64);
         let full = per_pair * self.seq_q as f64 * self.seq_k as f64;
         if let Some(varlen) = self.varlen {
             per_pair * varlen.visible_pairs as f64
         } else if self.window != Window::default() {
-            let pairs: usize = (0..self.seq_q).map(|i| self.visible_keys(i).len()).sum();
-            per_pair * pairs as f64
+            per_pair * self.window_pairs()
         } else if self.causal {
             full / 2.0
         } else {
@@ -345,6 +380,22 @@ fn dtype_of(argument: &str, info: &ArrayInfo<'_>) -> Result<DType> {
         dtype: info.dtype.to_string(),
         reason: "flashport computes in float16, float32 or float64".to_string(),
     })
+}
+
+/// The number of elements of `shape`, or an error naming `argument` when
+/// it does not fit in memory's address range (only a broadcast view, or a
+/// caller of the Rust API, can describe such an array).
+pub(crate) fn elements(shape: &[usize], argument: &str) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::TooLarge(format!(
+                "{argument} of shape {} has more elements than memory can address",
+                shape_str(shape)
+            ))
+        })
 }
 
 fn check_ndim(argument: &str, info: &ArrayInfo<'_>) -> Result<()> {
@@ -451,6 +502,15 @@ pub fn validate_forward(
             shapes()
         )));
     }
+    // Every array's element count, and the output's, fits in memory's
+    // address range: the lengths the backends compute stay exact.
+    elements(q.shape, "q")?;
+    elements(k.shape, "k")?;
+    elements(v.shape, "v")?;
+    elements(
+        &[qb, qh, seq_q, dv],
+        "the output (batch, heads_q, seq_q, d_v)",
+    )?;
     let scale = checked_scale(options.scale, d, dtype)?;
     let mut problem = Problem {
         batch: qb,
@@ -779,18 +839,19 @@ pub enum Parts<'a> {
 }
 
 impl<'a> Parts<'a> {
-    /// Each part's name for messages (`outs[2]`, or `outs` when stacked)
-    /// and its shape and dtype; an error naming `argument` when there is
-    /// no part.
-    fn split(self, argument: &str) -> Result<Vec<(String, ArrayInfo<'a>)>> {
+    /// The number of parts and the distinct ones to check, each with its
+    /// name for messages (`outs[2]`, or `outs` when stacked): a stacked
+    /// array's parts all have one shape and dtype, so it is one part to
+    /// check however many it holds (a broadcast view may hold more than
+    /// memory could list). An error naming `argument` when there is no
+    /// part.
+    fn split(self, argument: &str) -> Result<(usize, Vec<(String, ArrayInfo<'a>)>)> {
         match self {
             Parts::Stacked(info) => match info.shape.split_first() {
-                Some((&count, part)) if count > 0 => {
-                    Ok(vec![
-                        (argument.to_string(), ArrayInfo::new(part, info.dtype));
-                        count
-                    ])
-                }
+                Some((&count, part)) if count > 0 => Ok((
+                    count,
+                    vec![(argument.to_string(), ArrayInfo::new(part, info.dtype))],
+                )),
                 _ => Err(Error::Shape(format!(
                     "{argument} has shape {}: no parts along its first axis; \
                      merge_states needs at least one",
@@ -800,11 +861,14 @@ impl<'a> Parts<'a> {
             Parts::Each([]) => Err(Error::Shape(format!(
                 "{argument} is an empty sequence: merge_states needs at least one part"
             ))),
-            Parts::Each(infos) => Ok(infos
-                .iter()
-                .enumerate()
-                .map(|(i, info)| (format!("{argument}[{i}]"), *info))
-                .collect()),
+            Parts::Each(infos) => Ok((
+                infos.len(),
+                infos
+                    .iter()
+                    .enumerate()
+                    .map(|(i, info)| (format!("{argument}[{i}]"), *info))
+                    .collect(),
+            )),
         }
     }
 }
@@ -836,13 +900,11 @@ impl MergeProblem {
 /// shape `(..., seq_q, d_v)` and one float dtype, and its log-sum-exp has
 /// that shape without `d_v`, in the dtype `attention` returns it in.
 pub fn validate_merge(outs: Parts<'_>, lses: Parts<'_>) -> Result<MergeProblem> {
-    let out_parts = outs.split("outs")?;
-    let lse_parts = lses.split("lses")?;
-    if out_parts.len() != lse_parts.len() {
+    let (parts, out_parts) = outs.split("outs")?;
+    let (lse_count, lse_parts) = lses.split("lses")?;
+    if parts != lse_count {
         return Err(Error::Shape(format!(
-            "outs has {} parts but lses has {}; each part is one (out, lse) pair",
-            out_parts.len(),
-            lse_parts.len()
+            "outs has {parts} parts but lses has {lse_count}; each part is one (out, lse) pair"
         )));
     }
     let (first_name, first) = &out_parts[0];
@@ -900,9 +962,11 @@ pub fn validate_merge(outs: Parts<'_>, lses: Parts<'_>) -> Result<MergeProblem> 
             )));
         }
     }
+    // The merged output, like each part, fits in memory's address range.
+    elements(first.shape, first_name)?;
     Ok(MergeProblem {
-        parts: out_parts.len(),
-        rows: lead.iter().product(),
+        parts,
+        rows: elements(lead, first_name)?,
         value_dim,
         dtype,
         out_shape: first.shape.to_vec(),
@@ -1665,6 +1729,46 @@ pub fn validate_kvcache(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn window_pairs_equals_counting_every_row() {
+        let mut checked = 0;
+        for seq_q in [0usize, 1, 2, 5, 13] {
+            for seq_k in [0usize, 1, 3, 8, 17] {
+                for causal in [false, true] {
+                    for left in [None, Some(0), Some(1), Some(4), Some(30)] {
+                        for right in [None, Some(0), Some(2), Some(30)] {
+                            for offset in [-20i64, -3, 0, 2, 25] {
+                                let mut p = fwd(&[2, 4], &[3, 4], &[3, 4]).unwrap();
+                                (p.seq_q, p.seq_k) = (seq_q, seq_k);
+                                p.causal = causal;
+                                p.window = Window { left, right };
+                                p.q_offset = offset;
+                                let rows: usize = (0..seq_q).map(|i| p.visible_keys(i).len()).sum();
+                                assert_eq!(p.window_pairs(), rows as f64, "{p:?}");
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 5 * 5 * 2 * 5 * 4 * 5);
+    }
+
+    #[test]
+    fn window_pairs_of_huge_empty_problems_take_no_time() {
+        let mut p = fwd(&[2, 4], &[3, 4], &[3, 4]).unwrap();
+        (p.seq_q, p.seq_k) = (usize::MAX / 2, usize::MAX / 4);
+        p.batch = 0;
+        p.window = Window {
+            left: Some(3),
+            right: Some(1),
+        };
+        assert_eq!(p.forward_flops(), 0.0);
+        p.batch = 1;
+        assert!(p.window_pairs() > 1e18);
+    }
+
     use super::*;
 
     fn fwd(q: &[usize], k: &[usize], v: &[usize]) -> Result<Problem> {

@@ -204,6 +204,14 @@ fn forward_as<T: Element>(
     v: Slice<'_>,
     variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
+    if problem.out_len() == 0 && problem.lse_len() == 0 {
+        // Nothing to compute, and an empty array's other dimensions may
+        // be any size: no tile arithmetic on them.
+        return Ok(ForwardOutput {
+            out: T::into_buffer(Vec::new()),
+            lse: T::into_buffer(Vec::new()),
+        });
+    }
     let (q, k, v) = (T::view(q), T::view(k), T::view(v));
     let (out, lse) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
         let rules = ScoreRules::<T>::new(problem, variants);
@@ -220,6 +228,16 @@ fn backward_as<T: Element>(
     arrays: [Slice<'_>; 6],
     variants: &VariantArrays<'_>,
 ) -> Result<BackendGradients> {
+    if problem.batch == 0 || problem.seq_q == 0 || problem.seq_k == 0 {
+        // No (query, key) pair: every gradient is zero. An empty array's
+        // other dimensions may be any size, so no tile arithmetic on them.
+        return Ok(BackendGradients {
+            dq: T::into_buffer(buffers::try_zeros(problem.q_len(), "dq")?),
+            dk: T::into_buffer(buffers::try_zeros(problem.k_len(), "dk")?),
+            dv: T::into_buffer(buffers::try_zeros(problem.v_len(), "dv")?),
+            d_scores: problem.return_dmask.then(|| T::into_buffer(Vec::new())),
+        });
+    }
     let [d_out, q, k, v, out, lse] = arrays.map(T::view);
     let (dq, dk, dv, d_scores) = run_on_pool(problem, std::mem::size_of::<T>(), |tiles| {
         let rules = ScoreRules::<T>::new(problem, variants);
@@ -325,8 +343,8 @@ struct Scratch<T> {
 }
 
 impl<T: Element> Scratch<T> {
-    fn new(problem: &Problem, tiles: TileSizes) -> Self {
-        let mut s = Scratch {
+    fn new() -> Self {
+        Scratch {
             q_scaled: Vec::new(),
             pack: Vec::new(),
             scores: Vec::new(),
@@ -340,39 +358,44 @@ impl<T: Element> Scratch<T> {
             maxes: Vec::new(),
             lanes: Vec::new(),
             key_tiles: Vec::new(),
-        };
-        s.fit(problem, tiles);
-        s
+        }
     }
 
     /// Grows the buffers to what `problem` needs (they never shrink: the
-    /// tile sizes bound them).
-    fn fit(&mut self, problem: &Problem, tiles: TileSizes) {
+    /// tile sizes bound them), or says how much could not be allocated.
+    fn fit(&mut self, problem: &Problem, tiles: TileSizes) -> Result<()> {
         let (d, dv) = (problem.head_dim, problem.value_dim);
         let (bq, bk) = (tiles.q_rows.max(tiles.q_block), tiles.k_rows);
         let score_rows = bq * tiles::score_stride(bk, std::mem::size_of::<T>());
         let widest = d.max(dv);
-        let grow = |v: &mut Vec<T>, len: usize| {
+        fn grow<E: Copy>(v: &mut Vec<E>, len: usize, fill: E) -> Result<()> {
             if v.len() < len {
-                v.resize(len, T::ZERO);
+                v.try_reserve_exact(len - v.len()).map_err(|_| {
+                    Error::TooLarge(format!(
+                        "a thread's working memory for this problem ({} bytes) could not \
+                         be allocated",
+                        len as u128 * std::mem::size_of::<E>() as u128
+                    ))
+                })?;
+                v.resize(len, fill);
             }
-        };
-        grow(&mut self.q_scaled, bq * d);
-        grow(&mut self.pack, widest * bk.next_multiple_of(16));
-        grow(&mut self.scores, score_rows);
-        grow(&mut self.d_scores, score_rows);
+            Ok(())
+        }
+        let zero = T::ZERO;
+        grow(&mut self.q_scaled, bq * d, zero)?;
+        grow(&mut self.pack, widest * bk.next_multiple_of(16), zero)?;
+        grow(&mut self.scores, score_rows, zero)?;
+        grow(&mut self.d_scores, score_rows, zero)?;
         if problem.softcap.is_some() {
-            grow(&mut self.tanh, score_rows);
+            grow(&mut self.tanh, score_rows, zero)?;
         }
-        grow(&mut self.acc, bq * dv);
-        grow(&mut self.q_panels, bq * d.next_multiple_of(16));
-        grow(&mut self.d_out_panels, bq * dv.next_multiple_of(16));
-        grow(&mut self.maxes, bq);
-        grow(&mut self.delta, bq);
-        grow(&mut self.lanes, 8 * bq);
-        if self.states.len() < bq {
-            self.states.resize(bq, RowState::EMPTY);
-        }
+        grow(&mut self.acc, bq * dv, zero)?;
+        grow(&mut self.q_panels, bq * d.next_multiple_of(16), zero)?;
+        grow(&mut self.d_out_panels, bq * dv.next_multiple_of(16), zero)?;
+        grow(&mut self.maxes, bq, zero)?;
+        grow(&mut self.delta, bq, zero)?;
+        grow(&mut self.lanes, 8 * bq, zero)?;
+        grow(&mut self.states, bq, RowState::EMPTY)
     }
 }
 
@@ -380,6 +403,20 @@ thread_local! {
     /// Each computing thread's [`Scratch`], kept between tasks and calls (see
     /// `buffers.rs` for why); boxed as `Any` to serve both element types.
     static SCRATCH: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Sizes the calling thread's scratch for `problem` before any task runs,
+/// so that a problem whose working memory cannot be had is an error here
+/// rather than an allocation failure inside a task (the other threads'
+/// scratch is the same size).
+fn reserve_scratch<T: Element>(problem: &Problem, tiles: TileSizes) -> Result<()> {
+    let kept = SCRATCH.with(|cell| cell.borrow_mut().take());
+    let mut scratch = kept
+        .and_then(|b| b.downcast::<Scratch<T>>().ok())
+        .unwrap_or_else(|| Box::new(Scratch::new()));
+    let fitted = scratch.fit(problem, tiles);
+    SCRATCH.with(|cell| *cell.borrow_mut() = Some(scratch));
+    fitted
 }
 
 /// Runs `f` with this thread's scratch, sized for `problem`.
@@ -391,13 +428,13 @@ fn with_scratch<T: Element, R>(
     // Taken out of the cell while `f` runs, so that a nested call (none
     // today) would get fresh memory instead of a borrow panic.
     let kept = SCRATCH.with(|cell| cell.borrow_mut().take());
-    let mut scratch = match kept.and_then(|b| b.downcast::<Scratch<T>>().ok()) {
-        Some(mut s) => {
-            s.fit(problem, tiles);
-            s
-        }
-        None => Box::new(Scratch::new(problem, tiles)),
-    };
+    let mut scratch = kept
+        .and_then(|b| b.downcast::<Scratch<T>>().ok())
+        .unwrap_or_else(|| Box::new(Scratch::new()));
+    // reserve_scratch found this size allocatable on the calling thread.
+    if let Err(e) = scratch.fit(problem, tiles) {
+        panic!("{e}");
+    }
     let result = f(&mut scratch);
     SCRATCH.with(|cell| *cell.borrow_mut() = Some(scratch));
     result
@@ -454,7 +491,9 @@ impl Layout<'_> {
         let seq = self.p.seq_k;
         let head_len = T::rows_head_len(seq, width);
         let base = kv_head * head_len;
-        packed.map(|p| (&p[base + keys.start * 16..base + head_len], seq * 16))
+        // No panel at all when width is 0 (values of dimension 0).
+        let start = (base + keys.start * 16).min(base + head_len);
+        packed.map(|p| (&p[start..base + head_len], seq * 16))
     }
     fn kv_tile<'a, T: Element>(
         &self,
@@ -499,6 +538,7 @@ fn forward_typed<T: Element>(
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (out_len, lse_len) = (problem.out_len(), problem.lse_len());
     let mut out = buffers::try_with_capacity(out_len, "the output o")?;
+    reserve_scratch::<T>(problem, tiles)?;
     let mut lse = buffers::try_with_capacity(lse_len, "the output lse")?;
     let heads = problem.batch * problem.heads_q;
     let mut tasks = row_tiles(
@@ -941,6 +981,7 @@ fn backward_typed<T: Element>(
     tiles: TileSizes,
     x: &BackwardInputs<'_, T>,
 ) -> Result<BackwardResult<T>> {
+    reserve_scratch::<T>(problem, tiles)?;
     let d = problem.head_dim;
     let scale = T::from_f64(problem.scale);
 
