@@ -1715,6 +1715,47 @@ mod tests {
     }
 
     #[test]
+    fn bfloat16_is_ml_dtypes_name_and_computes_in_float32() {
+        for d in [DType::F16, DType::BF16, DType::F32, DType::F64] {
+            assert_eq!(DType::from_numpy_name(d.numpy_name()), Some(d));
+        }
+        assert_eq!(DType::from_numpy_name("bfloat16"), Some(DType::BF16));
+        assert_eq!(DType::BF16.lse_dtype(), DType::F32);
+        assert!(DType::BF16.is_half() && !DType::F32.is_half());
+        let shape = [1, 2, 4, 8];
+        let p = validate_forward(
+            ArrayInfo::new(&shape, "bfloat16"),
+            ArrayInfo::new(&shape, "bfloat16"),
+            ArrayInfo::new(&shape, "bfloat16"),
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.dtype, DType::BF16);
+        let err = validate_forward(
+            ArrayInfo::new(&shape, "int8"),
+            ArrayInfo::new(&shape, "int8"),
+            ArrayInfo::new(&shape, "int8"),
+            &Options::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("bfloat16"), "{err}");
+        // lse is float32 (or float64), never the inputs' half dtype.
+        let lse = [1, 2, 4];
+        let a = ArrayInfo::new(&shape, "bfloat16");
+        let bad = validate_backward(
+            a,
+            a,
+            a,
+            a,
+            a,
+            ArrayInfo::new(&lse, "bfloat16"),
+            &Options::default(),
+        );
+        assert!(matches!(bad, Err(Error::DType { ref argument, .. }) if argument == "lse"));
+    }
+
+    #[test]
     fn rejects_mixed_and_unsupported_dtypes() {
         let q = [1, 1, 4, 8];
         let e = validate_forward(

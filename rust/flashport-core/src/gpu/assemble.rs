@@ -225,7 +225,7 @@ mod tests {
     /// element by element, across chunk boundaries and for ties,
     /// subnormals, overflow, infinities and NaN.
     #[test]
-    fn host_f16_rounding_matches_elementwise() {
+    fn host_half_rounding_matches_elementwise() {
         let specials = [
             0.0f32,
             -0.0,
@@ -258,6 +258,14 @@ mod tests {
                 }
             })
             .collect();
+        let brain: Vec<half::bf16> = round_to_half(&values);
+        for (i, (&got, &x)) in brain.iter().zip(&values).enumerate() {
+            let want = half::bf16::from_f32(x);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "element {i}: {x:e} rounded to bfloat16 {got}, want {want}"
+            );
+        }
         let rounded: Vec<half::f16> = round_to_half(&values);
         assert_eq!(rounded.len(), values.len());
         for (i, (&got, &x)) in rounded.iter().zip(&values).enumerate() {
