@@ -168,6 +168,16 @@ def variants(draw, case: Case, names=VARIANT_NAMES, each: bool = False) -> Varia
     return Variants(**spec)
 
 
+def eps(dtype) -> float:
+    """Machine epsilon of ``dtype``, bfloat16 (which NumPy's finfo does not
+    know) through ml_dtypes."""
+    if np.dtype(dtype).name == "bfloat16":
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).eps)
+    return float(np.finfo(dtype).eps)
+
+
 def oracle_dtype(dtype):
     """The precision the oracle must beat the kernel by: float64 for float16
     and float32 kernels, extended precision for float64 kernels (on x86,
@@ -294,7 +304,7 @@ def assert_close(
     err = np.abs(got[finite] - want[finite]).max()
     naive_err = np.abs(baseline[finite] - want[finite]).max()
     magnitude = max(np.abs(want[finite]).max(), 1e-30)
-    floor = 8 * np.finfo(dtype).eps * max(magnitude, terms) * max(1.0, scores)
+    floor = 8 * eps(dtype) * max(magnitude, terms) * max(1.0, scores)
     assert err <= 2 * naive_err + floor, (
         f"{name}: max error {err:.3g} > 2 × naive {dtype.__name__} error "
         f"{naive_err:.3g} + floor {floor:.3g} (max |ref| {magnitude:.3g})"
@@ -325,7 +335,7 @@ def assert_backends_agree(case: Case, results: dict, q, k, v, do, dtype, **varia
             continue
         naive_err = np.abs(base - ref).max()
         magnitude = max(np.abs(ref).max(), terms[name], 1e-30)
-        floor = 8 * np.finfo(dtype).eps * magnitude * max(1.0, scores)
+        floor = 8 * eps(dtype) * magnitude * max(1.0, scores)
         gap = np.abs(on_cpu - on_gpu).max()
         assert gap <= 2 * (2 * naive_err + floor), f"{name}: cpu and gpu differ by {gap:.3g}"
 

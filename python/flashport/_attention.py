@@ -219,8 +219,8 @@ def attention(
     mask : array, optional
         Broadcastable to ``(batch, heads_q, seq_q, seq_k)`` (NumPy rules, so
         ``(seq_k,)`` is a key-padding mask and ``(seq_q, seq_k)`` is shared by
-        every head). Boolean: ``True`` = attend. Float (float16/32/64): added
-        to the scores; ``-inf`` hides a key. Tiles the mask hides entirely
+        every head). Boolean: ``True`` = attend. Float (float16/32/64,
+        bfloat16): added to the scores; ``-inf`` hides a key. Tiles the mask hides entirely
         are skipped, so block-sparse masks run proportionally faster.
     alibi_slopes : array ``(heads_q,)`` or ``(batch, heads_q)``, optional
         ALiBi: adds ``-slope · |i + off - j|`` to the scores (the distance of
@@ -278,7 +278,8 @@ def attention(
 
     o : array ``(batch, heads_q, seq_q, d_v)``
         In the inputs' dtype. float32 and float64 are computed natively;
-        float16 is accumulated in float32 and rounded once.
+        float16 and bfloat16 (``ml_dtypes.bfloat16``) are accumulated in
+        float32 and rounded once.
     lse : array ``(batch, heads_q, seq_q)``, only with ``return_lse=True``
         ``lse[i] = log(sum_j exp(s_ij))`` over the keys row ``i`` sees (natural
         log), where ``s_ij = scale · q_i · k_j`` modified by the variants above,
@@ -294,7 +295,8 @@ def attention(
         Wrong number of dimensions or sizes that disagree; the message names
         the argument and the shapes.
     DTypeError (a TypeError)
-        A dtype other than float16/32/64, or arrays of different dtypes.
+        A dtype other than float16/32/64 or bfloat16, or arrays of different
+        dtypes.
     InvalidArgumentError (a ValueError)
         A non-finite ``scale``, an unknown ``device``, a variant keyword out
         of range (``window``, ``softcap``, ``dropout_p``, ``seed``), or a

@@ -49,7 +49,8 @@ class KVCache:
     ``layers`` layers, a key pool ``(num_blocks, heads_kv, block_size,
     head_dim)`` and a value pool ``(num_blocks, heads_kv, block_size,
     head_dim_v)``: the paged layout of :func:`flashport.attention_with_kvcache`.
-    Any ``block_size >= 1``; ``dtype`` float16, float32 or float64.
+    Any ``block_size >= 1``; ``dtype`` float16, bfloat16 (``ml_dtypes``),
+    float32 or float64.
 
     Sequences and layers
     --------------------
@@ -137,7 +138,7 @@ class KVCache:
         The value head dimension; ``head_dim`` by default.
     layers : int
         Layers whose keys and values each block holds (default 1).
-    dtype : float16, float32 or float64
+    dtype : float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or float64
         Of the pools, and of every ``k``, ``v`` and ``q`` passed (not cast).
     device : None, "auto", "cpu" or "gpu"
         Where the pools live. ``None`` follows ``FLASHPORT_DEVICE`` like
@@ -163,7 +164,8 @@ class KVCache:
             dtype_name = np.dtype(dtype).name
         except TypeError:
             raise DTypeError(
-                f"dtype={dtype!r}: not a NumPy dtype; a KVCache holds float16, float32 or float64"
+                f"dtype={dtype!r}: not a NumPy dtype; a KVCache holds float16, bfloat16, "
+                "float32 or float64"
             ) from None
         if device is not None and not isinstance(device, str):
             raise InvalidArgumentError(f'device={device!r}: expected None, "auto", "cpu" or "gpu"')

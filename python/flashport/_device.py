@@ -118,8 +118,10 @@ def to_device(array: npt.ArrayLike | DeviceArray) -> DeviceArray:
     ------
     DTypeError (a TypeError)
         Any dtype other than float32 and float16 (the GPU does not compute
-        in float64: keep float64 arrays in NumPy and use ``device="cpu"``),
-        or float16 on an adapter that cannot read it.
+        in float64: keep float64 arrays in NumPy and use ``device="cpu"``;
+        it keeps no bfloat16: pass bfloat16 NumPy arrays to the calls, which
+        widen them to float32 for the GPU), or float16 on an adapter that
+        cannot read it.
     BackendUnavailableError
         No usable GPU adapter.
     ProblemTooLargeError

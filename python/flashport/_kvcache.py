@@ -150,8 +150,8 @@ def attention_with_kvcache(
     Returns
     -------
     o : array ``(batch, heads_q, seq_q, d_v)``
-        In the inputs' dtype (float16 is accumulated in float32 and rounded
-        once; float64 on the CPU only).
+        In the inputs' dtype (float16 and bfloat16 are accumulated in float32
+        and rounded once; float64 on the CPU only).
     lse : array ``(batch, heads_q, seq_q)``, only with ``return_lse=True``
         Natural-log log-sum-exp of each row's scores (with the sink), float32
         (float64 for float64 inputs); ``-inf`` for a row that sees no key.

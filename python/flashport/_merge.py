@@ -53,7 +53,7 @@ def merge_states(
     ---------
     outs : sequence of arrays, or one array with a leading parts axis
         Each part ``(..., seq_q, d_v)`` (any leading dimensions, the same for
-        every part), float16, float32 or float64, one dtype for all. In the
+        every part), float16, bfloat16, float32 or float64, one dtype for all. In the
         stacked form, ``outs[i]`` is part ``i``.
     lses : sequence of arrays, or one array with a leading parts axis
         Each part ``(..., seq_q)``: the natural-log log-sum-exp of each row
@@ -70,8 +70,8 @@ def merge_states(
     Returns
     -------
     out : array ``(..., seq_q, d_v)``
-        In the dtype of ``outs`` (float16 is merged in float32 and rounded
-        once).
+        In the dtype of ``outs`` (float16 and bfloat16 are merged in float32
+        and rounded once).
     lse : array ``(..., seq_q)``
         float32, or float64 for float64 ``outs``. A row whose every part is
         empty gets ``out = 0`` and ``lse = -inf``, never NaN. A row with a
@@ -100,10 +100,10 @@ def merge_states(
         parts of different shapes, an ``lse`` whose shape is not its part's
         without ``d_v``; the message names the argument (``outs[2]``).
     DTypeError (a TypeError)
-        A dtype other than float16/32/64 (also for something that is not an
-        array, e.g. a string), parts of different dtypes, an ``lse`` of
-        another dtype than float32 (float64 for float64 outs), or float64 on
-        the GPU.
+        A dtype other than float16/32/64 or bfloat16 (also for something
+        that is not an array, e.g. a string), parts of different dtypes, an
+        ``lse`` of another dtype than float32 (float64 for float64 outs), or
+        float64 on the GPU.
     InvalidArgumentError, BackendUnavailableError, GpuError
         As for :func:`attention`.
     """

@@ -101,6 +101,14 @@ def _as_4d(x: npt.ArrayLike, dtype: npt.DTypeLike) -> tuple[np.ndarray, tuple[in
     return array.reshape((1,) * (4 - array.ndim) + array.shape), array.shape
 
 
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` in the operands' dtype. NumPy keeps float16/32/64 products in
+    their dtype, but ml_dtypes' bfloat16 products come back as float32: a
+    naive bfloat16 implementation rounds them (float32 accumulation, one
+    rounding per product, as bfloat16 hardware does)."""
+    return np.matmul(a, b).astype(np.result_type(a.dtype, b.dtype), copy=False)
+
+
 def _window_sides(window):
     if window is None:
         return None, None
@@ -179,7 +187,7 @@ def _scores(
     k_rep = np.repeat(k4, group, axis=1)
     d = q4.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
-    u = (q4 @ k_rep.swapaxes(-1, -2)) * dtype(scale)
+    u = _matmul(q4, k_rep.swapaxes(-1, -2)) * dtype(scale)
     tanh = None
     if softcap:
         cap = dtype(softcap)
@@ -211,7 +219,7 @@ def _probabilities(s, visible, sinks=None):
     denominator): probabilities, and the log-sum-exp. Rows with no visible
     key have probabilities 0, lse = sink (or -inf without sinks)."""
     zero = s.dtype.type(0)
-    masked = np.where(visible, s, -np.inf)
+    masked = np.where(visible, s, s.dtype.type(-np.inf))
     if masked.shape[-1]:
         row_max = masked.max(axis=-1, keepdims=True)
     else:
@@ -327,7 +335,7 @@ def _attention(
     p, lse = _probabilities(s, visible, sinks)
     z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type, _keep)
     pz = p if z is None else p * z
-    out = pz @ np.repeat(v4, group, axis=1)
+    out = _matmul(pz, np.repeat(v4, group, axis=1))
     out = out.reshape((*q_shape[:-1], v4.shape[-1]))
     lse = lse.reshape(q_shape[:-1])
     return (out, lse) if return_lse else out
@@ -434,18 +442,18 @@ def _attention_backward(
     pz = p if z is None else p * z
     v_rep = np.repeat(v4, group, axis=1)
     k_rep = np.repeat(k4, group, axis=1)
-    dv_rep = pz.swapaxes(-1, -2) @ do4
-    dp = do4 @ v_rep.swapaxes(-1, -2)
+    dv_rep = _matmul(pz.swapaxes(-1, -2), do4)
+    dp = _matmul(do4, v_rep.swapaxes(-1, -2))
     if z is not None:
         dp = dp * z
     # D = rowsum(dO ∘ O), the form FlashAttention uses, so the same-precision
     # baselines round alike.
-    out = pz @ v_rep
+    out = _matmul(pz, v_rep)
     delta = (do4 * out).sum(axis=-1, keepdims=True)
     ds = p * (dp - delta)
     du = ds if tanh is None else ds * (q4.dtype.type(1) - tanh * tanh)
-    dq = (du @ k_rep) * q4.dtype.type(scale)
-    dk_rep = (du.swapaxes(-1, -2) @ q4) * q4.dtype.type(scale)
+    dq = _matmul(du, k_rep) * q4.dtype.type(scale)
+    dk_rep = _matmul(du.swapaxes(-1, -2), q4) * q4.dtype.type(scale)
 
     def fold(x):
         b, h, n, width = x.shape
@@ -460,7 +468,8 @@ def _attention_backward(
         sink = np.asarray(sinks, dtype=q4.dtype)[None, :, None]
         finite = np.isfinite(lse)
         with np.errstate(invalid="ignore"):
-            weight = np.where(finite, np.exp(sink - np.where(finite, lse, 0)), 0)
+            zero = q4.dtype.type(0)
+            weight = np.where(finite, np.exp(sink - np.where(finite, lse, zero)), zero)
         grads.append(-(weight * delta[..., 0]).sum(axis=(0, 2)))
     if return_dmask:
         if mask is None or np.asarray(mask).dtype == np.bool_:

@@ -68,9 +68,10 @@ class Block:
 
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:
-    """Gradients are summed in float32 for float16 problems (and rounded
-    once, at the end), in their own dtype otherwise."""
-    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+    """Gradients are summed in float32 for float16 and bfloat16 problems
+    (and rounded once, at the end), in their own dtype otherwise."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.name in ("float16", "bfloat16") else dtype
 
 
 def _rows(x: np.ndarray, piece: Piece, axis: int) -> np.ndarray:

@@ -48,7 +48,7 @@ pub mod varlen;
 pub use decode::attention_with_kvcache_arrays;
 pub use error::{Error, Result};
 pub use gpu::{to_device, DeviceArray};
-pub use half::f16;
+pub use half::{bf16, f16};
 pub use kvcache::KvCache;
 pub use merge::{merge_states, merge_states_arrays};
 pub use problem::{
@@ -67,6 +67,7 @@ pub use varlen::{
 #[derive(Debug, Clone, Copy)]
 pub enum Slice<'a> {
     F16(&'a [f16]),
+    BF16(&'a [bf16]),
     F32(&'a [f32]),
     F64(&'a [f64]),
 }
@@ -75,6 +76,7 @@ pub enum Slice<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Buffer {
     F16(Vec<f16>),
+    BF16(Vec<bf16>),
     F32(Vec<f32>),
     F64(Vec<f64>),
 }
@@ -83,6 +85,7 @@ impl Slice<'_> {
     pub fn len(&self) -> usize {
         match self {
             Slice::F16(s) => s.len(),
+            Slice::BF16(s) => s.len(),
             Slice::F32(s) => s.len(),
             Slice::F64(s) => s.len(),
         }
@@ -93,6 +96,7 @@ impl Slice<'_> {
     pub fn dtype(&self) -> DType {
         match self {
             Slice::F16(_) => DType::F16,
+            Slice::BF16(_) => DType::BF16,
             Slice::F32(_) => DType::F32,
             Slice::F64(_) => DType::F64,
         }
@@ -181,6 +185,7 @@ impl Buffer {
     pub fn as_slice(&self) -> Slice<'_> {
         match self {
             Buffer::F16(x) => Slice::F16(x),
+            Buffer::BF16(x) => Slice::BF16(x),
             Buffer::F32(x) => Slice::F32(x),
             Buffer::F64(x) => Slice::F64(x),
         }
@@ -188,6 +193,7 @@ impl Buffer {
     pub fn len(&self) -> usize {
         match self {
             Buffer::F16(s) => s.len(),
+            Buffer::BF16(s) => s.len(),
             Buffer::F32(s) => s.len(),
             Buffer::F64(s) => s.len(),
         }
@@ -526,7 +532,7 @@ pub fn attention_backward_arrays(
     check_len("k", &k, problem.k_len(), problem.dtype)?;
     check_len("v", &v, problem.v_len(), problem.dtype)?;
     check_len("o", &out, problem.out_len(), problem.dtype)?;
-    if lse.len() != problem.lse_len() || lse.dtype() == DType::F16 {
+    if lse.len() != problem.lse_len() || lse.dtype().is_half() {
         return Err(Error::Shape(format!(
             "lse holds {} {} elements but the problem needs {} float32 or float64",
             lse.len(),

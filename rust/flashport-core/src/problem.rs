@@ -6,11 +6,13 @@ use crate::error::{shape_str, Error, Result};
 
 /// The element type a call computes in.
 ///
-/// float16 inputs are computed with float32 accumulation and rounded back
-/// to float16 on output.
+/// float16 and bfloat16 inputs are computed with float32 accumulation and
+/// rounded back to their dtype on output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F16,
+    /// bfloat16 as `ml_dtypes` holds it in NumPy (NumPy has none of its own).
+    BF16,
     F32,
     F64,
 }
@@ -20,6 +22,7 @@ impl DType {
     pub fn from_numpy_name(name: &str) -> Option<DType> {
         match name {
             "float16" => Some(DType::F16),
+            "bfloat16" => Some(DType::BF16),
             "float32" => Some(DType::F32),
             "float64" => Some(DType::F64),
             _ => None,
@@ -29,6 +32,7 @@ impl DType {
     pub fn numpy_name(self) -> &'static str {
         match self {
             DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
             DType::F32 => "float32",
             DType::F64 => "float64",
         }
@@ -39,8 +43,14 @@ impl DType {
     pub fn lse_dtype(self) -> DType {
         match self {
             DType::F64 => DType::F64,
-            DType::F16 | DType::F32 => DType::F32,
+            DType::F16 | DType::BF16 | DType::F32 => DType::F32,
         }
+    }
+
+    /// Whether the dtype is stored narrower than it computes: float16 and
+    /// bfloat16 compute in float32 and are rounded back on output.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16)
     }
 }
 
@@ -378,7 +388,7 @@ fn dtype_of(argument: &str, info: &ArrayInfo<'_>) -> Result<DType> {
     DType::from_numpy_name(info.dtype).ok_or_else(|| Error::DType {
         argument: argument.to_string(),
         dtype: info.dtype.to_string(),
-        reason: "flashport computes in float16, float32 or float64".to_string(),
+        reason: "flashport computes in float16, bfloat16, float32 or float64".to_string(),
     })
 }
 
@@ -577,8 +587,8 @@ fn checked_scale(scale: Option<f64>, d: usize, dtype: DType) -> Result<f64> {
     }
 }
 
-/// `value` if the precision `dtype` computes in holds it: float16 and
-/// float32 inputs compute in float32, where a larger scale or softcap
+/// `value` if the precision `dtype` computes in holds it: float16, bfloat16
+/// and float32 inputs compute in float32, where a larger scale or softcap
 /// would be infinite and turn every score into inf or NaN.
 fn within_compute_range(argument: &str, value: f64, dtype: DType) -> Result<f64> {
     if dtype != DType::F64 && value.abs() > f32::MAX as f64 {
@@ -608,7 +618,7 @@ fn float_parameter(argument: &str, info: &ArrayInfo<'_>) -> Result<DType> {
     DType::from_numpy_name(info.dtype).ok_or_else(|| Error::DType {
         argument: argument.to_string(),
         dtype: info.dtype.to_string(),
-        reason: "expected float16, float32 or float64".to_string(),
+        reason: "expected float16, bfloat16, float32 or float64".to_string(),
     })
 }
 
@@ -686,8 +696,8 @@ fn validate_variants(problem: &mut Problem, options: &Options<'_>) -> Result<()>
                     return Err(Error::DType {
                         argument: "mask".to_string(),
                         dtype: name.to_string(),
-                        reason: "a mask is bool (True = attend) or float16/32/64 (added to \
-                                 the scores)"
+                        reason: "a mask is bool (True = attend) or float16/32/64 or bfloat16 \
+                                 (added to the scores)"
                             .to_string(),
                     })
                 }
@@ -819,7 +829,7 @@ pub fn validate_backward(
     }
     match dtype_of("lse", &lse)? {
         DType::F32 | DType::F64 => {}
-        DType::F16 => {
+        DType::F16 | DType::BF16 => {
             return Err(Error::DType {
                 argument: "lse".to_string(),
                 dtype: lse.dtype.to_string(),
@@ -1262,7 +1272,7 @@ pub fn validate_varlen_backward(
     }
     match dtype_of("lse", &lse)? {
         DType::F32 | DType::F64 => Ok((problem, segments)),
-        DType::F16 => Err(Error::DType {
+        DType::F16 | DType::BF16 => Err(Error::DType {
             argument: "lse".to_string(),
             dtype: lse.dtype.to_string(),
             reason: "lse must be float32 or float64 (as returned by attention_varlen)".to_string(),
@@ -1806,6 +1816,47 @@ mod tests {
             Error::Shape(msg) => assert!(msg.contains("(4)") && msg.contains("(6)"), "{msg}"),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn bfloat16_is_ml_dtypes_name_and_computes_in_float32() {
+        for d in [DType::F16, DType::BF16, DType::F32, DType::F64] {
+            assert_eq!(DType::from_numpy_name(d.numpy_name()), Some(d));
+        }
+        assert_eq!(DType::from_numpy_name("bfloat16"), Some(DType::BF16));
+        assert_eq!(DType::BF16.lse_dtype(), DType::F32);
+        assert!(DType::BF16.is_half() && !DType::F32.is_half());
+        let shape = [1, 2, 4, 8];
+        let p = validate_forward(
+            ArrayInfo::new(&shape, "bfloat16"),
+            ArrayInfo::new(&shape, "bfloat16"),
+            ArrayInfo::new(&shape, "bfloat16"),
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.dtype, DType::BF16);
+        let err = validate_forward(
+            ArrayInfo::new(&shape, "int8"),
+            ArrayInfo::new(&shape, "int8"),
+            ArrayInfo::new(&shape, "int8"),
+            &Options::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("bfloat16"), "{err}");
+        // lse is float32 (or float64), never the inputs' half dtype.
+        let lse = [1, 2, 4];
+        let a = ArrayInfo::new(&shape, "bfloat16");
+        let bad = validate_backward(
+            a,
+            a,
+            a,
+            a,
+            a,
+            ArrayInfo::new(&lse, "bfloat16"),
+            &Options::default(),
+        );
+        assert!(matches!(bad, Err(Error::DType { ref argument, .. }) if argument == "lse"));
     }
 
     #[test]

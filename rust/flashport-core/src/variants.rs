@@ -357,6 +357,9 @@ impl<T: MaskScalar> AdditiveMask<T> {
             MaskData::Float(Slice::F16(x)) => {
                 x.par_iter().map(|v| T::from_f64(v.to_f64())).collect()
             }
+            MaskData::Float(Slice::BF16(x)) => {
+                x.par_iter().map(|v| T::from_f64(v.to_f64())).collect()
+            }
             MaskData::Float(Slice::F32(x)) => {
                 x.par_iter().map(|&v| T::from_f64(v.into())).collect()
             }
@@ -394,6 +397,7 @@ pub fn slope_groups(problem: &Problem) -> usize {
 fn read_f64(s: &Slice<'_>, i: usize) -> f64 {
     match s {
         Slice::F16(x) => x[i].to_f64(),
+        Slice::BF16(x) => x[i].to_f64(),
         Slice::F32(x) => x[i].into(),
         Slice::F64(x) => x[i],
     }

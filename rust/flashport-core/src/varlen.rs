@@ -195,6 +195,7 @@ pub fn swap_leading<T: Copy + Send + Sync>(x: &[T], [a, b, w]: [usize; 3]) -> Ve
 fn swap_slice(x: Slice<'_>, dims: [usize; 3]) -> Buffer {
     match x {
         Slice::F16(x) => Buffer::F16(swap_leading(x, dims)),
+        Slice::BF16(x) => Buffer::BF16(swap_leading(x, dims)),
         Slice::F32(x) => Buffer::F32(swap_leading(x, dims)),
         Slice::F64(x) => Buffer::F64(swap_leading(x, dims)),
     }

@@ -12,7 +12,7 @@ use std::rc::Rc;
 use flashport_core as core;
 use flashport_core::problem::MaskDType;
 use flashport_core::{
-    f16, Array, ArrayInfo, Buffer, DType, Device, Input, MaskData, Options, Parts, Placement,
+    bf16, f16, Array, ArrayInfo, Buffer, DType, Device, Input, MaskData, Options, Parts, Placement,
     Problem, SeqLens, Slice, VariantArrays,
 };
 mod scalars;
@@ -181,6 +181,9 @@ impl ArgMeta {
 /// the device array.
 enum Held<'py> {
     F16(PyReadonlyArrayDyn<'py, f16>),
+    /// Through `ml_dtypes`' NumPy dtype: only an array of that dtype gets
+    /// here, so the dtype is registered.
+    BF16(PyReadonlyArrayDyn<'py, bf16>),
     F32(PyReadonlyArrayDyn<'py, f32>),
     F64(PyReadonlyArrayDyn<'py, f64>),
     Device(Bound<'py, DeviceArray>),
@@ -191,6 +194,7 @@ enum Held<'py> {
 /// device array.
 enum Contiguous<'a> {
     F16(Cow<'a, [f16]>),
+    BF16(Cow<'a, [bf16]>),
     F32(Cow<'a, [f32]>),
     F64(Cow<'a, [f64]>),
     Device(&'a core::DeviceArray),
@@ -237,6 +241,7 @@ impl<'py> Held<'py> {
     fn host(array: &Bound<'py, PyAny>, dtype: DType) -> PyResult<Held<'py>> {
         Ok(match dtype {
             DType::F16 => Held::F16(array.extract()?),
+            DType::BF16 => Held::BF16(array.extract()?),
             DType::F32 => Held::F32(array.extract()?),
             DType::F64 => Held::F64(array.extract()?),
         })
@@ -246,6 +251,7 @@ impl<'py> Held<'py> {
     fn contiguous(&self, name: &str) -> PyResult<Contiguous<'_>> {
         Ok(match self {
             Held::F16(a) => Contiguous::F16(contiguous(name, a)?),
+            Held::BF16(a) => Contiguous::BF16(contiguous(name, a)?),
             Held::F32(a) => Contiguous::F32(contiguous(name, a)?),
             Held::F64(a) => Contiguous::F64(contiguous(name, a)?),
             Held::Device(t) => Contiguous::Device(&t.get().inner),
@@ -257,6 +263,7 @@ impl Contiguous<'_> {
     fn input(&self) -> Input<'_> {
         match self {
             Contiguous::F16(c) => Input::Host(Slice::F16(c)),
+            Contiguous::BF16(c) => Input::Host(Slice::BF16(c)),
             Contiguous::F32(c) => Input::Host(Slice::F32(c)),
             Contiguous::F64(c) => Input::Host(Slice::F64(c)),
             Contiguous::Device(t) => Input::Device(t),
@@ -293,6 +300,8 @@ fn lse_dtype(meta: &ArgMeta) -> DType {
 fn to_numpy<'py>(py: Python<'py>, buffer: Buffer, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
     let array = match buffer {
         Buffer::F16(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
+        // Only a bfloat16 call returns bfloat16, so ml_dtypes is loaded.
+        Buffer::BF16(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
         Buffer::F32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
         Buffer::F64(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
     };

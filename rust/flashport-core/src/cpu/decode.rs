@@ -20,7 +20,7 @@ use super::element::Element;
 use super::merge::merge_row;
 use super::scores::{ScoreRules, TileVisibility};
 use super::softmax::RowState;
-use super::{num_threads, parallel, run_with, to_f16};
+use super::{narrow, num_threads, parallel, run_with};
 use crate::decode::{cpu_splits, split_keys};
 use crate::{DType, ForwardOutput, KvCacheProblem, Problem, Result, Slice, VariantArrays};
 
@@ -39,27 +39,29 @@ pub fn attention_with_kvcache(
     match problem.dtype() {
         DType::F64 => decode_as::<f64>(problem, q, k_cache, v_cache, variants),
         DType::F32 => decode_as::<f32>(problem, q, k_cache, v_cache, variants),
-        DType::F16 => {
+        DType::F16 | DType::BF16 => {
             let r = decode_as::<f32>(problem, q, k_cache, v_cache, variants)?;
             Ok(ForwardOutput {
-                out: to_f16(r.out),
+                out: narrow(r.out, problem.dtype()),
                 lse: r.lse,
             })
         }
     }
 }
 
-/// A cache as the tasks read it: in the compute type, or float16 to be
-/// widened row by row.
+/// A cache as the tasks read it: in the compute type, or float16 or
+/// bfloat16 to be widened row by row.
 enum Cache<'a, T> {
     Same(&'a [T]),
     Half(&'a [half::f16]),
+    Brain(&'a [half::bf16]),
 }
 
 impl<'a, T: Element> Cache<'a, T> {
     fn new(s: Slice<'a>) -> Self {
         match s {
             Slice::F16(x) => Cache::Half(x),
+            Slice::BF16(x) => Cache::Brain(x),
             // Validation gave the caches the problem's dtype, which is T's.
             other => match T::view(other) {
                 std::borrow::Cow::Borrowed(x) => Cache::Same(x),
@@ -73,20 +75,25 @@ impl<'a, T: Element> Cache<'a, T> {
         match self {
             Cache::Same(x) => dst.copy_from_slice(&x[range]),
             Cache::Half(x) => widen(&x[range], dst),
+            Cache::Brain(x) => widen(&x[range], dst),
         }
     }
 }
 
-/// float16 widened into the compute type (float32 for float16 problems),
-/// by slices (F16C where the CPU has it).
-fn widen<T: Element>(src: &[half::f16], dst: &mut [T]) {
+/// float16 or bfloat16 widened into the compute type (float32 for such
+/// problems), by slices (F16C where the CPU has it, for float16).
+fn widen<T: Element, H>(src: &[H], dst: &mut [T])
+where
+    H: Copy + Into<f64>,
+    [H]: HalfFloatSliceExt,
+{
     if TypeId::of::<T>() == TypeId::of::<f32>() {
         // SAFETY: T is f32, so the two slice types are the same type.
         let dst = unsafe { &mut *(dst as *mut [T] as *mut [f32]) };
         src.convert_to_f32_slice(dst);
     } else {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = T::from_f64(s.to_f64());
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = T::from_f64(s.into());
         }
     }
 }

@@ -201,6 +201,7 @@ impl Element for f32 {
         match s {
             Slice::F32(x) => Cow::Borrowed(x),
             Slice::F16(x) => Cow::Owned(x.iter().map(|v| v.to_f32()).collect()),
+            Slice::BF16(x) => Cow::Owned(x.iter().map(|v| v.to_f32()).collect()),
             Slice::F64(x) => Cow::Owned(x.iter().map(|&v| v as f32).collect()),
         }
     }
@@ -517,6 +518,7 @@ impl Element for f64 {
             Slice::F64(x) => Cow::Borrowed(x),
             Slice::F32(x) => Cow::Owned(x.iter().map(|&v| v as f64).collect()),
             Slice::F16(x) => Cow::Owned(x.iter().map(|v| v.to_f64()).collect()),
+            Slice::BF16(x) => Cow::Owned(x.iter().map(|v| v.to_f64()).collect()),
         }
     }
     fn into_buffer(v: Vec<Self>) -> Buffer {

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 
 use super::element::Element;
-use super::{num_threads, parallel, run_with, to_f16};
+use super::{narrow, num_threads, parallel, run_with};
 use crate::merge::PartInputs;
 use crate::{DType, ForwardOutput, MergeProblem, Result, Slice};
 
@@ -23,10 +23,10 @@ pub fn merge_states(
     match problem.dtype {
         DType::F64 => merge_as::<f64>(problem, outs, lses),
         DType::F32 => merge_as::<f32>(problem, outs, lses),
-        DType::F16 => {
+        DType::F16 | DType::BF16 => {
             let merged = merge_as::<f32>(problem, outs, lses)?;
             Ok(ForwardOutput {
-                out: to_f16(merged.out),
+                out: narrow(merged.out, problem.dtype),
                 lse: merged.lse,
             })
         }

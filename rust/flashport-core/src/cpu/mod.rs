@@ -159,10 +159,10 @@ pub fn forward(
     match problem.dtype {
         DType::F64 => forward_as::<f64>(problem, q, k, v, variants),
         DType::F32 => forward_as::<f32>(problem, q, k, v, variants),
-        DType::F16 => {
+        DType::F16 | DType::BF16 => {
             let result = forward_as::<f32>(problem, q, k, v, variants)?;
             Ok(ForwardOutput {
-                out: to_f16(result.out),
+                out: narrow(result.out, problem.dtype),
                 lse: result.lse,
             })
         }
@@ -178,22 +178,30 @@ pub fn backward(
     match problem.dtype {
         DType::F64 => backward_as::<f64>(problem, inputs, variants),
         DType::F32 => backward_as::<f32>(problem, inputs, variants),
-        DType::F16 => {
+        DType::F16 | DType::BF16 => {
             let g = backward_as::<f32>(problem, inputs, variants)?;
+            let dtype = problem.dtype;
             Ok(BackendGradients {
-                dq: to_f16(g.dq),
-                dk: to_f16(g.dk),
-                dv: to_f16(g.dv),
+                dq: narrow(g.dq, dtype),
+                dk: narrow(g.dk, dtype),
+                dv: narrow(g.dv, dtype),
                 d_scores: g.d_scores,
             })
         }
     }
 }
 
-fn to_f16(buffer: Buffer) -> Buffer {
-    match buffer {
-        Buffer::F32(v) => Buffer::F16(v.into_iter().map(half::f16::from_f32).collect()),
-        other => other,
+/// A float32 result rounded (to nearest, ties to even) to the float16 or
+/// bfloat16 `dtype` it was computed for; any other buffer as it is.
+pub(crate) fn narrow(buffer: Buffer, dtype: DType) -> Buffer {
+    match (buffer, dtype) {
+        (Buffer::F32(v), DType::F16) => {
+            Buffer::F16(v.into_iter().map(half::f16::from_f32).collect())
+        }
+        (Buffer::F32(v), DType::BF16) => {
+            Buffer::BF16(v.into_iter().map(half::bf16::from_f32).collect())
+        }
+        (other, _) => other,
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::assemble::{check_device_outputs, empty_output, Assembled, Sink};
+use super::bfloat16::{narrow, Widened};
 use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
@@ -42,6 +43,28 @@ pub fn backward_arrays(
     outputs: Placement,
 ) -> Result<BackendGradients<Array>> {
     let [d_out, q, k, v, out, lse] = inputs;
+    if problem.dtype == DType::BF16 {
+        let named = [
+            ("do", d_out),
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("o", out),
+            ("lse", lse),
+        ];
+        let wide = Widened::new(&named, outputs)?;
+        let wide_problem = Problem {
+            dtype: DType::F32,
+            ..*problem
+        };
+        let g = backward_arrays(&wide_problem, wide.inputs(inputs), variants, outputs)?;
+        return Ok(BackendGradients {
+            dq: narrow(g.dq)?,
+            dk: narrow(g.dk)?,
+            dv: narrow(g.dv)?,
+            d_scores: g.d_scores,
+        });
+    }
     check_dtype(problem)?;
     check_sizes(problem)?;
     let lse_f32: Vec<f32>;

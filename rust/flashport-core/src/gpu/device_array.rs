@@ -44,7 +44,7 @@ impl std::fmt::Debug for DeviceArray {
 
 fn element_bytes(dtype: DType) -> usize {
     match dtype {
-        DType::F16 => 2,
+        DType::F16 | DType::BF16 => 2,
         DType::F32 => 4,
         DType::F64 => 8,
     }
@@ -202,6 +202,7 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
     let bytes: &[u8] = match data {
         Slice::F32(x) => bytemuck::cast_slice(x),
         Slice::F16(x) => bytemuck::cast_slice(x),
+        Slice::BF16(_) => return Err(bfloat16_error(argument)),
         Slice::F64(_) => return Err(float64_error(argument)),
     };
     timing::start_call();
@@ -223,6 +224,22 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
             shape.to_vec(),
         ))
     })
+}
+
+/// The error for a bfloat16 array offered to `to_device`. The kernels read
+/// float32 or float16, and a float32 copy kept under a bfloat16 name would
+/// double the memory the caller expects; bfloat16 calls take NumPy arrays
+/// (see `bfloat16.rs`).
+pub(crate) fn bfloat16_error(argument: &str) -> Error {
+    Error::DType {
+        argument: argument.to_string(),
+        dtype: "bfloat16".to_string(),
+        reason: "the GPU keeps float32 or float16 arrays, not bfloat16: pass the bfloat16 \
+                 NumPy array to the call itself (it is widened to float32 for the GPU and \
+                 its results rounded back), or upload it as float32 \
+                 (array.astype(numpy.float32))"
+            .to_string(),
+    }
 }
 
 /// A new array filled with `value` (the outputs of empty problems),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::assemble::{check_device_outputs, empty_output, Sink};
+use super::bfloat16::{narrow, Widened};
 use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
@@ -43,6 +44,18 @@ pub fn forward_arrays(
     variants: &VariantArrays<'_>,
     outputs: Placement,
 ) -> Result<ForwardOutput<Array>> {
+    if problem.dtype == DType::BF16 {
+        let wide = Widened::new(&[("q", q), ("k", k), ("v", v)], outputs)?;
+        let wide_problem = Problem {
+            dtype: DType::F32,
+            ..*problem
+        };
+        let r = forward_arrays(&wide_problem, wide.inputs([q, k, v]), variants, outputs)?;
+        return Ok(ForwardOutput {
+            out: narrow(r.out)?,
+            lse: r.lse,
+        });
+    }
     check_dtype(problem)?;
     check_sizes(problem)?;
     let sources = [source("q", q)?, source("k", k)?, source("v", v)?];

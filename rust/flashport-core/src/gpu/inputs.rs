@@ -60,11 +60,19 @@ pub(crate) fn check_sizes(problem: &Problem) -> Result<()> {
     Ok(())
 }
 
-/// An input array as the bytes the shaders read (float16 or float32).
+/// An input array as the bytes the shaders read (float16 or float32;
+/// bfloat16 calls were widened to float32 by `bfloat16.rs` before this).
 fn input_bytes<'a>(name: &str, s: &Slice<'a>) -> Result<&'a [u8]> {
     match *s {
         Slice::F32(x) => Ok(bytemuck::cast_slice(x)),
         Slice::F16(x) => Ok(bytemuck::cast_slice(x)),
+        Slice::BF16(_) => Err(Error::DType {
+            argument: name.to_string(),
+            dtype: "bfloat16".to_string(),
+            reason: "the GPU kernels read float32 or float16; this call was not widened \
+                     from bfloat16"
+                .to_string(),
+        }),
         Slice::F64(_) => Err(float64_error(name)),
     }
 }

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use super::assemble::{check_device_outputs, empty_output, Sink};
+use super::bfloat16::{narrow, Widened};
 use super::chunks::binding_limit;
 use super::context::Context;
 use super::device_array;
@@ -99,6 +100,21 @@ pub fn merge_states(
     lses: PartInputs<'_, Input<'_>>,
     outputs: Placement,
 ) -> Result<ForwardOutput<Array>> {
+    if problem.dtype == DType::BF16 {
+        let named: Vec<(&str, Input<'_>)> = outs.arrays().iter().map(|&a| ("outs", a)).collect();
+        let wide = Widened::new(&named, outputs)?;
+        let wide_outs = wide.list(outs.arrays());
+        let wide_problem = MergeProblem {
+            dtype: DType::F32,
+            ..problem.clone()
+        };
+        let outs = PartInputs::new(&wide_outs, outs.part_len());
+        let r = merge_states(&wide_problem, outs, lses, outputs)?;
+        return Ok(ForwardOutput {
+            out: narrow(r.out)?,
+            lse: r.lse,
+        });
+    }
     let out_sources = Sources::new("outs", outs)?;
     let lse_sources = Sources::new("lses", lses)?;
     let mut names = Vec::new();

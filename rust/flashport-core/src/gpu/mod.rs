@@ -36,6 +36,7 @@
 
 mod assemble;
 mod backward;
+mod bfloat16;
 mod chunks;
 mod context;
 pub mod decode;

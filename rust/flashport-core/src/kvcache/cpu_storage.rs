@@ -5,7 +5,7 @@ use super::plan::{BlockCopy, WriteRun};
 use super::shape::CacheShape;
 use super::storage::Storage;
 use crate::{
-    decode, f16, Array, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem,
+    bf16, decode, f16, Array, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem,
     Placement, Result, Slice, VariantArrays,
 };
 
@@ -31,6 +31,7 @@ fn zeros<T: Clone + Default>(len: usize, bytes: usize) -> Result<Vec<T>> {
 fn pool(dtype: DType, len: usize) -> Result<Buffer> {
     Ok(match dtype {
         DType::F16 => Buffer::F16(zeros::<f16>(len, len * 2)?),
+        DType::BF16 => Buffer::BF16(zeros::<bf16>(len, len * 2)?),
         DType::F32 => Buffer::F32(zeros::<f32>(len, len * 4)?),
         DType::F64 => Buffer::F64(zeros::<f64>(len, len * 8)?),
     })
@@ -77,6 +78,7 @@ fn scatter_buffer(
 ) -> Result<()> {
     match (dst, src) {
         (Buffer::F16(d), Slice::F16(s)) => scatter(d, s, runs, dims),
+        (Buffer::BF16(d), Slice::BF16(s)) => scatter(d, s, runs, dims),
         (Buffer::F32(d), Slice::F32(s)) => scatter(d, s, runs, dims),
         (Buffer::F64(d), Slice::F64(s)) => scatter(d, s, runs, dims),
         (d, s) => {
@@ -94,6 +96,7 @@ fn copy_block(buffer: &mut Buffer, span: usize, copy: BlockCopy) {
     let (src, dst) = (copy.src * span, copy.dst * span);
     match buffer {
         Buffer::F16(b) => b.copy_within(src..src + span, dst),
+        Buffer::BF16(b) => b.copy_within(src..src + span, dst),
         Buffer::F32(b) => b.copy_within(src..src + span, dst),
         Buffer::F64(b) => b.copy_within(src..src + span, dst),
     }

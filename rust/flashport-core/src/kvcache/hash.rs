@@ -53,6 +53,8 @@ impl CacheIdentity {
     pub fn root(&self) -> BlockHash {
         let dtype = match self.dtype {
             DType::F16 => 16,
+            // Not 16: a bfloat16 cache's blocks are not a float16 one's.
+            DType::BF16 => 17,
             DType::F32 => 32,
             DType::F64 => 64,
         };

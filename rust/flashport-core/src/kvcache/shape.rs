@@ -116,7 +116,7 @@ impl CacheShape {
         let per_layer = Self::elements(self.k_pool_shape())?
             .checked_add(Self::elements(self.v_pool_shape())?)?;
         let element = match self.dtype {
-            DType::F16 => 2,
+            DType::F16 | DType::BF16 => 2,
             DType::F32 => 4,
             DType::F64 => 8,
         };

@@ -6,7 +6,7 @@ pub use super::require::gpu_present;
 use flashport_core::gpu::kernel::Tier;
 use flashport_core::overrides::{self, Overrides};
 use flashport_core::{
-    cpu, f16, gpu, validate_forward, ArrayInfo, Buffer, DType, Options, Problem, Slice,
+    bf16, cpu, f16, gpu, validate_forward, ArrayInfo, Buffer, DType, Options, Problem, Slice,
     VariantArrays,
 };
 
@@ -65,6 +65,7 @@ pub fn f64_problem(p: &Problem) -> Problem {
 pub fn as_f64(b: &Buffer) -> Vec<f64> {
     match b {
         Buffer::F16(x) => x.iter().map(|v| v.to_f64()).collect(),
+        Buffer::BF16(x) => x.iter().map(|v| v.to_f64()).collect(),
         Buffer::F32(x) => x.iter().map(|&v| v as f64).collect(),
         Buffer::F64(x) => x.clone(),
     }
@@ -75,6 +76,7 @@ pub fn as_f64(b: &Buffer) -> Vec<f64> {
 pub fn bits(b: &Buffer) -> Vec<u64> {
     match b {
         Buffer::F16(x) => x.iter().map(|v| v.to_bits() as u64).collect(),
+        Buffer::BF16(x) => x.iter().map(|v| v.to_bits() as u64).collect(),
         Buffer::F32(x) => x.iter().map(|v| v.to_bits() as u64).collect(),
         Buffer::F64(x) => x.iter().map(|v| v.to_bits()).collect(),
     }
@@ -85,21 +87,30 @@ pub struct Inputs {
     pub f64: Vec<f64>,
     pub f32: Vec<f32>,
     pub f16: Vec<f16>,
+    pub bf16: Vec<bf16>,
 }
 
 impl Inputs {
     pub fn new(values: Vec<f64>, dtype: DType) -> Inputs {
         let f16: Vec<f16> = values.iter().map(|&x| f16::from_f64(x)).collect();
+        let bf16: Vec<bf16> = values.iter().map(|&x| bf16::from_f64(x)).collect();
         let f32: Vec<f32> = values.iter().map(|&x| x as f32).collect();
         let f64 = match dtype {
             DType::F16 => f16.iter().map(|x| x.to_f64()).collect(),
+            DType::BF16 => bf16.iter().map(|x| x.to_f64()).collect(),
             _ => f32.iter().map(|&x| x as f64).collect(),
         };
-        Inputs { f64, f32, f16 }
+        Inputs {
+            f64,
+            f32,
+            f16,
+            bf16,
+        }
     }
     pub fn slice(&self, dtype: DType) -> Slice<'_> {
         match dtype {
             DType::F16 => Slice::F16(&self.f16),
+            DType::BF16 => Slice::BF16(&self.bf16),
             DType::F32 => Slice::F32(&self.f32),
             DType::F64 => Slice::F64(&self.f64),
         }

@@ -262,6 +262,7 @@ fn check_device_path(c: &Case, seed: u64) {
 fn slice_bits(s: Slice<'_>) -> Vec<u64> {
     match s {
         Slice::F16(x) => bits(&Buffer::F16(x.to_vec())),
+        Slice::BF16(x) => bits(&Buffer::BF16(x.to_vec())),
         Slice::F32(x) => bits(&Buffer::F32(x.to_vec())),
         Slice::F64(x) => bits(&Buffer::F64(x.to_vec())),
     }

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use bytemuck::{Pod, Zeroable};
 
 use super::assemble::{check_device_outputs, empty_output, Sink};
+use super::bfloat16::{narrow, Widened};
 use super::chunks::binding_limit;
 use super::context::Context;
 use super::inputs::{chunk_input, float16_error, float64_error, source, Source};
@@ -98,6 +99,18 @@ pub fn attention_with_kvcache(
     variants: &VariantArrays<'_>,
     outputs: Placement,
 ) -> Result<ForwardOutput<Array>> {
+    if problem.dtype() == DType::BF16 {
+        let named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)];
+        let wide = Widened::new(&named, outputs)?;
+        let mut wide_problem = problem.clone();
+        wide_problem.attention.dtype = DType::F32;
+        let inputs = wide.inputs([q, k_cache, v_cache]);
+        let r = attention_with_kvcache(&wide_problem, inputs, variants, outputs)?;
+        return Ok(ForwardOutput {
+            out: narrow(r.out)?,
+            lse: r.lse,
+        });
+    }
     if problem.dtype() == DType::F64 {
         return Err(float64_error("q"));
     }
