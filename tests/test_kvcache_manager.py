@@ -16,12 +16,14 @@ CacheFullError with every observable state unchanged.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 
 import flashport
 import numpy as np
 import pytest
+from conftest import gpu_adapters, overrides
 from flashport import (
     BackendUnavailableError,
     CacheFullError,
@@ -39,6 +41,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 # Tolerance of attention against the float64 oracle, per cache dtype (the
@@ -50,13 +53,14 @@ VOCABULARY = 2
 
 MASK = (1 << 62) - 1
 
-# The pools' device (the GPU storage is not built yet); explicit, so that
-# FLASHPORT_DEVICE does not change what these tests run.
+# The pools' device for the scenarios (the state machine runs on every
+# backend); explicit, so that FLASHPORT_DEVICE does not change what these
+# tests run.
 DEVICE = "cpu"
 
 
-def make_cache(*args, **kw) -> flashport.KVCache:
-    return flashport.KVCache(*args, device=DEVICE, **kw)
+def make_cache(*args, device=DEVICE, **kw) -> flashport.KVCache:
+    return flashport.KVCache(*args, device=device, **kw)
 
 
 def kv_of(layer: int, key: int, heads_kv: int, d: int, dv: int, dtype) -> tuple:
@@ -230,10 +234,13 @@ def assert_same(before: dict, after: dict) -> None:
     for name in ("ids", "table", "counts", "usage", "lengths"):
         assert before[name] == after[name], name
     for (k0, v0), (k1, v1) in zip(before["pools"], after["pools"], strict=True):
-        assert np.array_equal(k0, k1) and np.array_equal(v0, v1)
+        # GPU pools are poisoned with NaN in the test suite until written.
+        assert np.array_equal(k0, k1, equal_nan=True) and np.array_equal(v0, v1, equal_nan=True)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    device = "cpu"
+
     @initialize(
         num_blocks=st.integers(2, 24),
         block_size=st.sampled_from([1, 2, 3, 4, 5, 7, 16]),
@@ -245,10 +252,21 @@ class KVCacheMachine(RuleBasedStateMachine):
         dtype=st.sampled_from(["float32", "float32", "float64", "float16"]),
     )
     def setup(self, num_blocks, block_size, heads_kv, group, d, dv, layers, dtype):
+        if self.device == "gpu" and dtype == "float64":
+            # The GPU refuses float64 (test_gpu_cache_errors).
+            dtype = "float32"
         note(f"KVCache({num_blocks}, {block_size}, {heads_kv}, {d}, {dv}, {layers}, {dtype})")
         self.cache = make_cache(
-            num_blocks, block_size, heads_kv, d, head_dim_v=dv, layers=layers, dtype=dtype
+            num_blocks,
+            block_size,
+            heads_kv,
+            d,
+            head_dim_v=dv,
+            layers=layers,
+            dtype=dtype,
+            device=self.device,
         )
+        assert self.cache.device == self.device
         self.model = Model(num_blocks, block_size, layers)
         self.shape = (heads_kv, heads_kv * group, d, dv)
         self.dtype = np.dtype(dtype)
@@ -500,10 +518,21 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._check_attention(ids, layer, 1, True)
 
 
-KVCacheMachine.TestCase.settings = settings(
-    stateful_step_count=40, max_examples=max(60, settings().max_examples)
-)
-TestKVCacheStateMachine = KVCacheMachine.TestCase
+class GpuKVCacheMachine(KVCacheMachine):
+    device = "gpu"
+
+
+def test_state_machine(backend):
+    """Random interleavings against the model, with the pools on each
+    backend (fewer and shorter runs on the GPU: lavapipe is slow)."""
+    if backend == "gpu":
+        machine, steps, examples = GpuKVCacheMachine, 20, max(12, settings().max_examples // 8)
+    else:
+        machine, steps, examples = KVCacheMachine, 40, max(60, settings().max_examples)
+    run_state_machine_as_test(
+        machine,
+        settings=settings(stateful_step_count=steps, max_examples=examples, deadline=None),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -874,7 +903,6 @@ def test_bad_arguments_are_named_and_change_nothing():
         (dict(dtype=np.int32), DTypeError, "dtype has dtype int32"),
         (dict(dtype="nonsense"), DTypeError, "not a NumPy dtype"),
         (dict(device="tpu"), InvalidArgumentError, "device"),
-        (dict(device="gpu"), BackendUnavailableError, "not built yet"),
         (
             dict(num_blocks=2**62),
             flashport.ProblemTooLargeError,
@@ -902,7 +930,119 @@ def test_properties_and_repr(monkeypatch):
     assert cache.length(s) == 0 and cache.block_table([s]).shape == (1, 0)
     k_pool, v_pool = cache.read_layer(2)
     assert k_pool.shape == (6, 2, 5, 8) and v_pool.shape == (6, 2, 5, 4)
+    # device=None follows FLASHPORT_DEVICE, as every entry point does.
     monkeypatch.setenv("FLASHPORT_DEVICE", "gpu")
-    with pytest.raises(BackendUnavailableError):
-        flashport.KVCache(1, 1, 1, 1)
+    if gpu_adapters():
+        assert flashport.KVCache(1, 1, 1, 1).device == "gpu"
+    else:
+        with pytest.raises(BackendUnavailableError):
+            flashport.KVCache(1, 1, 1, 1)
     assert flashport.KVCache(1, 1, 1, 1, device="cpu").device == "cpu"
+
+
+# ---------------------------------------------------------------------------
+# The GPU's pools
+
+
+def _mirror_script(caches, rng, dtype, heads_kv, d, dv):
+    """The same appends, forks and frees on each cache (copy-on-write of
+    partly filled blocks, blocks freed and taken again); the live ids."""
+
+    def append(sid, n):
+        for layer in range(2):
+            k = rng.standard_normal((heads_kv, n, d)).astype(dtype)
+            v = rng.standard_normal((heads_kv, n, dv)).astype(dtype)
+            for c in caches:
+                c.append(sid, k, v, layer=layer)
+
+    def each(f):
+        ids = {f(c) for c in caches}
+        assert len(ids) == 1
+        return ids.pop()
+
+    a = each(lambda c: c.new_sequence())
+    append(a, 5)
+    b = each(lambda c: c.fork(a))
+    append(b, 2)
+    append(a, 1)
+    c = each(lambda c: c.new_sequence())
+    append(c, 9)
+    each(lambda x: x.free(b))
+    e = each(lambda x: x.fork(c))
+    append(e, 3)
+    append(c, 1)
+    return [a, c, e]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gpu_pools_split_over_buffers_give_the_cpus_results(gpu, dtype):
+    """A pool larger than one storage binding is kept in several buffers
+    (here a binding limit lowered while the cache is made: three blocks of
+    the value pool per buffer); writes, copies and attention across the
+    buffers give the CPU cache's keys, values and outputs."""
+    heads_kv, block_size, d, dv = 2, 3, 8, 12
+    widest = heads_kv * block_size * dv * np.dtype(dtype).itemsize
+    with overrides(binding_limit=256 + 16 + 3 * widest):
+        split = make_cache(
+            12, block_size, heads_kv, d, head_dim_v=dv, layers=2, dtype=dtype, device=gpu
+        )
+    whole = make_cache(
+        12, block_size, heads_kv, d, head_dim_v=dv, layers=2, dtype=dtype, device=gpu
+    )
+    cpu = make_cache(12, block_size, heads_kv, d, head_dim_v=dv, layers=2, dtype=dtype)
+    ids = _mirror_script([split, whole, cpu], np.random.default_rng(5), dtype, heads_kv, d, dv)
+    table = cpu.block_table(ids)
+    rng = np.random.default_rng(6)
+    for layer in range(2):
+        lengths = [cpu.length(s, layer=layer) for s in ids]
+        pools = [c.read_layer(layer) for c in (split, whole, cpu)]
+        for row in range(len(ids)):
+            want = reference.cached_sequence(*pools[2], lengths, row, table)
+            for got in pools[:2]:
+                have = reference.cached_sequence(*got, lengths, row, table)
+                assert all(np.array_equal(h, w) for h, w in zip(have, want, strict=True))
+        q = rng.standard_normal((len(ids), 2 * heads_kv, 2, d)).astype(dtype)
+        want_o, want_lse = cpu.attention(q, ids, layer=layer, causal=True, return_lse=True)
+        tol = TOLERANCE[np.dtype(dtype).name]
+        for c in (split, whole):
+            o, lse = c.attention(q, ids, layer=layer, causal=True, return_lse=True)
+            scale = np.abs(want_o.astype(np.float64)).max()
+            assert np.abs(o.astype(np.float64) - want_o).max() <= 4 * tol * scale
+            assert np.allclose(lse, want_lse, rtol=4 * tol, atol=4 * tol)
+
+
+def test_gpu_cache_errors(gpu):
+    with pytest.raises(DTypeError, match=r"dtype has dtype float64.*GPU"):
+        make_cache(4, 2, 2, 4, dtype=np.float64, device=gpu)
+    # A block larger than one binding: refused when the cache is made.
+    with (
+        overrides(binding_limit=64),
+        pytest.raises(flashport.ProblemTooLargeError, match="one block of this KV cache"),
+    ):
+        make_cache(4, 16, 2, 64, device=gpu)
+    cache = make_cache(4, 2, 2, 4, device=gpu)
+    assert cache.device == "gpu"
+
+
+def test_gpu_cache_without_an_adapter_is_refused_by_name(tmp_path):
+    """device="gpu" where no adapter exists (the Vulkan loader pointed at no
+    driver, in a child process) is the error every GPU call gives."""
+    import subprocess
+    import sys
+
+    code = (
+        "import flashport\n"
+        "try:\n"
+        "    flashport.KVCache(4, 2, 2, 4, device='gpu')\n"
+        "except flashport.BackendUnavailableError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = {
+        **os.environ,
+        "VK_DRIVER_FILES": str(tmp_path / "none.json"),
+        "VK_ICD_FILENAMES": str(tmp_path / "none.json"),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "refused: no GPU adapter" in out.stdout, out.stdout + out.stderr

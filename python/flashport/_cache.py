@@ -41,8 +41,8 @@ def _seq_ids(seq_ids: Iterable[int] | npt.ArrayLike) -> list[int]:
 
 
 class KVCache:
-    """A paged cache of attention keys and values for generation, on the CPU
-    (the GPU storage is not built yet).
+    """A paged cache of attention keys and values for generation, its pools
+    in host memory (``device="cpu"``) or GPU memory (``device="gpu"``).
 
     ``KVCache(num_blocks, block_size, heads_kv, head_dim, *, head_dim_v=None,
     layers=1, dtype=np.float32, device=None)`` preallocates, for each of
@@ -143,7 +143,14 @@ class KVCache:
     device : None, "auto", "cpu" or "gpu"
         Where the pools live. ``None`` follows ``FLASHPORT_DEVICE`` like
         every flashport call; ``"auto"`` and ``"cpu"`` keep them in host
-        memory. ``"gpu"`` raises :class:`BackendUnavailableError` for now.
+        memory. ``"gpu"`` allocates them in GPU memory (float16 or float32;
+        float64 raises :class:`DTypeError`; no adapter raises
+        :class:`BackendUnavailableError`): appends write on the device
+        (``k`` and ``v`` may be NumPy arrays, uploaded token by token, or
+        DeviceArrays), copy-on-write copies there, and attention decodes
+        directly on the pool. A pool larger than one GPU storage binding is
+        kept in several buffers; a block larger than one raises
+        :class:`ProblemTooLargeError`.
     """
 
     __slots__ = ("_cache", "_config")

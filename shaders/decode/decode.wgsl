@@ -50,6 +50,11 @@ override SCORE_ELEMS: u32 = 64u;
 override PAGED: bool = false;
 override SOFTCAP: bool = false;
 override ALIBI: bool = false;
+// A KV cache's pool split over several buffers (src/gpu/decode/mod.rs):
+// the dispatch binds one, and table entries NONE are blocks of the
+// others, neither loaded nor seen here (another run of the dispatch sees
+// them).
+override SKIPS: bool = false;
 
 // Mirrors `Uniform` in src/gpu/decode/mod.rs, word for word.
 struct Decode {
@@ -80,7 +85,9 @@ struct Decode {
     seqlens_off: u32,
     table_off: u32,
     slopes_off: u32,
-    pad0: u32,
+    // The first slot of this run's splits in part_o / part_lse (a pool
+    // split over buffers runs once per buffer).
+    split_base: u32,
     // Elements from the start of a cache binding to its first block.
     k_delta: u32,
     v_delta: u32,
@@ -116,6 +123,15 @@ fn cache_row(b: u32, h: u32, key: u32) -> u32 {
         offset = key % u.block_size;
     }
     return (block * u.heads_kv + h) * u.block_size + offset;
+}
+
+// Whether key `key` of the dispatch's sequence `b` is in a block bound
+// here.
+fn bound(b: u32, key: u32) -> bool {
+    if SKIPS {
+        return seq_data[u.table_off + b * u.max_blocks + key / u.block_size] != NONE;
+    }
+    return true;
 }
 
 // The keys row `i` (of seq_q) of a sequence of `len` keys sees: query i is
@@ -164,7 +180,7 @@ fn split_keys(keys: vec2<u32>, s: u32) -> vec2<u32> {
 fn score(x: f32, b: u32, h: u32, len: u32, r: u32, key: u32, key_end: u32) -> f32 {
     let i = r % u.seq_q;
     let seen = visible(len, i);
-    if r >= u.rows || key >= key_end || key < seen.x || key >= seen.y {
+    if r >= u.rows || key >= key_end || key < seen.x || key >= seen.y || !bound(b, key) {
         return NEG_BIG;
     }
     var s = x;
@@ -274,14 +290,14 @@ fn main(
         var v2v = vec4(0.0);
         var v3v = vec4(0.0);
         let key0 = k0 + kg;
-        if key0 < key_end {
+        if key0 < key_end && bound(b, key0) {
             let row = cache_row(b, h, key0);
             k0v = load_k(row, lane);
             v0v = load_v(row, lane);
         }
         if KPL > 1u {
             let key1 = key0 + KG;
-            if key1 < key_end {
+            if key1 < key_end && bound(b, key1) {
                 let row = cache_row(b, h, key1);
                 k1v = load_k(row, lane);
                 v1v = load_v(row, lane);
@@ -289,13 +305,13 @@ fn main(
         }
         if KPL > 2u {
             let key2 = key0 + 2u * KG;
-            if key2 < key_end {
+            if key2 < key_end && bound(b, key2) {
                 let row = cache_row(b, h, key2);
                 k2v = load_k(row, lane);
                 v2v = load_v(row, lane);
             }
             let key3 = key0 + 3u * KG;
-            if key3 < key_end {
+            if key3 < key_end && bound(b, key3) {
                 let row = cache_row(b, h, key3);
                 k3v = load_k(row, lane);
                 v3v = load_v(row, lane);
@@ -504,7 +520,7 @@ fn main(
             if row_sum > 0.0 {
                 bits = bitcast<u32>(row_max + log(row_sum));
             }
-            part_lse[s * u.out_rows + seq_head * u.rows + r] = bits;
+            part_lse[(u.split_base + s) * u.out_rows + seq_head * u.rows + r] = bits;
         }
     }
     workgroupBarrier();
@@ -519,7 +535,7 @@ fn main(
             let sum = stat[8u + r];
             // A row that saw no key keeps o = 0.
             let o = select(0.0, x / sum, sum > 0.0);
-            part_o[(s * u.out_rows + seq_head * u.rows + row0 + r) * u.dv + col] = o;
+            part_o[((u.split_base + s) * u.out_rows + seq_head * u.rows + row0 + r) * u.dv + col] = o;
         }
     }
 }

@@ -77,7 +77,7 @@ pub fn cpu_splits(p: &KvCacheProblem) -> usize {
 
 /// Checks the variant arrays against the problem: no mask (the cache's
 /// lengths are the mask), slopes and sinks of the validated sizes.
-fn check_variants(p: &KvCacheProblem, variants: &VariantArrays<'_>) -> Result<()> {
+pub(crate) fn check_variants(p: &KvCacheProblem, variants: &VariantArrays<'_>) -> Result<()> {
     let a = &p.attention;
     let slopes = match a.alibi_per_batch {
         None => None,

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use flashport_core::gpu::kernel::Kernel;
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
-    decode_source, source, tile_overrides, variant_overrides, Variants, DECODE_COMBINE,
+    decode_source, source, tile_overrides, variant_overrides, Variants, DECODE_COMBINE, KV_SCATTER,
     MERGE_STATES,
 };
 use flashport_core::gpu::tiles::{
@@ -183,6 +183,7 @@ fn every_shader_parses_and_validates() {
             let modules = [
                 MERGE_STATES.to_string(),
                 DECODE_COMBINE.to_string(),
+                KV_SCATTER.to_string(),
                 decode_source(false, true),
                 decode_source(true, false),
             ];
@@ -197,7 +198,13 @@ fn every_shader_parses_and_validates() {
             assert!(taken, "shaders/{file} is a fragment no kernel takes");
             continue;
         }
-        if ["device_arrays.wgsl", "merge_states.wgsl", "varlen.wgsl"].contains(&file.as_str())
+        if [
+            "device_arrays.wgsl",
+            "kv_scatter.wgsl",
+            "merge_states.wgsl",
+            "varlen.wgsl",
+        ]
+        .contains(&file.as_str())
             || file.starts_with("decode/")
         {
             // Stand-alone modules, checked below.
@@ -250,6 +257,30 @@ fn device_array_moves_validate() {
         .collect();
     entries.sort();
     assert_eq!(entries, ["add_f32", "copy_f16", "to_f16"]);
+}
+
+/// A KV cache's scatter (writes and block copies into its pools) is a
+/// module of its own, with no overrides: it must validate with WebGPU's
+/// core capabilities, with the two entry points the host runs.
+#[test]
+fn kv_scatter_validates() {
+    let module = parse_text("kv_scatter.wgsl", KV_SCATTER);
+    let plain =
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
+            .validate(&module);
+    if let Err(e) = plain {
+        panic!(
+            "kv_scatter.wgsl does not validate:\n{}",
+            e.emit_to_string(KV_SCATTER)
+        );
+    }
+    let mut entries: Vec<&str> = module
+        .entry_points
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["scatter_f16", "scatter_f32"]);
 }
 
 /// The merge of attention states is a module of its own, with no

@@ -31,6 +31,8 @@
 //!   its reused buffers; `run`: panics and lost devices as errors;
 //! - `timing`: kernel timestamps and host phases; `shaders`, `spirv`: the
 //!   WGSL sources and the SPIR-V of the cooperative kernels.
+//! - `kv_pool`: a KV cache's pools on the device (its writes, block
+//!   copies and attention);
 //! - `varlen`: packed batches of variable-length sequences, their row table
 //!   in `vx` and the moves of device arrays between layouts.
 
@@ -45,6 +47,7 @@ mod dispatch;
 mod forward;
 mod inputs;
 pub mod kernel;
+mod kv_pool;
 mod merge;
 mod params;
 mod pipelines;
@@ -71,6 +74,7 @@ use std::sync::OnceLock;
 pub use backward::{backward, backward_arrays};
 pub use device_array::{check_array_bytes, to_device, DeviceArray};
 pub use forward::{forward, forward_arrays};
+pub use kv_pool::GpuStorage;
 pub use merge::merge_states;
 pub use timing::{last_kernel_times, set_kernel_timing};
 pub use varlen::swap_leading;

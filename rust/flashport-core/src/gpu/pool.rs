@@ -95,7 +95,8 @@ impl DevicePool {
 pub(crate) struct Pooled {
     buffer: wgpu::Buffer,
     bytes: u64,
-    pool: Arc<DevicePool>,
+    /// `None` for a buffer of its own ([`Context::owned_buffer`]).
+    pool: Option<Arc<DevicePool>>,
 }
 
 impl Pooled {
@@ -120,7 +121,9 @@ impl Pooled {
 
 impl Drop for Pooled {
     fn drop(&mut self) {
-        self.pool.give(self.buffer.clone());
+        if let Some(pool) = &self.pool {
+            pool.give(self.buffer.clone());
+        }
     }
 }
 
@@ -133,7 +136,24 @@ impl Context {
         Pooled {
             buffer: self.device_pool.take(&self.device, bytes),
             bytes,
-            pool: self.device_pool.clone(),
+            pool: Some(self.device_pool.clone()),
+        }
+    }
+
+    /// A device-local buffer of exactly `bytes` (rounded up to 4), outside
+    /// the pool: a KV cache's pools live as long as the cache, sized to it
+    /// rather than to a bucket, and are freed with it. Zeroed by wgpu.
+    pub fn owned_buffer(&self, bytes: u64) -> Pooled {
+        let bytes = bytes.max(4).next_multiple_of(4);
+        Pooled {
+            buffer: self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("flashport kv cache"),
+                size: bytes,
+                usage: DEVICE_USAGE,
+                mapped_at_creation: false,
+            }),
+            bytes,
+            pool: None,
         }
     }
 }

@@ -73,6 +73,10 @@ pub fn decode_source(f16_inputs: bool, vec4: bool) -> String {
     };
     [input, TANH, load, DECODE].join("\n")
 }
+/// A KV cache's writes and block copies into its pools (a module of its
+/// own, after the grid it shares: lib/grid.wgsl).
+pub const KV_SCATTER: &str = concat!(shader!("lib/grid.wgsl"), "\n", shader!("kv_scatter.wgsl"));
+
 /// attention_varlen's moves between layouts (a module of its own).
 pub(crate) const VARLEN: &str = shader!("varlen.wgsl");
 

@@ -59,3 +59,13 @@ pub fn round_to_f16_on_device(values: &[f32]) -> Result<Vec<half::f16>> {
         )),
     }
 }
+
+/// The binding limit under which a KV cache made now keeps `blocks` blocks
+/// of `block_bytes` (its widest pool's) per pool buffer: one binding holds
+/// them with the slack of the adapter's offset alignment.
+pub fn kv_pool_binding_limit(block_bytes: u64, blocks: u64) -> Result<u64> {
+    let ctx = context::get()?;
+    let align = ctx.limits.min_storage_buffer_offset_alignment.max(16) as u64;
+    // Binding limits are whole words (`chunks::binding_limit`).
+    Ok((align + 16 + blocks * block_bytes).next_multiple_of(4))
+}

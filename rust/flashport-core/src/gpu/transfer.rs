@@ -207,13 +207,13 @@ fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
 
 /// The word poisoned outputs are filled with: a quiet NaN as a float32
 /// (0x7fc0_7fc0) whose halves are float16 quiet NaNs (0x7fc0) too.
-const POISON: u32 = 0x7fc0_7fc0;
+pub(crate) const POISON: u32 = 0x7fc0_7fc0;
 
 /// Whether output buffers are filled with NaN before the kernels run: in
 /// debug builds (the Rust tests) and with `FLASHPORT_GPU_POISON=1` (the
 /// Python test suite sets it), so that an unwritten element cannot pass for
 /// a result. Off otherwise: it costs an upload of every output.
-fn poison_outputs() -> bool {
+pub(crate) fn poison_outputs() -> bool {
     cfg!(debug_assertions) || crate::env::switch_on(crate::env::GPU_POISON)
 }
 

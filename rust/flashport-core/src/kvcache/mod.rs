@@ -132,13 +132,7 @@ impl KvCache {
         let shape = CacheShape::new(args)?;
         let storage: Box<dyn Storage> = match Device::parse(device)? {
             Device::Cpu | Device::Auto => Box::new(CpuStorage::new(shape)?),
-            Device::Gpu => {
-                return Err(Error::BackendUnavailable(
-                    "device=\"gpu\": the KV cache's GPU storage is not built yet; \
-                     device=\"cpu\" keeps the cache in host memory (CPU attention)"
-                        .to_string(),
-                ))
-            }
+            Device::Gpu => Box::new(crate::gpu::GpuStorage::new(shape)?),
         };
         Ok(KvCache {
             shape,

@@ -349,7 +349,7 @@ fn bad_arguments_are_named_and_change_nothing() {
 }
 
 #[test]
-fn the_gpu_cache_is_not_built_yet() {
+fn the_device_is_chosen_by_name_and_float64_stays_on_the_cpu() {
     let args = CacheArgs {
         num_blocks: 1,
         block_size: 1,
@@ -357,11 +357,14 @@ fn the_gpu_cache_is_not_built_yet() {
         head_dim: 1,
         head_dim_v: None,
         layers: 1,
-        dtype: "float32",
+        dtype: "float64",
     };
+    // Refused before any adapter is looked for, as the GPU refuses float64.
     let e = KvCache::new(&args, Some("gpu")).unwrap_err();
-    assert!(matches!(e, Error::BackendUnavailable(_)), "{e}");
-    assert!(e.to_string().contains("not built yet"));
+    assert!(
+        e.to_string().starts_with("dtype has dtype float64") && e.to_string().contains("GPU"),
+        "{e}"
+    );
     assert_eq!(KvCache::new(&args, Some("auto")).unwrap().device(), "cpu");
     assert!(KvCache::new(&args, Some("tpu")).is_err());
 }

@@ -14,6 +14,7 @@
 //!   builtins, on a device of its own;
 //! - `device_arrays`: arrays kept on the GPU; `errors`: what is refused;
 //! - `decode`: decoding over paged KV caches (`attention_with_kvcache`);
+//! - `kvcache`: `KvCache` with its pools on the GPU;
 //! - `loop_limit`: kernels whose threads loop long (lavapipe's limit).
 //!
 //! The knobs are `flashport_core::overrides` (per thread, restored by
@@ -27,6 +28,7 @@ mod determinism;
 mod device_arrays;
 mod errors;
 mod kernels;
+mod kvcache;
 mod loop_limit;
 mod require;
 mod tiers;

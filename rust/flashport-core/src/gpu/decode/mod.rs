@@ -12,6 +12,15 @@
 //! Everything is checked on the host before any dispatch (lengths and
 //! table entries by validation, windows here), and naga's bounds checks
 //! stay on in the kernel, so no read leaves its binding.
+//!
+//! A KV cache's pools (`super::kv_pool`) are bound where they are, whole:
+//! a pool larger than one binding is several buffers of whole blocks, and
+//! then each dispatch runs once per buffer its sequences read, the table
+//! entries of the other buffers' blocks marked as not bound (`SKIPS`):
+//! each run's splits see only the keys of its buffer, and the combine
+//! pass merges every run's splits as one set. Attention over a set of
+//! keys is the merge of attention over its parts, so a sequence's blocks
+//! may lie anywhere in the pool.
 
 pub mod select;
 
@@ -33,7 +42,8 @@ use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
 use crate::problem::CacheLayout;
 use crate::{
-    Array, DType, Error, ForwardOutput, Input, KvCacheProblem, Placement, Result, VariantArrays,
+    Array, DType, DeviceArray, Error, ForwardOutput, Input, KvCacheProblem, Placement, Result,
+    VariantArrays,
 };
 use select::{decode_tiles, gpu_splits, AdapterKind, DecodeCaps, DecodeTiles};
 
@@ -60,7 +70,7 @@ pub(crate) struct Uniform {
     pub seqlens_off: u32,
     pub table_off: u32,
     pub slopes_off: u32,
-    pub pad0: u32,
+    pub split_base: u32,
     pub k_delta: u32,
     pub v_delta: u32,
     pub out_rows: u32,
@@ -91,6 +101,58 @@ const POSITION_LIMIT: usize = 1 << 30;
 /// The smallest cache binding: one vec4<f32>, the widest element the
 /// kernel's cache arrays have.
 const MIN_WINDOW: u64 = 16;
+
+/// Where the caches are: two arrays (host or device), or a KV cache's
+/// pools split over buffers of `per_buffer` blocks (more than one).
+#[derive(Clone, Copy)]
+enum Caches<'a> {
+    Arrays(Source<'a>, Source<'a>),
+    Pools {
+        keys: &'a [DeviceArray],
+        values: &'a [DeviceArray],
+        per_buffer: usize,
+    },
+}
+
+/// Decodes on the GPU over a KV cache's pools of one layer, `keys` and
+/// `values` each a list of buffers of `per_buffer` whole blocks, bound
+/// where they are (the problem's table counts blocks over the whole pool).
+pub(crate) fn attention_with_kvcache_pools(
+    problem: &KvCacheProblem,
+    q: Input<'_>,
+    (keys, values, per_buffer): (&[DeviceArray], &[DeviceArray], usize),
+    variants: &VariantArrays<'_>,
+    outputs: Placement,
+) -> Result<ForwardOutput<Array>> {
+    if problem.dtype() == DType::F64 {
+        return Err(float64_error("q"));
+    }
+    crate::check_len("q", &q, problem.q_len(), problem.dtype())?;
+    crate::decode::check_variants(problem, variants)?;
+    check_positions(problem)?;
+    let (Some(k0), Some(v0)) = (keys.first(), values.first()) else {
+        return Err(Error::Shape("a KV cache without blocks".to_string()));
+    };
+    let q = source("q", q)?;
+    let caches = if keys.len() == 1 && values.len() == 1 {
+        Caches::Arrays(Source::Device(k0), Source::Device(v0))
+    } else {
+        Caches::Pools {
+            keys,
+            values,
+            per_buffer,
+        }
+    };
+    let named = [
+        ("q", q),
+        ("k_cache", Source::Device(k0)),
+        ("v_cache", Source::Device(v0)),
+    ];
+    let overrides = overrides::current();
+    with_inputs("decoding over a KV cache", &named, |ctx| {
+        decode_on(ctx, problem, q, caches, variants, outputs, &overrides)
+    })
+}
 
 /// Decodes on the GPU, leaving the outputs where `outputs` says.
 pub fn attention_with_kvcache(
@@ -126,8 +188,17 @@ pub fn attention_with_kvcache(
         ("v_cache", sources[2]),
     ];
     let overrides = overrides::current();
+    let [q, k, v] = sources;
     with_inputs("decoding over a KV cache", &named, |ctx| {
-        decode_on(ctx, problem, sources, variants, outputs, &overrides)
+        decode_on(
+            ctx,
+            problem,
+            q,
+            Caches::Arrays(k, v),
+            variants,
+            outputs,
+            &overrides,
+        )
     })
 }
 
@@ -222,12 +293,15 @@ fn seq_data_words(p: &KvCacheProblem, sequences: usize) -> usize {
 
 /// Runs of sequences, each as long as its bindings and grid allow; an
 /// error naming what does not fit when one sequence alone does not.
+/// `windows`: the caches are bound as windows of the dispatch's blocks
+/// (else as whole pool buffers, each within a binding already).
 fn plan(
     p: &KvCacheProblem,
     tiles: DecodeTiles,
     splits: usize,
     eb: u64,
     limits: &Limits,
+    windows: bool,
 ) -> Result<Vec<Dispatch>> {
     let row_blocks = tiles.row_blocks(p.group_rows()) as u64;
     let fits = |d: &Dispatch| {
@@ -240,7 +314,7 @@ fn plan(
     let mut plan: Vec<Dispatch> = Vec::new();
     let mut current: Option<Dispatch> = None;
     for b in 0..p.batch() {
-        let own = blocks_of(p, b);
+        let own = if windows { blocks_of(p, b) } else { None };
         let grown = current.as_ref().map(|c| Dispatch {
             sequences: c.sequences.start..b + 1,
             blocks: match &own {
@@ -367,11 +441,36 @@ fn window(
     }
 }
 
+/// The pool buffers a dispatch's sequences read, in order (buffer 0 when
+/// they read none: a run is still needed for the outputs).
+fn buffers_read(p: &KvCacheProblem, d: &Dispatch, per_buffer: usize) -> Vec<usize> {
+    let mut read = std::collections::BTreeSet::new();
+    if let CacheLayout::Paged {
+        block_size,
+        max_blocks,
+        table,
+        ..
+    } = &p.layout
+    {
+        for b in d.sequences.clone() {
+            let used = &table[b * max_blocks..][..p.seqlens[b].div_ceil(*block_size)];
+            read.extend(used.iter().map(|&x| x / per_buffer));
+        }
+    }
+    if read.is_empty() {
+        read.insert(0);
+    }
+    read.into_iter().collect()
+}
+
 /// The words of a dispatch's `seq_data` and the uniform's offsets into it.
+/// `buffer`: the pool buffer bound (index, blocks per buffer), whose
+/// blocks the table counts from its first, the others' marked NONE.
 fn seq_data_of(
     p: &KvCacheProblem,
     d: &Dispatch,
     variants: &VariantArrays<'_>,
+    buffer: Option<(usize, usize)>,
 ) -> (Vec<u32>, [u32; 4]) {
     let mut words: Vec<u32> = d.sequences.clone().map(|b| p.seqlens[b] as u32).collect();
     let table_off = words.len() as u32;
@@ -382,11 +481,13 @@ fn seq_data_of(
         for b in d.sequences.clone() {
             // Blocks counted from the first one bound; entries past the
             // length are 0 (never read).
-            words.extend(
-                table[b * max_blocks..(b + 1) * max_blocks]
-                    .iter()
-                    .map(|&x| x.saturating_sub(d.blocks.start) as u32),
-            );
+            let row = table[b * max_blocks..(b + 1) * max_blocks].iter();
+            match buffer {
+                None => words.extend(row.map(|&x| x.saturating_sub(d.blocks.start) as u32)),
+                Some((i, per)) => {
+                    words.extend(row.map(|&x| if x / per == i { (x % per) as u32 } else { NONE }))
+                }
+            }
         }
     }
     let slopes_off = words.len() as u32;
@@ -410,10 +511,24 @@ fn seq_data_of(
     (words, [0, table_off, slopes_off, sinks_off])
 }
 
+/// A whole pool buffer as a cache binding.
+fn whole(array: &DeviceArray, sub: &mut Submission<'_>) -> CacheWindow {
+    let buffer = array.buffer().clone();
+    sub.keep(&buffer);
+    let size = buffer.bytes();
+    CacheWindow {
+        buffer,
+        offset: 0,
+        size,
+        delta: 0,
+    }
+}
+
 fn decode_on(
     ctx: &Arc<Context>,
     p: &KvCacheProblem,
-    [q, k_cache, v_cache]: [Source<'_>; 3],
+    q: Source<'_>,
+    caches: Caches<'_>,
     variants: &VariantArrays<'_>,
     outputs: Placement,
     overrides: &Overrides,
@@ -457,12 +572,19 @@ fn decode_on(
         grid: ctx.limits.max_compute_workgroups_per_dimension as u64,
         align: ctx.limits.min_storage_buffer_offset_alignment.max(16) as u64,
     };
-    let dispatches = plan(p, tiles, splits, eb, &limits)?;
-    let constants = tiles.overrides(
+    // A dispatch over pools runs once per buffer, each run's splits apart.
+    let runs = match caches {
+        Caches::Arrays(..) => 1,
+        Caches::Pools { keys, .. } => keys.len(),
+    };
+    let windows = matches!(caches, Caches::Arrays(..));
+    let dispatches = plan(p, tiles, splits * runs, eb, &limits, windows)?;
+    let mut constants = tiles.overrides(
         matches!(p.layout, CacheLayout::Paged { .. }),
         a.softcap.is_some(),
         a.alibi_per_batch.is_some(),
     );
+    constants.push(("SKIPS", if windows { 0.0 } else { 1.0 }));
     let label = match (f16, tiles.vec4) {
         (false, true) => "decode_f32_vec4",
         (false, false) => "decode_f32_elements",
@@ -483,76 +605,100 @@ fn decode_on(
         let last = i + 1 == dispatches.len();
         let reads = ctx.scoped("decoding over a KV cache", || {
             let mut sub = Submission::new(ctx);
-            let (words, [seqlens_off, table_off, slopes_off, sinks_off]) =
-                seq_data_of(p, dispatch, variants);
-            let seq_data = sub.data(&words)?;
+            let buffers: Vec<Option<(usize, usize)>> = match caches {
+                Caches::Arrays(..) => vec![None],
+                Caches::Pools { per_buffer, .. } => buffers_read(p, dispatch, per_buffer)
+                    .into_iter()
+                    .map(|i| Some((i, per_buffer)))
+                    .collect(),
+            };
+            let all_splits = splits * buffers.len();
+            let part_o = sub.output(all_splits * out_rows * dv);
+            let part_lse = sub.output(all_splits * out_rows);
             let qb = chunk_input(&mut sub, "q", q, (per_sequence * d, eb as usize), (b0, n))?;
-            let blocks = &dispatch.blocks;
-            let kw = window(&mut sub, "k_cache", k_cache, p, blocks, d, eb, limits.align)?;
-            let vw = window(
-                &mut sub,
-                "v_cache",
-                v_cache,
-                p,
-                blocks,
-                dv,
-                eb,
-                limits.align,
-            )?;
-            let uniform = sub.uniform(&Uniform {
-                heads_q: a.heads_q as u32,
-                heads_kv: a.heads_kv as u32,
-                group: a.group_size() as u32,
-                seq_q: a.seq_q as u32,
-                rows: p.group_rows() as u32,
-                row_blocks: row_blocks as u32,
-                d: d as u32,
-                dv: dv as u32,
-                block_size: p.block_size() as u32,
-                max_blocks: match &p.layout {
-                    CacheLayout::Paged { max_blocks, .. } => *max_blocks as u32,
-                    CacheLayout::Contiguous { .. } => 1,
-                },
-                splits: splits as u32,
-                causal: u32::from(a.causal),
-                left: side(a.window.left),
-                right: side(a.window.right),
-                scale: a.scale as f32,
-                softcap: a.softcap.map_or(1.0, |c| c as f32),
-                seqlens_off,
-                table_off,
-                slopes_off,
-                pad0: 0,
-                k_delta: kw.delta,
-                v_delta: vw.delta,
-                out_rows: out_rows as u32,
-                pad1: 0,
-            })?;
-            let part_o = sub.output(splits * out_rows * dv);
-            let part_lse = sub.output(splits * out_rows);
-            let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("decode"),
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &[
-                    entry(0, uniform.binding()),
-                    entry(1, qb.binding()),
-                    entry(2, kw.binding()),
-                    entry(3, vw.binding()),
-                    entry(4, seq_data.binding()),
-                    entry(5, part_o.binding()),
-                    entry(6, part_lse.binding()),
-                ],
-            });
-            let y = (n * a.heads_kv * row_blocks) as u32;
-            sub.dispatch(&pipeline, &group, (splits as u32, y), "decode");
+            let mut seq_data = None;
+            let mut sinks_offset = 0;
+            for (run, &buffer) in buffers.iter().enumerate() {
+                let (words, [seqlens_off, table_off, slopes_off, sinks_off]) =
+                    seq_data_of(p, dispatch, variants, buffer);
+                let data = sub.data(&words)?;
+                let blocks = &dispatch.blocks;
+                let (kw, vw) = match caches {
+                    Caches::Pools { keys, values, .. } => {
+                        let i = buffer.map_or(0, |(i, _)| i);
+                        (whole(&keys[i], &mut sub), whole(&values[i], &mut sub))
+                    }
+                    Caches::Arrays(k_cache, v_cache) => (
+                        window(&mut sub, "k_cache", k_cache, p, blocks, d, eb, limits.align)?,
+                        window(
+                            &mut sub,
+                            "v_cache",
+                            v_cache,
+                            p,
+                            blocks,
+                            dv,
+                            eb,
+                            limits.align,
+                        )?,
+                    ),
+                };
+                let uniform = sub.uniform(&Uniform {
+                    heads_q: a.heads_q as u32,
+                    heads_kv: a.heads_kv as u32,
+                    group: a.group_size() as u32,
+                    seq_q: a.seq_q as u32,
+                    rows: p.group_rows() as u32,
+                    row_blocks: row_blocks as u32,
+                    d: d as u32,
+                    dv: dv as u32,
+                    block_size: p.block_size() as u32,
+                    max_blocks: match &p.layout {
+                        CacheLayout::Paged { max_blocks, .. } => *max_blocks as u32,
+                        CacheLayout::Contiguous { .. } => 1,
+                    },
+                    splits: splits as u32,
+                    causal: u32::from(a.causal),
+                    left: side(a.window.left),
+                    right: side(a.window.right),
+                    scale: a.scale as f32,
+                    softcap: a.softcap.map_or(1.0, |c| c as f32),
+                    seqlens_off,
+                    table_off,
+                    slopes_off,
+                    split_base: (run * splits) as u32,
+                    k_delta: kw.delta,
+                    v_delta: vw.delta,
+                    out_rows: out_rows as u32,
+                    pad1: 0,
+                })?;
+                let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some("decode"),
+                    layout: &pipeline.get_bind_group_layout(0),
+                    entries: &[
+                        entry(0, uniform.binding()),
+                        entry(1, qb.binding()),
+                        entry(2, kw.binding()),
+                        entry(3, vw.binding()),
+                        entry(4, data.binding()),
+                        entry(5, part_o.binding()),
+                        entry(6, part_lse.binding()),
+                    ],
+                });
+                let y = (n * a.heads_kv * row_blocks) as u32;
+                sub.dispatch(&pipeline, &group, (splits as u32, y), "decode");
+                // Every run's words agree on the sinks the combine reads.
+                sinks_offset = sinks_off;
+                seq_data = Some(data);
+            }
+            let seq_data = seq_data.expect("at least one run");
             let combine_uniform = sub.uniform(&CombineUniform {
                 rows: out_rows as u32,
                 dv: dv as u32,
-                splits: splits as u32,
+                splits: all_splits as u32,
                 heads_q: a.heads_q as u32,
                 seq_q: a.seq_q as u32,
                 sinks: u32::from(a.sinks),
-                sinks_off,
+                sinks_off: sinks_offset,
                 pad0: 0,
             })?;
             let ob = sub.output(out_rows * dv);
@@ -645,7 +791,7 @@ mod tests {
     fn uniforms_match_the_shaders() {
         let rust = offsets!(Uniform: heads_q, heads_kv, group, seq_q, rows, row_blocks, d, dv,
             block_size, max_blocks, splits, causal, left, right, scale, softcap, seqlens_off,
-            table_off, slopes_off, pad0, k_delta, v_delta, out_rows, pad1);
+            table_off, slopes_off, split_base, k_delta, v_delta, out_rows, pad1);
         check_struct(
             &decode_source(false, true),
             "Decode",
