@@ -7,7 +7,7 @@ the arguments as given and states the contract."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -301,9 +301,7 @@ class KVCache:
     def length(self, sid: int, *, layer: int | None = None) -> int:
         """Positions of sequence ``sid`` written on every layer, or on
         ``layer`` if it is given."""
-        return self._cache.length(
-            sid, layer
-        )
+        return self._cache.length(sid, layer)
 
     def block_table(self, seq_ids: Iterable[int]) -> np.ndarray:
         """The sequences' block tables: int32 ``(len(seq_ids), most blocks

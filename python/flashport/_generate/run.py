@@ -125,9 +125,7 @@ def generate(
 
         if step + 1 < work.new_tokens:
             started = time.perf_counter()
-            feed = beams.choose(step_logits[:BEAM_WIDTH]) + samples.choose(
-                step_logits[BEAM_WIDTH:]
-            )
+            feed = beams.choose(step_logits[:BEAM_WIDTH]) + samples.choose(step_logits[BEAM_WIDTH:])
             decode_s += time.perf_counter() - started
 
     best, best_score = beams.best()

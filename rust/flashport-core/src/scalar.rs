@@ -284,7 +284,10 @@ mod tests {
     fn indices_are_ints_saturated_never_bools_or_floats() {
         assert_eq!(index("layer", &given(Kind::Int(Some(2)))), Ok(2));
         assert_eq!(index("sid", &given(Kind::Int(Some(1 << 80)))), Ok(i64::MAX));
-        assert_eq!(index("sid", &given(Kind::Int(Some(-(1 << 80))))), Ok(i64::MIN));
+        assert_eq!(
+            index("sid", &given(Kind::Int(Some(-(1 << 80))))),
+            Ok(i64::MIN)
+        );
         for kind in [
             Kind::Float(1.0),
             Kind::Bool(true),
@@ -292,17 +295,29 @@ mod tests {
             Kind::Str("1".into()),
             Kind::Int(None),
         ] {
-            assert_eq!(argument_of(index("layer", &given(kind)).unwrap_err()), "layer");
+            assert_eq!(
+                argument_of(index("layer", &given(kind)).unwrap_err()),
+                "layer"
+            );
         }
         let items = |kinds: Vec<Kind>| IndicesGiven::Items(kinds.into_iter().map(given).collect());
         assert_eq!(
-            indices("seq_ids", &items(vec![Kind::Int(Some(3)), Kind::Int(Some(0))])),
+            indices(
+                "seq_ids",
+                &items(vec![Kind::Int(Some(3)), Kind::Int(Some(0))])
+            ),
             Ok(vec![3, 0])
         );
-        let e = indices("seq_ids", &items(vec![Kind::Int(Some(3)), Kind::Float(0.0)]));
+        let e = indices(
+            "seq_ids",
+            &items(vec![Kind::Int(Some(3)), Kind::Float(0.0)]),
+        );
         assert_eq!(argument_of(e.unwrap_err()), "seq_ids[1]");
         let bare = IndicesGiven::Other(given(Kind::Int(Some(0))));
-        assert_eq!(argument_of(indices("seq_ids", &bare).unwrap_err()), "seq_ids");
+        assert_eq!(
+            argument_of(indices("seq_ids", &bare).unwrap_err()),
+            "seq_ids"
+        );
     }
 
     #[test]

@@ -140,10 +140,7 @@ impl KvCacheHandle {
         layer: &Bound<'_, PyAny>,
         tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (sid, layer) = (
-            scalars::index("sid", sid)?,
-            scalars::index("layer", layer)?,
-        );
+        let (sid, layer) = (scalars::index("sid", sid)?, scalars::index("layer", layer)?);
         let (k_meta, v_meta) = (ArgMeta::read_main("k", k)?, ArgMeta::read_main("v", v)?);
         let (k_held, v_held) = (hold(k, &k_meta)?, hold(v, &v_meta)?);
         let (k_data, v_data) = (

@@ -87,7 +87,9 @@ fn indices_given(obj: &Bound<'_, PyAny>) -> PyResult<IndicesGiven> {
     }
     match obj.try_iter() {
         Ok(items) => Ok(IndicesGiven::Items(
-            items.map(|item| item.map(|i| given(&i))).collect::<PyResult<_>>()?,
+            items
+                .map(|item| item.map(|i| given(&i)))
+                .collect::<PyResult<_>>()?,
         )),
         Err(_) => Ok(IndicesGiven::Other(given(obj))),
     }
