@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import flashport
 
@@ -52,6 +53,14 @@ def main(argv: list[str]) -> int:
         f"MLP {c.hidden}, {c.layers} layers, float32, random weights (seed {args.seed})",
         flush=True,
     )
+    if not any(os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+        print(
+            "note: NumPy's BLAS threads and flashport's compete for the cores between the "
+            "model's matrix products and the cache's attention; with OPENBLAS_NUM_THREADS=1 "
+            "(set before Python starts) this run can be several times faster "
+            "(docs/generate.md)",
+            flush=True,
+        )
     devices = flashport.devices()
     runs = []
     if args.device in ("cpu", "all"):
