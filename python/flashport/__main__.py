@@ -7,7 +7,9 @@ time, the GFLOP/s and the peak extra memory next to what naive attention would
 need for its ``seq × seq`` matrices.
 
 ``python -m flashport devices`` lists the devices; ``python -m flashport bench``
-compares the CPU path with PyTorch and naive NumPy.
+compares the CPU path with PyTorch and naive NumPy; ``python -m flashport
+generate`` runs a small transformer's beam search and sampling over the KV
+cache.
 """
 
 from __future__ import annotations
@@ -160,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import _bench
 
         return _bench.main(argv[1:])
+    if argv[:1] == ["generate"]:
+        from . import _generate
+
+        return _generate.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m flashport", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     parser.add_argument("--batch", type=int, default=1)
@@ -173,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         "bench",
         help="CPU benchmark against PyTorch and NumPy (see bench --help); "
         "bench dask: flashport.dask against one call (bench dask --help)",
+    )
+    sub.add_parser(
+        "generate",
+        help="beam search and parallel sampling of a small NumPy transformer over the paged "
+        "KV cache, checked against recomputation (see generate --help)",
     )
     args = parser.parse_args(argv)
     if args.command == "devices":

@@ -357,6 +357,10 @@ def main(argv: list[str]) -> int:
         from . import _bench_decode
 
         return _bench_decode.main(argv[1:])
+    if argv[:1] == ["kvcache"]:
+        from . import _bench_kvcache
+
+        return _bench_kvcache.main(argv[1:])
     if argv[:1] == ["dask"]:
         from . import _bench_dask
 
@@ -365,7 +369,8 @@ def main(argv: list[str]) -> int:
         prog="python -m flashport bench",
         description=__doc__,
         epilog="python -m flashport bench varlen: packed batches against padding; "
-        "decode: decoding over KV caches; dask: sequence-parallel attention on Dask "
+        "decode: decoding over KV caches; kvcache: a decode step through flashport.KVCache; "
+        "dask: sequence-parallel attention on Dask "
         "(see their --help)",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")

@@ -1,13 +1,13 @@
 """flashport.KVCache: a paged KV cache for generation (block pool, block
 tables, reference-counted sharing, copy-on-write, prefix reuse). The
-bookkeeping, the storage and all validation live in the Rust core
-(``flashport._core.KVCache``); this module converts arguments and states the
-contract."""
+bookkeeping, the storage and all validation (integer arguments included)
+live in the Rust core (``flashport._core.KVCache``); this module forwards
+the arguments as given and states the contract."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -19,25 +19,6 @@ from ._errors import DTypeError, InvalidArgumentError
 from ._kvcache import _kvcache_variants
 
 __all__ = ["KVCache"]
-
-
-def _integer(name: str, value: Any) -> int:
-    """A Python or NumPy integer (the core checks its range); a bool or a
-    float is refused, not rounded."""
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
-        raise InvalidArgumentError(
-            f"{name}={value!r}: expected an integer, got {type(value).__name__}"
-        )
-    return int(value)
-
-
-def _seq_ids(seq_ids: Iterable[int] | npt.ArrayLike) -> list[int]:
-    if isinstance(seq_ids, int | np.integer) or not isinstance(seq_ids, Iterable):
-        raise InvalidArgumentError(
-            f"seq_ids={seq_ids!r}: expected a sequence of sequence ids (e.g. [sid]), got "
-            f"{type(seq_ids).__name__}"
-        )
-    return [_integer(f"seq_ids[{i}]", x) for i, x in enumerate(seq_ids)]
 
 
 class KVCache:
@@ -177,12 +158,12 @@ class KVCache:
         if device is not None and not isinstance(device, str):
             raise InvalidArgumentError(f'device={device!r}: expected None, "auto", "cpu" or "gpu"')
         self._cache = _core.KVCache(
-            _integer("num_blocks", num_blocks),
-            _integer("block_size", block_size),
-            _integer("heads_kv", heads_kv),
-            _integer("head_dim", head_dim),
-            None if head_dim_v is None else _integer("head_dim_v", head_dim_v),
-            _integer("layers", layers),
+            num_blocks,
+            block_size,
+            heads_kv,
+            head_dim,
+            head_dim_v,
+            layers,
             dtype_name,
             device,
         )
@@ -200,13 +181,13 @@ class KVCache:
         last block too), with the same layer lengths and tokens. Each
         block's reference count goes up by one; no block is taken, so fork
         never raises :class:`CacheFullError`."""
-        return self._cache.fork(_integer("sid", sid))
+        return self._cache.fork(sid)
 
     def free(self, sid: int) -> None:
         """Ends sequence ``sid``: its blocks' counts go down by one, blocks at
         0 return to the free queue (cached ones stay adoptable until reused).
         The id is unknown from then on."""
-        self._cache.free(_integer("sid", sid))
+        self._cache.free(sid)
 
     def append(
         self,
@@ -240,10 +221,10 @@ class KVCache:
                 # np.asarray([]) is float64; no token is no token.
                 tokens = tokens.astype(np.int64)
         self._cache.append(
-            _integer("sid", sid),
+            sid,
             _main_array(k),
             _main_array(v),
-            _integer("layer", layer),
+            layer,
             tokens,
         )
 
@@ -314,8 +295,8 @@ class KVCache:
         """
         out, lse = self._cache.attention(
             _main_array(q),
-            _seq_ids(seq_ids),
-            _integer("layer", layer),
+            seq_ids,
+            layer,
             causal,
             scale,
             _kvcache_variants(window, alibi_slopes, softcap, sinks),
@@ -329,9 +310,7 @@ class KVCache:
     def length(self, sid: int, *, layer: int | None = None) -> int:
         """Positions of sequence ``sid`` written on every layer, or on
         ``layer`` if it is given."""
-        return self._cache.length(
-            _integer("sid", sid), None if layer is None else _integer("layer", layer)
-        )
+        return self._cache.length(sid, layer)
 
     def block_table(self, seq_ids: Iterable[int]) -> np.ndarray:
         """The sequences' block tables: int32 ``(len(seq_ids), most blocks
@@ -339,7 +318,7 @@ class KVCache:
         blocks in position order, padded with -1. With the pools of
         :meth:`read_layer` and the layer lengths it is what
         :func:`attention_with_kvcache` reads."""
-        return self._cache.block_table(_seq_ids(seq_ids))
+        return self._cache.block_table(seq_ids)
 
     def ref_counts(self) -> np.ndarray:
         """int64 ``(num_blocks,)``: how many sequences hold each block."""
@@ -349,7 +328,7 @@ class KVCache:
         """Copies of ``layer``'s pools: keys ``(num_blocks, heads_kv,
         block_size, head_dim)`` and values ``(..., head_dim_v)``. Slots no
         sequence has written hold anything."""
-        return self._cache.read_layer(_integer("layer", layer))
+        return self._cache.read_layer(layer)
 
     @property
     def sequences(self) -> list[int]:

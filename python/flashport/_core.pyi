@@ -1,5 +1,6 @@
 # Stubs of the compiled extension (rust/flashport-py). tests/test_stubs.py
 # checks them against the module with mypy.stubtest.
+from collections.abc import Iterable
 from typing import final
 
 import numpy as np
@@ -128,7 +129,7 @@ class KVCache:
     def attention(
         self,
         q: _Tensor,
-        seq_ids: list[int],
+        seq_ids: Iterable[int],
         layer: int,
         causal: object,
         scale: object,
@@ -137,7 +138,7 @@ class KVCache:
         return_lse: object,
     ) -> tuple[_Tensor, _Tensor]: ...
     def length(self, sid: int, layer: int | None) -> int: ...
-    def block_table(self, seq_ids: list[int]) -> npt.NDArray[np.integer]: ...
+    def block_table(self, seq_ids: Iterable[int]) -> npt.NDArray[np.integer]: ...
     def ref_counts(self) -> npt.NDArray[np.int64]: ...
     def read_layer(self, layer: int) -> tuple[_Float, _Float]: ...
     def sequences(self) -> list[int]: ...

@@ -109,6 +109,44 @@ pub fn integer(argument: &str, given: &Given) -> Result<Option<i128>> {
     }
 }
 
+/// A required integer naming a size, a layer or a sequence (`num_blocks`,
+/// `layer`, `sid`): an int, never a bool or a float (`layers=True` or
+/// `layer=1.0` is a mistake, not a 1). Beyond `i64` it saturates: the
+/// caller's own check then refuses it by name ("no such sequence", "larger
+/// than this machine can address") rather than as a range error here.
+pub fn index(argument: &str, given: &Given) -> Result<i64> {
+    match given.kind {
+        Kind::Int(Some(i)) => Ok(i.clamp(i64::MIN as i128, i64::MAX as i128) as i64),
+        Kind::Int(None) => Err(Error::Value {
+            argument: argument.to_string(),
+            value: given.repr.clone(),
+            reason: "the integer is out of range".to_string(),
+        }),
+        _ => Err(given.error(argument, "an integer")),
+    }
+}
+
+/// A list of indices as given (`seq_ids=`): its items, or something that
+/// is not a list of them (an int, a string, a non-iterable).
+#[derive(Debug, Clone, PartialEq)]
+pub enum IndicesGiven {
+    Items(Vec<Given>),
+    Other(Given),
+}
+
+/// `seq_ids=[...]`: each item an [`index`], named `argument[i]`; a bare
+/// id is refused (`seq_ids=0` where `[0]` was meant).
+pub fn indices(argument: &str, given: &IndicesGiven) -> Result<Vec<i64>> {
+    match given {
+        IndicesGiven::Items(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| index(&format!("{argument}[{i}]"), item))
+            .collect(),
+        IndicesGiven::Other(g) => Err(g.error(argument, "a sequence of sequence ids (e.g. [sid])")),
+    }
+}
+
 /// `device=`: a name, or `None` for the default.
 pub fn name(argument: &str, given: &Given) -> Result<Option<String>> {
     match &given.kind {
@@ -240,6 +278,46 @@ mod tests {
         ] {
             assert_eq!(argument_of(window(&bad).unwrap_err()), "window", "{bad:?}");
         }
+    }
+
+    #[test]
+    fn indices_are_ints_saturated_never_bools_or_floats() {
+        assert_eq!(index("layer", &given(Kind::Int(Some(2)))), Ok(2));
+        assert_eq!(index("sid", &given(Kind::Int(Some(1 << 80)))), Ok(i64::MAX));
+        assert_eq!(
+            index("sid", &given(Kind::Int(Some(-(1 << 80))))),
+            Ok(i64::MIN)
+        );
+        for kind in [
+            Kind::Float(1.0),
+            Kind::Bool(true),
+            Kind::None,
+            Kind::Str("1".into()),
+            Kind::Int(None),
+        ] {
+            assert_eq!(
+                argument_of(index("layer", &given(kind)).unwrap_err()),
+                "layer"
+            );
+        }
+        let items = |kinds: Vec<Kind>| IndicesGiven::Items(kinds.into_iter().map(given).collect());
+        assert_eq!(
+            indices(
+                "seq_ids",
+                &items(vec![Kind::Int(Some(3)), Kind::Int(Some(0))])
+            ),
+            Ok(vec![3, 0])
+        );
+        let e = indices(
+            "seq_ids",
+            &items(vec![Kind::Int(Some(3)), Kind::Float(0.0)]),
+        );
+        assert_eq!(argument_of(e.unwrap_err()), "seq_ids[1]");
+        let bare = IndicesGiven::Other(given(Kind::Int(Some(0))));
+        assert_eq!(
+            argument_of(indices("seq_ids", &bare).unwrap_err()),
+            "seq_ids"
+        );
     }
 
     #[test]

@@ -11,25 +11,12 @@ use flashport_core::kvcache::{ArrayArg, CacheArgs, CacheShape};
 use flashport_core::{DType, Input, Placement, VariantArrays};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyTuple};
+use pyo3::types::PyTuple;
 
 use super::{
     as_f64_vec, int_values, raise, run_detached, scalars, to_numpy, to_python, ArgMeta, Contiguous,
     Held, KvCacheVariantArgs,
 };
-
-/// An integer argument as i64, saturating beyond its range (the core then
-/// refuses it by name: no sequence has such an id, no size is that large).
-fn int_arg(value: &Bound<'_, PyAny>) -> PyResult<i64> {
-    match value.extract::<i64>() {
-        Ok(v) => Ok(v),
-        Err(e) if value.is_instance_of::<PyInt>() => {
-            let negative = value.lt(0).map_err(|_| e)?;
-            Ok(if negative { i64::MIN } else { i64::MAX })
-        }
-        Err(e) => Err(e),
-    }
-}
 
 /// An array the cache reads (k, v, q): held in its own float dtype, or
 /// not at all when it has no float dtype (the core then names the
@@ -93,10 +80,6 @@ impl KvCacheHandle {
             f(&self.inner.read().unwrap_or_else(PoisonError::into_inner))
         })
     }
-
-    fn ids(seq_ids: &[Bound<'_, PyAny>]) -> PyResult<Vec<i64>> {
-        seq_ids.iter().map(int_arg).collect()
-    }
 }
 
 #[pymethods]
@@ -116,12 +99,14 @@ impl KvCacheHandle {
         device: Option<&str>,
     ) -> PyResult<Self> {
         let args = CacheArgs {
-            num_blocks: int_arg(num_blocks)?,
-            block_size: int_arg(block_size)?,
-            heads_kv: int_arg(heads_kv)?,
-            head_dim: int_arg(head_dim)?,
-            head_dim_v: head_dim_v.map(int_arg).transpose()?,
-            layers: int_arg(layers)?,
+            num_blocks: scalars::index("num_blocks", num_blocks)?,
+            block_size: scalars::index("block_size", block_size)?,
+            heads_kv: scalars::index("heads_kv", heads_kv)?,
+            head_dim: scalars::index("head_dim", head_dim)?,
+            head_dim_v: head_dim_v
+                .map(|d| scalars::index("head_dim_v", d))
+                .transpose()?,
+            layers: scalars::index("layers", layers)?,
             dtype,
         };
         let cache = run_detached(py, || core::KvCache::new(&args, device))?;
@@ -136,12 +121,12 @@ impl KvCacheHandle {
     }
 
     fn fork(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let sid = int_arg(sid)?;
+        let sid = scalars::index("sid", sid)?;
         self.write(py, |c| c.fork(sid))
     }
 
     fn free(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<()> {
-        let sid = int_arg(sid)?;
+        let sid = scalars::index("sid", sid)?;
         self.write(py, |c| c.free(sid))
     }
 
@@ -155,7 +140,7 @@ impl KvCacheHandle {
         layer: &Bound<'_, PyAny>,
         tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (sid, layer) = (int_arg(sid)?, int_arg(layer)?);
+        let (sid, layer) = (scalars::index("sid", sid)?, scalars::index("layer", layer)?);
         let (k_meta, v_meta) = (ArgMeta::read_main("k", k)?, ArgMeta::read_main("v", v)?);
         let (k_held, v_held) = (hold(k, &k_meta)?, hold(v, &v_meta)?);
         let (k_data, v_data) = (
@@ -189,7 +174,7 @@ impl KvCacheHandle {
         &self,
         py: Python<'py>,
         q: &Bound<'py, PyAny>,
-        seq_ids: Vec<Bound<'py, PyAny>>,
+        seq_ids: &Bound<'py, PyAny>,
         layer: &Bound<'py, PyAny>,
         causal: &Bound<'py, PyAny>,
         scale: &Bound<'py, PyAny>,
@@ -199,7 +184,8 @@ impl KvCacheHandle {
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         // Checked for the Python wrapper, which returns lse only when set.
         scalars::flag("return_lse", return_lse)?;
-        let (ids, layer) = (Self::ids(&seq_ids)?, int_arg(layer)?);
+        let ids = scalars::indices("seq_ids", seq_ids)?;
+        let layer = scalars::index("layer", layer)?;
         let q_meta = ArgMeta::read_main("q", q)?;
         let q_held = hold(q, &q_meta)?;
         let q_data = q_held.as_ref().map(|h| h.contiguous("q")).transpose()?;
@@ -247,8 +233,8 @@ impl KvCacheHandle {
         sid: &Bound<'_, PyAny>,
         layer: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let sid = int_arg(sid)?;
-        let layer = layer.map(int_arg).transpose()?;
+        let sid = scalars::index("sid", sid)?;
+        let layer = layer.map(|l| scalars::index("layer", l)).transpose()?;
         self.read(py, |c| c.length(sid, layer))
     }
 
@@ -257,9 +243,9 @@ impl KvCacheHandle {
     fn block_table<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: Vec<Bound<'py, PyAny>>,
+        seq_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let ids = Self::ids(&seq_ids)?;
+        let ids = scalars::indices("seq_ids", seq_ids)?;
         let (table, width) = self.read(py, |c| c.block_table(&ids))?;
         let shape = [ids.len(), width];
         if self.shape.num_blocks <= i32::MAX as usize {
@@ -290,7 +276,7 @@ impl KvCacheHandle {
         py: Python<'py>,
         layer: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-        let layer = int_arg(layer)?;
+        let layer = scalars::index("layer", layer)?;
         let (k, v) = self.read(py, |c| c.read_layer(layer))?;
         Ok((
             to_numpy(py, k, &self.shape.k_pool_shape())?,

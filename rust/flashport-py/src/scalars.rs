@@ -3,7 +3,7 @@
 //! there, never coerced here with `float()`, `bool()` or `int()`.
 
 use flashport_core as core;
-use flashport_core::scalar::{Given, Kind, WindowGiven};
+use flashport_core::scalar::{Given, IndicesGiven, Kind, WindowGiven};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString, PyTuple};
 
@@ -79,6 +79,22 @@ fn window_given(obj: &Bound<'_, PyAny>) -> WindowGiven {
     }
 }
 
+/// `seq_ids=`: the items of an iterable, or the object itself when it is
+/// an int, a string or not iterable (the core names it).
+fn indices_given(obj: &Bound<'_, PyAny>) -> PyResult<IndicesGiven> {
+    if matches!(kind(obj), Kind::Int(_) | Kind::Bool(_) | Kind::Str(_)) {
+        return Ok(IndicesGiven::Other(given(obj)));
+    }
+    match obj.try_iter() {
+        Ok(items) => Ok(IndicesGiven::Items(
+            items
+                .map(|item| item.map(|i| given(&i)))
+                .collect::<PyResult<_>>()?,
+        )),
+        Err(_) => Ok(IndicesGiven::Other(given(obj))),
+    }
+}
+
 fn checked<T>(py: Python<'_>, result: core::Result<T>) -> PyResult<T> {
     result.map_err(|e| to_py_err(py, e))
 }
@@ -105,4 +121,12 @@ pub fn device_name(obj: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
 
 pub fn window(obj: &Bound<'_, PyAny>) -> PyResult<Option<(i64, i64)>> {
     checked(obj.py(), core::scalar::window(&window_given(obj)))
+}
+
+pub fn index(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+    checked(obj.py(), core::scalar::index(name, &given(obj)))
+}
+
+pub fn indices(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    checked(obj.py(), core::scalar::indices(name, &indices_given(obj)?))
 }

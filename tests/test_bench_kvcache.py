@@ -1,0 +1,21 @@
+"""The KV cache benchmark's own arithmetic (timings are never asserted):
+its KVCache and its contiguous cache hold the same keys and grow together,
+so the two attentions it times compute the same thing."""
+
+from __future__ import annotations
+
+import numpy as np
+from flashport import _bench_kvcache, reference
+
+
+def test_both_caches_hold_the_same_sequences_as_they_grow():
+    pair = _bench_kvcache.Pair(batch=2, context=40, block_size=16, rounds=3)
+    for _ in range(3):
+        pair.cache_step()
+        pair.contiguous_step()
+    assert pair.lens.tolist() == [43, 43]
+    assert pair.agree() <= 1e-6
+    want = reference.attention(pair.q, pair.k[:, :, :43], pair.v[:, :, :43])
+    np.testing.assert_allclose(pair.cache_attention(), want, atol=2e-5, rtol=0)
+    # The appended position is the new one, not a copy of an old one.
+    assert np.array_equal(pair.k[:, :, 42], pair.new_k[:, :, 0])
