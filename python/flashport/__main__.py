@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "bench",
         help="CPU benchmark against PyTorch and NumPy (see bench --help); "
-        "bench dask: flashport.dask against one call (bench dask --help)",
+        "bench dask: flashport.dask against one call (bench dask --help); "
+        "bench torch: a transformers training step, flashport against sdpa",
     )
     args = parser.parse_args(argv)
     if args.command == "devices":
