@@ -50,7 +50,8 @@ test-wheel: setup
 		-c requirements-dev.txt $(WHEEL_CHECK)/dist/*.whl
 	cd $(WHEEL_CHECK) && FLASHPORT_REQUIRE_GPU=1 venv/bin/python $(CURDIR)/scripts/wheel_smoke.py
 
-## Opt-in: installs PyTorch (several GB) and compares the CPU path with it.
+## Opt-in: installs matplotlib and compares the CPU path with PyTorch (which
+## setup installs, pinned in requirements-dev.txt).
 bench: setup
 	.venv/bin/python -m pip install -q -r requirements-bench.txt
 	$(PY) -m flashport bench --json bench.json --plot bench.png

@@ -97,3 +97,29 @@ def test_stubs_match_the_extension():
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_torch_bench_times_both_implementations(tmp_path):
+    """bench torch runs a training step on flashport and on sdpa, with the
+    same logits before training (its timings are printed, never asserted)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "torch.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "flashport", "bench", "torch", "--quick", "--seq", "32"),
+            *("--repeat", "1", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["sizes"]["seq"] == 32 and result["max_abs_logit_diff"] < 1e-4
+    assert set(result["rows"]) == {"flashport", "sdpa"}
+    for row in result["rows"].values():
+        assert row["attention_forward_s"] > 0 and row["attention_backward_s"] > 0
+        assert 0 < row["attention_share"] < 1 and row["step_s"] > 0
+    assert "attn share" in proc.stdout

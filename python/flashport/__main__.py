@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "bench",
         help="CPU benchmark against PyTorch and NumPy (see bench --help); "
-        "bench dask: flashport.dask against one call (bench dask --help)",
+        "bench dask: flashport.dask against one call (bench dask --help); "
+        "bench torch: a transformers training step, flashport against sdpa",
     )
     sub.add_parser(
         "generate",

@@ -365,12 +365,17 @@ def main(argv: list[str]) -> int:
         from . import _bench_dask
 
         return _bench_dask.main(argv[1:])
+    if argv[:1] == ["torch"]:
+        from . import _bench_torch
+
+        return _bench_torch.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m flashport bench",
         description=__doc__,
         epilog="python -m flashport bench varlen: packed batches against padding; "
         "decode: decoding over KV caches; kvcache: a decode step through flashport.KVCache; "
-        "dask: sequence-parallel attention on Dask "
+        "dask: sequence-parallel attention on Dask; "
+        "torch: a training step of a small Llama-style model, flashport against sdpa "
         "(see their --help)",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per row (median)")
