@@ -41,6 +41,17 @@ settings.register_profile(
         HealthCheck.function_scoped_fixture,
     ],
 )
+# "fuzz" is the long run of tests/test_fuzz_api.py (opt-in, not derandomized).
+settings.register_profile(
+    "fuzz",
+    max_examples=5000,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

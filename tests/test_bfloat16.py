@@ -183,6 +183,13 @@ def test_kvcache_object_holds_bfloat16():
         cache.append(sids[0], ks[0].astype(np.float16), vs[0].astype(np.float16))
 
 
+def test_gpu_kvcache_refuses_bfloat16_by_name(gpu):
+    # WGSL has no bfloat16, and a pool kept on the device cannot be widened
+    # on the host per call as the other bfloat16 calls are.
+    with pytest.raises(DTypeError, match=r"dtype.*float16.*device=\"cpu\""):
+        flashport.KVCache(4, 4, 1, 8, dtype=BF16, device="gpu")
+
+
 def test_kvcache_case_runs_in_bfloat16_on_every_backend(backend):
     """A fixed decode case: GQA, d != d_v, lengths off the block grid, a
     shared block, the variants."""

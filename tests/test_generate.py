@@ -9,7 +9,6 @@ import io
 import itertools
 import json
 
-import flashport
 import numpy as np
 import pytest
 from flashport import __main__ as cli
@@ -23,21 +22,11 @@ from flashport._generate.search import BeamSearch, Sampling, log_softmax
 SMALL = Config(vocab=64, d_model=64, heads_q=4, heads_kv=2, head_dim=16, hidden=96, layers=2)
 
 
-def _generate_or_skip(model: Model, device: str, work: Workload) -> dict:
-    try:
-        return generate(model, device, work)
-    except flashport.BackendUnavailableError as e:
-        # The KV cache's GPU storage is being built; only its own refusal skips.
-        if device == "gpu" and "GPU storage is not built yet" in str(e):
-            pytest.skip(f"KVCache refuses device='gpu': {e}")
-        raise
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_cached_logits_match_recompute(backend, block_size):
     model = Model(SMALL, seed=3)
     work = Workload(prompt_len=9, new_tokens=6, block_size=block_size, seed=1)
-    r = _generate_or_skip(model, backend, work)
+    r = generate(model, backend, work)
     assert r["ok"], r
     assert 0 < r["max_rel_deviation"] <= TOLERANCE
     # The prompt's positions once, then every sequence's every step.

@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         try:
             result = generate(model, device, work, progress)
         except flashport.BackendUnavailableError as e:
-            # The KV cache's GPU storage may be missing where the adapter is not.
+            # An adapter that is listed may still refuse the pools (a lost device).
             print(f"gpu: KV cache not available on this device ({e})")
             if args.device == "gpu":
                 return 1

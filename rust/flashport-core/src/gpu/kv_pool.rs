@@ -84,6 +84,19 @@ impl std::fmt::Debug for GpuStorage {
     }
 }
 
+/// The GPU's kernels read float16 and float32 (WGSL has no bfloat16, and
+/// other bfloat16 calls widen their inputs on the host, which a pool kept
+/// on the device cannot do).
+fn bfloat16_pool_error() -> Error {
+    Error::DType {
+        argument: "dtype".to_string(),
+        dtype: "bfloat16".to_string(),
+        reason: "a KV cache on the GPU holds float16 or float32; use dtype=numpy.float16 \
+                 there, or device=\"cpu\" for a bfloat16 cache"
+            .to_string(),
+    }
+}
+
 fn element_bytes(dtype: DType) -> u64 {
     match dtype {
         DType::F16 => 2,
@@ -99,6 +112,9 @@ impl GpuStorage {
     pub fn new(shape: CacheShape) -> Result<GpuStorage> {
         if shape.dtype == DType::F64 {
             return Err(float64_error("dtype"));
+        }
+        if shape.dtype == DType::BF16 {
+            return Err(bfloat16_pool_error());
         }
         let overrides = overrides::current();
         with_context("allocating a KV cache's pools", |ctx| {
@@ -242,6 +258,7 @@ impl GpuStorage {
                     Slice::F32(x) => bytemuck::cast_slice(x),
                     Slice::F16(x) => bytemuck::cast_slice(x),
                     Slice::F64(_) => return Err(float64_error(name)),
+                    Slice::BF16(_) => return Err(bfloat16_pool_error()),
                 };
                 self.source_fits(name, bytes.len() as u64, limit)?;
                 sub.upload(name, bytes)?
