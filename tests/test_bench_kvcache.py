@@ -8,8 +8,8 @@ import numpy as np
 from flashport import _bench_kvcache, reference
 
 
-def test_both_caches_hold_the_same_sequences_as_they_grow():
-    pair = _bench_kvcache.Pair(batch=2, context=40, block_size=16, rounds=3)
+def test_both_caches_hold_the_same_sequences_as_they_grow(backend):
+    pair = _bench_kvcache.Pair(batch=2, context=40, block_size=16, rounds=3, device=backend)
     for _ in range(3):
         pair.cache_step()
         pair.contiguous_step()

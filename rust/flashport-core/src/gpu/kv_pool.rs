@@ -466,7 +466,7 @@ impl Storage for GpuStorage {
                         self.copy_block(&mut sub, v, s.head_dim_v, copy)?;
                     }
                 }
-                sub.submit(&[])?;
+                sub.submit_queued()?;
                 Ok(())
             })
         })
@@ -486,7 +486,8 @@ impl Storage for GpuStorage {
                 let mut sub = Submission::new(ctx);
                 self.write_pool(&mut sub, &self.keys[layer], "k", k, n, s.head_dim, runs)?;
                 self.write_pool(&mut sub, &self.values[layer], "v", v, n, s.head_dim_v, runs)?;
-                sub.submit(&[])?;
+                // The next attention, on this queue, reads what this writes.
+                sub.submit_queued()?;
                 Ok(())
             })
         })

@@ -145,6 +145,31 @@ impl<'c> Submission<'c> {
         pass.dispatch_workgroups(x, y, 1);
     }
 
+    /// Submits the work and returns without waiting for the GPU: for writes
+    /// that only later work on this queue reads (a KV cache's appends, read
+    /// by the next attention). The queue runs submissions in order, wgpu
+    /// keeps every buffer the work uses alive until it is done, and a pooled
+    /// buffer handed out again is used only by later submissions. Any error
+    /// of the GPU's surfaces at the next call that waits.
+    pub fn submit_queued(mut self) -> Result<()> {
+        if let Some(uploading) = self.uploading {
+            record_host_seconds("upload", uploading.as_secs_f64());
+        }
+        let t_submit = Instant::now();
+        self.ctx.queue.submit([self.encoder.finish()]);
+        for staging in std::mem::take(&mut self.staged) {
+            self.ctx.recycle_upload_staging(staging);
+        }
+        // Delivers the maps of finished work (recycled staging) without
+        // blocking.
+        self.ctx
+            .device
+            .poll(wgpu::PollType::Poll)
+            .map_err(|e| Error::Gpu(format!("polling the GPU failed: {e}")))?;
+        record_host("submit", t_submit);
+        Ok(())
+    }
+
     /// Submits the work, reads `reads` (buffer, float32 words each) back,
     /// and returns when the GPU is done: the words of each read.
     pub fn submit(mut self, reads: &[(&Pooled, usize)]) -> Result<Vec<Vec<f32>>> {
