@@ -21,8 +21,8 @@ equal. On the GPU the contiguous cache is a pair of DeviceArrays uploaded
 once with room for every step's position already written (DeviceArrays are
 immutable), so its "append" is free: the step ratio there is the cache's
 whole step (a scatter on the device, then attention) against contiguous
-attention alone. Outputs come back to NumPy on both sides. 32 query heads over 8 key/value heads, d = 128, float32,
-as ``bench decode``. The issue's target is a ratio (cache over contiguous)
+attention alone. Outputs come back to NumPy on both sides. 32 query heads
+over 8 key/value heads, d = 128, float32, as ``bench decode``. The issue's target is a ratio (cache over contiguous)
 of at most 1.2. Speed is measured here, never asserted in tests.
 """
 
@@ -48,9 +48,7 @@ class Pair:
     """The same sequences in a KVCache and in contiguous arrays, grown
     together one position per sequence per step."""
 
-    def __init__(
-        self, batch: int, context: int, block_size: int, rounds: int, device: str
-    ) -> None:
+    def __init__(self, batch: int, context: int, block_size: int, rounds: int, device: str) -> None:
         q, k, v = make_arrays(batch, context, np.float32)
         self.q, self.device = q, device
         capacity = context + rounds
@@ -136,7 +134,8 @@ def main(argv: list[str]) -> int:
         else f"the CPU, {os.cpu_count()} cores, {threads} threads"
     )
     print(
-        f"flashport {flashport.__version__} bench kvcache on {where}: {HEADS_Q} query heads over {HEADS_KV} key/value heads, d = {D}, "
+        f"flashport {flashport.__version__} bench kvcache on {where}: "
+        f"{HEADS_Q} query heads over {HEADS_KV} key/value heads, d = {D}, "
         f"float32, block size {args.block_size}; median of {args.repeat} rounds",
         flush=True,
     )
