@@ -23,7 +23,8 @@ immutable), so its "append" is free: the step ratio there is the cache's
 whole step (a scatter on the device, then attention) against contiguous
 attention alone. Outputs come back to NumPy on both sides. 32 query heads
 over 8 key/value heads, d = 128, float32, as ``bench decode``. The issue's
-target is a ratio (cache over contiguous) of at most 1.2. Speed is measured here, never asserted in tests.
+target is a ratio (cache over contiguous) of at most 1.2. Speed is measured
+here, never asserted in tests.
 """
 
 from __future__ import annotations
