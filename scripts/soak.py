@@ -15,9 +15,8 @@ import os
 import sys
 import time
 
-import numpy as np
-
 import flashport
+import numpy as np
 
 
 def rss_mib() -> float:
