@@ -53,15 +53,22 @@ impl<T: Copy + Default> BufferPool<T> {
     /// dropped: either `len` elements long, holding what an earlier call
     /// left there (for a caller that overwrites all of them), or empty, its
     /// spare capacity to be initialised by parallel tasks (see [`spare`]).
-    pub fn take(&'static self, len: usize) -> Pooled<T> {
+    /// The room is reserved fallibly: an error naming `what` when it
+    /// cannot be had.
+    pub fn take(&'static self, len: usize, what: &str) -> crate::Result<Pooled<T>> {
         let mut data = self.reuse(len);
         if data.len() >= len {
             data.truncate(len);
         } else {
             data.clear();
-            data.reserve(len);
+            if data.try_reserve_exact(len).is_err() {
+                return Err(crate::Error::TooLarge(format!(
+                    "{what} needs {} bytes of host memory, which could not be allocated",
+                    len as u128 * std::mem::size_of::<T>() as u128
+                )));
+            }
         }
-        Pooled { data, pool: self }
+        Ok(Pooled { data, pool: self })
     }
 
     fn give_back(&self, buffer: Vec<T>) {
@@ -157,13 +164,13 @@ mod tests {
     #[test]
     fn buffers_are_reused_and_bounded() {
         static POOL: BufferPool<f32> = BufferPool::new();
-        let mut first = POOL.take(1000);
+        let mut first = POOL.take(1000, "test").unwrap();
         let address = first.vec_mut().as_ptr();
         assert!(first.vec_mut().capacity() >= 1000);
         let part = zero_init(spare(first.vec_mut(), 1000));
         assert!(part.iter().all(|&x| x == 0.0));
         drop(first);
-        let mut second = POOL.take(500);
+        let mut second = POOL.take(500, "test").unwrap();
         assert_eq!(second.len(), 0, "never initialised: empty");
         assert_eq!(
             second.vec_mut().as_ptr(),
@@ -172,7 +179,7 @@ mod tests {
         );
         drop(second);
         // Too large to keep: the pool still holds only the first buffer.
-        drop(POOL.take(MAX_KEPT_BYTES / 4 + 1));
+        drop(POOL.take(MAX_KEPT_BYTES / 4 + 1, "test").unwrap());
         let free = POOL.free.lock();
         assert_eq!(free.len(), 1);
         assert!(free.iter().all(|b| b.capacity() * 4 <= MAX_KEPT_BYTES));

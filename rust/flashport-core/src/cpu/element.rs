@@ -11,6 +11,7 @@ use super::parallel;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
 use crate::variants::MaskScalar;
+use crate::Result;
 use crate::{Buffer, Slice};
 
 /// float32 or float64: the types the tile kernels are generic over.
@@ -50,8 +51,10 @@ pub trait Element:
     /// Packs each input (see [`PackInput`]), all in one parallel pass, or
     /// gives `None` for those the kernels read as rows. Done once per call
     /// instead of once per tile.
-    fn pack_inputs<const N: usize>(inputs: [PackInput<'_, Self>; N]) -> [Option<Pooled<Self>>; N] {
-        inputs.map(|_| None)
+    fn pack_inputs<const N: usize>(
+        inputs: [PackInput<'_, Self>; N],
+    ) -> Result<[Option<Pooled<Self>>; N]> {
+        Ok(inputs.map(|_| None))
     }
     /// Elements one head takes in a [`Packing::Transposed`] result; the
     /// tile of a head that starts at row `start` (a multiple of 16) starts
@@ -210,11 +213,13 @@ impl Element for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn pack_inputs<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> [Option<Pooled<f32>>; N] {
+    fn pack_inputs<const N: usize>(
+        inputs: [PackInput<'_, f32>; N],
+    ) -> Result<[Option<Pooled<f32>>; N]> {
         if !simd::available() {
-            return inputs.map(|_| None);
+            return Ok(inputs.map(|_| None));
         }
-        pack_f32(inputs).map(Some)
+        Ok(pack_f32(inputs)?.map(Some))
     }
     #[cfg(target_arch = "x86_64")]
     fn packed_head_len(rows: usize, cols: usize) -> usize {
@@ -438,7 +443,7 @@ pub struct PackInput<'a, T> {
 /// the caller a hand-over to the helper threads and back), into buffers
 /// kept from earlier calls where they fit.
 #[cfg(target_arch = "x86_64")]
-fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> [Pooled<f32>; N] {
+fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> Result<[Pooled<f32>; N]> {
     use std::mem::MaybeUninit;
     enum Dst<'a> {
         Kept(&'a mut [f32]),
@@ -449,7 +454,15 @@ fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> [Pooled<f32>; N]
         Packing::Rows => simd::panels_len(i.rows, i.cols),
     };
     let lens = inputs.each_ref().map(|i| i.heads * head_len(i));
-    let mut outs = lens.map(|len| F32_POOL.take(len));
+    // Panels pad each row to 16 columns: for a narrow head dimension the
+    // copy is larger than the input, so it is reserved fallibly.
+    let mut taken = Vec::with_capacity(N);
+    for len in lens {
+        taken.push(F32_POOL.take(len, "the packed copy of k and v for the CPU kernels")?);
+    }
+    let Ok(mut outs): std::result::Result<[Pooled<f32>; N], _> = taken.try_into() else {
+        unreachable!("one buffer per input");
+    };
     let kept: [bool; N] = std::array::from_fn(|n| outs[n].len() == lens[n]);
     let mut items = Vec::new();
     for (n, (input, out)) in inputs.iter().zip(outs.iter_mut()).enumerate() {
@@ -490,7 +503,7 @@ fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> [Pooled<f32>; N]
             unsafe { out.vec_mut().set_len(lens[n]) };
         }
     }
-    outs
+    Ok(outs)
 }
 
 impl Element for f64 {
@@ -523,5 +536,34 @@ impl Element for f64 {
     }
     fn into_buffer(v: Vec<Self>) -> Buffer {
         Buffer::F64(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_packed_copy_larger_than_memory_is_an_error() {
+        // With vm.overcommit_memory=1 the kernel grants any reservation.
+        let always = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+            .is_ok_and(|mode| mode.trim() == "1");
+        if !simd::available() || always {
+            return;
+        }
+        // Panels pad a head dimension of 1 to 16 columns: 2**40 rows need
+        // 64 TiB. Sizes are checked before any element is read.
+        let x = [1.0f32; 16];
+        let input = PackInput {
+            x: &x,
+            heads: 1,
+            rows: 1 << 40,
+            cols: 1,
+            packing: Packing::Transposed,
+        };
+        match f32::pack_inputs([input]) {
+            Err(crate::Error::TooLarge(msg)) => assert!(msg.contains("packed copy"), "{msg}"),
+            other => panic!("expected TooLarge, got {:?}", other.map(|_| ())),
+        }
     }
 }

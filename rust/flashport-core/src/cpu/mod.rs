@@ -262,7 +262,7 @@ fn backward_as<T: Element>(
             input(&k, d, Packing::Transposed),
             input(&v, dv, Packing::Transposed),
             input(&k, d, Packing::Rows),
-        ]);
+        ])?;
         let inputs = BackwardInputs {
             d_out: &d_out,
             q: &q,
@@ -577,7 +577,7 @@ fn forward_typed<T: Element>(
     let [k_packed, v_packed] = T::pack_inputs([
         input(k, d, Packing::Transposed),
         input(v, dv, Packing::Rows),
-    ]);
+    ])?;
     let scale = T::from_f64(problem.scale);
 
     parallel::for_each(
@@ -1013,7 +1013,7 @@ fn backward_typed<T: Element>(
     // The first chunk of a head accumulates straight into dQ (0 + its
     // partial is its partial), the others into partials of their own.
     let partials_len = kv_heads * (chunks - 1) * group_len;
-    let mut partials = T::pool().take(partials_len);
+    let mut partials = T::pool().take(partials_len, "the backward's partial dq sums")?;
     // Zeroed by their tasks, whatever an earlier call left in them.
     partials.vec_mut().clear();
     let mut tasks = chunk_tasks(
