@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 da = pytest.importorskip("dask.array")
-distributed = pytest.importorskip("distributed")
 
 import dask  # noqa: E402
 import flashport  # noqa: E402
@@ -55,7 +54,9 @@ BACKWARD_BLOCK = "flashport-attention-backward-block-"
 @pytest.fixture(scope="module")
 def client():
     """A LocalCluster of two single-threaded worker processes on the
-    loopback interface, for this module only."""
+    loopback interface, for this module only. Only its tests need
+    `distributed`; the threaded ones run with dask alone."""
+    distributed = pytest.importorskip("distributed")
     cluster = distributed.LocalCluster(
         n_workers=2,
         processes=True,
