@@ -28,13 +28,6 @@ struct Span {
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<u32>;
 
-const WG: u32 = 64u;
-
-// The grid is two-dimensional when one dimension cannot hold the count.
-fn invocation(wid: vec3<u32>, groups: vec3<u32>, lid: u32) -> u32 {
-    return (wid.y * groups.x + wid.x) * WG + lid;
-}
-
 fn src_half(i: u32) -> u32 {
     return (src[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu;
 }

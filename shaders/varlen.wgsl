@@ -20,13 +20,6 @@ struct Dims {
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<u32>;
 
-const WG: u32 = 64u;
-
-// The grid is two-dimensional when one dimension cannot hold the count.
-fn invocation(wid: vec3<u32>, groups: vec3<u32>, lid: u32) -> u32 {
-    return (wid.y * groups.x + wid.x) * WG + lid;
-}
-
 // Element `e` of the output, (j, i, c) of (b, a, w), is (i, j, c) of the
 // source.
 fn source_of(e: u32) -> u32 {

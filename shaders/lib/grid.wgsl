@@ -1,4 +1,5 @@
-// Invocations per workgroup of the element-wise passes, one element each.
+// Invocations per workgroup of the element-wise passes (device-array
+// moves, varlen layouts, merges, KV cache writes), one element or row each.
 const WG: u32 = 64u;
 
 // The grid is two-dimensional when one dimension cannot hold the count.

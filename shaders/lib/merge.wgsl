@@ -13,15 +13,6 @@
 const NEG_INF: u32 = 0xff800000u;
 const NAN: u32 = 0x7fc00000u;
 
-// Invocations per workgroup of the merge passes, one row or one output
-// element each.
-const WG: u32 = 64u;
-
-// The grid is two-dimensional when one dimension cannot hold the count.
-fn invocation(wid: vec3<u32>, groups: vec3<u32>, lid: u32) -> u32 {
-    return (wid.y * groups.x + wid.x) * WG + lid;
-}
-
 // Per row, across the parts seen so far.
 struct RowState {
     top: f32,

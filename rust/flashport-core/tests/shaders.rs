@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use flashport_core::gpu::kernel::Kernel;
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
-    decode_source, source, tile_overrides, variant_overrides, Variants, DECODE_COMBINE, KV_SCATTER,
-    MERGE_STATES,
+    decode_source, source, tile_overrides, variant_overrides, Variants, DECODE_COMBINE,
+    DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, VARLEN,
 };
 use flashport_core::gpu::tiles::{
     coop_backward_tiles, coop_forward_tiles, coop_workgroup_bytes, simple_tiles,
@@ -237,17 +237,15 @@ fn every_shader_parses_and_validates() {
 /// no overrides: it must validate with WebGPU's core capabilities.
 #[test]
 fn device_array_moves_validate() {
-    let path = shader_dir().join("device_arrays.wgsl");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let module = parse_text("device_arrays.wgsl", &text);
+    let text = DEVICE_ARRAYS;
+    let module = parse_text("device_arrays.wgsl", text);
     let plain =
         naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
             .validate(&module);
     if let Err(e) = plain {
         panic!(
-            "{} does not validate:\n{}",
-            path.display(),
-            e.emit_to_string(&text)
+            "device_arrays.wgsl does not validate:\n{}",
+            e.emit_to_string(text)
         );
     }
     let mut entries: Vec<&str> = module
@@ -317,18 +315,13 @@ fn merge_states_validates() {
 /// device-array moves.
 #[test]
 fn varlen_moves_validate() {
-    let path = shader_dir().join("varlen.wgsl");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let module = parse_text("varlen.wgsl", &text);
+    let text = VARLEN;
+    let module = parse_text("varlen.wgsl", text);
     let plain =
         naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
             .validate(&module);
     if let Err(e) = plain {
-        panic!(
-            "{} does not validate:\n{}",
-            path.display(),
-            e.emit_to_string(&text)
-        );
+        panic!("varlen.wgsl does not validate:\n{}", e.emit_to_string(text));
     }
     let mut entries: Vec<&str> = module
         .entry_points

@@ -37,11 +37,20 @@ const COOP_FORWARD: &str = shader!("coop/forward.wgsl");
 const COOP_BACKWARD_DQ: &str = shader!("coop/backward_dq.wgsl");
 const COOP_BACKWARD_DKDV: &str = shader!("coop/backward_dkdv.wgsl");
 
-/// The device-array moves (a module of its own).
-pub(crate) const DEVICE_ARRAYS: &str = shader!("device_arrays.wgsl");
+/// The grid of the element-wise passes: workgroup size and invocation index.
+macro_rules! grid {
+    () => {
+        shader!("lib/grid.wgsl")
+    };
+}
+
+/// The device-array moves (a module of its own, after lib/grid.wgsl).
+pub const DEVICE_ARRAYS: &str = concat!(grid!(), "\n", shader!("device_arrays.wgsl"));
 /// The merge of attention states (a module of its own), after the
 /// arithmetic it shares with decoding's combine pass (lib/merge.wgsl).
 pub const MERGE_STATES: &str = concat!(
+    grid!(),
+    "\n",
     shader!("lib/merge.wgsl"),
     "\n",
     shader!("merge_states.wgsl")
@@ -55,6 +64,8 @@ const DECODE_LOAD_VEC4: &str = shader!("decode/load_vec4.wgsl");
 const DECODE_LOAD_ELEMENTS: &str = shader!("decode/load_elements.wgsl");
 /// The split states' merge of decoding (a module of its own).
 pub const DECODE_COMBINE: &str = concat!(
+    grid!(),
+    "\n",
     shader!("lib/merge.wgsl"),
     "\n",
     shader!("decode/combine.wgsl")
@@ -75,10 +86,11 @@ pub fn decode_source(f16_inputs: bool, vec4: bool) -> String {
 }
 /// A KV cache's writes and block copies into its pools (a module of its
 /// own, after the grid it shares: lib/grid.wgsl).
-pub const KV_SCATTER: &str = concat!(shader!("lib/grid.wgsl"), "\n", shader!("kv_scatter.wgsl"));
+pub const KV_SCATTER: &str = concat!(grid!(), "\n", shader!("kv_scatter.wgsl"));
 
-/// attention_varlen's moves between layouts (a module of its own).
-pub(crate) const VARLEN: &str = shader!("varlen.wgsl");
+/// attention_varlen's moves between layouts (a module of its own, after
+/// lib/grid.wgsl).
+pub const VARLEN: &str = concat!(grid!(), "\n", shader!("varlen.wgsl"));
 
 /// The WGSL of `kernel`: the fragments it takes (shaders/lib), then the
 /// kernel (shaders/simple, tiled or coop). Every kernel takes
