@@ -61,3 +61,19 @@ def test_merge_of_a_broadcast_stack_of_parts(backend):
     lses = np.broadcast_to(lse, (2**40, *lse.shape))
     with pytest.raises(ProblemTooLargeError, match=r"outs is not contiguous"):
         flashport.merge_states(outs, lses, device=backend)
+
+
+def test_broadcast_mask_larger_than_memory_is_read_in_place():
+    # A (seq_k,) mask repeated to 64 GiB of bools: read as the (seq_k,)
+    # mask it is, not copied (it was a ProblemTooLargeError). Only the first
+    # 40 keys are visible, so block skipping keeps the call short.
+    rng = np.random.default_rng(3)
+    heads, seq_q, seq_k = 4, 2**14, 2**20
+    q = rng.standard_normal((1, heads, seq_q, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 1, seq_k, 8)).astype(np.float32)
+    keys = np.zeros(seq_k, bool)
+    keys[:40] = True
+    mask = np.broadcast_to(keys, (1, heads, seq_q, seq_k))
+    out = flashport.attention(q, k, k, mask=mask, device="cpu")
+    want = flashport.attention(q, k[:, :, :40], k[:, :, :40], device="cpu")
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)

@@ -30,6 +30,7 @@
 //! ```
 
 pub mod auto;
+pub mod broadcast;
 pub mod cpu;
 pub mod decode;
 pub mod env;

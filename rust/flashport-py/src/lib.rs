@@ -17,6 +17,7 @@ use flashport_core::{
 };
 mod scalars;
 
+use numpy::ndarray::{Axis, Slice as AxisRange};
 use numpy::{
     Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
@@ -204,11 +205,18 @@ enum Contiguous<'a> {
 /// when it is C-contiguous, else a copy. The copy's memory is reserved
 /// fallibly, so that a view larger than memory (a broadcast stride-0
 /// array, say) is a ProblemTooLargeError naming it instead of an abort.
+///
+/// The axes flagged in `once` (see `core::broadcast`: repeated, stride 0)
+/// are read at their first index only.
 fn contiguous<'a, T: Element + Clone>(
     name: &str,
     array: &'a PyReadonlyArrayDyn<'_, T>,
+    once: &[bool],
 ) -> PyResult<Cow<'a, [T]>> {
-    let view = array.as_array();
+    let mut view = array.as_array();
+    for (axis, _) in once.iter().enumerate().filter(|(_, &o)| o) {
+        view.slice_axis_inplace(Axis(axis), AxisRange::from(0..1));
+    }
     if let Some(slice) = view.to_slice() {
         return Ok(Cow::Borrowed(slice));
     }
@@ -263,13 +271,32 @@ impl<'py> Held<'py> {
     /// The data as the core takes it; `name` is the argument's, for the
     /// error when a copy cannot be made.
     fn contiguous(&self, name: &str) -> PyResult<Contiguous<'_>> {
+        self.contiguous_once(name, &[])
+    }
+    /// As `contiguous`, reading the axes flagged in `once` at their first
+    /// index only (a NumPy array's repeated axes; a device array has none).
+    fn contiguous_once(&self, name: &str, once: &[bool]) -> PyResult<Contiguous<'_>> {
         Ok(match self {
-            Held::F16(a) => Contiguous::F16(contiguous(name, a)?),
-            Held::BF16(a) => Contiguous::BF16(contiguous(name, a)?),
-            Held::F32(a) => Contiguous::F32(contiguous(name, a)?),
-            Held::F64(a) => Contiguous::F64(contiguous(name, a)?),
+            Held::F16(a) => Contiguous::F16(contiguous(name, a, once)?),
+            Held::BF16(a) => Contiguous::BF16(contiguous(name, a, once)?),
+            Held::F32(a) => Contiguous::F32(contiguous(name, a, once)?),
+            Held::F64(a) => Contiguous::F64(contiguous(name, a, once)?),
             Held::Device(t) => Contiguous::Device(&t.get().inner),
         })
+    }
+    /// The axes along which a NumPy array repeats one slice (stride 0).
+    fn repeated_axes(&self) -> Vec<bool> {
+        fn of<T: Element>(a: &PyReadonlyArrayDyn<'_, T>) -> Vec<bool> {
+            let view = a.as_array();
+            core::broadcast::repeated_axes(view.shape(), view.strides())
+        }
+        match self {
+            Held::F16(a) => of(a),
+            Held::BF16(a) => of(a),
+            Held::F32(a) => of(a),
+            Held::F64(a) => of(a),
+            Held::Device(_) => Vec::new(),
+        }
     }
 }
 
@@ -457,6 +484,37 @@ impl<'py> HeldVariants<'py> {
     }
 }
 
+/// A mask's data as the core takes it: as bools, or floats.
+type MaskContiguous<'a> = (Option<Cow<'a, [bool]>>, Option<Contiguous<'a>>);
+
+impl HeldVariants<'_> {
+    /// The mask's repeated axes (stride 0), if there is a mask.
+    fn mask_repeated_axes(&self) -> Option<Vec<bool>> {
+        match (&self.mask_bool, &self.mask_float) {
+            (Some(m), _) => {
+                let view = m.as_array();
+                Some(core::broadcast::repeated_axes(view.shape(), view.strides()))
+            }
+            (_, Some(m)) => Some(m.repeated_axes()),
+            _ => None,
+        }
+    }
+    /// The mask's data, its axes flagged in `once.mask` read once.
+    fn masks(&self, once: &core::broadcast::ReadOnce) -> PyResult<MaskContiguous<'_>> {
+        let mask_bool = self
+            .mask_bool
+            .as_ref()
+            .map(|m| contiguous("mask", m, &once.mask))
+            .transpose()?;
+        let mask_float = self
+            .mask_float
+            .as_ref()
+            .map(|m| m.contiguous_once("mask", &once.mask))
+            .transpose()?;
+        Ok((mask_bool, mask_float))
+    }
+}
+
 /// Original dtype name of an optional argument, to return its gradient in.
 fn dtype_name(meta: &Option<ArgMeta>) -> Option<String> {
     meta.as_ref().map(|m| m.dtype.clone())
@@ -505,19 +563,21 @@ fn attention<'py>(
     let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let [q, k, v] = held;
     let (q, k, v) = (q?, k?, v?);
-    let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
-    let inputs = [qc.input(), kc.input(), vc.input()];
     let held_variants = HeldVariants::new(&variants, &problem)?;
-    let mask_bool = held_variants
-        .mask_bool
-        .as_ref()
-        .map(contiguous_of)
-        .transpose()?;
-    let mask_float = held_variants
-        .mask_float
-        .as_ref()
-        .map(|m| m.contiguous("mask"))
-        .transpose()?;
+    let (problem, once) = core::broadcast::read_once(
+        &problem,
+        held_variants.mask_repeated_axes().as_deref(),
+        &k.repeated_axes(),
+        &v.repeated_axes(),
+        false,
+    );
+    let qc = q.contiguous("q")?;
+    let (kc, vc) = (
+        k.contiguous_once("k", &once.kv)?,
+        v.contiguous_once("v", &once.kv)?,
+    );
+    let inputs = [qc.input(), kc.input(), vc.input()];
+    let (mask_bool, mask_float) = held_variants.masks(&once)?;
     let arrays = variant_arrays(&held_variants, &mask_bool, &mask_float);
     let placement = Placement::of_inputs(&inputs);
     let result = run_detached(py, || {
@@ -606,16 +666,14 @@ fn attention_backward<'py>(
     let contiguous = backward_contiguous(&held, &names)?;
     let inputs = contiguous.each_ref().map(Contiguous::input);
     let held_variants = HeldVariants::new(&variants, &problem)?;
-    let mask_bool = held_variants
-        .mask_bool
-        .as_ref()
-        .map(contiguous_of)
-        .transpose()?;
-    let mask_float = held_variants
-        .mask_float
-        .as_ref()
-        .map(|m| m.contiguous("mask"))
-        .transpose()?;
+    let (problem, once) = core::broadcast::read_once(
+        &problem,
+        held_variants.mask_repeated_axes().as_deref(),
+        &[],
+        &[],
+        true,
+    );
+    let (mask_bool, mask_float) = held_variants.masks(&once)?;
     let variant_data = variant_arrays(&held_variants, &mask_bool, &mask_float);
     let placement = Placement::of_inputs(&inputs);
     let grads = run_detached(py, || {
@@ -1033,10 +1091,6 @@ fn attention_with_kvcache<'py>(
         to_python(py, result.out, &problem.out_shape())?,
         to_python(py, result.lse, &problem.lse_shape())?,
     ))
-}
-
-fn contiguous_of<'a>(array: &'a PyReadonlyArrayDyn<'_, bool>) -> PyResult<Cow<'a, [bool]>> {
-    contiguous("mask", array)
 }
 
 /// DeviceArray: a float32 or float16 array resident on the GPU, made by
