@@ -20,7 +20,7 @@ import textwrap
 import flashport
 import pytest
 
-CALLS = 30
+CALLS = 20
 
 _SCRIPT = textwrap.dedent(
     f"""
@@ -37,7 +37,9 @@ _SCRIPT = textwrap.dedent(
         o, lse = flashport.attention(q, q, q, device="gpu", return_lse=True)
         flashport.attention_backward(np.cos(o), q, q, q, o, lse, device="gpu")
 
-    for _ in range(5):
+    # Drivers settle over the first calls (the H100's grew 4 MiB over calls
+    # 6 to 35): growth is read after a settling run.
+    for _ in range({CALLS}):
         step()
     before = rss_kib()
     for _ in range({CALLS}):
@@ -66,5 +68,5 @@ def test_repeated_forward_and_backward_hold_memory_flat(gpu, request):
         [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, check=True
     )
     growth_kib = int(done.stdout.split()[-1])
-    # Flat is a few KiB of noise; the driver's leak is ~80 MiB here.
+    # Flat is a few KiB of noise; the driver's leak is ~55 MiB here.
     assert growth_kib < 4 * 1024, f"RSS grew {growth_kib} KiB over {CALLS} calls"
