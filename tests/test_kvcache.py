@@ -369,6 +369,37 @@ def test_caches_larger_than_a_binding_are_decoded_in_windows(gpu, paged):
         flashport.attention_with_kvcache(*args, lens, device=gpu, **kw)
 
 
+def test_paged_blocks_spread_past_a_binding_are_decoded_as_windows(gpu):
+    """A permuted block table spreads each sequence's blocks over the whole
+    pool; with bindings capped at three blocks the pool is bound as windows
+    of whole blocks, one run each, merged by lse (it was refused)."""
+    rng = np.random.default_rng(20)
+    batch, heads_kv, heads_q, block, blocks, d, dv = 2, 2, 2, 4, 12, 32, 8
+    pool_k = rng.standard_normal((batch * blocks, heads_kv, block, d)).astype(np.float32)
+    pool_v = rng.standard_normal((batch * blocks, heads_kv, block, dv)).astype(np.float32)
+    table = rng.permutation(batch * blocks).reshape(batch, blocks).astype(np.int32)
+    q = rng.standard_normal((batch, heads_q, 1, d)).astype(np.float32)
+    lens = np.array([45, 31], np.int32)
+    kw = {"block_table": table, "num_splits": 1, "return_lse": True, "device": gpu}
+    want_out, want_lse = flashport.reference.attention_with_kvcache(
+        *(x.astype(np.float64) for x in (q, pool_k, pool_v)),
+        lens,
+        block_table=table,
+        return_lse=True,
+    )
+    whole = flashport.attention_with_kvcache(q, pool_k, pool_v, lens, **kw)
+    for device_arrays in [False, True]:
+        args = [q, pool_k, pool_v]
+        if device_arrays:
+            args = [flashport.to_device(x) for x in args]
+        with overrides(binding_limit=4096):
+            out, lse = flashport.attention_with_kvcache(*args, lens, **kw)
+        out, lse = np.asarray(out), np.asarray(lse)
+        np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out, whole[0], rtol=1e-6, atol=1e-6)
+
+
 def test_float64_is_refused_on_the_gpu(gpu):
     case = _decode_case()
     q, _, (k, v), lens = case.arrays(np.float64)

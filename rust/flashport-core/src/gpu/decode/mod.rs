@@ -20,7 +20,9 @@
 //! each run's splits see only the keys of its buffer, and the combine
 //! pass merges every run's splits as one set. Attention over a set of
 //! keys is the merge of attention over its parts, so a sequence's blocks
-//! may lie anywhere in the pool.
+//! may lie anywhere in the pool. A paged cache given as two arrays whose
+//! blocks one sequence reads span more than a binding is decoded the same
+//! way, its arrays bound as consecutive windows of whole blocks.
 
 pub mod select;
 
@@ -112,6 +114,9 @@ enum Caches<'a> {
         values: &'a [DeviceArray],
         per_buffer: usize,
     },
+    /// Two paged arrays read as a pool of windows of `per_window` blocks,
+    /// each bound alone.
+    Windows(Source<'a>, Source<'a>, usize),
 }
 
 /// Decodes on the GPU over a KV cache's pools of one layer, `keys` and
@@ -238,6 +243,18 @@ struct Limits {
     binding: u64,
     grid: u64,
     align: u64,
+}
+
+/// Whole blocks of a paged cache that one binding of a window holds (with
+/// the slack `window` adds for the offset's alignment), or `None` when
+/// not one does.
+fn window_blocks(p: &KvCacheProblem, eb: u64, limits: &Limits) -> Option<usize> {
+    let a = &p.attention;
+    let row = a.head_dim.max(a.value_dim).max(1) as u64;
+    let block_bytes = (p.heads_kv() * p.block_size()) as u64 * row * eb;
+    let room = limits.binding.checked_sub(limits.align + 16)?;
+    let blocks = room / block_bytes.max(1);
+    (blocks > 0).then_some(blocks as usize)
 }
 
 /// The blocks sequence `b` reads: its own when contiguous, else the range
@@ -573,18 +590,31 @@ fn decode_on(
         align: ctx.limits.min_storage_buffer_offset_alignment.max(16) as u64,
     };
     // A dispatch over pools runs once per buffer, each run's splits apart.
-    let runs = match caches {
-        Caches::Arrays(..) => 1,
-        Caches::Pools { keys, .. } => keys.len(),
+    let paged = matches!(p.layout, CacheLayout::Paged { .. });
+    let (caches, dispatches) = match caches {
+        Caches::Arrays(k, v) => match plan(p, tiles, splits, eb, &limits, true) {
+            Ok(dispatches) => (caches, dispatches),
+            Err(e) => {
+                // A sequence's blocks span more than a binding (or something
+                // else does not fit, which more runs do not mend).
+                let per = window_blocks(p, eb, &limits)
+                    .filter(|_| paged)
+                    .ok_or(e.clone())?;
+                let runs = p.cache_blocks().div_ceil(per);
+                let dispatches =
+                    plan(p, tiles, splits * runs, eb, &limits, false).map_err(|_| e)?;
+                (Caches::Windows(k, v, per), dispatches)
+            }
+        },
+        Caches::Pools { keys, .. } => (
+            caches,
+            plan(p, tiles, splits * keys.len(), eb, &limits, false)?,
+        ),
+        Caches::Windows(..) => unreachable!("made here"),
     };
-    let windows = matches!(caches, Caches::Arrays(..));
-    let dispatches = plan(p, tiles, splits * runs, eb, &limits, windows)?;
-    let mut constants = tiles.overrides(
-        matches!(p.layout, CacheLayout::Paged { .. }),
-        a.softcap.is_some(),
-        a.alibi_per_batch.is_some(),
-    );
-    constants.push(("SKIPS", if windows { 0.0 } else { 1.0 }));
+    let skips = !matches!(caches, Caches::Arrays(..));
+    let mut constants = tiles.overrides(paged, a.softcap.is_some(), a.alibi_per_batch.is_some());
+    constants.push(("SKIPS", if skips { 1.0 } else { 0.0 }));
     let label = match (f16, tiles.vec4) {
         (false, true) => "decode_f32_vec4",
         (false, false) => "decode_f32_elements",
@@ -607,9 +637,12 @@ fn decode_on(
             let mut sub = Submission::new(ctx);
             let buffers: Vec<Option<(usize, usize)>> = match caches {
                 Caches::Arrays(..) => vec![None],
-                Caches::Pools { per_buffer, .. } => buffers_read(p, dispatch, per_buffer)
+                Caches::Pools {
+                    per_buffer: per, ..
+                }
+                | Caches::Windows(_, _, per) => buffers_read(p, dispatch, per)
                     .into_iter()
-                    .map(|i| Some((i, per_buffer)))
+                    .map(|i| Some((i, per)))
                     .collect(),
             };
             let all_splits = splits * buffers.len();
@@ -627,6 +660,15 @@ fn decode_on(
                     Caches::Pools { keys, values, .. } => {
                         let i = buffer.map_or(0, |(i, _)| i);
                         (whole(&keys[i], &mut sub), whole(&values[i], &mut sub))
+                    }
+                    Caches::Windows(k_cache, v_cache, per) => {
+                        let i = buffer.map_or(0, |(i, _)| i);
+                        let blocks = i * per..((i + 1) * per).min(p.cache_blocks());
+                        let (k, v) = ("k_cache", "v_cache");
+                        (
+                            window(&mut sub, k, k_cache, p, &blocks, d, eb, limits.align)?,
+                            window(&mut sub, v, v_cache, p, &blocks, dv, eb, limits.align)?,
+                        )
                     }
                     Caches::Arrays(k_cache, v_cache) => (
                         window(&mut sub, "k_cache", k_cache, p, blocks, d, eb, limits.align)?,
