@@ -1209,16 +1209,18 @@ fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
     Ok(list)
 }
 
-/// _gpu_kernel_times() -> list[tuple[str, float]]: GPU time in seconds of
-/// each kernel of the last GPU call on this thread, from timestamp
-/// queries (empty where the adapter has none). For benchmarks.
+/// _gpu_kernel_times() -> list[tuple[str, float]]: the host phases of the
+/// last GPU call on this thread and, while `_gpu_kernel_timing(True)` is
+/// set, the GPU time in seconds of each of its kernels, from timestamp
+/// queries (none where the adapter has none). For benchmarks.
 #[pyfunction]
 fn _gpu_kernel_times() -> Vec<(String, f64)> {
     core::gpu::last_kernel_times()
 }
 
 /// _gpu_kernel_timing(enabled): whether the calling thread's GPU calls
-/// measure their kernels with timestamp queries (on by default).
+/// measure their kernels with timestamp queries (off by default: they cost
+/// each call a readback).
 #[pyfunction]
 fn _gpu_kernel_timing(enabled: bool) {
     core::gpu::set_kernel_timing(enabled);

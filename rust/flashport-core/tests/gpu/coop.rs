@@ -25,6 +25,8 @@ fn coop_or_tiled(coop: bool) -> Overrides {
 /// Forward errors (out, lse) of `c` against the float64 CPU, with the
 /// cooperative kernel on or off for this thread; also the kernels it ran.
 fn forward_errors(c: &Case, coop: bool) -> (f64, f64, Vec<String>) {
+    // Which kernels ran is read from their timestamps.
+    gpu::set_kernel_timing(true);
     let reference = cpu::forward(
         &f64_problem(&c.p),
         c.q.slice(DType::F64),
@@ -146,6 +148,8 @@ fn coop_forward_matches_float64_reference() {
 /// with the cooperative kernels on or off for this thread; also the
 /// kernels the last call ran. Both sides get the reference O and lse.
 fn backward_errors(c: &Case, coop: bool) -> ([f64; 3], Vec<String>) {
+    // Which kernels ran is read from their timestamps.
+    gpu::set_kernel_timing(true);
     let p64 = f64_problem(&c.p);
     let reference = cpu::forward(
         &p64,

@@ -50,6 +50,8 @@ fn float16_matches_float64_reference() {
 /// The float16 cases of float16_matches_float64_reference on the simple
 /// or the tiled kernels; returns the worst (forward, backward) errors.
 fn float16_cases(simple: bool) -> (f64, f64) {
+    // Which kernels ran is read from their timestamps.
+    gpu::set_kernel_timing(true);
     let mut worst = (0.0f64, 0.0f64);
     for (i, &s) in SHAPES.iter().enumerate().skip(1).step_by(2) {
         for causal in [false, true] {
@@ -123,6 +125,8 @@ fn tiled_forward_with_and_without_subgroups() {
 
 /// tiled_forward_with_and_without_subgroups with subgroups `off` or not.
 fn subgroup_cases(off: bool, shapes: [Shape; 5]) {
+    // Which kernels ran is read from their timestamps.
+    gpu::set_kernel_timing(true);
     for (i, s) in shapes.into_iter().enumerate() {
         for causal in [false, true] {
             check(&case(s, causal, DType::F32, 60 + i as u64), 1e-4, 4e-4);

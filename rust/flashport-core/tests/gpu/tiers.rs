@@ -47,6 +47,8 @@ struct Ran {
 /// overrides, runs both, and checks that the kernels that ran are the
 /// plans' (once per chunk of heads) where timestamp queries name them.
 fn run_as_planned(c: &Case, what: &str) -> Ran {
+    // Which kernels ran is read from their timestamps.
+    gpu::set_kernel_timing(true);
     let (forward, backward) = plans(&c.p).unwrap();
     let dt = c.p.dtype;
     let none = VariantArrays::default();
