@@ -1,9 +1,11 @@
-"""flashport as a transformers attention implementation: small Llama- and
-Qwen2-style models built from configs with random weights (nothing is
-downloaded) give the logits and one training step's gradients of
-``attn_implementation="sdpa"`` (by cases.assert_close's rule: flashport's
-error against the float64 model is at most twice SDPA's float32 error,
-plus the floor), and the same tokens when generating with a KV cache."""
+"""flashport as a transformers attention implementation: small Llama-,
+Qwen2-, Gemma-2- and gpt-oss-style models built from configs with random
+weights (nothing is downloaded) give the logits and one training step's
+gradients of transformers' own attention (``"sdpa"``; ``"eager"`` for
+Gemma-2's softcap and gpt-oss's sinks, which SDPA lacks) by
+cases.assert_close's rule (flashport's error against the float64 model is
+at most twice the float32 reference's, plus the floor), and the same tokens
+when generating with a KV cache."""
 
 from __future__ import annotations
 
@@ -46,7 +48,40 @@ def _qwen2():
     )
 
 
-CONFIGS = {"llama": _llama, "qwen2": _qwen2}
+def _gemma2():
+    # Scores are softcapped (tanh) at 2, well inside their range here; layer
+    # 0 slides over 8 keys.
+    return transformers.Gemma2Config(
+        **COMMON,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        sliding_window=8,
+    )
+
+
+def _gpt_oss():
+    # Learned sinks per head (s_aux), a mixture of 4 experts, layer 0
+    # sliding over 8 keys.
+    common = {**COMMON, "intermediate_size": 64}
+    return transformers.GptOssConfig(
+        **common,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+
+
+# The model, and the attention implementation of transformers it is held to.
+CONFIGS = {
+    "llama": (_llama, "sdpa"),
+    "qwen2": (_qwen2, "sdpa"),
+    "gemma2": (_gemma2, "eager"),
+    "gpt_oss": (_gpt_oss, "eager"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +89,21 @@ def name():
     return fpt.register_transformers()
 
 
-def _models(config_fn, name):
-    """The flashport model, and SDPA ones in float32 and float64, all with
-    the same random weights."""
+def _models(arch, name):
+    """The flashport model, and reference ones in float32 and float64, all
+    with the same random weights."""
+    config_fn, impl = CONFIGS[arch]
+    # The experts as a loop of matmuls: the grouped kernel takes no float64.
+    kw = {"experts_implementation": "eager"} if arch == "gpt_oss" else {}
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(config_fn(), attn_implementation="sdpa")
-    mine = AutoModelForCausalLM.from_config(config_fn(), attn_implementation=name)
+    ref = AutoModelForCausalLM.from_config(config_fn(), attn_implementation=impl, **kw)
+    with torch.no_grad():
+        for param_name, param in ref.named_parameters():
+            if param_name.endswith("sinks"):
+                param.normal_()  # initialised to zeros: would test nothing
+    mine = AutoModelForCausalLM.from_config(config_fn(), attn_implementation=name, **kw)
     mine.load_state_dict(ref.state_dict())
-    ref64 = AutoModelForCausalLM.from_config(config_fn(), attn_implementation="sdpa")
+    ref64 = AutoModelForCausalLM.from_config(config_fn(), attn_implementation=impl, **kw)
     ref64.load_state_dict(ref.state_dict())
     return mine, ref, ref64.double()
 
@@ -108,10 +150,25 @@ def _step(model, ids, mask):
     return out.logits.detach(), grads
 
 
-@pytest.mark.parametrize("left_padding", [False, True], ids=["no_padding", "left_padding"])
-@pytest.mark.parametrize("arch", list(CONFIGS))
+# Left padding is compared where the reference is SDPA: eager attention in
+# float64 turns the padded rows, which see no key, into NaN that reaches the
+# real tokens through the next layer (0 · NaN in its P V), so it is no
+# oracle there. The generation test below covers padding for every model.
+CASES = [
+    (arch, pad)
+    for arch, (_, impl) in CONFIGS.items()
+    for pad in (False, True)
+    if not (pad and impl == "eager")
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "left_padding"),
+    CASES,
+    ids=[f"{a}-{'left_padding' if p else 'no_padding'}" for a, p in CASES],
+)
 def test_logits_and_gradients_match_sdpa(arch, left_padding, name):
-    mine, ref, ref64 = _models(CONFIGS[arch], name)
+    mine, ref, ref64 = _models(arch, name)
     assert mine.config._attn_implementation == name and "flash" not in name
     ids, mask = _batch(left_padding)
     with _Spy(name) as spy:
@@ -136,7 +193,7 @@ def test_logits_and_gradients_match_sdpa(arch, left_padding, name):
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_generation_with_kv_cache_gives_sdpas_tokens(arch, name):
-    mine, ref, _ = _models(CONFIGS[arch], name)
+    mine, ref, _ = _models(arch, name)
     ids, mask = _batch(left_padding=True)
     kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "use_cache": True}
     with torch.no_grad():
@@ -152,7 +209,7 @@ def test_generation_with_kv_cache_gives_sdpas_tokens(arch, name):
 def test_sliding_window_layers_see_only_the_window(name):
     """The Qwen2 model's sliding layer differs from full attention: turning
     the window off changes the logits (so the comparison above covers it)."""
-    mine, _, _ = _models(_qwen2, name)
+    mine, _, _ = _models("qwen2", name)
     ids, mask = _batch(left_padding=False)
     with torch.no_grad():
         windowed = mine(input_ids=ids, attention_mask=mask).logits
@@ -162,6 +219,23 @@ def test_sliding_window_layers_see_only_the_window(name):
         full = mine(input_ids=ids, attention_mask=mask).logits
     assert mine.config.sliding_window < SEQ
     assert not torch.allclose(windowed[:, -1], full[:, -1], atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_softcap_and_sinks_reach_the_kernel(arch, name):
+    """Gemma-2's softcap and gpt-oss's sinks change the logits (so the
+    comparisons above cover their pass-through): without them, different."""
+    mine, _, _ = _models(arch, name)
+    ids, mask = _batch(left_padding=False)
+    with torch.no_grad():
+        given = mine(input_ids=ids, attention_mask=mask).logits
+        for layer in mine.model.layers:
+            if arch == "gemma2":
+                layer.self_attn.attn_logit_softcapping = None
+            else:
+                layer.self_attn.sinks.fill_(-1e4)  # a sink that takes nothing
+        without = mine(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(given[:, -1], without[:, -1], atol=1e-3)
 
 
 def test_register_returns_the_name_and_the_mask_function(name):
