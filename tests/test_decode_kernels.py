@@ -1,8 +1,10 @@
 """Decoding's two GPU kernels each against the oracle: the subgroup kernel
 (which the GPU runs where its subgroups have one known size, lavapipe's and
-NVIDIA's among them) in its layouts, and the workgroup kernel (which runs
-elsewhere), each forced by the test overrides on the cases and variants of
-test_kvcache's property test, with head dimensions up to 128 as well."""
+NVIDIA's among them) in its layouts (the default; 8 keys per pass in a
+workgroup of 32 invocations; walkers of at most 4 and 16 lanes, where the
+subgroup is wider), and the workgroup kernel (which runs elsewhere), each
+forced by the test overrides on the cases and variants of test_kvcache's
+property test, with head dimensions up to 128 as well."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from hypothesis import strategies as st
 from test_kvcache import DTYPES, _check, _decode_case, kv_cases, kv_variants
 
 KERNELS = {
-    "subgroup-4-keys": {"decode_keys": 4},
+    "subgroup": {},
     "subgroup-8-keys-32-invocations": {"decode_keys": 8, "decode_workgroup": 32},
+    "subgroup-4-lanes": {"decode_lanes": 4},
+    "subgroup-16-lanes": {"decode_lanes": 16},
     "workgroup": {"no_subgroups": True},
 }
 

@@ -26,7 +26,8 @@
 // 3. the partials summed over the walker's lanes by a butterfly of
 //    subgroupShuffleXor (offsets 1, 2, .., LPK / 2): a fixed order, and
 //    every lane ends with the same bits;
-// 4. the scores: softcap, ALiBi and visibility (NEG_BIG where hidden);
+// 4. the scores: softcap, ALiBi and visibility (NEG_BIG where hidden;
+//    no test where every row sees every key of the pass);
 // 5. each row's online softmax over the KPI keys, and acc += p * v.
 //
 // At the end the walkers' states are merged in walker order through
@@ -41,7 +42,7 @@ override WG: u32 = 128u;
 override LPK: u32 = 32u;
 // vec4 columns per lane, 1 to 4: 4 * LPK * VPL >= max(d, d_v).
 override VPL: u32 = 1u;
-// Keys per walker and pass, 4 or 8.
+// Keys per walker and pass, 4 or 8 (more loads in flight, more registers).
 override KPI: u32 = 8u;
 // Rows per workgroup, 1, 2, 4 or 8.
 override RB: u32 = 4u;
@@ -83,8 +84,9 @@ fn sum4(x: vec4<f32>) -> f32 {
 }
 
 // The scores of one row and four keys from u = scale * q . k: softcap,
-// ALiBi (`pos` the row's position), then NEG_BIG where `seen` is false.
-fn scores4(x: vec4<f32>, keys: vec4<u32>, seen: vec4<bool>, slope: f32, pos: i32) -> vec4<f32> {
+// then ALiBi (`pos` the row's position). Where a row may not see a key,
+// the caller puts NEG_BIG in its place.
+fn variants4(x: vec4<f32>, keys: vec4<u32>, slope: f32, pos: i32) -> vec4<f32> {
     var s = x;
     if SOFTCAP {
         let y = x / u.softcap;
@@ -93,7 +95,7 @@ fn scores4(x: vec4<f32>, keys: vec4<u32>, seen: vec4<bool>, slope: f32, pos: i32
     if ALIBI {
         s -= slope * vec4<f32>(abs(vec4(pos) - vec4<i32>(keys)));
     }
-    return select(vec4(NEG_BIG), s, seen);
+    return s;
 }
 
 // Probabilities exp(s - m) of four scores, 0 for the hidden ones (by this
@@ -139,6 +141,8 @@ fn main(
     var lo5 = 0u; var hi5 = 0u; var slope5 = 0.0; var pos5 = 0;
     var lo6 = 0u; var hi6 = 0u; var slope6 = 0.0; var pos6 = 0;
     var lo7 = 0u; var hi7 = 0u; var slope7 = 0.0; var pos7 = 0;
+    // The keys all the block's rows see.
+    var full_lo = 0u; var full_hi = key_end;
     {
         let gr = row0 + 0u;
         if gr < u.rows {
@@ -146,6 +150,8 @@ fn main(
             let seen = visible(len, i);
             lo0 = seen.x;
             hi0 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo0);
+            full_hi = min(full_hi, hi0);
             pos0 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope0 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -159,6 +165,8 @@ fn main(
             let seen = visible(len, i);
             lo1 = seen.x;
             hi1 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo1);
+            full_hi = min(full_hi, hi1);
             pos1 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope1 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -172,6 +180,8 @@ fn main(
             let seen = visible(len, i);
             lo2 = seen.x;
             hi2 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo2);
+            full_hi = min(full_hi, hi2);
             pos2 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope2 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -185,6 +195,8 @@ fn main(
             let seen = visible(len, i);
             lo3 = seen.x;
             hi3 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo3);
+            full_hi = min(full_hi, hi3);
             pos3 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope3 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -198,6 +210,8 @@ fn main(
             let seen = visible(len, i);
             lo4 = seen.x;
             hi4 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo4);
+            full_hi = min(full_hi, hi4);
             pos4 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope4 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -211,6 +225,8 @@ fn main(
             let seen = visible(len, i);
             lo5 = seen.x;
             hi5 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo5);
+            full_hi = min(full_hi, hi5);
             pos5 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope5 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -224,6 +240,8 @@ fn main(
             let seen = visible(len, i);
             lo6 = seen.x;
             hi6 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo6);
+            full_hi = min(full_hi, hi6);
             pos6 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope6 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -237,6 +255,8 @@ fn main(
             let seen = visible(len, i);
             lo7 = seen.x;
             hi7 = min(seen.y, key_end);
+            full_lo = max(full_lo, lo7);
+            full_hi = min(full_hi, hi7);
             pos7 = i32(len) - i32(u.seq_q) + i32(i);
             if ALIBI {
                 slope7 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
@@ -992,323 +1012,633 @@ fn main(
             let okq0 = vec4(ok0, ok1, ok2, ok3);
             let kq1 = vec4(kb + 4u) + vec4(0u, 1u, 2u, 3u);
             let okq1 = vec4(ok4, ok5, ok6, ok7);
-            {
-                let x0 = scores4(s0_0, kq0, okq0 & (kq0 >= vec4(lo0)) & (kq0 < vec4(hi0)), slope0, pos0);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s0_1, kq1, okq1 & (kq1 >= vec4(lo0)) & (kq1 < vec4(hi0)), slope0, pos0);
-                }
-                let m_new = max(m0, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m0 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l0 = l0 * rescale + sum4(p0) + sum4(p1);
-                m0 = m_new;
-                acc0_0 = acc0_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc0_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc0_1 = acc0_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+            // Every row sees every key of the pass, all of them loaded: no
+            // test per (row, key).
+            let full = kb >= full_lo && kb + KPI <= full_hi && all(okq0) && (KPI <= 4u || all(okq1));
+            if full {
+                {
+                    let x0 = variants4(s0_0, kq0, slope0, pos0);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc0_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        x1 = variants4(s0_1, kq1, slope0, pos0);
+                    }
+                    let m_new = max(m0, max(max4(x0), max4(x1)));
+                    let rescale = exp(m0 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l0 = l0 * rescale + sum4(p0) + sum4(p1);
+                    m0 = m_new;
+                    acc0_0 = acc0_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc0_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc0_1 = acc0_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc0_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc0_2 = acc0_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc0_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc0_3 = acc0_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc0_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 2u {
-                    acc0_2 = acc0_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                if RB > 1u {
+                    let x0 = variants4(s1_0, kq0, slope1, pos1);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc0_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        x1 = variants4(s1_1, kq1, slope1, pos1);
+                    }
+                    let m_new = max(m1, max(max4(x0), max4(x1)));
+                    let rescale = exp(m1 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l1 = l1 * rescale + sum4(p0) + sum4(p1);
+                    m1 = m_new;
+                    acc1_0 = acc1_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc1_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc1_1 = acc1_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc1_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc1_2 = acc1_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc1_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc1_3 = acc1_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc1_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 3u {
-                    acc0_3 = acc0_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                if RB > 2u {
+                    let x0 = variants4(s2_0, kq0, slope2, pos2);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc0_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        x1 = variants4(s2_1, kq1, slope2, pos2);
+                    }
+                    let m_new = max(m2, max(max4(x0), max4(x1)));
+                    let rescale = exp(m2 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l2 = l2 * rescale + sum4(p0) + sum4(p1);
+                    m2 = m_new;
+                    acc2_0 = acc2_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc2_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc2_1 = acc2_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc2_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc2_2 = acc2_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc2_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc2_3 = acc2_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc2_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-            }
-            if RB > 1u {
-                let x0 = scores4(s1_0, kq0, okq0 & (kq0 >= vec4(lo1)) & (kq0 < vec4(hi1)), slope1, pos1);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s1_1, kq1, okq1 & (kq1 >= vec4(lo1)) & (kq1 < vec4(hi1)), slope1, pos1);
-                }
-                let m_new = max(m1, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m1 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l1 = l1 * rescale + sum4(p0) + sum4(p1);
-                m1 = m_new;
-                acc1_0 = acc1_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc1_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc1_1 = acc1_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                if RB > 2u {
+                    let x0 = variants4(s3_0, kq0, slope3, pos3);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc1_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        x1 = variants4(s3_1, kq1, slope3, pos3);
+                    }
+                    let m_new = max(m3, max(max4(x0), max4(x1)));
+                    let rescale = exp(m3 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l3 = l3 * rescale + sum4(p0) + sum4(p1);
+                    m3 = m_new;
+                    acc3_0 = acc3_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc3_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc3_1 = acc3_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc3_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc3_2 = acc3_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc3_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc3_3 = acc3_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc3_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 2u {
-                    acc1_2 = acc1_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                if RB > 4u {
+                    let x0 = variants4(s4_0, kq0, slope4, pos4);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc1_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        x1 = variants4(s4_1, kq1, slope4, pos4);
+                    }
+                    let m_new = max(m4, max(max4(x0), max4(x1)));
+                    let rescale = exp(m4 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l4 = l4 * rescale + sum4(p0) + sum4(p1);
+                    m4 = m_new;
+                    acc4_0 = acc4_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc4_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc4_1 = acc4_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc4_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc4_2 = acc4_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc4_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc4_3 = acc4_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc4_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 3u {
-                    acc1_3 = acc1_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                if RB > 4u {
+                    let x0 = variants4(s5_0, kq0, slope5, pos5);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc1_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        x1 = variants4(s5_1, kq1, slope5, pos5);
+                    }
+                    let m_new = max(m5, max(max4(x0), max4(x1)));
+                    let rescale = exp(m5 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l5 = l5 * rescale + sum4(p0) + sum4(p1);
+                    m5 = m_new;
+                    acc5_0 = acc5_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc5_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc5_1 = acc5_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc5_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc5_2 = acc5_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc5_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc5_3 = acc5_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc5_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-            }
-            if RB > 2u {
-                let x0 = scores4(s2_0, kq0, okq0 & (kq0 >= vec4(lo2)) & (kq0 < vec4(hi2)), slope2, pos2);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s2_1, kq1, okq1 & (kq1 >= vec4(lo2)) & (kq1 < vec4(hi2)), slope2, pos2);
-                }
-                let m_new = max(m2, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m2 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l2 = l2 * rescale + sum4(p0) + sum4(p1);
-                m2 = m_new;
-                acc2_0 = acc2_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc2_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc2_1 = acc2_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                if RB > 4u {
+                    let x0 = variants4(s6_0, kq0, slope6, pos6);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc2_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        x1 = variants4(s6_1, kq1, slope6, pos6);
+                    }
+                    let m_new = max(m6, max(max4(x0), max4(x1)));
+                    let rescale = exp(m6 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l6 = l6 * rescale + sum4(p0) + sum4(p1);
+                    m6 = m_new;
+                    acc6_0 = acc6_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc6_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc6_1 = acc6_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc6_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc6_2 = acc6_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc6_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc6_3 = acc6_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc6_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 2u {
-                    acc2_2 = acc2_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                if RB > 4u {
+                    let x0 = variants4(s7_0, kq0, slope7, pos7);
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc2_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        x1 = variants4(s7_1, kq1, slope7, pos7);
+                    }
+                    let m_new = max(m7, max(max4(x0), max4(x1)));
+                    let rescale = exp(m7 - m_new);
+                    let p0 = exp(x0 - m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = exp(x1 - m_new);
+                    }
+                    l7 = l7 * rescale + sum4(p0) + sum4(p1);
+                    m7 = m_new;
+                    acc7_0 = acc7_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc7_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc7_1 = acc7_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc7_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc7_2 = acc7_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc7_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc7_3 = acc7_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc7_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 3u {
-                    acc2_3 = acc2_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+            } else {
+                {
+                    let x0 = select(vec4(NEG_BIG), variants4(s0_0, kq0, slope0, pos0), okq0 & (kq0 >= vec4(lo0)) & (kq0 < vec4(hi0)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc2_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        x1 = select(vec4(NEG_BIG), variants4(s0_1, kq1, slope0, pos0), okq1 & (kq1 >= vec4(lo0)) & (kq1 < vec4(hi0)));
+                    }
+                    let m_new = max(m0, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m0 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = probs4(x1, m_new);
+                    }
+                    l0 = l0 * rescale + sum4(p0) + sum4(p1);
+                    m0 = m_new;
+                    acc0_0 = acc0_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc0_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc0_1 = acc0_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc0_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc0_2 = acc0_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc0_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc0_3 = acc0_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc0_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-            }
-            if RB > 2u {
-                let x0 = scores4(s3_0, kq0, okq0 & (kq0 >= vec4(lo3)) & (kq0 < vec4(hi3)), slope3, pos3);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s3_1, kq1, okq1 & (kq1 >= vec4(lo3)) & (kq1 < vec4(hi3)), slope3, pos3);
-                }
-                let m_new = max(m3, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m3 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l3 = l3 * rescale + sum4(p0) + sum4(p1);
-                m3 = m_new;
-                acc3_0 = acc3_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc3_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc3_1 = acc3_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                if RB > 1u {
+                    let x0 = select(vec4(NEG_BIG), variants4(s1_0, kq0, slope1, pos1), okq0 & (kq0 >= vec4(lo1)) & (kq0 < vec4(hi1)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc3_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        x1 = select(vec4(NEG_BIG), variants4(s1_1, kq1, slope1, pos1), okq1 & (kq1 >= vec4(lo1)) & (kq1 < vec4(hi1)));
+                    }
+                    let m_new = max(m1, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m1 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = probs4(x1, m_new);
+                    }
+                    l1 = l1 * rescale + sum4(p0) + sum4(p1);
+                    m1 = m_new;
+                    acc1_0 = acc1_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc1_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc1_1 = acc1_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc1_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc1_2 = acc1_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc1_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc1_3 = acc1_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc1_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 2u {
-                    acc3_2 = acc3_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                if RB > 2u {
+                    let x0 = select(vec4(NEG_BIG), variants4(s2_0, kq0, slope2, pos2), okq0 & (kq0 >= vec4(lo2)) & (kq0 < vec4(hi2)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc3_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        x1 = select(vec4(NEG_BIG), variants4(s2_1, kq1, slope2, pos2), okq1 & (kq1 >= vec4(lo2)) & (kq1 < vec4(hi2)));
+                    }
+                    let m_new = max(m2, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m2 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = probs4(x1, m_new);
+                    }
+                    l2 = l2 * rescale + sum4(p0) + sum4(p1);
+                    m2 = m_new;
+                    acc2_0 = acc2_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc2_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc2_1 = acc2_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc2_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc2_2 = acc2_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc2_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc2_3 = acc2_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc2_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 3u {
-                    acc3_3 = acc3_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                if RB > 2u {
+                    let x0 = select(vec4(NEG_BIG), variants4(s3_0, kq0, slope3, pos3), okq0 & (kq0 >= vec4(lo3)) & (kq0 < vec4(hi3)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc3_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        x1 = select(vec4(NEG_BIG), variants4(s3_1, kq1, slope3, pos3), okq1 & (kq1 >= vec4(lo3)) & (kq1 < vec4(hi3)));
+                    }
+                    let m_new = max(m3, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m3 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = probs4(x1, m_new);
+                    }
+                    l3 = l3 * rescale + sum4(p0) + sum4(p1);
+                    m3 = m_new;
+                    acc3_0 = acc3_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc3_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc3_1 = acc3_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc3_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc3_2 = acc3_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc3_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc3_3 = acc3_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc3_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-            }
-            if RB > 4u {
-                let x0 = scores4(s4_0, kq0, okq0 & (kq0 >= vec4(lo4)) & (kq0 < vec4(hi4)), slope4, pos4);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s4_1, kq1, okq1 & (kq1 >= vec4(lo4)) & (kq1 < vec4(hi4)), slope4, pos4);
-                }
-                let m_new = max(m4, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m4 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l4 = l4 * rescale + sum4(p0) + sum4(p1);
-                m4 = m_new;
-                acc4_0 = acc4_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc4_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc4_1 = acc4_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                if RB > 4u {
+                    let x0 = select(vec4(NEG_BIG), variants4(s4_0, kq0, slope4, pos4), okq0 & (kq0 >= vec4(lo4)) & (kq0 < vec4(hi4)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc4_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        x1 = select(vec4(NEG_BIG), variants4(s4_1, kq1, slope4, pos4), okq1 & (kq1 >= vec4(lo4)) & (kq1 < vec4(hi4)));
+                    }
+                    let m_new = max(m4, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m4 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = probs4(x1, m_new);
+                    }
+                    l4 = l4 * rescale + sum4(p0) + sum4(p1);
+                    m4 = m_new;
+                    acc4_0 = acc4_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc4_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc4_1 = acc4_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc4_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc4_2 = acc4_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc4_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc4_3 = acc4_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc4_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 2u {
-                    acc4_2 = acc4_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                if RB > 4u {
+                    let x0 = select(vec4(NEG_BIG), variants4(s5_0, kq0, slope5, pos5), okq0 & (kq0 >= vec4(lo5)) & (kq0 < vec4(hi5)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc4_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        x1 = select(vec4(NEG_BIG), variants4(s5_1, kq1, slope5, pos5), okq1 & (kq1 >= vec4(lo5)) & (kq1 < vec4(hi5)));
+                    }
+                    let m_new = max(m5, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m5 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = probs4(x1, m_new);
+                    }
+                    l5 = l5 * rescale + sum4(p0) + sum4(p1);
+                    m5 = m_new;
+                    acc5_0 = acc5_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc5_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc5_1 = acc5_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc5_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc5_2 = acc5_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc5_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc5_3 = acc5_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc5_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-                if VPL > 3u {
-                    acc4_3 = acc4_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                if RB > 4u {
+                    let x0 = select(vec4(NEG_BIG), variants4(s6_0, kq0, slope6, pos6), okq0 & (kq0 >= vec4(lo6)) & (kq0 < vec4(hi6)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc4_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        x1 = select(vec4(NEG_BIG), variants4(s6_1, kq1, slope6, pos6), okq1 & (kq1 >= vec4(lo6)) & (kq1 < vec4(hi6)));
+                    }
+                    let m_new = max(m6, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m6 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
+                    if KPI > 4u {
+                        p1 = probs4(x1, m_new);
+                    }
+                    l6 = l6 * rescale + sum4(p0) + sum4(p1);
+                    m6 = m_new;
+                    acc6_0 = acc6_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
+                    if KPI > 4u {
+                        acc6_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
+                    }
+                    if VPL > 1u {
+                        acc6_1 = acc6_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc6_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
+                    }
+                    if VPL > 2u {
+                        acc6_2 = acc6_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc6_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
+                    }
+                    if VPL > 3u {
+                        acc6_3 = acc6_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc6_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
-            }
-            if RB > 4u {
-                let x0 = scores4(s5_0, kq0, okq0 & (kq0 >= vec4(lo5)) & (kq0 < vec4(hi5)), slope5, pos5);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s5_1, kq1, okq1 & (kq1 >= vec4(lo5)) & (kq1 < vec4(hi5)), slope5, pos5);
-                }
-                let m_new = max(m5, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m5 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l5 = l5 * rescale + sum4(p0) + sum4(p1);
-                m5 = m_new;
-                acc5_0 = acc5_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc5_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc5_1 = acc5_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                if RB > 4u {
+                    let x0 = select(vec4(NEG_BIG), variants4(s7_0, kq0, slope7, pos7), okq0 & (kq0 >= vec4(lo7)) & (kq0 < vec4(hi7)));
+                    var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
-                        acc5_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        x1 = select(vec4(NEG_BIG), variants4(s7_1, kq1, slope7, pos7), okq1 & (kq1 >= vec4(lo7)) & (kq1 < vec4(hi7)));
                     }
-                }
-                if VPL > 2u {
-                    acc5_2 = acc5_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                    let m_new = max(m7, max(max4(x0), max4(x1)));
+                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                    // first visible key.
+                    let rescale = exp(m7 - m_new);
+                    let p0 = probs4(x0, m_new);
+                    var p1 = vec4(0.0);
                     if KPI > 4u {
-                        acc5_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        p1 = probs4(x1, m_new);
                     }
-                }
-                if VPL > 3u {
-                    acc5_3 = acc5_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                    l7 = l7 * rescale + sum4(p0) + sum4(p1);
+                    m7 = m_new;
+                    acc7_0 = acc7_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
                     if KPI > 4u {
-                        acc5_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        acc7_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
                     }
-                }
-            }
-            if RB > 4u {
-                let x0 = scores4(s6_0, kq0, okq0 & (kq0 >= vec4(lo6)) & (kq0 < vec4(hi6)), slope6, pos6);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s6_1, kq1, okq1 & (kq1 >= vec4(lo6)) & (kq1 < vec4(hi6)), slope6, pos6);
-                }
-                let m_new = max(m6, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m6 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l6 = l6 * rescale + sum4(p0) + sum4(p1);
-                m6 = m_new;
-                acc6_0 = acc6_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc6_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc6_1 = acc6_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                    if KPI > 4u {
-                        acc6_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                    if VPL > 1u {
+                        acc7_1 = acc7_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
+                        if KPI > 4u {
+                            acc7_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        }
                     }
-                }
-                if VPL > 2u {
-                    acc6_2 = acc6_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                    if KPI > 4u {
-                        acc6_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                    if VPL > 2u {
+                        acc7_2 = acc7_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
+                        if KPI > 4u {
+                            acc7_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                        }
                     }
-                }
-                if VPL > 3u {
-                    acc6_3 = acc6_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                    if KPI > 4u {
-                        acc6_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                    }
-                }
-            }
-            if RB > 4u {
-                let x0 = scores4(s7_0, kq0, okq0 & (kq0 >= vec4(lo7)) & (kq0 < vec4(hi7)), slope7, pos7);
-                var x1 = vec4(NEG_BIG);
-                if KPI > 4u {
-                    x1 = scores4(s7_1, kq1, okq1 & (kq1 >= vec4(lo7)) & (kq1 < vec4(hi7)), slope7, pos7);
-                }
-                let m_new = max(m7, max(max4(x0), max4(x1)));
-                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                // first visible key.
-                let rescale = exp(m7 - m_new);
-                let p0 = probs4(x0, m_new);
-                var p1 = vec4(0.0);
-                if KPI > 4u {
-                    p1 = probs4(x1, m_new);
-                }
-                l7 = l7 * rescale + sum4(p0) + sum4(p1);
-                m7 = m_new;
-                acc7_0 = acc7_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                if KPI > 4u {
-                    acc7_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                }
-                if VPL > 1u {
-                    acc7_1 = acc7_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                    if KPI > 4u {
-                        acc7_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                    }
-                }
-                if VPL > 2u {
-                    acc7_2 = acc7_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                    if KPI > 4u {
-                        acc7_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                    }
-                }
-                if VPL > 3u {
-                    acc7_3 = acc7_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                    if KPI > 4u {
-                        acc7_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                    if VPL > 3u {
+                        acc7_3 = acc7_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
+                        if KPI > 4u {
+                            acc7_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                        }
                     }
                 }
             }

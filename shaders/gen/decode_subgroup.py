@@ -63,6 +63,8 @@ def rows():
     pad = "    "
     for r in ROWS:
         out.append(pad + f"var lo{r} = 0u; var hi{r} = 0u; var slope{r} = 0.0; var pos{r} = 0;")
+    out.append(pad + "// The keys all the block's rows see.")
+    out.append(pad + "var full_lo = 0u; var full_hi = key_end;")
     for r in ROWS:
         body = [
             f"let gr = row0 + {r}u;",
@@ -71,6 +73,8 @@ def rows():
             "    let seen = visible(len, i);",
             f"    lo{r} = seen.x;",
             f"    hi{r} = min(seen.y, key_end);",
+            f"    full_lo = max(full_lo, lo{r});",
+            f"    full_hi = min(full_hi, hi{r});",
             f"    pos{r} = i32(len) - i32(u.seq_q) + i32(i);",
             "    if ALIBI {",
             f"        slope{r} = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);",
@@ -173,42 +177,66 @@ def softmax():
         keys = ", ".join(f"ok{4 * q + n}" for n in range(4))
         out.append(pad + f"let kq{q} = vec4(kb + {4 * q}u) + vec4(0u, 1u, 2u, 3u);")
         out.append(pad + f"let okq{q} = vec4({keys});")
-    for r in ROWS:
+    out.append(pad + "// Every row sees every key of the pass, all of them loaded: no")
+    out.append(pad + "// test per (row, key).")
+    out.append(
+        pad
+        + "let full = kb >= full_lo && kb + KPI <= full_hi && all(okq0) && (KPI <= 4u || all(okq1));"
+    )
+    for full in (True, False):
+        rows_out = []
+        for r in ROWS:
 
-        def scores(q, r=r):
-            seen = f"okq{q} & (kq{q} >= vec4(lo{r})) & (kq{q} < vec4(hi{r}))"
-            return f"scores4(s{r}_{q}, kq{q}, {seen}, slope{r}, pos{r})"
+            def scores(q, r=r, full=full):
+                if full:
+                    return f"variants4(s{r}_{q}, kq{q}, slope{r}, pos{r})"
+                seen = f"okq{q} & (kq{q} >= vec4(lo{r})) & (kq{q} < vec4(hi{r}))"
+                return (
+                    f"select(vec4(NEG_BIG), variants4(s{r}_{q}, kq{q}, slope{r}, pos{r}), {seen})"
+                )
 
-        body = [
-            f"let x0 = {scores(0)};",
-            "var x1 = vec4(NEG_BIG);",
-            *guarded("", quad_guard(1), [f"x1 = {scores(1)};"]),
-            f"let m_new = max(m{r}, max(max4(x0), max4(x1)));",
-            "// 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its",
-            "// first visible key.",
-            f"let rescale = exp(m{r} - m_new);",
-            "let p0 = probs4(x0, m_new);",
-            "var p1 = vec4(0.0);",
-            *guarded("", quad_guard(1), ["p1 = probs4(x1, m_new);"]),
-            f"l{r} = l{r} * rescale + sum4(p0) + sum4(p1);",
-            f"m{r} = m_new;",
-        ]
-        for i in COLS:
-            body += guarded(
-                "",
-                col_guard(i),
-                [
-                    f"acc{r}_{i} = acc{r}_{i} * rescale + p0.x * v0_{i} + p0.y * v1_{i} + p0.z * v2_{i} + p0.w * v3_{i};",
-                    *guarded(
-                        "",
-                        quad_guard(1),
-                        [
-                            f"acc{r}_{i} += p1.x * v4_{i} + p1.y * v5_{i} + p1.z * v6_{i} + p1.w * v7_{i};"
-                        ],
-                    ),
-                ],
-            )
-        out += block(pad, row_guard(r), body)
+            probs = "exp(x{q} - m_new)" if full else "probs4(x{q}, m_new)"
+            body = [
+                f"let x0 = {scores(0)};",
+                "var x1 = vec4(NEG_BIG);",
+                *guarded("", quad_guard(1), [f"x1 = {scores(1)};"]),
+                f"let m_new = max(m{r}, max(max4(x0), max4(x1)));",
+            ]
+            if not full:
+                body += [
+                    "// 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its",
+                    "// first visible key.",
+                ]
+            body += [
+                f"let rescale = exp(m{r} - m_new);",
+                f"let p0 = {probs.format(q=0)};",
+                "var p1 = vec4(0.0);",
+                *guarded("", quad_guard(1), [f"p1 = {probs.format(q=1)};"]),
+                f"l{r} = l{r} * rescale + sum4(p0) + sum4(p1);",
+                f"m{r} = m_new;",
+            ]
+            for i in COLS:
+                body += guarded(
+                    "",
+                    col_guard(i),
+                    [
+                        f"acc{r}_{i} = acc{r}_{i} * rescale + p0.x * v0_{i} + p0.y * v1_{i} + p0.z * v2_{i} + p0.w * v3_{i};",
+                        *guarded(
+                            "",
+                            quad_guard(1),
+                            [
+                                f"acc{r}_{i} += p1.x * v4_{i} + p1.y * v5_{i} + p1.z * v6_{i} + p1.w * v7_{i};"
+                            ],
+                        ),
+                    ],
+                )
+            rows_out += block("    ", row_guard(r), body)
+        if full:
+            out.append(pad + "if full {")
+        else:
+            out.append(pad + "} else {")
+        out += [pad + line for line in rows_out]
+    out.append(pad + "}")
     return "\n".join(out)
 
 

@@ -33,6 +33,8 @@ pub struct Overrides {
     /// Decoding's subgroup kernel with this many keys per walker and pass
     /// (4 or 8).
     pub decode_keys: Option<u32>,
+    /// Decoding's subgroup kernel with walkers of at most this many lanes.
+    pub decode_lanes: Option<u32>,
 }
 
 impl Overrides {
@@ -46,6 +48,7 @@ impl Overrides {
         portable_cpu: false,
         decode_workgroup: None,
         decode_keys: None,
+        decode_lanes: None,
     };
 
     /// `caps` as the overrides narrow them.

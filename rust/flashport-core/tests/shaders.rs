@@ -838,10 +838,12 @@ fn decode_kernels_validate_and_specialise() {
 /// Decoding's subgroup kernel (shaders/decode/subgroup.wgsl, generated)
 /// validates with subgroup operations and specialises for the layouts the
 /// host picks on subgroups of 8, 32 and 64 lanes, every variant on and off,
-/// both key counts per pass.
+/// both key counts per pass, narrower walkers.
 #[test]
 fn decode_subgroup_kernel_validates_and_specialises() {
-    use flashport_core::gpu::decode::select::{subgroup_tiles, AdapterKind, DecodeCaps};
+    use flashport_core::gpu::decode::select::{
+        subgroup_tiles, AdapterKind, DecodeCaps, SubgroupKnobs,
+    };
     let adapters = [
         (AdapterKind::Discrete, 48 * 1024, 1024, 32),
         (AdapterKind::Software, 32 * 1024, 1024, 8),
@@ -872,8 +874,13 @@ fn decode_subgroup_kernel_validates_and_specialises() {
                 (16, 16, 2),
                 (2, 2, 8),
             ] {
-                for keys in [4, 8] {
-                    let Some(t) = subgroup_tiles(d, dv, rows, caps, None, Some(keys)) else {
+                for (keys, lanes) in [(4, None), (8, None), (4, Some(8)), (8, Some(16))] {
+                    let knobs = SubgroupKnobs {
+                        keys: Some(keys),
+                        lanes,
+                        ..SubgroupKnobs::default()
+                    };
+                    let Some(t) = subgroup_tiles(d, dv, rows, caps, knobs) else {
                         continue;
                     };
                     if t.vec4 != vec4 {

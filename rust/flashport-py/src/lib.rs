@@ -1237,7 +1237,7 @@ mod testing {
     #[pyfunction]
     #[pyo3(signature = (*, max_tier=None, workgroup_bytes=None, no_subgroups=false,
                         binding_limit=None, naga_spirv=false, portable_cpu=false,
-                        decode_workgroup=None, decode_keys=None))]
+                        decode_workgroup=None, decode_keys=None, decode_lanes=None))]
     #[allow(clippy::too_many_arguments)]
     pub fn _testing_set_overrides(
         max_tier: Option<&str>,
@@ -1248,6 +1248,7 @@ mod testing {
         portable_cpu: bool,
         decode_workgroup: Option<u32>,
         decode_keys: Option<u32>,
+        decode_lanes: Option<u32>,
     ) -> PyResult<()> {
         let max_tier = match max_tier {
             None => None,
@@ -1269,6 +1270,7 @@ mod testing {
             portable_cpu,
             decode_workgroup,
             decode_keys,
+            decode_lanes,
         });
         Ok(())
     }

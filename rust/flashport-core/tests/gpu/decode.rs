@@ -128,24 +128,25 @@ fn errors(c: &Paged) -> (f64, f64) {
 
 /// The decode kernels this adapter runs, as the overrides that pick each:
 /// the default (the subgroup kernel where the adapter's subgroups have a
-/// known size), the subgroup kernel's other key count per pass and a
-/// workgroup of one subgroup, and the workgroup kernel (no subgroups).
+/// known size), the subgroup kernel with 8 keys per pass in a workgroup of
+/// one subgroup and with walkers of half a subgroup, and the workgroup
+/// kernel (no subgroups).
 fn kernels() -> Vec<(&'static str, Overrides)> {
     let base = overrides::current();
     let mut all = vec![("default", base)];
-    if gpu::testing::subgroup_size().unwrap().is_some() {
-        all.push((
-            "subgroup, 4 keys",
-            Overrides {
-                decode_keys: Some(4),
-                ..base
-            },
-        ));
+    if let Some(size) = gpu::testing::subgroup_size().unwrap() {
         all.push((
             "subgroup, 8 keys, one subgroup",
             Overrides {
                 decode_keys: Some(8),
-                decode_workgroup: Some(32),
+                decode_workgroup: Some(size),
+                ..base
+            },
+        ));
+        all.push((
+            "subgroup, walkers of half a subgroup",
+            Overrides {
+                decode_lanes: Some(size / 2),
                 ..base
             },
         ));

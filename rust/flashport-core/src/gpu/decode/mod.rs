@@ -47,7 +47,7 @@ use crate::{
     Array, DType, DeviceArray, Error, ForwardOutput, Input, KvCacheProblem, Placement, Result,
     VariantArrays,
 };
-use select::{decode_kernel, gpu_splits, AdapterKind, DecodeCaps, DecodeKernel};
+use select::{decode_kernel, gpu_splits, AdapterKind, DecodeCaps, DecodeKernel, SubgroupKnobs};
 
 /// The kernel's `struct Decode`, word for word (`uniform_matches_the_shader`).
 #[repr(C)]
@@ -239,7 +239,11 @@ pub(crate) fn choose(
 ) -> Result<(DecodeKernel, usize)> {
     let (d, dv) = (p.attention.head_dim, p.attention.value_dim);
     let caps = caps_of(ctx, overrides);
-    let knobs = (overrides.decode_workgroup, overrides.decode_keys);
+    let knobs = SubgroupKnobs {
+        workgroup: overrides.decode_workgroup,
+        keys: overrides.decode_keys,
+        lanes: overrides.decode_lanes,
+    };
     let kernel = decode_kernel(d, dv, p.group_rows(), caps, knobs).ok_or_else(|| {
         Error::BackendUnavailable(format!(
             "the GPU decodes head dimensions up to {} (here d={d}, d_v={dv}) with this \

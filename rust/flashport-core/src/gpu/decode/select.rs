@@ -241,42 +241,60 @@ impl SubgroupTiles {
     }
 }
 
+/// Choices the subgroup kernel's layout otherwise makes itself (the test
+/// and benchmark overrides `decode_workgroup`, `decode_keys`,
+/// `decode_lanes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SubgroupKnobs {
+    /// Invocations per workgroup.
+    pub workgroup: Option<u32>,
+    /// Keys per walker and pass.
+    pub keys: Option<u32>,
+    /// The most lanes per walker.
+    pub lanes: Option<u32>,
+}
+
+/// Keys a walker loads per pass by default: 4 ran faster than 8 on an
+/// H100 at every decode shape of BENCHMARKS.md (8 holds twice the loads
+/// in registers).
+pub const SUBGROUP_KEYS: u32 = 4;
+
 /// The subgroup kernel's layout for head dimensions `d`, `d_v` and
 /// `group_rows` query rows per (sequence, key/value head), on an adapter
 /// whose subgroups have a known size: walkers of as many lanes as the
-/// wider head dimension has vec4s (a power of two, at most the subgroup
-/// and [`SUBGROUP_MAX_LANES`]), each lane holding the rest of a row in up
-/// to [`SUBGROUP_MAX_VEC4S`] vec4s; 8 keys per pass where a lane holds one
-/// vec4 of a row, else 4 (`keys` overrides it); then, best first, the most
-/// rows per workgroup (as [`decode_tiles`]) and the largest workgroup of
-/// whole subgroups up to 128 invocations (or `workgroup`) whose walkers'
-/// states fit the workgroup memory. `None` without subgroups of a known
-/// size, past the widest row the named registers hold, or when nothing
-/// fits: the host runs [`decode_tiles`]'s kernel then.
+/// wider head dimension has vec4s (a power of two, at most the subgroup,
+/// [`SUBGROUP_MAX_LANES`] and `knobs.lanes`), each lane holding the rest
+/// of a row in up to [`SUBGROUP_MAX_VEC4S`] vec4s; [`SUBGROUP_KEYS`] keys
+/// per pass; then, best first, the most rows per workgroup (as
+/// [`decode_tiles`]) and the largest workgroup of whole subgroups up to
+/// 128 invocations whose walkers' states fit the workgroup memory. `None`
+/// without subgroups of a known size, past the widest row the named
+/// registers hold, or when nothing fits (with the knobs given): the host
+/// runs [`decode_tiles`]'s kernel then.
 pub fn subgroup_tiles(
     d: usize,
     dv: usize,
     group_rows: usize,
     caps: DecodeCaps,
-    workgroup: Option<u32>,
-    keys: Option<u32>,
+    knobs: SubgroupKnobs,
 ) -> Option<SubgroupTiles> {
     let subgroup = caps.subgroup_size.filter(|s| s.is_power_of_two())?;
     let vec4s_of_row = d.max(dv).max(1).div_ceil(4);
     let lanes = (vec4s_of_row.next_power_of_two() as u32)
         .min(subgroup)
-        .min(SUBGROUP_MAX_LANES);
+        .min(SUBGROUP_MAX_LANES)
+        .min(knobs.lanes.map_or(u32::MAX, |l| 1 << l.max(1).ilog2()));
     let vec4s = vec4s_of_row.div_ceil(lanes as usize) as u32;
     if vec4s > SUBGROUP_MAX_VEC4S {
         return None;
     }
-    let keys = keys.unwrap_or(if vec4s == 1 { 8 } else { 4 });
+    let keys = knobs.keys.unwrap_or(SUBGROUP_KEYS);
     if keys != 4 && keys != 8 {
         return None;
     }
     let most_rows = group_rows.clamp(1, 8).next_power_of_two() as u32;
     let vec4 = d % 4 == 0 && dv % 4 == 0;
-    let largest = workgroup.unwrap_or(128);
+    let (workgroup, largest) = (knobs.workgroup, knobs.workgroup.unwrap_or(128));
     for rows in [8u32, 4, 2, 1].into_iter().filter(|&r| r <= most_rows) {
         let mut wg = largest;
         while wg >= lanes.max(subgroup) {
@@ -351,16 +369,16 @@ impl DecodeKernel {
 }
 
 /// The decode kernel for the shape: the subgroup kernel where
-/// [`subgroup_tiles`] fits one (`workgroup` and `keys` as it takes them),
-/// else the workgroup kernel of [`decode_tiles`]; `None` when neither fits.
+/// [`subgroup_tiles`] fits one, else the workgroup kernel of
+/// [`decode_tiles`]; `None` when neither fits.
 pub fn decode_kernel(
     d: usize,
     dv: usize,
     group_rows: usize,
     caps: DecodeCaps,
-    (workgroup, keys): (Option<u32>, Option<u32>),
+    knobs: SubgroupKnobs,
 ) -> Option<DecodeKernel> {
-    subgroup_tiles(d, dv, group_rows, caps, workgroup, keys)
+    subgroup_tiles(d, dv, group_rows, caps, knobs)
         .map(DecodeKernel::Subgroup)
         .or_else(|| decode_tiles(d, dv, group_rows, caps).map(DecodeKernel::Workgroup))
 }
@@ -638,7 +656,7 @@ mod tests {
     }
 
     fn subgroup(d: usize, dv: usize, rows: usize, caps: DecodeCaps) -> Option<SubgroupTiles> {
-        subgroup_tiles(d, dv, rows, caps, None, None)
+        subgroup_tiles(d, dv, rows, caps, SubgroupKnobs::default())
     }
 
     /// Subgroups of 64 lanes (AMD's wave64) on a large adapter.
@@ -653,13 +671,13 @@ mod tests {
     #[test]
     fn the_subgroup_kernel_runs_where_subgroups_have_a_known_size() {
         // Llama-style GQA decode at d = 128 on an H100: walkers of one
-        // warp, a vec4 per lane, 8 keys per pass, four walkers.
+        // warp, a vec4 per lane, 4 keys per pass, four walkers.
         let t = subgroup(128, 128, 4, H100).unwrap();
         assert_eq!(
             (t.workgroup, t.lanes, t.vec4s, t.keys, t.rows),
-            (128, 32, 1, 8, 4)
+            (128, 32, 1, 4, 4)
         );
-        assert_eq!((t.walkers(), t.step_keys()), (4, 32));
+        assert_eq!((t.walkers(), t.step_keys()), (4, 16));
         // lavapipe's 8-lane subgroups: four vec4s per lane, 4 keys per
         // pass, and the workgroup halved until the walkers' states fit.
         let t = subgroup(128, 128, 4, LAVAPIPE).unwrap();
@@ -681,14 +699,14 @@ mod tests {
         assert_eq!((t.lanes, t.vec4s, t.workgroup % 64), (32, 2, 0));
         // No subgroups, or no known size: the workgroup kernel.
         assert_eq!(subgroup(128, 128, 4, WEBGPU), None);
-        let kernel = decode_kernel(128, 128, 4, WEBGPU, (None, None)).unwrap();
+        let kernel = decode_kernel(128, 128, 4, WEBGPU, SubgroupKnobs::default()).unwrap();
         assert_eq!(
             kernel,
             DecodeKernel::Workgroup(decode_tiles(128, 128, 4, WEBGPU).unwrap())
         );
-        let kernel = decode_kernel(512, 64, 4, LAVAPIPE, (None, None)).unwrap();
+        let kernel = decode_kernel(512, 64, 4, LAVAPIPE, SubgroupKnobs::default()).unwrap();
         assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
-        let kernel = decode_kernel(128, 128, 4, H100, (None, None)).unwrap();
+        let kernel = decode_kernel(128, 128, 4, H100, SubgroupKnobs::default()).unwrap();
         assert!(matches!(kernel, DecodeKernel::Subgroup(_)), "{kernel:?}");
         assert_eq!(kernel.row_blocks(4), 1);
         assert_eq!(kernel.rows(), 4);
@@ -696,15 +714,27 @@ mod tests {
 
     #[test]
     fn the_subgroup_kernel_takes_its_knobs() {
-        let t = subgroup_tiles(128, 128, 4, H100, Some(256), Some(4)).unwrap();
-        assert_eq!((t.workgroup, t.keys), (256, 4));
-        let t = subgroup_tiles(128, 128, 4, H100, Some(32), None).unwrap();
+        let knobs = |workgroup, keys, lanes| SubgroupKnobs {
+            workgroup,
+            keys,
+            lanes,
+        };
+        let with = |k| subgroup_tiles(128, 128, 4, H100, k);
+        let t = with(knobs(Some(256), Some(8), None)).unwrap();
+        assert_eq!((t.workgroup, t.keys), (256, 8));
+        let t = with(knobs(Some(32), None, None)).unwrap();
         assert_eq!((t.workgroup, t.walkers()), (32, 1));
+        // Narrower walkers hold more of a row per lane.
+        let t = with(knobs(None, None, Some(16))).unwrap();
+        assert_eq!((t.lanes, t.vec4s, t.walkers()), (16, 2, 8));
+        let t = with(knobs(None, None, Some(8))).unwrap();
+        assert_eq!((t.lanes, t.vec4s, t.walkers()), (8, 4, 16));
+        assert_eq!(with(knobs(None, None, Some(4))), None);
         // A workgroup smaller than a subgroup, or a key count the kernel
         // has no registers for: the workgroup kernel.
-        assert_eq!(subgroup_tiles(128, 128, 4, H100, Some(16), None), None);
-        assert_eq!(subgroup_tiles(128, 128, 4, H100, None, Some(5)), None);
-        let kernel = decode_kernel(128, 128, 4, H100, (None, Some(2))).unwrap();
+        assert_eq!(with(knobs(Some(16), None, None)), None);
+        assert_eq!(with(knobs(None, Some(5), None)), None);
+        let kernel = decode_kernel(128, 128, 4, H100, knobs(None, Some(2), None)).unwrap();
         assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
     }
 
@@ -742,7 +772,7 @@ mod tests {
     #[test]
     fn the_subgroup_kernel_needs_fewer_splits_under_a_loop_limit() {
         let p = problem(1, 1, 1, 131072, None);
-        let sub = decode_kernel(128, 128, 4, LAVAPIPE_22, (None, None)).unwrap();
+        let sub = decode_kernel(128, 128, 4, LAVAPIPE_22, SubgroupKnobs::default()).unwrap();
         let DecodeKernel::Subgroup(t) = sub else {
             panic!("{sub:?}")
         };
