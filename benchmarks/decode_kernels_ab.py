@@ -79,6 +79,10 @@ def main() -> None:
             q, k, v, lens, device="gpu", return_lse=True, num_splits=num_splits
         )
 
+    # Kernel timestamps on (opt-in on main since 94df349): the wall times
+    # include their cost, 0.04-0.3 ms a call on an H100, for every
+    # configuration alike (BENCHMARKS.md's run had them on).
+    _core._gpu_kernel_timing(True)
     largest = max(cases, key=lambda key: cases[key][4])
     for config in configs.values():
         use(config)
