@@ -1,7 +1,7 @@
 """The register-tiled shaders are generated (WGSL has no macros, and the
 register tiles must be named variables): the committed WGSL in
-shaders/tiled must be exactly what the generators in shaders/gen write,
-so neither can drift."""
+shaders/tiled (and decoding's subgroup kernel in shaders/decode) must be
+exactly what the generators in shaders/gen write, so neither can drift."""
 
 from __future__ import annotations
 
@@ -22,10 +22,13 @@ def test_committed_wgsl_matches_its_generator(generator, tmp_path):
     copy = tmp_path / "shaders"
     shutil.copytree(SHADERS / "gen", copy / "gen")
     subprocess.run([sys.executable, str(copy / "gen" / generator.name)], check=True)
-    written = sorted((copy / "tiled").glob("*.wgsl"))
+    written = sorted(
+        path for folder in ("tiled", "decode") for path in (copy / folder).glob("*.wgsl")
+    )
     assert written, f"{generator.name} wrote no shader"
     for path in written:
-        assert path.read_text() == (SHADERS / "tiled" / path.name).read_text(), (
-            f"shaders/tiled/{path.name} differs from what {generator.name} writes: "
+        name = path.relative_to(copy).as_posix()
+        assert path.read_text() == (SHADERS / name).read_text(), (
+            f"shaders/{name} differs from what {generator.name} writes: "
             f"run python3 shaders/gen/{generator.name}"
         )

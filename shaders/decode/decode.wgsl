@@ -7,8 +7,10 @@
 // defines what is computed, src/gpu/decode/ runs it.
 //
 // The host prepends lib/input_f32.wgsl or lib/input_f16.wgsl (In4, widen,
-// in_word, in_elem) and decode/load_vec4.wgsl or decode/load_elements.wgsl
-// (the cache bindings and load_k / load_v).
+// in_word, in_elem), decode/load_vec4.wgsl or decode/load_elements.wgsl
+// (the cache bindings and load_k / load_v) and decode/shared.wgsl (the
+// uniform, the other bindings, cache_row, bound, visible, keys_read and
+// split_keys, which decode/subgroup.wgsl shares).
 //
 // Layout of the invocations: KG = WG / LANES key groups of LANES lanes.
 // Lane l of a key group owns elements 4l..4l+3 of d and of d_v; the group
@@ -47,132 +49,14 @@ override PS: u32 = LANES + 1u;
 // accumulators at the end.
 override PART_ELEMS: u32 = 4224u;
 override SCORE_ELEMS: u32 = 64u;
-override PAGED: bool = false;
 override SOFTCAP: bool = false;
 override ALIBI: bool = false;
-// A KV cache's pool split over several buffers (src/gpu/decode/mod.rs):
-// the dispatch binds one, and table entries NONE are blocks of the
-// others, neither loaded nor seen here (another run of the dispatch sees
-// them).
-override SKIPS: bool = false;
-
-// Mirrors `Uniform` in src/gpu/decode/mod.rs, word for word.
-struct Decode {
-    heads_q: u32,
-    heads_kv: u32,
-    group: u32,
-    seq_q: u32,
-    // group * seq_q: the rows of one (sequence, key/value head).
-    rows: u32,
-    row_blocks: u32,
-    d: u32,
-    dv: u32,
-    // Keys per block (a contiguous cache: its capacity, one block per
-    // sequence).
-    block_size: u32,
-    max_blocks: u32,
-    splits: u32,
-    causal: u32,
-    // Window sides, NONE where unbounded; the host caps them at 2^30,
-    // beyond every position.
-    left: u32,
-    right: u32,
-    scale: f32,
-    softcap: f32,
-    // Word offsets in `seq_data`: the lengths of this dispatch's sequences,
-    // their block-table rows (blocks counted from the first block bound),
-    // the ALiBi slopes per (sequence, query head).
-    seqlens_off: u32,
-    table_off: u32,
-    slopes_off: u32,
-    // The first slot of this run's splits in part_o / part_lse (a pool
-    // split over buffers runs once per buffer).
-    split_base: u32,
-    // Elements from the start of a cache binding to its first block.
-    k_delta: u32,
-    v_delta: u32,
-    // Rows of this dispatch's output: sequences * heads_q * seq_q.
-    out_rows: u32,
-    pad1: u32,
-}
-
-const NONE: u32 = 0xffffffffu;
-// The finite stand-in for a running maximum of -inf (lib/common.wgsl).
-const NEG_BIG: f32 = -3.0e38;
-const NEG_INF: u32 = 0xff800000u;
-
-@group(0) @binding(0) var<uniform> u: Decode;
-@group(0) @binding(1) var<storage, read> q: array<u32>;
-@group(0) @binding(4) var<storage, read> seq_data: array<u32>;
-@group(0) @binding(5) var<storage, read_write> part_o: array<f32>;
-@group(0) @binding(6) var<storage, read_write> part_lse: array<u32>;
 
 var<workgroup> part: array<f32, PART_ELEMS>;
 var<workgroup> scores: array<f32, SCORE_ELEMS>;
 // Per row: the tile's rescale (0..8), and at the end row_sum (8..16), a
 // slot of its own because the last tile's rescales may still be read.
 var<workgroup> stat: array<f32, 16>;
-
-// The cache row (counted from the binding's first block) of key `key` of
-// the dispatch's sequence `b`, key/value head `h`.
-fn cache_row(b: u32, h: u32, key: u32) -> u32 {
-    var block = b;
-    var offset = key;
-    if PAGED {
-        block = seq_data[u.table_off + b * u.max_blocks + key / u.block_size];
-        offset = key % u.block_size;
-    }
-    return (block * u.heads_kv + h) * u.block_size + offset;
-}
-
-// Whether key `key` of the dispatch's sequence `b` is in a block bound
-// here.
-fn bound(b: u32, key: u32) -> bool {
-    if SKIPS {
-        return seq_data[u.table_off + b * u.max_blocks + key / u.block_size] != NONE;
-    }
-    return true;
-}
-
-// The keys row `i` (of seq_q) of a sequence of `len` keys sees: query i is
-// at position len - seq_q + i. Lengths and seq_q are below 2^30 (checked
-// by the host), so positions fit i32.
-fn visible(len: u32, i: u32) -> vec2<u32> {
-    let pos = i32(len) - i32(u.seq_q) + i32(i);
-    var end = i32(len);
-    if u.causal != 0u {
-        end = min(end, pos + 1);
-    }
-    if u.right != NONE {
-        end = min(end, pos + i32(u.right) + 1);
-    }
-    end = clamp(end, 0, i32(len));
-    var start = 0;
-    if u.left != NONE {
-        start = max(0, pos - i32(u.left));
-    }
-    return vec2(u32(min(start, end)), u32(end));
-}
-
-// The keys any row of the sequence sees (src/problem.rs, keys_read): the
-// range the splits cut.
-fn keys_read(len: u32) -> vec2<u32> {
-    if len == 0u || u.seq_q == 0u {
-        return vec2(0u);
-    }
-    let first = visible(len, 0u);
-    let last = visible(len, u.seq_q - 1u);
-    let start = min(first.x, last.y);
-    return vec2(start, max(last.y, start));
-}
-
-// Split s of `keys` (src/decode.rs, split_keys).
-fn split_keys(keys: vec2<u32>, s: u32) -> vec2<u32> {
-    let n = keys.y - keys.x;
-    let per = ((n + u.splits - 1u) / u.splits + 15u) / 16u * 16u;
-    let start = keys.x + min(s * per, n);
-    return vec2(start, min(start + per, keys.y));
-}
 
 // The score of group row `r` (query i = r % seq_q, head h * group +
 // r / seq_q) and key `key` from u = scale * q . k, or NEG_BIG where the

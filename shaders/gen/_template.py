@@ -1,7 +1,8 @@
 """What the generators share: each kernel is a WGSL template beside its
 generator (NAME.wgsl.in), readable as WGSL, with {{PART}} where the
 generator puts the statements it unrolls. The output goes to
-shaders/tiled/, which the host embeds (src/gpu/shaders.rs)."""
+shaders/tiled/ (decoding's to shaders/decode/), which the host embeds
+(src/gpu/shaders.rs)."""
 
 import re
 from pathlib import Path
@@ -32,7 +33,7 @@ def fill(template, parts):
     return text
 
 
-def write(name, text):
-    out = HERE.parent / "tiled"
+def write(name, text, folder="tiled"):
+    out = HERE.parent / folder
     out.mkdir(exist_ok=True)
     (out / name).write_text(text)

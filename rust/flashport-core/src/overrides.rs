@@ -27,6 +27,14 @@ pub struct Overrides {
     /// Run the portable CPU kernels even where AVX2 and FMA exist (what
     /// other CPUs run).
     pub portable_cpu: bool,
+    /// Decoding's subgroup kernel with workgroups of this many invocations
+    /// (where it fits; else the workgroup kernel runs).
+    pub decode_workgroup: Option<u32>,
+    /// Decoding's subgroup kernel with this many keys per walker and pass
+    /// (4 or 8).
+    pub decode_keys: Option<u32>,
+    /// Decoding's subgroup kernel with walkers of at most this many lanes.
+    pub decode_lanes: Option<u32>,
 }
 
 impl Overrides {
@@ -38,6 +46,9 @@ impl Overrides {
         binding_limit: None,
         naga_spirv: false,
         portable_cpu: false,
+        decode_workgroup: None,
+        decode_keys: None,
+        decode_lanes: None,
     };
 
     /// `caps` as the overrides narrow them.

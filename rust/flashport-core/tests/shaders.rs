@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use flashport_core::gpu::kernel::Kernel;
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
-    decode_source, source, tile_overrides, variant_overrides, Variants, DECODE_COMBINE,
-    DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, VARLEN,
+    decode_source, decode_subgroup_source, source, tile_overrides, variant_overrides, Variants,
+    DECODE_COMBINE, DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, VARLEN,
 };
 use flashport_core::gpu::tiles::{
     coop_backward_tiles, coop_forward_tiles, coop_workgroup_bytes, simple_tiles,
@@ -792,6 +792,7 @@ fn decode_kernels_validate_and_specialise() {
                 workgroup_storage_bytes: bytes,
                 max_invocations: invocations,
                 loop_limit: None,
+                subgroup_size: None,
             };
             for (d, dv, rows) in [
                 (128, 128, 4),
@@ -832,4 +833,79 @@ fn decode_kernels_validate_and_specialise() {
             e.emit_to_string(DECODE_COMBINE)
         );
     }
+}
+
+/// Decoding's subgroup kernel (shaders/decode/subgroup.wgsl, generated)
+/// validates with subgroup operations and specialises for the layouts the
+/// host picks on subgroups of 8, 32 and 64 lanes, every variant on and off,
+/// both key counts per pass, narrower walkers.
+#[test]
+fn decode_subgroup_kernel_validates_and_specialises() {
+    use flashport_core::gpu::decode::select::{
+        subgroup_tiles, AdapterKind, DecodeCaps, SubgroupKnobs,
+    };
+    let adapters = [
+        (AdapterKind::Discrete, 48 * 1024, 1024, 32),
+        (AdapterKind::Software, 32 * 1024, 1024, 8),
+        (AdapterKind::Other, 64 * 1024, 1024, 64),
+    ];
+    let mut specialised = 0;
+    for (f16, vec4) in [(false, true), (false, false), (true, true), (true, false)] {
+        let text = decode_subgroup_source(f16, vec4);
+        let name = format!("decode/subgroup.wgsl (f16={f16}, vec4={vec4})");
+        let module = parse_text(&name, &text);
+        let info = subgroup_validator()
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name} does not validate:\n{}", e.emit_to_string(&text)));
+        for (kind, bytes, invocations, subgroup) in adapters {
+            let caps = DecodeCaps {
+                kind,
+                workgroup_storage_bytes: bytes,
+                max_invocations: invocations,
+                loop_limit: None,
+                subgroup_size: Some(subgroup),
+            };
+            for (d, dv, rows) in [
+                (128, 128, 4),
+                (64, 32, 1),
+                (256, 256, 8),
+                (7, 5, 3),
+                (512, 12, 64),
+                (16, 16, 2),
+                (2, 2, 8),
+            ] {
+                for (keys, lanes) in [(4, None), (8, None), (4, Some(8)), (8, Some(16))] {
+                    let knobs = SubgroupKnobs {
+                        keys: Some(keys),
+                        lanes,
+                        ..SubgroupKnobs::default()
+                    };
+                    let Some(t) = subgroup_tiles(d, dv, rows, caps, knobs) else {
+                        continue;
+                    };
+                    if t.vec4 != vec4 {
+                        continue;
+                    }
+                    for variants in [false, true] {
+                        let mut constants: naga::back::PipelineConstants = t
+                            .overrides(variants, variants, variants)
+                            .into_iter()
+                            .map(|(n, v)| (n.to_string(), v))
+                            .collect();
+                        constants.insert("SKIPS".to_string(), if variants { 1.0 } else { 0.0 });
+                        if let Err(e) = naga::back::pipeline_constants::process_overrides(
+                            &module,
+                            &info,
+                            Some((naga::ShaderStage::Compute, "main")),
+                            &constants,
+                        ) {
+                            panic!("{name} {t:?}: {e:?}");
+                        }
+                        specialised += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(specialised >= 40, "{specialised}");
 }

@@ -1238,7 +1238,9 @@ mod testing {
     /// (flashport_core::overrides::Overrides), all off when none is given.
     #[pyfunction]
     #[pyo3(signature = (*, max_tier=None, workgroup_bytes=None, no_subgroups=false,
-                        binding_limit=None, naga_spirv=false, portable_cpu=false))]
+                        binding_limit=None, naga_spirv=false, portable_cpu=false,
+                        decode_workgroup=None, decode_keys=None, decode_lanes=None))]
+    #[allow(clippy::too_many_arguments)]
     pub fn _testing_set_overrides(
         max_tier: Option<&str>,
         workgroup_bytes: Option<u32>,
@@ -1246,6 +1248,9 @@ mod testing {
         binding_limit: Option<u64>,
         naga_spirv: bool,
         portable_cpu: bool,
+        decode_workgroup: Option<u32>,
+        decode_keys: Option<u32>,
+        decode_lanes: Option<u32>,
     ) -> PyResult<()> {
         let max_tier = match max_tier {
             None => None,
@@ -1265,6 +1270,9 @@ mod testing {
             binding_limit,
             naga_spirv,
             portable_cpu,
+            decode_workgroup,
+            decode_keys,
+            decode_lanes,
         });
         Ok(())
     }

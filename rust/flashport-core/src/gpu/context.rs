@@ -135,6 +135,10 @@ pub(crate) struct Context {
     pub caps: AdapterCaps,
     /// Timestamp queries are enabled: kernel times are measured on the GPU.
     pub timestamps: bool,
+    /// The lanes of every subgroup, where subgroup operations are enabled
+    /// and the adapter's subgroups have one size (decoding's subgroup
+    /// kernel lays its walkers out by it).
+    pub subgroup_size: Option<u32>,
     lost: Arc<AtomicBool>,
     /// The process that opened the device (`fork::generation`): in a
     /// forked child the device is as good as lost.
@@ -310,6 +314,8 @@ impl Context {
             f16_inputs,
             caps,
             timestamps,
+            subgroup_size: (subgroups && info.subgroup_min_size == info.subgroup_max_size)
+                .then_some(info.subgroup_min_size),
             lost,
             generation: fork::generation(),
             uncaptured,

@@ -60,6 +60,8 @@ pub const MERGE_STATES: &str = concat!(
 // uniform, assembled from an input fragment, a cache-load fragment and
 // the kernel, and a combine pass that is a module of its own.
 const DECODE: &str = shader!("decode/decode.wgsl");
+const DECODE_SUBGROUP: &str = shader!("decode/subgroup.wgsl");
+const DECODE_SHARED: &str = shader!("decode/shared.wgsl");
 const DECODE_LOAD_VEC4: &str = shader!("decode/load_vec4.wgsl");
 const DECODE_LOAD_ELEMENTS: &str = shader!("decode/load_elements.wgsl");
 /// The split states' merge of decoding (a module of its own).
@@ -74,15 +76,27 @@ pub const DECODE_COMBINE: &str = concat!(
 /// The WGSL of the decode kernel: the input fragment of its dtype
 /// (lib/input_f16.wgsl or input_f32.wgsl), the cache loads (four elements
 /// at a time where d and d_v are multiples of 4, else element by element:
-/// a binding's type cannot be an override), then decode/decode.wgsl.
+/// a binding's type cannot be an override), what the decode kernels share
+/// (decode/shared.wgsl), then decode/decode.wgsl.
 pub fn decode_source(f16_inputs: bool, vec4: bool) -> String {
+    decode_kernel_source(f16_inputs, vec4, DECODE)
+}
+
+/// The WGSL of decoding's subgroup kernel (decode/subgroup.wgsl, which
+/// names subgroup operations: only for devices with them), assembled as
+/// [`decode_source`] is.
+pub fn decode_subgroup_source(f16_inputs: bool, vec4: bool) -> String {
+    decode_kernel_source(f16_inputs, vec4, DECODE_SUBGROUP)
+}
+
+fn decode_kernel_source(f16_inputs: bool, vec4: bool, kernel: &str) -> String {
     let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
     let load = if vec4 {
         DECODE_LOAD_VEC4
     } else {
         DECODE_LOAD_ELEMENTS
     };
-    [input, TANH, load, DECODE].join("\n")
+    [input, TANH, load, DECODE_SHARED, kernel].join("\n")
 }
 /// A KV cache's writes and block copies into its pools (a module of its
 /// own, after the grid it shares: lib/grid.wgsl).

@@ -3,11 +3,12 @@
 //! device to lose on purpose, and the device's float16 rounding.
 
 use super::context;
+use super::decode::select::DecodeKernel;
 use super::device_array::{to_device, Resident};
 use super::run::{guarded, run_on};
 use super::select::{select_backward, select_forward, AdapterCaps, BackwardPlan, ForwardPlan};
 use super::transfer::Submission;
-use crate::{overrides, Buffer, DType, Error, Problem, Result, Slice};
+use crate::{overrides, Buffer, DType, Error, KvCacheProblem, Problem, Result, Slice};
 
 /// What the shared context's adapter offers (creating the context).
 pub fn adapter_caps() -> Result<AdapterCaps> {
@@ -23,6 +24,18 @@ pub fn plans(p: &Problem) -> Result<(ForwardPlan, BackwardPlan)> {
         select_forward(p, caps, &overrides),
         select_backward(p, caps, &overrides),
     ))
+}
+
+/// The lanes of the shared context's subgroups, where it has subgroup
+/// operations and one subgroup size.
+pub fn subgroup_size() -> Result<Option<u32>> {
+    Ok(context::get()?.subgroup_size)
+}
+
+/// The decode kernel and split count `attention_with_kvcache` of `p` would
+/// run on the shared context with the calling thread's overrides.
+pub fn decode_plan(p: &KvCacheProblem) -> Result<(DecodeKernel, usize)> {
+    super::decode::choose(&*context::get()?, p, &overrides::current())
 }
 
 /// Destroys the shared context's device, as a driver reset or a removed

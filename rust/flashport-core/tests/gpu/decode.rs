@@ -5,8 +5,13 @@
 //! d != d_v; every split count the same function and the same bits on a
 //! second run; and, where the driver limits a subgroup's loop passes, a
 //! split count that would pass the limit refused rather than cut short.
+//! Each case runs on every decode kernel the adapter has: the subgroup
+//! kernel (where subgroups have a known size) in its layouts, and the
+//! workgroup kernel.
 
 use super::common::*;
+use flashport_core::gpu::decode::select::DecodeKernel;
+use flashport_core::overrides::{self, Overrides};
 use flashport_core::problem::{validate_kvcache, IntArray, KvCacheOptions};
 use flashport_core::{
     attention_with_kvcache_arrays, cpu, gpu, ArrayInfo, Buffer, DType, Device, Error, Input,
@@ -121,29 +126,100 @@ fn errors(c: &Paged) -> (f64, f64) {
     )
 }
 
+/// The decode kernels this adapter runs, as the overrides that pick each:
+/// the default (the subgroup kernel where the adapter's subgroups have a
+/// known size), the subgroup kernel with 8 keys per pass in a workgroup of
+/// one subgroup and with walkers of half a subgroup, and the workgroup
+/// kernel (no subgroups).
+fn kernels() -> Vec<(&'static str, Overrides)> {
+    let base = overrides::current();
+    let mut all = vec![("default", base)];
+    if let Some(size) = gpu::testing::subgroup_size().unwrap() {
+        all.push((
+            "subgroup, 8 keys, one subgroup",
+            Overrides {
+                decode_keys: Some(8),
+                decode_workgroup: Some(size),
+                ..base
+            },
+        ));
+        all.push((
+            "subgroup, walkers of half a subgroup",
+            Overrides {
+                decode_lanes: Some(size / 2),
+                ..base
+            },
+        ));
+    }
+    all.push((
+        "workgroup",
+        Overrides {
+            no_subgroups: true,
+            ..base
+        },
+    ));
+    all
+}
+
+/// Runs `f` once per decode kernel, with its name.
+fn on_every_kernel(mut f: impl FnMut(&str)) {
+    for (name, o) in kernels() {
+        overrides::with(o, || f(name));
+    }
+}
+
+#[test]
+fn the_subgroup_kernel_runs_where_subgroups_have_a_known_size() {
+    if !gpu_present() {
+        return;
+    }
+    let c = paged((4, 1, 1, 128, 128), &[200, 77], 16, DType::F32, None, 3);
+    let (kernel, _) = gpu::testing::decode_plan(&c.p).unwrap();
+    eprintln!("{kernel:?}");
+    if gpu::testing::subgroup_size().unwrap().is_some() {
+        assert!(matches!(kernel, DecodeKernel::Subgroup(_)), "{kernel:?}");
+    } else {
+        assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
+    }
+    let none = Overrides {
+        no_subgroups: true,
+        ..overrides::current()
+    };
+    let (kernel, _) = overrides::with(none, || gpu::testing::decode_plan(&c.p)).unwrap();
+    assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
+}
+
 #[test]
 fn paged_decode_matches_the_reference() {
     if !gpu_present() {
         return;
     }
     // GQA 4:1 with two query rows (chunked prefill), blocks of 5 keys,
-    // one empty sequence; then plain decode of d = 128 in blocks of 16.
-    let shapes: [(Heads, &[i64], usize); 2] = [
+    // one empty sequence; then plain decode of d = 128 in blocks of 16;
+    // then 8 rows of d = 20 (element by element) over 83 keys, and the
+    // head dimensions that give a lane of 8-lane walkers 2 and 3 vec4s.
+    let shapes: [(Heads, &[i64], usize); 5] = [
         ((8, 2, 2, 32, 24), &[37, 0, 48], 5),
         ((4, 1, 1, 128, 128), &[200, 77], 16),
+        ((16, 2, 1, 20, 20), &[83], 7),
+        ((2, 1, 1, 64, 64), &[130], 16),
+        ((4, 2, 1, 96, 72), &[50, 33], 8),
     ];
-    for (heads, lens, block_size) in shapes {
-        for (dtype, tol) in [(DType::F32, 2e-5), (DType::F16, 2e-3)] {
-            for splits in [None, Some(1), Some(3), Some(40)] {
-                let c = paged(heads, lens, block_size, dtype, splits, 31);
-                let (out, lse) = errors(&c);
-                assert!(
-                    out <= tol && lse <= tol,
-                    "{heads:?} {lens:?} {dtype:?} splits {splits:?}: out {out:e}, lse {lse:e}"
-                );
+    on_every_kernel(|kernel| {
+        for (heads, lens, block_size) in shapes {
+            for (dtype, tol) in [(DType::F32, 2e-5), (DType::F16, 2e-3)] {
+                for splits in [None, Some(1), Some(3), Some(40)] {
+                    let c = paged(heads, lens, block_size, dtype, splits, 31);
+                    let (out, lse) = errors(&c);
+                    assert!(
+                        out <= tol && lse <= tol,
+                        "{kernel}: {heads:?} {lens:?} {dtype:?} splits {splits:?}: out {out:e}, \
+                         lse {lse:e}"
+                    );
+                }
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -152,9 +228,11 @@ fn decode_is_bitwise_reproducible() {
         return;
     }
     let c = paged((8, 2, 3, 40, 16), &[61, 30, 9], 3, DType::F32, None, 41);
-    let (a, b) = (on_gpu(&c).unwrap(), on_gpu(&c).unwrap());
-    assert_eq!(bits(&a.0), bits(&b.0));
-    assert_eq!(bits(&a.1), bits(&b.1));
+    on_every_kernel(|kernel| {
+        let (a, b) = (on_gpu(&c).unwrap(), on_gpu(&c).unwrap());
+        assert_eq!(bits(&a.0), bits(&b.0), "{kernel}");
+        assert_eq!(bits(&a.1), bits(&b.1), "{kernel}");
+    });
 }
 
 #[test]
@@ -163,20 +241,42 @@ fn decode_past_the_loop_limit_is_split_or_refused() {
         return;
     }
     // One sequence of 40000 keys over 8 key/value heads: the default
-    // splits keep every workgroup within the driver's loop limit.
+    // splits keep every workgroup within the driver's loop limit. (The
+    // subgroup kernel makes a pass per walker's keys, far fewer: it takes
+    // the sequence in one split, checked below.)
     let heads = (8, 8, 1, 16, 16);
     let c = paged(heads, &[40000], 512, DType::F32, None, 51);
-    let (out, lse) = errors(&c);
-    assert!(out <= 2e-5 && lse <= 2e-5, "out {out:e}, lse {lse:e}");
     let one = paged(heads, &[40000], 512, DType::F32, Some(1), 51);
-    if gpu::testing::adapter_caps().unwrap().loop_limit.is_none() {
-        eprintln!("NOT TESTED: this adapter's driver has no loop limit");
-        let (out, lse) = errors(&one);
-        assert!(out <= 2e-5 && lse <= 2e-5, "out {out:e}, lse {lse:e}");
-        return;
-    }
-    match on_gpu(&one) {
-        Err(Error::TooLarge(m)) => assert!(m.contains("num_splits=2 or more"), "{m}"),
-        other => panic!("expected TooLarge, got {other:?}"),
-    }
+    on_every_kernel(|kernel| {
+        let (out, lse) = errors(&c);
+        assert!(
+            out <= 2e-5 && lse <= 2e-5,
+            "{kernel}: out {out:e}, lse {lse:e}"
+        );
+        // (The workgroup kernel refuses one split where the limit is.)
+        if let Ok((DecodeKernel::Subgroup(_), _)) = gpu::testing::decode_plan(&one.p) {
+            let (out, lse) = errors(&one);
+            assert!(
+                out <= 2e-5 && lse <= 2e-5,
+                "{kernel}: out {out:e}, lse {lse:e}"
+            );
+        }
+    });
+    // The workgroup kernel in one split passes the limit: refused.
+    let workgroup = Overrides {
+        no_subgroups: true,
+        ..overrides::current()
+    };
+    overrides::with(workgroup, || {
+        if gpu::testing::adapter_caps().unwrap().loop_limit.is_none() {
+            eprintln!("NOT TESTED: this adapter's driver has no loop limit");
+            let (out, lse) = errors(&one);
+            assert!(out <= 2e-5 && lse <= 2e-5, "out {out:e}, lse {lse:e}");
+            return;
+        }
+        match on_gpu(&one) {
+            Err(Error::TooLarge(m)) => assert!(m.contains("num_splits=2 or more"), "{m}"),
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
+    });
 }

@@ -38,7 +38,7 @@ use super::inputs::{chunk_input, float16_error, float64_error, source, Source};
 use super::merge;
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::shaders::{decode_source, DECODE_COMBINE};
+use super::shaders::{decode_source, decode_subgroup_source, DECODE_COMBINE};
 use super::timing;
 use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
@@ -47,7 +47,7 @@ use crate::{
     Array, DType, DeviceArray, Error, ForwardOutput, Input, KvCacheProblem, Placement, Result,
     VariantArrays,
 };
-use select::{decode_tiles, gpu_splits, AdapterKind, DecodeCaps, DecodeTiles};
+use select::{decode_kernel, gpu_splits, AdapterKind, DecodeCaps, DecodeKernel, SubgroupKnobs};
 
 /// The kernel's `struct Decode`, word for word (`uniform_matches_the_shader`).
 #[repr(C)]
@@ -227,7 +227,32 @@ fn caps_of(ctx: &Context, overrides: &Overrides) -> DecodeCaps {
         workgroup_storage_bytes: caps.workgroup_storage_bytes,
         max_invocations: caps.max_invocations,
         loop_limit: caps.loop_limit,
+        subgroup_size: ctx.subgroup_size.filter(|_| caps.subgroups),
     }
+}
+
+/// The kernel that decodes `p` on `ctx`, and its split count.
+pub(crate) fn choose(
+    ctx: &Context,
+    p: &KvCacheProblem,
+    overrides: &Overrides,
+) -> Result<(DecodeKernel, usize)> {
+    let (d, dv) = (p.attention.head_dim, p.attention.value_dim);
+    let caps = caps_of(ctx, overrides);
+    let knobs = SubgroupKnobs {
+        workgroup: overrides.decode_workgroup,
+        keys: overrides.decode_keys,
+        lanes: overrides.decode_lanes,
+    };
+    let kernel = decode_kernel(d, dv, p.group_rows(), caps, knobs).ok_or_else(|| {
+        Error::BackendUnavailable(format!(
+            "the GPU decodes head dimensions up to {} (here d={d}, d_v={dv}) with this \
+             adapter's workgroup memory; use device=\"cpu\"",
+            select::MAX_HEAD_DIM
+        ))
+    })?;
+    let splits = gpu_splits(p, kernel, caps)?;
+    Ok((kernel, splits))
 }
 
 /// A run of sequences decoded by one dispatch, and the cache blocks it
@@ -314,13 +339,13 @@ fn seq_data_words(p: &KvCacheProblem, sequences: usize) -> usize {
 /// (else as whole pool buffers, each within a binding already).
 fn plan(
     p: &KvCacheProblem,
-    tiles: DecodeTiles,
+    kernel: DecodeKernel,
     splits: usize,
     eb: u64,
     limits: &Limits,
     windows: bool,
 ) -> Result<Vec<Dispatch>> {
-    let row_blocks = tiles.row_blocks(p.group_rows()) as u64;
+    let row_blocks = kernel.row_blocks(p.group_rows()) as u64;
     let fits = |d: &Dispatch| {
         dispatch_bytes(p, splits, d, eb, limits.align)
             .iter()
@@ -573,15 +598,7 @@ fn decode_on(
     }
     check_device_outputs(ctx, outputs, &[("o", p.out_len()), ("lse", p.lse_len())])?;
     let (d, dv) = (a.head_dim, a.value_dim);
-    let caps = caps_of(ctx, overrides);
-    let tiles = decode_tiles(d, dv, p.group_rows(), caps).ok_or_else(|| {
-        Error::BackendUnavailable(format!(
-            "the GPU decodes head dimensions up to {} (here d={d}, d_v={dv}) with this \
-             adapter's workgroup memory; use device=\"cpu\"",
-            select::MAX_HEAD_DIM
-        ))
-    })?;
-    let splits = gpu_splits(p, tiles, caps)?;
+    let (kernel, splits) = choose(ctx, p, overrides)?;
     let f16 = a.dtype == DType::F16;
     let eb = if f16 { 2 } else { 4 };
     let limits = Limits {
@@ -592,7 +609,7 @@ fn decode_on(
     // A dispatch over pools runs once per buffer, each run's splits apart.
     let paged = matches!(p.layout, CacheLayout::Paged { .. });
     let (caches, dispatches) = match caches {
-        Caches::Arrays(k, v) => match plan(p, tiles, splits, eb, &limits, true) {
+        Caches::Arrays(k, v) => match plan(p, kernel, splits, eb, &limits, true) {
             Ok(dispatches) => (caches, dispatches),
             Err(e) => {
                 // A sequence's blocks span more than a binding (or something
@@ -602,29 +619,42 @@ fn decode_on(
                     .ok_or(e.clone())?;
                 let runs = p.cache_blocks().div_ceil(per);
                 let dispatches =
-                    plan(p, tiles, splits * runs, eb, &limits, false).map_err(|_| e)?;
+                    plan(p, kernel, splits * runs, eb, &limits, false).map_err(|_| e)?;
                 (Caches::Windows(k, v, per), dispatches)
             }
         },
         Caches::Pools { keys, .. } => (
             caches,
-            plan(p, tiles, splits * keys.len(), eb, &limits, false)?,
+            plan(p, kernel, splits * keys.len(), eb, &limits, false)?,
         ),
         Caches::Windows(..) => unreachable!("made here"),
     };
     let skips = !matches!(caches, Caches::Arrays(..));
-    let mut constants = tiles.overrides(paged, a.softcap.is_some(), a.alibi_per_batch.is_some());
+    let mut constants = kernel.overrides(paged, a.softcap.is_some(), a.alibi_per_batch.is_some());
     constants.push(("SKIPS", if skips { 1.0 } else { 0.0 }));
-    let label = match (f16, tiles.vec4) {
-        (false, true) => "decode_f32_vec4",
-        (false, false) => "decode_f32_elements",
-        (true, true) => "decode_f16_vec4",
-        (true, false) => "decode_f16_elements",
+    let vec4 = kernel.vec4();
+    let pipeline = match kernel {
+        DecodeKernel::Workgroup(_) => {
+            let label = match (f16, vec4) {
+                (false, true) => "decode_f32_vec4",
+                (false, false) => "decode_f32_elements",
+                (true, true) => "decode_f16_vec4",
+                (true, false) => "decode_f16_elements",
+            };
+            ctx.specialised_pipeline(label, || decode_source(f16, vec4), &constants)?
+        }
+        DecodeKernel::Subgroup(_) => {
+            let label = match (f16, vec4) {
+                (false, true) => "decode_subgroup_f32_vec4",
+                (false, false) => "decode_subgroup_f32_elements",
+                (true, true) => "decode_subgroup_f16_vec4",
+                (true, false) => "decode_subgroup_f16_elements",
+            };
+            ctx.specialised_pipeline(label, || decode_subgroup_source(f16, vec4), &constants)?
+        }
     };
-    let pipeline =
-        ctx.specialised_pipeline(label, || decode_source(f16, tiles.vec4), &constants)?;
     let combine = ctx.array_pipeline("decode_combine", DECODE_COMBINE)?;
-    let row_blocks = tiles.row_blocks(p.group_rows());
+    let row_blocks = kernel.row_blocks(p.group_rows());
     let per_sequence = a.heads_q * a.seq_q;
     let side = |x: Option<usize>| x.map_or(NONE, |x| x.min(POSITION_LIMIT) as u32);
     let mut out = Sink::new(outputs, p.out_len(), 0.0);
@@ -727,7 +757,11 @@ fn decode_on(
                     ],
                 });
                 let y = (n * a.heads_kv * row_blocks) as u32;
-                sub.dispatch(&pipeline, &group, (splits as u32, y), "decode");
+                let name = match kernel {
+                    DecodeKernel::Workgroup(_) => "decode",
+                    DecodeKernel::Subgroup(_) => "decode_subgroup",
+                };
+                sub.dispatch(&pipeline, &group, (splits as u32, y), name);
                 // Every run's words agree on the sinks the combine reads.
                 sinks_offset = sinks_off;
                 seq_data = Some(data);

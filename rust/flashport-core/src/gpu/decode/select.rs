@@ -5,7 +5,7 @@
 //! environment or measures anything.
 
 use crate::decode::split_keys;
-use crate::gpu::tiles::decode_iterations;
+use crate::gpu::tiles::{decode_iterations, subgroup_decode_iterations};
 use crate::problem::MAX_SPLITS;
 use crate::{Error, KvCacheProblem, Result};
 
@@ -18,6 +18,11 @@ pub struct DecodeCaps {
     /// The loop passes the driver lets one subgroup run
     /// (`AdapterCaps::loop_limit`: Mesa's llvmpipe before 25.0).
     pub loop_limit: Option<u32>,
+    /// The lanes of every subgroup, where the device has subgroup
+    /// operations and subgroups of one size only (wgpu's minimum and
+    /// maximum subgroup sizes agree): the subgroup kernel's walkers must
+    /// each lie within one subgroup.
+    pub subgroup_size: Option<u32>,
 }
 
 /// The adapter's kind, as wgpu reports it: how many workgroups it needs in
@@ -169,6 +174,231 @@ pub fn decode_tiles(
     None
 }
 
+/// The layout of decoding's subgroup kernel (overrides of
+/// shaders/decode/subgroup.wgsl): walkers of `lanes` lanes within one
+/// subgroup, each streaming its own keys with its own online softmax, the
+/// dot products summed across a walker's lanes by subgroup shuffles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SubgroupTiles {
+    /// Invocations per workgroup: whole subgroups.
+    pub workgroup: u32,
+    /// Lanes of a walker, which read one cache row together: a power of
+    /// two, at most [`SUBGROUP_MAX_LANES`] and at most the subgroup.
+    pub lanes: u32,
+    /// vec4 columns of d and of d_v per lane (1 to [`SUBGROUP_MAX_VEC4S`]).
+    pub vec4s: u32,
+    /// Keys a walker loads per pass, 4 or 8.
+    pub keys: u32,
+    /// Query rows per workgroup (of the group's heads × seq_q).
+    pub rows: u32,
+    /// The caches are read four elements at a time (d and d_v multiples
+    /// of 4), else element by element.
+    pub vec4: bool,
+}
+
+/// The widest walker the kernel's butterfly spans (offsets up to 16).
+pub const SUBGROUP_MAX_LANES: u32 = 32;
+/// The most vec4 columns a lane holds of each row (named registers).
+pub const SUBGROUP_MAX_VEC4S: u32 = 4;
+
+impl SubgroupTiles {
+    pub fn walkers(&self) -> u32 {
+        self.workgroup / self.lanes
+    }
+    /// Keys a workgroup takes per pass.
+    pub fn step_keys(&self) -> u32 {
+        self.walkers() * self.keys
+    }
+    /// vec4s of the kernel's `part` array: the walkers' accumulators.
+    pub fn part_vec4s(&self) -> u32 {
+        self.walkers() * self.rows * self.lanes * self.vec4s
+    }
+    /// Elements of the kernel's `stat` array: the walkers' row_max and
+    /// row_sum, and the merged row_sum.
+    pub fn stat_elems(&self) -> u32 {
+        (2 * self.walkers() + 1) * self.rows
+    }
+    /// The workgroup memory the kernel declares (`part`, `stat`).
+    pub fn workgroup_bytes(&self) -> u64 {
+        16 * self.part_vec4s() as u64 + 4 * self.stat_elems() as u64
+    }
+    /// The overrides of shaders/decode/subgroup.wgsl for this layout, a
+    /// paged cache or not, and the variants.
+    pub fn overrides(&self, paged: bool, softcap: bool, alibi: bool) -> Vec<(&'static str, f64)> {
+        let flag = |x: bool| if x { 1.0 } else { 0.0 };
+        vec![
+            ("WG", self.workgroup as f64),
+            ("LPK", self.lanes as f64),
+            ("VPL", self.vec4s as f64),
+            ("KPI", self.keys as f64),
+            ("RB", self.rows as f64),
+            ("PART_VEC4S", self.part_vec4s() as f64),
+            ("STAT_ELEMS", self.stat_elems() as f64),
+            ("PAGED", flag(paged)),
+            ("SOFTCAP", flag(softcap)),
+            ("ALIBI", flag(alibi)),
+        ]
+    }
+}
+
+/// Choices the subgroup kernel's layout otherwise makes itself (the test
+/// and benchmark overrides `decode_workgroup`, `decode_keys`,
+/// `decode_lanes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SubgroupKnobs {
+    /// Invocations per workgroup.
+    pub workgroup: Option<u32>,
+    /// Keys per walker and pass.
+    pub keys: Option<u32>,
+    /// The most lanes per walker.
+    pub lanes: Option<u32>,
+}
+
+/// Keys a walker loads per pass by default: 4 ran faster than 8 on an
+/// H100 at every decode shape of BENCHMARKS.md (8 holds twice the loads
+/// in registers).
+pub const SUBGROUP_KEYS: u32 = 4;
+
+/// The subgroup kernel's layout for head dimensions `d`, `d_v` and
+/// `group_rows` query rows per (sequence, key/value head), on an adapter
+/// whose subgroups have a known size: walkers of as many lanes as the
+/// wider head dimension has vec4s (a power of two, at most the subgroup,
+/// [`SUBGROUP_MAX_LANES`] and `knobs.lanes`), each lane holding the rest
+/// of a row in up to [`SUBGROUP_MAX_VEC4S`] vec4s; [`SUBGROUP_KEYS`] keys
+/// per pass; then, best first, the most rows per workgroup (as
+/// [`decode_tiles`]) and the largest workgroup of whole subgroups up to
+/// 128 invocations whose walkers' states fit the workgroup memory. `None`
+/// without subgroups of a known size, past the widest row the named
+/// registers hold, or when nothing fits (with the knobs given): the host
+/// runs [`decode_tiles`]'s kernel then.
+pub fn subgroup_tiles(
+    d: usize,
+    dv: usize,
+    group_rows: usize,
+    caps: DecodeCaps,
+    knobs: SubgroupKnobs,
+) -> Option<SubgroupTiles> {
+    let subgroup = caps.subgroup_size.filter(|s| s.is_power_of_two())?;
+    let vec4s_of_row = d.max(dv).max(1).div_ceil(4);
+    let lanes = (vec4s_of_row.next_power_of_two() as u32)
+        .min(subgroup)
+        .min(SUBGROUP_MAX_LANES)
+        .min(knobs.lanes.map_or(u32::MAX, |l| 1 << l.max(1).ilog2()));
+    let vec4s = vec4s_of_row.div_ceil(lanes as usize) as u32;
+    if vec4s > SUBGROUP_MAX_VEC4S {
+        return None;
+    }
+    let keys = knobs.keys.unwrap_or(SUBGROUP_KEYS);
+    if keys != 4 && keys != 8 {
+        return None;
+    }
+    let most_rows = group_rows.clamp(1, 8).next_power_of_two() as u32;
+    let vec4 = d % 4 == 0 && dv % 4 == 0;
+    let (workgroup, largest) = (knobs.workgroup, knobs.workgroup.unwrap_or(128));
+    for rows in [8u32, 4, 2, 1].into_iter().filter(|&r| r <= most_rows) {
+        let mut wg = largest;
+        while wg >= lanes.max(subgroup) {
+            let t = SubgroupTiles {
+                workgroup: wg,
+                lanes,
+                vec4s,
+                keys,
+                rows,
+                vec4,
+            };
+            if wg % subgroup == 0
+                && wg <= caps.max_invocations
+                && t.workgroup_bytes() + SPARE_BYTES <= caps.workgroup_storage_bytes as u64
+            {
+                return Some(t);
+            }
+            if workgroup.is_some() {
+                break;
+            }
+            wg /= 2;
+        }
+    }
+    None
+}
+
+/// Which decode kernel runs, with its layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DecodeKernel {
+    /// shaders/decode/decode.wgsl: key groups that meet in workgroup
+    /// memory at every tile; any adapter.
+    Workgroup(DecodeTiles),
+    /// shaders/decode/subgroup.wgsl: walkers of one subgroup each, no
+    /// barrier while the keys stream.
+    Subgroup(SubgroupTiles),
+}
+
+impl DecodeKernel {
+    /// Query rows per workgroup.
+    pub fn rows(&self) -> u32 {
+        match self {
+            DecodeKernel::Workgroup(t) => t.rows,
+            DecodeKernel::Subgroup(t) => t.rows,
+        }
+    }
+    /// Whether the caches are read four elements at a time.
+    pub fn vec4(&self) -> bool {
+        match self {
+            DecodeKernel::Workgroup(t) => t.vec4,
+            DecodeKernel::Subgroup(t) => t.vec4,
+        }
+    }
+    /// Row blocks per (sequence, key/value head).
+    pub fn row_blocks(&self, group_rows: usize) -> usize {
+        group_rows.div_ceil(self.rows() as usize).max(1)
+    }
+    /// The kernel's overrides (see the tiles' own).
+    pub fn overrides(&self, paged: bool, softcap: bool, alibi: bool) -> Vec<(&'static str, f64)> {
+        match self {
+            DecodeKernel::Workgroup(t) => t.overrides(paged, softcap, alibi),
+            DecodeKernel::Subgroup(t) => t.overrides(paged, softcap, alibi),
+        }
+    }
+    /// Workgroups a call should spread over (the default split count's
+    /// aim): the adapter kind's for the workgroup kernel, half as many for
+    /// the subgroup kernel, whose workgroups stream their keys faster, so
+    /// that fewer and longer splits leave the combine pass less to merge.
+    /// Measured on an H100 (d = 128, 32 query / 8 KV heads, kernel
+    /// timestamps): at (batch, context) = (1, 131072), (8, 32768) and
+    /// (32, 4096), half the splits (64, 8, 2) took 0.444 / 0.794 / 0.410 ms
+    /// of decode and combine in float32 and 0.407 / 0.710 / 0.375 ms in
+    /// float16, against 0.534 / 0.831 / 0.428 and 0.488 / 0.726 / 0.385 ms
+    /// with the kind's count (128, 16, 4); twice (256, 32, 8) was slower.
+    pub fn target_workgroups(&self, kind: AdapterKind) -> usize {
+        match self {
+            DecodeKernel::Workgroup(_) => kind.target_workgroups(),
+            DecodeKernel::Subgroup(_) => kind.target_workgroups().div_ceil(2),
+        }
+    }
+    /// The loop passes of a workgroup's first subgroup over a split of
+    /// `keys` keys (src/gpu/tiles/loops.rs).
+    pub fn loop_passes(&self, keys: u64) -> u64 {
+        match self {
+            DecodeKernel::Workgroup(t) => decode_iterations(t, keys),
+            DecodeKernel::Subgroup(t) => subgroup_decode_iterations(t, keys),
+        }
+    }
+}
+
+/// The decode kernel for the shape: the subgroup kernel where
+/// [`subgroup_tiles`] fits one, else the workgroup kernel of
+/// [`decode_tiles`]; `None` when neither fits.
+pub fn decode_kernel(
+    d: usize,
+    dv: usize,
+    group_rows: usize,
+    caps: DecodeCaps,
+    knobs: SubgroupKnobs,
+) -> Option<DecodeKernel> {
+    subgroup_tiles(d, dv, group_rows, caps, knobs)
+        .map(DecodeKernel::Subgroup)
+        .or_else(|| decode_tiles(d, dv, group_rows, caps).map(DecodeKernel::Workgroup))
+}
+
 /// The most splits the default gives a sequence, and the fewest keys it
 /// gives a split: past those, the partial states to merge cost more than
 /// the parallelism brings.
@@ -176,27 +406,28 @@ pub const GPU_MAX_SPLITS: usize = 128;
 pub const GPU_MIN_SPLIT_KEYS: usize = 128;
 
 /// The GPU's key splits per sequence: the caller's, else enough for the
-/// adapter kind's target workgroups over (sequence, key/value head, row
-/// block), with no split under [`GPU_MIN_SPLIT_KEYS`] keys of the longest
+/// kernel's target workgroups on the adapter's kind
+/// ([`DecodeKernel::target_workgroups`]) over (sequence, key/value head,
+/// row block), with no split under [`GPU_MIN_SPLIT_KEYS`] keys of the longest
 /// sequence and at most [`GPU_MAX_SPLITS`]; then, where the driver limits
 /// a subgroup's loop passes, the fewest splits from there whose longest
 /// split stays within the limit. The caller's count past the limit, or a
 /// sequence that no count keeps within it, is `Error::TooLarge`: the
 /// driver would cut the kernel's loops short without a word.
-pub fn gpu_splits(p: &KvCacheProblem, tiles: DecodeTiles, caps: DecodeCaps) -> Result<usize> {
+pub fn gpu_splits(p: &KvCacheProblem, kernel: DecodeKernel, caps: DecodeCaps) -> Result<usize> {
     let longest = (0..p.batch())
         .map(|b| p.keys_read(b).len())
         .max()
         .unwrap_or(0);
     let fits = |splits: usize| {
         caps.loop_limit
-            .is_none_or(|limit| loop_passes(tiles, longest, splits) <= limit as u64)
+            .is_none_or(|limit| loop_passes(kernel, longest, splits) <= limit as u64)
     };
     let chosen = match p.num_splits {
         Some(n) => n,
         None => {
-            let workgroups = (p.batch() * p.heads_kv() * tiles.row_blocks(p.group_rows())).max(1);
-            let by_target = caps.kind.target_workgroups().div_ceil(workgroups);
+            let workgroups = (p.batch() * p.heads_kv() * kernel.row_blocks(p.group_rows())).max(1);
+            let by_target = kernel.target_workgroups(caps.kind).div_ceil(workgroups);
             let by_keys = (longest / GPU_MIN_SPLIT_KEYS).max(1);
             let default = by_target.min(by_keys).clamp(1, GPU_MAX_SPLITS);
             match (default..=MAX_SPLITS).find(|&s| fits(s)) {
@@ -209,7 +440,7 @@ pub fn gpu_splits(p: &KvCacheProblem, tiles: DecodeTiles, caps: DecodeCaps) -> R
         return Ok(chosen);
     }
     let limit = caps.loop_limit.unwrap_or(u32::MAX);
-    let passes = loop_passes(tiles, longest, chosen);
+    let passes = loop_passes(kernel, longest, chosen);
     let advice = match (chosen..=MAX_SPLITS).find(|&s| fits(s)) {
         Some(s) => format!("num_splits={s} or more, or device=\"cpu\""),
         None => "device=\"cpu\"".to_string(),
@@ -223,9 +454,9 @@ pub fn gpu_splits(p: &KvCacheProblem, tiles: DecodeTiles, caps: DecodeCaps) -> R
 
 /// The loop passes of the decode kernel over the longest of `splits`
 /// splits of `longest` keys (the first: [`split_keys`]).
-fn loop_passes(tiles: DecodeTiles, longest: usize, splits: usize) -> u64 {
+fn loop_passes(kernel: DecodeKernel, longest: usize, splits: usize) -> u64 {
     let keys = split_keys(0..longest, splits, 0).len();
-    decode_iterations(&tiles, keys as u64)
+    kernel.loop_passes(keys as u64)
 }
 
 #[cfg(test)]
@@ -240,6 +471,7 @@ mod tests {
         workgroup_storage_bytes: 48 * 1024,
         max_invocations: 1024,
         loop_limit: None,
+        subgroup_size: Some(32),
     };
     /// Mesa 25 or newer: no loop limit.
     const LAVAPIPE: DecodeCaps = DecodeCaps {
@@ -247,6 +479,7 @@ mod tests {
         workgroup_storage_bytes: 32 * 1024,
         max_invocations: 1024,
         loop_limit: None,
+        subgroup_size: Some(8),
     };
     /// Mesa 22.3 (CI's lavapipe).
     const LAVAPIPE_22: DecodeCaps = DecodeCaps {
@@ -258,6 +491,7 @@ mod tests {
         workgroup_storage_bytes: 16 * 1024,
         max_invocations: 256,
         loop_limit: None,
+        subgroup_size: None,
     };
 
     #[test]
@@ -333,7 +567,7 @@ mod tests {
 
     fn splits(p: &KvCacheProblem, caps: DecodeCaps) -> usize {
         let tiles = decode_tiles(128, 128, p.group_rows(), caps).unwrap();
-        gpu_splits(p, tiles, caps).unwrap()
+        gpu_splits(p, DecodeKernel::Workgroup(tiles), caps).unwrap()
     }
 
     #[test]
@@ -402,7 +636,7 @@ mod tests {
         let p = problem(1, 8, 1, 131072, Some(64));
         assert_eq!(splits(&p, LAVAPIPE_22), 64);
         let p = problem(1, 8, 1, 131072, Some(1));
-        let e = gpu_splits(&p, tiles, LAVAPIPE_22).unwrap_err();
+        let e = gpu_splits(&p, DecodeKernel::Workgroup(tiles), LAVAPIPE_22).unwrap_err();
         let Error::TooLarge(message) = e else {
             panic!("{e:?}")
         };
@@ -415,7 +649,10 @@ mod tests {
             "{message}"
         );
         assert!(message.contains("llvmpipe"), "{message}");
-        assert_eq!(gpu_splits(&p, tiles, LAVAPIPE).unwrap(), 1);
+        assert_eq!(
+            gpu_splits(&p, DecodeKernel::Workgroup(tiles), LAVAPIPE).unwrap(),
+            1
+        );
     }
 
     /// The count grows with the split's tiles and never undercounts a
@@ -433,5 +670,157 @@ mod tests {
                 assert_eq!(at(3 * bk) - at(2 * bk), step);
             }
         }
+    }
+
+    fn subgroup(d: usize, dv: usize, rows: usize, caps: DecodeCaps) -> Option<SubgroupTiles> {
+        subgroup_tiles(d, dv, rows, caps, SubgroupKnobs::default())
+    }
+
+    /// Subgroups of 64 lanes (AMD's wave64) on a large adapter.
+    const WAVE64: DecodeCaps = DecodeCaps {
+        kind: AdapterKind::Discrete,
+        workgroup_storage_bytes: 64 * 1024,
+        max_invocations: 1024,
+        loop_limit: None,
+        subgroup_size: Some(64),
+    };
+
+    #[test]
+    fn the_subgroup_kernel_runs_where_subgroups_have_a_known_size() {
+        // Llama-style GQA decode at d = 128 on an H100: walkers of one
+        // warp, a vec4 per lane, 4 keys per pass, four walkers.
+        let t = subgroup(128, 128, 4, H100).unwrap();
+        assert_eq!(
+            (t.workgroup, t.lanes, t.vec4s, t.keys, t.rows),
+            (128, 32, 1, 4, 4)
+        );
+        assert_eq!((t.walkers(), t.step_keys()), (4, 16));
+        // lavapipe's 8-lane subgroups: four vec4s per lane, 4 keys per
+        // pass, and the workgroup halved until the walkers' states fit.
+        let t = subgroup(128, 128, 4, LAVAPIPE).unwrap();
+        assert_eq!(
+            (t.workgroup, t.lanes, t.vec4s, t.keys, t.rows),
+            (64, 8, 4, 4, 4)
+        );
+        assert_eq!(subgroup(128, 128, 8, LAVAPIPE).unwrap().workgroup, 32);
+        // Narrow heads: walkers narrower than a subgroup.
+        assert_eq!(subgroup(16, 16, 1, H100).unwrap().lanes, 4);
+        assert_eq!(subgroup(3, 1, 1, LAVAPIPE).unwrap().lanes, 1);
+        // The widest rows: four vec4s per lane of a 32-lane walker, none
+        // in 8 lanes (sixteen would be needed).
+        assert_eq!(subgroup(512, 512, 1, H100).unwrap().vec4s, 4);
+        assert_eq!(subgroup(512, 64, 4, LAVAPIPE), None);
+        // Walkers stop at 32 lanes on wider subgroups; the workgroup is
+        // whole subgroups.
+        let t = subgroup(256, 256, 4, WAVE64).unwrap();
+        assert_eq!((t.lanes, t.vec4s, t.workgroup % 64), (32, 2, 0));
+        // No subgroups, or no known size: the workgroup kernel.
+        assert_eq!(subgroup(128, 128, 4, WEBGPU), None);
+        let kernel = decode_kernel(128, 128, 4, WEBGPU, SubgroupKnobs::default()).unwrap();
+        assert_eq!(
+            kernel,
+            DecodeKernel::Workgroup(decode_tiles(128, 128, 4, WEBGPU).unwrap())
+        );
+        let kernel = decode_kernel(512, 64, 4, LAVAPIPE, SubgroupKnobs::default()).unwrap();
+        assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
+        let kernel = decode_kernel(128, 128, 4, H100, SubgroupKnobs::default()).unwrap();
+        assert!(matches!(kernel, DecodeKernel::Subgroup(_)), "{kernel:?}");
+        assert_eq!(kernel.row_blocks(4), 1);
+        assert_eq!(kernel.rows(), 4);
+    }
+
+    /// The subgroup kernel aims at half the workgroups: the split counts
+    /// measured best on the H100.
+    #[test]
+    fn the_subgroup_kernel_splits_half_as_much() {
+        let kernel = decode_kernel(128, 128, 4, H100, SubgroupKnobs::default()).unwrap();
+        let at = |b, n| gpu_splits(&problem(b, 8, 1, n, None), kernel, H100).unwrap();
+        assert_eq!((at(1, 131072), at(8, 32768), at(32, 4096)), (64, 8, 2));
+        assert_eq!(at(1, 100), 1);
+        // The workgroup kernel keeps its counts.
+        assert_eq!(splits(&problem(1, 8, 1, 131072, None), H100), 128);
+    }
+
+    #[test]
+    fn the_subgroup_kernel_takes_its_knobs() {
+        let knobs = |workgroup, keys, lanes| SubgroupKnobs {
+            workgroup,
+            keys,
+            lanes,
+        };
+        let with = |k| subgroup_tiles(128, 128, 4, H100, k);
+        let t = with(knobs(Some(256), Some(8), None)).unwrap();
+        assert_eq!((t.workgroup, t.keys), (256, 8));
+        let t = with(knobs(Some(32), None, None)).unwrap();
+        assert_eq!((t.workgroup, t.walkers()), (32, 1));
+        // Narrower walkers hold more of a row per lane.
+        let t = with(knobs(None, None, Some(16))).unwrap();
+        assert_eq!((t.lanes, t.vec4s, t.walkers()), (16, 2, 8));
+        let t = with(knobs(None, None, Some(8))).unwrap();
+        assert_eq!((t.lanes, t.vec4s, t.walkers()), (8, 4, 16));
+        assert_eq!(with(knobs(None, None, Some(4))), None);
+        // A workgroup smaller than a subgroup, or a key count the kernel
+        // has no registers for: the workgroup kernel.
+        assert_eq!(with(knobs(Some(16), None, None)), None);
+        assert_eq!(with(knobs(None, Some(5), None)), None);
+        let kernel = decode_kernel(128, 128, 4, H100, knobs(None, Some(2), None)).unwrap();
+        assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
+    }
+
+    #[test]
+    fn subgroup_tiles_fit_every_adapter_they_are_given_on() {
+        for caps in [H100, LAVAPIPE, WAVE64, WEBGPU] {
+            for d in [1, 3, 4, 16, 62, 64, 80, 96, 128, 192, 256, 300, 512] {
+                for dv in [d, 8] {
+                    for group_rows in [1, 2, 3, 4, 8, 32, 200] {
+                        let Some(t) = subgroup(d, dv, group_rows, caps) else {
+                            continue;
+                        };
+                        let sg = caps.subgroup_size.unwrap();
+                        assert!(
+                            t.workgroup_bytes() + SPARE_BYTES
+                                <= caps.workgroup_storage_bytes as u64
+                        );
+                        assert!(t.workgroup <= caps.max_invocations && t.workgroup % sg == 0);
+                        assert!(t.lanes.is_power_of_two() && t.lanes <= sg.min(32));
+                        assert!(4 * (t.lanes * t.vec4s) as usize >= d.max(dv), "{t:?}");
+                        assert!(t.vec4s <= SUBGROUP_MAX_VEC4S && t.walkers() >= 1);
+                        assert!(t.rows.is_power_of_two() && t.rows <= 8);
+                        assert_eq!(t.vec4, d % 4 == 0 && dv % 4 == 0);
+                        let w = t.workgroup / t.lanes;
+                        assert_eq!(t.part_vec4s(), w * t.rows * t.lanes * t.vec4s);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The subgroup kernel's loop passes are one per workgroup pass over
+    /// the keys (and the element loads' loops), so lavapipe 22 decodes a
+    /// long sequence in one split where the workgroup kernel needs many.
+    #[test]
+    fn the_subgroup_kernel_needs_fewer_splits_under_a_loop_limit() {
+        let p = problem(1, 1, 1, 131072, None);
+        let sub = decode_kernel(128, 128, 4, LAVAPIPE_22, SubgroupKnobs::default()).unwrap();
+        let DecodeKernel::Subgroup(t) = sub else {
+            panic!("{sub:?}")
+        };
+        assert_eq!(gpu_splits(&p, sub, LAVAPIPE_22).unwrap(), 4);
+        let one = problem(1, 1, 1, 131072, Some(1));
+        assert_eq!(gpu_splits(&one, sub, LAVAPIPE_22).unwrap(), 1);
+        let passes = sub.loop_passes(131072);
+        assert!(
+            passes >= 131072 / t.step_keys() as u64 && passes < 5000,
+            "{passes}"
+        );
+        let old = DecodeKernel::Workgroup(decode_tiles(128, 128, 4, LAVAPIPE_22).unwrap());
+        assert!(gpu_splits(&one, old, LAVAPIPE_22).is_err());
+        // Read element by element, each pass counts its loads' loops.
+        let t = subgroup(7, 7, 1, LAVAPIPE).unwrap();
+        let k = DecodeKernel::Subgroup(t);
+        let step = t.step_keys() as u64;
+        let per_pass = k.loop_passes(2 * step) - k.loop_passes(step);
+        assert_eq!(per_pass, 1 + 2 * t.keys as u64 * t.vec4s as u64 * 5);
+        assert_eq!(k.loop_passes(1), k.loop_passes(step));
     }
 }

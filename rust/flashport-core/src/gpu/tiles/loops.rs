@@ -36,7 +36,7 @@
 
 use super::tiled::tiled_nv;
 use super::{TILED_BK, TILED_CG};
-use crate::gpu::decode::select::DecodeTiles;
+use crate::gpu::decode::select::{DecodeTiles, SubgroupTiles};
 use crate::gpu::kernel::Kernel;
 use crate::gpu::select::PipelineKey;
 
@@ -313,6 +313,40 @@ pub fn decode_iterations(t: &DecodeTiles, keys: u64) -> u64 {
     prologue + lp(keys.div_ceil(tile_keys.max(1)), tile, tile_loops) + epilogue
 }
 
+/// The loop passes of a subgroup of decoding's subgroup kernel
+/// (shaders/decode/subgroup.wgsl with layout `t`) over a split of `keys`
+/// keys, every pass counted full: the loop over the keys, whose body has
+/// no loop of its own where the caches are read four elements at a time
+/// (everything else in it is unrolled), and the loops of the prologue and
+/// of the walkers' merge at the end. Every subgroup runs the same passes
+/// of the key loop (its bounds are the workgroup's).
+pub fn subgroup_decode_iterations(t: &SubgroupTiles, keys: u64) -> u64 {
+    let wg = t.workgroup.max(1) as u64;
+    let (rows, vec4s, walkers) = (t.rows as u64, t.vec4s as u64, t.walkers() as u64);
+    let per = |n: u64| n.div_ceil(wg);
+    // Each vec4 of q scaled in a loop of its four elements.
+    let prologue = rows * vec4s * flat(4);
+    // Read element by element, each vec4 of a key or value row is a loop
+    // of four.
+    let (loads, load_loops) = match t.vec4 {
+        true => (0, 0),
+        false => {
+            let n = 2 * t.keys as u64 * vec4s;
+            (n * flat(4), n)
+        }
+    };
+    let passes = lp(
+        keys.div_ceil(t.step_keys().max(1) as u64),
+        loads,
+        load_loops,
+    );
+    // The rows' largest row_max and their weights over the walkers, then
+    // each output element summed over them.
+    let width = 4 * t.lanes as u64 * vec4s;
+    let epilogue = 2 * flat(walkers) + lp(per(rows * width), flat(walkers), 1);
+    prologue + passes + epilogue
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,6 +486,7 @@ mod tests {
             workgroup_storage_bytes: 32 * 1024,
             max_invocations: 1024,
             loop_limit: Some(LIMIT as u32),
+            subgroup_size: None,
         };
         // (d, rows, keys that came out right, keys that did not)
         for (d, rows, right, wrong) in [(8, 1, 32256, 32257), (128, 4, 262143, 262144)] {

@@ -19,7 +19,8 @@ pub use coop::{
     COOP_MAX_STAGED_WORDS,
 };
 pub use loops::{
-    decode_iterations, iterations as loop_iterations, workgroup_iterations, LoopShape,
+    decode_iterations, iterations as loop_iterations, subgroup_decode_iterations,
+    workgroup_iterations, LoopShape,
 };
 pub use simple::{simple_tiles, simple_tiles_within};
 pub use tiled::{
