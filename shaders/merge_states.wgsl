@@ -13,8 +13,9 @@
 //   w_i = exp(lse_i - m) / s;
 // - merge_finish, one invocation per row: lse = m + log(s).
 //
-// An empty part's output is not read, a row whose every part is empty
-// keeps acc = 0, and a row with a NaN or +inf lse gets NaN in both.
+// An empty part's output is not read (every other part's is), a row whose
+// every part is empty keeps acc = 0, and a row with a NaN lse gets NaN in
+// both, else one with a +inf lse gets +inf and an output of NaN.
 
 struct Merge {
     // Rows of this chunk.
@@ -129,13 +130,12 @@ fn merge_accumulate(
         sum = bitcast<f32>(acc[e]);
     }
     // A row that saw a key has sum >= 1 (its largest part adds exp(0)).
-    // A part of weight 0 (empty, or negligible) is not read: its output
-    // may be anything, an empty part's NaN included.
-    if st.seen != 0u {
+    // An empty part is not read: its output may be anything, NaN
+    // included. Every other part is, even where its weight underflows to 0
+    // (a NaN in its output reaches the row's).
+    if is_finite(lse[row]) {
         let w = part_weight(lse[row], st) / st.sum;
-        if w != 0.0 {
-            sum += w * src_value(e);
-        }
+        sum += w * src_value(e);
     }
     acc[e] = bitcast<u32>(sum);
 }

@@ -74,8 +74,12 @@ def merge_states(
         and rounded once).
     lse : array ``(..., seq_q)``
         float32, or float64 for float64 ``outs``. A row whose every part is
-        empty gets ``out = 0`` and ``lse = -inf``, never NaN. A row with a
-        NaN or ``+inf`` ``lse_i`` gets NaN in both.
+        empty gets ``out = 0`` and ``lse = -inf``, never NaN. A NaN
+        ``lse_i`` gives the row ``lse = NaN``, else a ``+inf`` one
+        ``lse = +inf`` (as :func:`attention` over a NaN or ``+inf`` score);
+        ``out`` is NaN either way. A part whose ``lse_i`` is finite is
+        read even where its weight underflows to 0, so a NaN in its
+        ``out_i`` reaches the row's ``out``.
 
     Deterministic: the parts are summed in order, from zero, so results are
     bitwise identical from run to run (and on the CPU across thread
@@ -87,8 +91,8 @@ def merge_states(
       (``lse * np.log(2)``).
     - FlashAttention-2 (``flash_attn``) gives ``+inf`` for a row that sees no
       key (FlashAttention-3 ``-inf``): map it to ``-inf``
-      (``np.where(lse == np.inf, -np.inf, lse)``); a ``+inf`` left in makes
-      the row NaN here.
+      (``np.where(lse == np.inf, -np.inf, lse)``); a ``+inf`` left in gives
+      the row ``lse = +inf`` and ``out = NaN`` here.
     - vLLM's ``merge_attn_states`` takes lse ``(heads, tokens)``: transpose
       it to the outputs' ``(..., tokens)`` order.
 

@@ -16,6 +16,12 @@ rust/flashport-core/src/variants.rs)::
     lse = log(Σ_j exp(s_j) + exp(sink[h]))
     P   = exp(s - lse),  Z = keep / (1 - p),  o = Σ_j P_j Z_j v_j
 
+Non-finite inputs follow docs/design.md#non-finite-inputs: a hidden key
+never contributes, whatever its ``k`` and ``v`` hold; a visible NaN score
+(or sink) gives ``lse = NaN``, else a visible ``+inf`` one ``lse = +inf``,
+and either gives ``o = NaN``; a NaN or infinity in the ``v`` of a visible
+key makes the row's ``o`` NaN; ``o = 0`` exactly when ``lse = -inf``.
+
 :func:`dropout_keep` regenerates the dropout mask (Philox4x32-10) exactly
 as every backend does.
 """
@@ -106,7 +112,10 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     their dtype, but ml_dtypes' bfloat16 products come back as float32: a
     naive bfloat16 implementation rounds them (float32 accumulation, one
     rounding per product, as bfloat16 hardware does)."""
-    return np.matmul(a, b).astype(np.result_type(a.dtype, b.dtype), copy=False)
+    # NaN and infinities in the inputs (docs/design.md#non-finite-inputs)
+    # give NaN products without a warning.
+    with np.errstate(invalid="ignore"):
+        return np.matmul(a, b).astype(np.result_type(a.dtype, b.dtype), copy=False)
 
 
 def _window_sides(window):
@@ -208,7 +217,8 @@ def _scores(
             visible = visible & mask
         else:
             m = mask.astype(q4.dtype)
-            s = s + m
+            with np.errstate(invalid="ignore"):
+                s = s + m
             visible = visible & (m != -np.inf)
     visible = np.broadcast_to(visible, s.shape)
     return s, visible, group, scale, (u, tanh)
@@ -217,9 +227,19 @@ def _scores(
 def _probabilities(s, visible, sinks=None):
     """Row softmax over visible keys (and the sink logit of each head in the
     denominator): probabilities, and the log-sum-exp. Rows with no visible
-    key have probabilities 0, lse = sink (or -inf without sinks)."""
+    key have probabilities 0, lse = sink (or -inf without sinks).
+
+    Non-finite scores follow docs/design.md#non-finite-inputs: a visible
+    NaN score (or a NaN sink) makes the row's lse NaN, else a visible
+    ``+inf`` score (or sink) makes it ``+inf``; such a row's probabilities
+    are NaN at every visible key. A visible ``-inf`` score weighs 0."""
     zero = s.dtype.type(0)
-    masked = np.where(visible, s, s.dtype.type(-np.inf))
+    nan = s.dtype.type(np.nan)
+    with np.errstate(invalid="ignore"):
+        finite = visible & np.isfinite(s)
+        nan_row = (visible & np.isnan(s)).any(axis=-1, keepdims=True)
+        inf_row = (visible & (s == np.inf)).any(axis=-1, keepdims=True)
+    masked = np.where(finite, s, s.dtype.type(-np.inf))
     if masked.shape[-1]:
         row_max = masked.max(axis=-1, keepdims=True)
     else:
@@ -228,17 +248,49 @@ def _probabilities(s, visible, sinks=None):
     if sinks is not None:
         sink = np.asarray(sinks, dtype=s.dtype)[None, :, None, None]
         sink = np.broadcast_to(sink, row_max.shape)
+        nan_row = nan_row | np.isnan(sink)
+        inf_row = inf_row | (sink == np.inf)
+        sink = np.where(np.isfinite(sink), sink, s.dtype.type(-np.inf))
         row_max = np.maximum(row_max, sink)
     safe_max = np.where(np.isfinite(row_max), row_max, zero)
     with np.errstate(invalid="ignore"):
-        e = np.where(visible, np.exp(masked - safe_max), zero)
+        e = np.where(finite, np.exp(masked - safe_max), zero)
     total = e.sum(axis=-1, keepdims=True)
     if sink is not None:
         total = total + np.exp(sink - safe_max)
     with np.errstate(divide="ignore"):
-        lse = np.where(total > 0, np.log(total) + safe_max, s.dtype.type(-np.inf))[..., 0]
+        lse = np.where(total > 0, np.log(total) + safe_max, s.dtype.type(-np.inf))
         p = np.where(total > 0, e / np.where(total > 0, total, s.dtype.type(1)), zero)
-    return p, lse
+    lse = np.where(inf_row, s.dtype.type(np.inf), lse)
+    lse = np.where(nan_row, nan, lse)
+    p = np.where((nan_row | inf_row) & visible, nan, p)
+    return p, lse[..., 0]
+
+
+def _bad_rows(x: np.ndarray) -> np.ndarray:
+    """``x[..., j, :]`` holds a NaN or an infinity: ``x.shape[:-1]``."""
+    return ~np.isfinite(x).all(axis=-1)
+
+
+def _clean(x: np.ndarray) -> np.ndarray:
+    """``x`` with every NaN and infinity replaced by 0."""
+    return np.where(np.isfinite(x), x, x.dtype.type(0))
+
+
+def _visible_product(w, visible, x, live=None):
+    """``Σ_j w_ij x_j`` over the visible pairs only: a hidden pair adds
+    nothing whatever ``x_j`` holds, and a NaN or infinity in an ``x_j``
+    that a visible pair reads makes row ``i`` NaN, all of it (rows where
+    ``live`` is False excepted). ``w`` is ``(..., n, m)``, ``x`` ``(..., m,
+    width)``."""
+    out = _matmul(w, _clean(x))
+    bad = _bad_rows(x)
+    if bad.any():
+        poisoned = (visible & bad[..., None, :]).any(axis=-1)
+        if live is not None:
+            poisoned &= live
+        out = np.where(poisoned[..., None], out.dtype.type(np.nan), out)
+    return out
 
 
 def _dropout_factor(shape, dropout_p, seed, dtype, keep=None):
@@ -335,7 +387,8 @@ def _attention(
     p, lse = _probabilities(s, visible, sinks)
     z = _dropout_factor(p.shape, dropout_p, seed, q4.dtype.type, _keep)
     pz = p if z is None else p * z
-    out = _matmul(pz, np.repeat(v4, group, axis=1))
+    # A row that sees no key has o = 0, whatever its keys' values hold.
+    out = _visible_product(pz, visible, np.repeat(v4, group, axis=1), lse != -np.inf)
     out = out.reshape((*q_shape[:-1], v4.shape[-1]))
     lse = lse.reshape(q_shape[:-1])
     return (out, lse) if return_lse else out
@@ -442,18 +495,32 @@ def _attention_backward(
     pz = p if z is None else p * z
     v_rep = np.repeat(v4, group, axis=1)
     k_rep = np.repeat(k4, group, axis=1)
-    dv_rep = _matmul(pz.swapaxes(-1, -2), do4)
-    dp = _matmul(do4, v_rep.swapaxes(-1, -2))
-    if z is not None:
-        dp = dp * z
+    nan = q4.dtype.type(np.nan)
+    zero = q4.dtype.type(0)
     # D = rowsum(dO ∘ O), the form FlashAttention uses, so the same-precision
     # baselines round alike.
-    out = _matmul(pz, v_rep)
-    delta = (do4 * out).sum(axis=-1, keepdims=True)
-    ds = p * (dp - delta)
-    du = ds if tanh is None else ds * (q4.dtype.type(1) - tanh * tanh)
-    dq = _matmul(du, k_rep) * q4.dtype.type(scale)
-    dk_rep = _matmul(du.swapaxes(-1, -2), q4) * q4.dtype.type(scale)
+    live = lse != -np.inf
+    out = _visible_product(pz, visible, v_rep, live)
+    with np.errstate(invalid="ignore", over="ignore"):
+        delta = (do4 * out).sum(axis=-1, keepdims=True)
+        dp = _matmul(do4, v_rep.swapaxes(-1, -2))
+    if z is not None:
+        dp = dp * z
+    # A row that saw no key contributes nothing; one whose lse or D is not
+    # finite (a NaN or +inf score, a NaN o or dO) carries NaN through every
+    # pair it sees (docs/design.md#non-finite-inputs).
+    seen = visible & live[..., None]
+    bad_row = live & ~(np.isfinite(lse) & np.isfinite(delta[..., 0]))
+    poisoned = bad_row[..., None] & seen
+    p = np.where(poisoned, nan, p)
+    pz = np.where(poisoned, nan, pz)
+    with np.errstate(invalid="ignore"):
+        ds = np.where(seen, p * (dp - delta), zero)
+        du = ds if tanh is None else np.where(seen, ds * (q4.dtype.type(1) - tanh * tanh), zero)
+    dq = _visible_product(du, seen, k_rep) * q4.dtype.type(scale)
+    dk_rep = _visible_product(du.swapaxes(-1, -2), seen.swapaxes(-1, -2), q4)
+    dk_rep = dk_rep * q4.dtype.type(scale)
+    dv_rep = _visible_product(pz.swapaxes(-1, -2), seen.swapaxes(-1, -2), do4)
 
     def fold(x):
         b, h, n, width = x.shape
@@ -466,14 +533,18 @@ def _attention_backward(
     ]
     if sinks is not None:
         sink = np.asarray(sinks, dtype=q4.dtype)[None, :, None]
-        finite = np.isfinite(lse)
-        with np.errstate(invalid="ignore"):
-            zero = q4.dtype.type(0)
-            weight = np.where(finite, np.exp(sink - np.where(finite, lse, zero)), zero)
-        grads.append(-(weight * delta[..., 0]).sum(axis=(0, 2)))
+        row_delta = delta[..., 0]
+        ok = np.isfinite(lse) & np.isfinite(row_delta)
+        with np.errstate(invalid="ignore", over="ignore"):
+            weight = np.exp(sink - np.where(ok, lse, zero)) * np.where(ok, row_delta, zero)
+        weight = np.where(ok, weight, nan)
+        grads.append(-np.where(live, weight, zero).sum(axis=(0, 2)))
     if return_dmask:
         if mask is None or np.asarray(mask).dtype == np.bool_:
             raise ValueError("return_dmask needs a float mask")
+        # A pair whose key holds a NaN or an infinity has a NaN score
+        # gradient (its score is -inf, NaN or +inf).
+        ds = np.where(seen & _bad_rows(k_rep)[..., None, :], nan, ds)
         grads.append(_reduce_to_shape(ds, np.shape(mask)))
     return tuple(grads)
 

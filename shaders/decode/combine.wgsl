@@ -59,15 +59,16 @@ fn decode_combine(
         }
     }
     if col < c.dv {
-        // A row that saw no key keeps 0; a part of weight 0 (empty, or
-        // negligible) is not read.
+        // A row that saw no key keeps 0; an empty part is not read, every
+        // other part is (a NaN it holds reaches the row).
         var o = 0.0;
         if st.invalid != 0u {
             o = bitcast<f32>(NAN);
         } else if merges {
             for (var p = 0u; p < c.splits; p++) {
-                let w = part_weight(part_lse[p * c.rows + row], st) / st.sum;
-                if w != 0.0 {
+                let bits = part_lse[p * c.rows + row];
+                if is_finite(bits) {
+                    let w = part_weight(bits, st) / st.sum;
                     o += w * part_o[(p * c.rows + row) * c.dv + col];
                 }
             }

@@ -55,8 +55,25 @@ override ALIBI: bool = false;
 var<workgroup> part: array<f32, PART_ELEMS>;
 var<workgroup> scores: array<f32, SCORE_ELEMS>;
 // Per row: the tile's rescale (0..8), and at the end row_sum (8..16), a
-// slot of its own because the last tile's rescales may still be read.
-var<workgroup> stat: array<f32, 16>;
+// slot of its own because the last tile's rescales may still be read, and
+// the row's code (16..24, lib/nonfinite.wgsl).
+var<workgroup> stat: array<f32, 24>;
+// docs/design.md#non-finite-inputs: k0 + 1 for each key of the tile whose
+// value held a NaN or an infinity (loaded as 0), and in vbad_any where any
+// did (k0 + 1: no reset between tiles).
+var<workgroup> vbad: array<u32, BK>;
+var<workgroup> vbad_any: u32;
+
+// A value vector of key `kt` of the tile at `k0`, NaN and infinities as 0
+// and flagged.
+fn clean_value(x: vec4<f32>, kt: u32, k0: u32) -> vec4<f32> {
+    if all(finite4(x)) {
+        return x;
+    }
+    vbad[kt] = k0 + 1u;
+    vbad_any = k0 + 1u;
+    return clean4(x);
+}
 
 // The score of group row `r` (query i = r % seq_q, head h * group +
 // r / seq_q) and key `key` from u = scale * q . k, or NEG_BIG where the
@@ -162,6 +179,13 @@ fn main(
     // Held by invocation t < RB for row row0 + t.
     var row_max = NEG_BIG;
     var row_sum = 0.0;
+    var code = 0.0;
+    for (var j = t; j < BK; j += WG) {
+        vbad[j] = 0u;
+    }
+    if t == 0u {
+        vbad_any = 0u;
+    }
 
     for (var k0 = key_start; k0 < key_end; k0 += BK) {
         // 1. Loads: key kk * KG + kg of the tile, zeros past key_end.
@@ -177,14 +201,14 @@ fn main(
         if key0 < key_end && bound(b, key0) {
             let row = cache_row(b, h, key0);
             k0v = load_k(row, lane);
-            v0v = load_v(row, lane);
+            v0v = clean_value(load_v(row, lane), kg, k0);
         }
         if KPL > 1u {
             let key1 = key0 + KG;
             if key1 < key_end && bound(b, key1) {
                 let row = cache_row(b, h, key1);
                 k1v = load_k(row, lane);
-                v1v = load_v(row, lane);
+                v1v = clean_value(load_v(row, lane), KG + kg, k0);
             }
         }
         if KPL > 2u {
@@ -192,13 +216,13 @@ fn main(
             if key2 < key_end && bound(b, key2) {
                 let row = cache_row(b, h, key2);
                 k2v = load_k(row, lane);
-                v2v = load_v(row, lane);
+                v2v = clean_value(load_v(row, lane), 2u * KG + kg, k0);
             }
             let key3 = key0 + 3u * KG;
             if key3 < key_end && bound(b, key3) {
                 let row = cache_row(b, h, key3);
                 k3v = load_k(row, lane);
-                v3v = load_v(row, lane);
+                v3v = clean_value(load_v(row, lane), 3u * KG + kg, k0);
             }
         }
 
@@ -284,9 +308,15 @@ fn main(
 
         // 4. The online softmax of each row over the tile.
         if t < RB {
+            // NaN and infinite scores weigh 0; the row's code keeps them.
             var tile_max = NEG_BIG;
             for (var kt = 0u; kt < BK; kt++) {
-                tile_max = max(tile_max, scores[t * BK + kt]);
+                let x = scores[t * BK + kt];
+                if finite_f32(x) {
+                    tile_max = max(tile_max, x);
+                } else {
+                    code = max(code, nonfinite_code(x));
+                }
             }
             let row_max_new = max(row_max, tile_max);
             // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at
@@ -295,8 +325,14 @@ fn main(
             var tile_sum = 0.0;
             for (var kt = 0u; kt < BK; kt++) {
                 let x = scores[t * BK + kt];
-                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
-                let pv = select(0.0, exp(x - row_max_new), x != NEG_BIG);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m)
+                // (on the bits: a NaN may compare either way).
+                let seen = bitcast<u32>(x) != bitcast<u32>(NEG_BIG);
+                let pv = select(0.0, exp(x - row_max_new), seen && finite_f32(x));
+                // A key the row sees whose value is not finite: o = NaN.
+                if seen && vbad_any == k0 + 1u && vbad[kt] == k0 + 1u {
+                    code = max(code, CODE_VALUE);
+                }
                 scores[t * BK + kt] = pv;
                 tile_sum += pv;
             }
@@ -396,15 +432,16 @@ fn main(
     }
     if t < RB {
         stat[8u + t] = row_sum;
+        stat[16u + t] = code;
         let r = row0 + t;
         if r < u.rows {
             // lse = row_max + ln(row_sum); -inf (as bits) for a row that
-            // saw no key in this split.
-            var bits = NEG_INF;
+            // saw no key in this split; NaN or +inf for a code.
+            var lse = bitcast<f32>(NEG_INF);
             if row_sum > 0.0 {
-                bits = bitcast<u32>(row_max + log(row_sum));
+                lse = row_max + log(row_sum);
             }
-            part_lse[(u.split_base + s) * u.out_rows + seq_head * u.rows + r] = bits;
+            part_lse[(u.split_base + s) * u.out_rows + seq_head * u.rows + r] = bitcast<u32>(code_lse(code, lse));
         }
     }
     workgroupBarrier();
@@ -417,8 +454,13 @@ fn main(
                 x += part[g * RB * ra + e];
             }
             let sum = stat[8u + r];
-            // A row that saw no key keeps o = 0.
-            let o = select(0.0, x / sum, sum > 0.0);
+            // A row that saw no key keeps o = 0; one with a code gets NaN
+            // (unless its lse is -inf: no code above 0.5, and no key).
+            var o = select(0.0, x / sum, sum > 0.0);
+            let code = stat[16u + r];
+            if code > 0.75 || (code > 0.0 && sum > 0.0) {
+                o = nan_f32();
+            }
             part_o[((u.split_base + s) * u.out_rows + seq_head * u.rows + row0 + r) * u.dv + col] = o;
         }
     }

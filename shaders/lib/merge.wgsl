@@ -2,15 +2,19 @@
 // at a time) and decode/combine.wgsl (the splits of a decode): the
 // arithmetic of src/merge.rs, relative to a row's largest lse, with the
 // parts in order. A row's state holds that largest finite lse, whether
-// any part saw a key, whether any lse is NaN or +inf, and the sum of the
-// parts' exp(lse_i - top); part i weighs exp(lse_i - top) / sum.
+// any part saw a key, whether any lse is NaN (2) or +inf (1), and the sum
+// of the parts' exp(lse_i - top); part i weighs exp(lse_i - top) / sum.
 //
 // WGSL does not promise IEEE infinities or NaN in arithmetic, so they are
 // tested and written as bits: an lse of -inf (an empty part) never enters
-// an exponential and gets weight 0, a row whose every part is empty gets
-// lse -inf, and a row with a NaN or +inf lse gets NaN bits.
+// an exponential and gets weight 0 (its output is not read), a row whose
+// every part is empty gets lse -inf, and a row with a NaN lse gets NaN,
+// else one with a +inf lse gets +inf (docs/design.md#non-finite-inputs);
+// its output is NaN either way. Every part with a finite lse is read, even
+// where its weight underflows to 0.
 
 const NEG_INF: u32 = 0xff800000u;
+const POS_INF: u32 = 0x7f800000u;
 const NAN: u32 = 0x7fc00000u;
 
 // Per row, across the parts seen so far.
@@ -32,8 +36,10 @@ fn fold_max(st: RowState, bits: u32) -> RowState {
         let x = bitcast<f32>(bits);
         next.top = select(x, max(st.top, x), st.seen != 0u);
         next.seen = 1u;
+    } else if bits == POS_INF {
+        next.invalid = max(st.invalid, 1u);
     } else if bits != NEG_INF {
-        next.invalid = 1u;
+        next.invalid = 2u;
     }
     return next;
 }
@@ -49,7 +55,7 @@ fn part_weight(bits: u32, st: RowState) -> f32 {
 // The merged lse of a row whose parts are all folded and summed.
 fn merged_lse(st: RowState) -> u32 {
     if st.invalid != 0u {
-        return NAN;
+        return select(POS_INF, NAN, st.invalid == 2u);
     }
     if st.seen == 0u {
         return NEG_INF;

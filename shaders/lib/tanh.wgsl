@@ -1,5 +1,5 @@
-// A fragment of every kernel with softcap (before lib/common.wgsl, and in
-// decoding's kernel).
+// A fragment of every kernel with softcap (after lib/nonfinite.wgsl, before
+// lib/common.wgsl, and in decoding's kernel).
 
 // tanh to float32 precision on every driver. The builtin is not: Mesa's
 // llvmpipe computes it as (e^2x - 1) / (e^2x + 1), which loses the
@@ -8,7 +8,12 @@
 // Below |x| = 0.5 the Taylor series to x^15 is within 2.4e-8 relative;
 // above, 1 - 2 / (e^2|x| + 1) loses at most a factor of 2 to cancellation.
 // tanh(10) is 1 in float32; the clamp keeps e^2|x| finite.
+// tanh(+-inf) = +-1 (the clamp); a NaN stays NaN (min and sign need not
+// keep it: lib/nonfinite.wgsl).
 fn tanh_f32(x: f32) -> f32 {
+    if is_nan_f32(x) {
+        return x;
+    }
     let a = min(abs(x), 10.0);
     if a < 0.5 {
         let t = x * x;

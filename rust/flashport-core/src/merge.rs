@@ -17,12 +17,15 @@
 //! overflows, and the weights are not rounded through `lse`.
 //!
 //! - A part with `lse_i = -inf` saw no key: its weight is 0 and its output
-//!   is not read (nor is that of a part whose weight underflows to 0).
+//!   is not read. Every other part's is, even where its weight underflows
+//!   to 0: a NaN in it makes the row's `o` NaN there, as attention over
+//!   the union would be (docs/design.md#non-finite-inputs).
 //! - A row whose every part is empty is empty: `o = 0`, `lse = -inf`,
 //!   never NaN.
-//! - NaN or `+inf` in a row's `lse_i` is no log-sum-exp of any scores (FA2
-//!   writes `+inf` for an empty row: map it to `-inf` first): that row's
-//!   `o` and `lse` are NaN.
+//! - A NaN `lse_i` makes the row's `lse` NaN, else a `+inf` one makes it
+//!   `+inf` (the lse of attention that saw a NaN or `+inf` score); the
+//!   row's `o` is NaN either way. (FA2 writes `+inf` for an empty row:
+//!   map it to `-inf` first.)
 
 use crate::cpu;
 use crate::{

@@ -406,7 +406,9 @@ fn read_f64(s: &Slice<'_>, i: usize) -> f64 {
 /// `dsink[h] = -Σ_(b,i) exp(sink[h] - lse[b,h,i]) · D[b,h,i]` with
 /// `D = rowsum(do ∘ o)`, in float64 and in a fixed order: the sink's
 /// probability times the gradient of the softmax normaliser (the sink adds
-/// nothing to the output itself).
+/// nothing to the output itself). A row whose lse is `-inf` (no key)
+/// adds nothing; one whose lse or D is NaN or infinite makes the head's
+/// gradient NaN (docs/design.md#non-finite-inputs).
 pub fn sink_gradient(
     problem: &Problem,
     d_out: &Slice<'_>,
@@ -427,7 +429,10 @@ pub fn sink_gradient(
                 let delta: f64 = (row * dv..(row + 1) * dv)
                     .map(|e| read_f64(d_out, e) * read_f64(out, e))
                     .sum();
-                *g -= (sinks[h] - row_lse).exp() * delta;
+                *g -= match row_lse.is_finite() && delta.is_finite() {
+                    true => (sinks[h] - row_lse).exp() * delta,
+                    false => f64::NAN,
+                };
             }
         }
     }

@@ -241,7 +241,19 @@ impl<T: Element> Walk<'_, T> {
         }
     }
 
-    fn run(&self, task: Task<'_, T>) {
+    fn run(&self, mut task: Task<'_, T>) {
+        if !self.walk(&mut task, false) {
+            self.walk(&mut task, true);
+        }
+    }
+
+    /// Computes the task's state; false, without writing it, where the
+    /// pass without `exact` cannot (docs/design.md#non-finite-inputs: a
+    /// row whose lse is finite but whose accumulator is not met a NaN or an
+    /// infinity in v, maybe of a key it does not see, 0 times NaN in a
+    /// tile's product). The `exact` pass reads those values as 0 and gives
+    /// o = NaN to a row that sees a key whose value held any.
+    fn walk(&self, task: &mut Task<'_, T>, exact: bool) -> bool {
         let p = self.p;
         let (d, dv) = (p.attention.head_dim, p.attention.value_dim);
         let (sq, group) = (p.seq_q(), p.group_size());
@@ -263,6 +275,7 @@ impl<T: Element> Walk<'_, T> {
         let mut v_tile = vec![T::ZERO; tile * dv];
         let mut scores = vec![T::ZERO; rows * tile];
         let mut pack = vec![T::ZERO; d.max(dv) * tile.next_multiple_of(16)];
+        let mut poisoned = vec![false; if exact { rows } else { 0 }];
         let mut start = task.keys.start;
         while start < task.keys.end {
             let keys = start..(start + tile).min(task.keys.end);
@@ -306,17 +319,45 @@ impl<T: Element> Walk<'_, T> {
                 }
             }
             self.gather(self.v_cache, b, h, &keys, dv, &mut v_tile[..n * dv]);
+            if exact {
+                for (j, value) in keys.clone().zip(v_tile.chunks_exact_mut(dv.max(1))) {
+                    if value.iter().any(|x| !x.is_finite()) {
+                        value.iter_mut().for_each(|x| {
+                            *x = if x.is_finite() { *x } else { T::ZERO };
+                        });
+                        for (r, poisoned) in poisoned.iter_mut().enumerate() {
+                            let head = b * p.heads_q() + h * group + r / sq;
+                            *poisoned |= rules.pair_visible(head, r % sq, j);
+                        }
+                    }
+                }
+            }
             T::matmul_acc(scores, n, &v_tile[..n * dv], &mut acc, rows, n, dv);
+        }
+        let dirty = |(state, a): (&RowState<T>, &[T])| {
+            state.finish().1.is_finite() && a.iter().any(|x| !x.is_finite())
+        };
+        if !exact && dv > 0 && states.iter().zip(acc.chunks_exact(dv)).any(dirty) {
+            return false;
         }
         for (r, state) in states.iter().enumerate() {
             let (normaliser, lse) = state.finish();
+            let normaliser = match poisoned.get(r) {
+                Some(true) if lse != T::NEG_INFINITY => T::NAN,
+                _ => normaliser,
+            };
             for (o, &a) in task.out[r * dv..(r + 1) * dv]
                 .iter_mut()
                 .zip(&acc[r * dv..(r + 1) * dv])
             {
-                *o = a * normaliser;
+                // A normaliser of 0: no key, o = 0 (not 0 times NaN).
+                *o = match normaliser == T::ZERO && !a.is_finite() {
+                    true => T::ZERO,
+                    false => a * normaliser,
+                };
             }
             task.lse[r] = lse;
         }
+        true
     }
 }

@@ -33,8 +33,13 @@ pub trait Element:
     + 'static
 {
     const ONE: Self;
+    const INFINITY: Self;
+    const NAN: Self;
     /// Where buffers of this type are kept between calls.
     fn pool() -> &'static BufferPool<Self>;
+    fn is_nan(self) -> bool;
+    /// Neither NaN nor an infinity.
+    fn is_finite(self) -> bool;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn tanh(self) -> Self;
@@ -55,6 +60,14 @@ pub trait Element:
         inputs: [PackInput<'_, Self>; N],
     ) -> Result<[Option<Pooled<Self>>; N]> {
         Ok(inputs.map(|_| None))
+    }
+    /// [`Element::pack_inputs`] of one input of one head, on this thread
+    /// (inside a task, for the rare recomputations of
+    /// docs/design.md#non-finite-inputs): the same layout as that head's
+    /// part of the whole packing.
+    fn pack_head(x: &[Self], rows: usize, cols: usize, packing: Packing) -> Option<Vec<Self>> {
+        let _ = (x, rows, cols, packing);
+        None
     }
     /// Elements one head takes in a [`Packing::Transposed`] result; the
     /// tile of a head that starts at row `start` (a multiple of 16) starts
@@ -182,8 +195,18 @@ static F64_POOL: BufferPool<f64> = BufferPool::new();
 
 impl Element for f32 {
     const ONE: Self = 1.0;
+    const INFINITY: Self = f32::INFINITY;
+    const NAN: Self = f32::NAN;
     fn pool() -> &'static BufferPool<f32> {
         &F32_POOL
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
     }
     fn tanh(self) -> Self {
         f32::tanh(self)
@@ -220,6 +243,23 @@ impl Element for f32 {
             return Ok(inputs.map(|_| None));
         }
         Ok(pack_f32(inputs)?.map(Some))
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn pack_head(x: &[f32], rows: usize, cols: usize, packing: Packing) -> Option<Vec<f32>> {
+        if !simd::available() {
+            return None;
+        }
+        let mut dst = match packing {
+            Packing::Transposed => vec![0.0; simd::panels_len(cols, rows)],
+            Packing::Rows => vec![0.0; simd::panels_len(rows, cols)],
+        };
+        if !dst.is_empty() {
+            match packing {
+                Packing::Transposed => simd::pack_transposed_panels(x, rows, cols, &mut dst),
+                Packing::Rows => simd::pack_panels(x, rows, cols, &mut dst),
+            }
+        }
+        Some(dst)
     }
     #[cfg(target_arch = "x86_64")]
     fn packed_head_len(rows: usize, cols: usize) -> usize {
@@ -508,8 +548,18 @@ fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> Result<[Pooled<f
 
 impl Element for f64 {
     const ONE: Self = 1.0;
+    const INFINITY: Self = f64::INFINITY;
+    const NAN: Self = f64::NAN;
     fn pool() -> &'static BufferPool<f64> {
         &F64_POOL
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f64::is_finite(self)
     }
     fn tanh(self) -> Self {
         f64::tanh(self)

@@ -104,17 +104,22 @@ pub(super) fn merge_row<'r, T: Element>(
     weights: &mut [T],
     out: &mut [T],
 ) -> T {
-    let infinity = T::from_f64(f64::INFINITY);
     let mut max = T::NEG_INFINITY;
+    let mut infinite = false;
     for p in 0..weights.len() {
         let x = lse_of(p);
-        // NaN and +inf are not log-sum-exps of any scores.
-        if x.partial_cmp(&infinity) != Some(std::cmp::Ordering::Less) {
-            let nan = T::from_f64(f64::NAN);
-            out.fill(nan);
-            return nan;
+        // A NaN lse makes the union's NaN, else a +inf one its +inf (the
+        // lse of attention that saw a NaN or +inf score); o is NaN.
+        if x.is_nan() {
+            out.fill(T::NAN);
+            return T::NAN;
         }
+        infinite |= x == T::INFINITY;
         max = max.max(x);
+    }
+    if infinite {
+        out.fill(T::NAN);
+        return T::INFINITY;
     }
     out.fill(T::ZERO);
     if max == T::NEG_INFINITY {
@@ -130,9 +135,11 @@ pub(super) fn merge_row<'r, T: Element>(
     }
     for (p, &w) in weights.iter().enumerate() {
         let w = w / sum;
-        // A part of weight 0 (empty, or negligible) is not read: its output
-        // may be anything, an empty part's NaN included.
-        if w != T::ZERO {
+        // An empty part is not read: its output may be anything, NaN
+        // included. Any other is, even where its weight underflows to 0:
+        // a NaN in its output (a NaN value its keys held) makes the
+        // union's NaN, as attention over the union would be.
+        if lse_of(p) != T::NEG_INFINITY {
             for (o, &x) in out.iter_mut().zip(out_of(p)) {
                 *o += w * x;
             }
@@ -180,10 +187,15 @@ mod tests {
     }
 
     #[test]
-    fn nan_or_plus_infinity_makes_the_row_nan() {
-        for bad in [f64::NAN, f64::INFINITY] {
-            let (out, lse) = row(&[0.0, bad], &[[1.0; 2], [1.0; 2]]);
-            assert!(out.iter().all(|x| x.is_nan()) && lse.is_nan());
+    fn nan_or_plus_infinity_makes_the_row_nan_or_infinite() {
+        let (inf, nan) = (f64::INFINITY, f64::NAN);
+        for (lses, want) in [([0.0, nan], nan), ([inf, 0.0], inf), ([nan, inf], nan)] {
+            let (out, lse) = row(&lses, &[[1.0; 2], [1.0; 2]]);
+            assert!(out.iter().all(|x| x.is_nan()));
+            assert!(lse == want || (lse.is_nan() && want.is_nan()));
         }
+        // A part of negligible weight is read: its NaN reaches the union.
+        let (out, lse) = row(&[1000.0, 0.0], &[[1.0, 2.0], [nan, 5.0]]);
+        assert!(out[0].is_nan() && out[1] == 2.0 && lse == 1000.0);
     }
 }

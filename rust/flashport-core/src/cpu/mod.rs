@@ -565,7 +565,6 @@ fn forward_typed<T: Element>(
         let work = t.rows.len() * rules.key_range(&t.rows).len();
         (t.head, std::cmp::Reverse(work))
     });
-    let layout = Layout { p: problem };
     let kv_heads = problem.batch * problem.heads_kv;
     let input = |x, cols, packing| PackInput {
         x,
@@ -579,6 +578,14 @@ fn forward_typed<T: Element>(
         input(v, dv, Packing::Rows),
     ])?;
     let scale = T::from_f64(problem.scale);
+    let pass = ForwardPass {
+        problem,
+        rules,
+        tiles,
+        layout: Layout { p: problem },
+        k,
+        k_packed: k_packed.as_deref(),
+    };
 
     parallel::for_each(
         tasks,
@@ -589,88 +596,64 @@ fn forward_typed<T: Element>(
          }| {
             with_scratch(problem, tiles, |s: &mut Scratch<T>| {
                 let m = rows.len();
-                let kv_head = layout.kv_head(head);
-                let q_scaled = &mut s.q_scaled[..m * d];
-                scale_into(layout.q_rows(q, head, &rows), scale, q_scaled);
-                let states = &mut s.states[..m];
-                states.fill(RowState::EMPTY);
-                let acc = &mut s.acc[..m * dv];
-                acc.fill(T::ZERO);
-
-                let mut key_tiles = std::mem::take(&mut s.key_tiles);
-                rules.key_tiles(
-                    head,
-                    &rows,
-                    rules.key_range(&rows),
-                    tiles.k_rows,
-                    &mut key_tiles,
-                );
-                for keys in key_tiles.drain(..) {
-                    let visibility = rules.classify(head, &rows, &keys);
-                    if visibility == TileVisibility::Hidden {
-                        continue;
-                    }
-                    let n = keys.len();
-                    let scores = &mut s.scores[..m * n];
-                    let k_rows = layout.k_rows(k, kv_head, &keys);
-                    let k_t = layout.packed_tile(k_packed.as_deref(), kv_head, d, &keys);
-                    // Scores the rules leave alone: their row maxima come
-                    // with the product, saving a pass over the tile.
-                    let plain = visibility == TileVisibility::Full && !rules.modifies_scores();
-                    let maxes = &mut s.maxes[..m];
-                    if plain {
-                        T::matmul_nt_row_max(
-                            q_scaled,
-                            k_rows,
-                            k_t,
-                            scores,
-                            (m, d, n),
-                            &mut s.pack,
-                            maxes,
-                            &mut s.lanes,
-                        );
-                    } else {
-                        T::matmul_nt(q_scaled, k_rows, k_t, scores, n, (m, d, n), &mut s.pack);
-                        rules.apply(head, visibility, &rows, &keys, scores, n, None);
-                    }
-                    for (i, (state, row)) in states
-                        .iter_mut()
-                        .zip(scores.chunks_exact_mut(n))
-                        .enumerate()
-                    {
-                        let rescale = if plain {
-                            state.absorb_with_max(row, maxes[i])
-                        } else {
-                            state.absorb(row)
-                        };
-                        if rescale != T::ONE {
-                            acc[i * dv..(i + 1) * dv]
-                                .iter_mut()
-                                .for_each(|x| *x *= rescale);
-                        }
-                    }
-                    // The softmax sums above saw every probability; only the
-                    // values are weighted by the dropout mask (and by 1/(1-p),
-                    // folded into the normaliser below).
-                    rules.apply_dropout(head, &rows, &keys, scores, n, true);
-                    let v_rows = layout.v_rows(v, kv_head, &keys);
-                    let v_tile = layout.row_panels(v_packed.as_deref(), kv_head, dv, &keys);
-                    T::matmul_acc_packed(scores, n, v_rows, v_tile, acc, (m, n, dv));
-                }
-                s.key_tiles = key_tiles;
-
+                let kv_head = pass.layout.kv_head(head);
+                let q_rows = pass.layout.q_rows(q, head, &rows);
+                scale_into(q_rows, scale, &mut s.q_scaled[..m * d]);
+                let values = Values {
+                    v,
+                    packed: v_packed.as_deref(),
+                    head: kv_head,
+                };
+                pass.tiles(s, head, &rows, values);
                 let sink = rules.sink(head);
-                for (i, state) in states.iter().enumerate() {
-                    let (normaliser, row_lse) = match sink {
-                        Some(sink) => state.finish_with_sink(sink),
-                        None => state.finish(),
+                let finish = |state: &RowState<T>| match sink {
+                    Some(sink) => state.finish_with_sink(sink),
+                    None => state.finish(),
+                };
+                // docs/design.md#non-finite-inputs: a row whose lse is
+                // finite but whose accumulator is not met a NaN or an
+                // infinity in v, maybe of a key it does not see (0 times
+                // NaN in a tile's product). Its task computes again on
+                // values with those replaced by 0, and a row that sees
+                // such a key has o = NaN.
+                let acc_rows = s.acc[..m * dv].chunks_exact(dv.max(1));
+                let redo = dv > 0
+                    && s.states[..m].iter().zip(acc_rows).any(|(state, a)| {
+                        finish(state).1.is_finite() && a.iter().any(|x| !x.is_finite())
+                    });
+                let mut poisoned = vec![false; if redo { m } else { 0 }];
+                if redo {
+                    let (v_head, bad) =
+                        clean_rows(pass.layout.v_rows(v, kv_head, &(0..problem.seq_k)), dv);
+                    let packed = T::pack_head(&v_head, problem.seq_k, dv, Packing::Rows);
+                    let values = Values {
+                        v: &v_head,
+                        packed: packed.as_deref(),
+                        head: 0,
                     };
-                    let normaliser = normaliser * rules.keep_scale();
-                    for (o, &a) in out[i * dv..(i + 1) * dv]
-                        .iter_mut()
-                        .zip(&acc[i * dv..(i + 1) * dv])
-                    {
-                        o.write(a * normaliser);
+                    pass.tiles(s, head, &rows, values);
+                    for (i, p) in poisoned.iter_mut().enumerate() {
+                        *p = bad
+                            .iter()
+                            .any(|&j| rules.pair_visible(head, rows.start + i, j));
+                    }
+                }
+
+                for (i, state) in s.states[..m].iter().enumerate() {
+                    let (normaliser, row_lse) = finish(state);
+                    let normaliser = match poisoned.get(i) {
+                        Some(true) if row_lse != T::NEG_INFINITY => T::NAN,
+                        _ => normaliser * rules.keep_scale(),
+                    };
+                    let o_row = out[i * dv..(i + 1) * dv].iter_mut();
+                    for (o, &a) in o_row.zip(&s.acc[i * dv..(i + 1) * dv]) {
+                        // A normaliser of 0 (no key, or the sink took
+                        // everything) gives o = 0, also where hidden
+                        // values left a NaN in acc.
+                        o.write(match normaliser == T::ZERO && !a.is_finite() {
+                            true => T::ZERO,
+                            false => a * normaliser,
+                        });
                     }
                     lse[i].write(row_lse);
                 }
@@ -685,6 +668,121 @@ fn forward_typed<T: Element>(
         lse.set_len(lse_len);
     }
     Ok((out, lse))
+}
+
+/// Where a forward task reads the values: the input and its packed
+/// panels with the key/value head to read, or one head of them with
+/// non-finite values replaced (docs/design.md#non-finite-inputs).
+#[derive(Clone, Copy)]
+struct Values<'a, T> {
+    v: &'a [T],
+    packed: Option<&'a [T]>,
+    head: usize,
+}
+
+/// What every forward task reads but its values.
+struct ForwardPass<'a, T: Clone> {
+    problem: &'a Problem,
+    rules: &'a ScoreRules<'a, T>,
+    tiles: TileSizes,
+    layout: Layout<'a>,
+    k: &'a [T],
+    k_packed: Option<&'a [T]>,
+}
+
+impl<T: Element> ForwardPass<'_, T> {
+    /// Folds every key tile the rows `rows` of flat head `head` see into
+    /// `s.states` and `s.acc` (both reset first), from the scaled query rows
+    /// in `s.q_scaled`.
+    fn tiles(&self, s: &mut Scratch<T>, head: usize, rows: &Range<usize>, values: Values<'_, T>) {
+        let (problem, rules, layout) = (self.problem, self.rules, &self.layout);
+        let (d, dv) = (problem.head_dim, problem.value_dim);
+        let m = rows.len();
+        let kv_head = layout.kv_head(head);
+        let q_scaled = &s.q_scaled[..m * d];
+        let states = &mut s.states[..m];
+        states.fill(RowState::EMPTY);
+        let acc = &mut s.acc[..m * dv];
+        acc.fill(T::ZERO);
+
+        let mut key_tiles = std::mem::take(&mut s.key_tiles);
+        rules.key_tiles(
+            head,
+            rows,
+            rules.key_range(rows),
+            self.tiles.k_rows,
+            &mut key_tiles,
+        );
+        for keys in key_tiles.drain(..) {
+            let visibility = rules.classify(head, rows, &keys);
+            if visibility == TileVisibility::Hidden {
+                continue;
+            }
+            let n = keys.len();
+            let scores = &mut s.scores[..m * n];
+            let k_rows = layout.k_rows(self.k, kv_head, &keys);
+            let k_t = layout.packed_tile(self.k_packed, kv_head, d, &keys);
+            // Scores the rules leave alone: their row maxima come
+            // with the product, saving a pass over the tile.
+            let plain = visibility == TileVisibility::Full && !rules.modifies_scores();
+            let maxes = &mut s.maxes[..m];
+            if plain {
+                T::matmul_nt_row_max(
+                    q_scaled,
+                    k_rows,
+                    k_t,
+                    scores,
+                    (m, d, n),
+                    &mut s.pack,
+                    maxes,
+                    &mut s.lanes,
+                );
+            } else {
+                T::matmul_nt(q_scaled, k_rows, k_t, scores, n, (m, d, n), &mut s.pack);
+                rules.apply(head, visibility, rows, &keys, scores, n, None);
+            }
+            for (i, (state, row)) in states
+                .iter_mut()
+                .zip(scores.chunks_exact_mut(n))
+                .enumerate()
+            {
+                let rescale = if plain {
+                    state.absorb_with_max(row, maxes[i])
+                } else {
+                    state.absorb(row)
+                };
+                if rescale != T::ONE {
+                    acc[i * dv..(i + 1) * dv]
+                        .iter_mut()
+                        .for_each(|x| *x *= rescale);
+                }
+            }
+            // The softmax sums above saw every probability; only the
+            // values are weighted by the dropout mask (and by 1/(1-p),
+            // folded into the normaliser below).
+            rules.apply_dropout(head, rows, &keys, scores, n, true);
+            let v_rows = layout.v_rows(values.v, values.head, &keys);
+            let v_tile = layout.row_panels(values.packed, values.head, dv, &keys);
+            T::matmul_acc_packed(scores, n, v_rows, v_tile, acc, (m, n, dv));
+        }
+        s.key_tiles = key_tiles;
+    }
+}
+
+/// `x` (rows of `width`) with every NaN and infinity replaced by 0, and
+/// the rows that held any.
+fn clean_rows<T: Element>(x: &[T], width: usize) -> (Vec<T>, Vec<usize>) {
+    let mut bad = Vec::new();
+    let mut clean = x.to_vec();
+    for (j, row) in clean.chunks_exact_mut(width.max(1)).enumerate() {
+        if row.iter().any(|x| !x.is_finite()) {
+            bad.push(j);
+            row.iter_mut()
+                .filter(|x| !x.is_finite())
+                .for_each(|x| *x = T::ZERO);
+        }
+    }
+    (clean, bad)
 }
 
 /// One key/value tile as the tile products read it: rows, and the same
@@ -754,10 +852,48 @@ struct TileRows<'a, T> {
     delta_rows: &'a [T],
 }
 
+/// A backward task's inputs for its exact pass (docs/design.md#non-finite-inputs):
+/// its key/value head of k with every NaN and infinity replaced by 0 (and
+/// packed), for `dQ += dS K`, and which of its keys held any.
+struct ExactKeys<T> {
+    k_rows: Vec<T>,
+    k_panels: Option<Vec<T>>,
+    bad_k: Vec<bool>,
+}
+
+/// How a query row enters the backward (docs/design.md#non-finite-inputs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowKind {
+    /// Its lse is `-inf`: it saw no key, and contributes nothing.
+    Empty,
+    /// Its lse is NaN or `+inf`, or its `D = rowsum(dO ∘ O)` is not
+    /// finite: NaN through every key it sees.
+    Poisoned,
+    Normal,
+}
+
+fn row_kind<T: Element>(lse: T, delta: T) -> RowKind {
+    if lse == T::NEG_INFINITY {
+        RowKind::Empty
+    } else if lse.is_finite() && delta.is_finite() {
+        RowKind::Normal
+    } else {
+        RowKind::Poisoned
+    }
+}
+
 /// Recomputes one tile of probabilities and their score gradients:
 /// `P · Z` (what multiplied V in the forward) into `scores` and `dU`, the
 /// gradient of the scaled scores `u`, into `d_scores`, both (and `tanh`)
 /// with rows `ld` apart; see [`crate::variants`] for the formulas.
+///
+/// A row that is [`RowKind::Poisoned`] gets NaN probabilities throughout,
+/// which makes the task's outputs non-finite and has it run its exact
+/// pass. In that pass (`exact`, with the keys whose k is not finite),
+/// hidden pairs get exactly 0 in both tiles, poisoned rows NaN at the
+/// keys they see, and `poison_dq` marks the rows whose dQ is NaN because
+/// they see a key whose k is not finite.
+#[allow(clippy::too_many_arguments)]
 fn recompute_tile<T: Element>(
     problem: &Problem,
     rules: &ScoreRules<'_, T>,
@@ -766,6 +902,7 @@ fn recompute_tile<T: Element>(
     s: &mut Scratch<T>,
     ld: usize,
     d_scores_sink: Option<&ScoreGradientSink<T>>,
+    mut exact: Option<(&[bool], &mut [bool])>,
 ) {
     let (d, dv) = (problem.head_dim, problem.value_dim);
     let (m, n) = (t.rows.len(), t.keys.len());
@@ -784,14 +921,20 @@ fn recompute_tile<T: Element>(
         let tanh = softcap.map(|_| &mut s.tanh[..m * ld]);
         rules.apply(t.head, t.visibility, t.rows, t.keys, scores, ld, tanh);
     }
-    for (row, &l) in scores.chunks_exact_mut(ld).zip(t.lse_rows) {
+    for ((row, &l), &delta) in scores
+        .chunks_exact_mut(ld)
+        .zip(t.lse_rows)
+        .zip(t.delta_rows)
+    {
         let row = &mut row[..n];
-        if l == T::NEG_INFINITY {
+        match row_kind(l, delta) {
             // The row saw no key in the forward: its probabilities are 0,
             // and exp(s - lse) would be exp(-inf + inf) = NaN.
-            row.fill(T::ZERO);
-        } else {
-            T::exp_shifted_sum(row, l);
+            RowKind::Empty => row.fill(T::ZERO),
+            RowKind::Poisoned => row.fill(T::NAN),
+            RowKind::Normal => {
+                T::exp_shifted_sum(row, l);
+            }
         }
     }
     T::matmul_nt(
@@ -815,8 +958,47 @@ fn recompute_tile<T: Element>(
             *ds = p * (*ds - delta);
         }
     }
+    // In the exact pass: each pair's kind, applied to both tiles.
+    let kind_of = |i: usize, j: usize| {
+        let kind = row_kind(t.lse_rows[i], t.delta_rows[i]);
+        let seen = kind != RowKind::Empty
+            && rules.pair_visible(t.head, t.rows.start + i, t.keys.start + j);
+        (kind, seen)
+    };
+    let fix = |tile: &mut [T]| {
+        for (i, row) in tile.chunks_exact_mut(ld).enumerate() {
+            for (j, x) in row[..n].iter_mut().enumerate() {
+                match kind_of(i, j) {
+                    (_, false) => *x = T::ZERO,
+                    (RowKind::Poisoned, true) => *x = T::NAN,
+                    _ => {}
+                }
+            }
+        }
+    };
+    if let Some((bad_k, poison_dq)) = exact.as_mut() {
+        fix(d_scores);
+        for (i, poison) in poison_dq.iter_mut().enumerate() {
+            *poison =
+                (0..n).any(|j| bad_k[t.keys.start + j] && kind_of(i, j) == (RowKind::Normal, true));
+        }
+    }
     if let Some(sink) = d_scores_sink {
-        sink.write(t.head, t.rows, t.keys, d_scores, ld);
+        match &exact {
+            // The gradient of a score whose key's k is not finite is NaN.
+            Some((bad_k, poison_dq)) if poison_dq.iter().any(|&p| p) => {
+                let mut marked = d_scores.to_vec();
+                for (i, row) in marked.chunks_exact_mut(ld).enumerate() {
+                    for (j, x) in row[..n].iter_mut().enumerate() {
+                        if bad_k[t.keys.start + j] && kind_of(i, j) == (RowKind::Normal, true) {
+                            *x = T::NAN;
+                        }
+                    }
+                }
+                sink.write(t.head, t.rows, t.keys, &marked, ld);
+            }
+            _ => sink.write(t.head, t.rows, t.keys, d_scores, ld),
+        }
     }
     if softcap.is_some() {
         for (ds_row, th_row) in d_scores
@@ -830,6 +1012,14 @@ fn recompute_tile<T: Element>(
     }
     if rules.has_dropout() {
         rules.apply_dropout(t.head, t.rows, t.keys, scores, ld, false);
+    }
+    if exact.is_some() {
+        // After softcap (whose tanh may be NaN where a key is hidden) and
+        // dropout (which zeroes a poisoned row's dropped pairs).
+        fix(scores);
+        if softcap.is_some() {
+            fix(d_scores);
+        }
     }
 }
 
@@ -846,13 +1036,14 @@ struct ChunkStep<'a, T: Clone> {
 }
 
 impl<T: Element> ChunkStep<'_, T> {
-    /// `dk` and `dv` are the chunk's rows of dK and dV (zero on entry).
-    ///
-    /// Query blocks outside, key tiles inside: a block's rows are scaled and
-    /// packed once for all the chunk's tiles. Each gradient still receives
-    /// its terms in the order of the tile-outside loop (for a key tile:
-    /// head, then query block; for a block of dQ: key tile), so the bits
-    /// are those of that order.
+    /// Computes a task's outputs (zero on entry). Where NaN or infinities
+    /// in the inputs, or a poisoned row, may have reached them, computes
+    /// them again in the exact pass (see [`recompute_tile`]), which follows
+    /// docs/design.md#non-finite-inputs to the letter where the products
+    /// would not (0 times NaN where a key is hidden). A non-finite dS or
+    /// P, or a NaN or infinity in q, dO or v, shows in dK or dV; one in k
+    /// may show in dQ alone, so the chunk's k rows are checked instead of
+    /// the (larger) dQ partial.
     fn run(
         &self,
         s: &mut Scratch<T>,
@@ -861,6 +1052,49 @@ impl<T: Element> ChunkStep<'_, T> {
         dk: &mut [T],
         dv_out: &mut [T],
         dq_group: &mut [T],
+    ) {
+        self.pass(s, kv_head, chunk, dk, dv_out, dq_group, None);
+        let (problem, layout) = (self.problem, Layout { p: self.problem });
+        let finite = |x: &[T]| x.iter().all(|x| x.is_finite());
+        let k_chunk = layout.k_rows(self.x.k, kv_head, chunk);
+        if finite(dk) && finite(dv_out) && finite(k_chunk) {
+            return;
+        }
+        let d = problem.head_dim;
+        let (k_rows, bad) = clean_rows(layout.k_rows(self.x.k, kv_head, &(0..problem.seq_k)), d);
+        let mut bad_k = vec![false; problem.seq_k];
+        bad.into_iter().for_each(|j| bad_k[j] = true);
+        let exact = ExactKeys {
+            k_panels: T::pack_head(&k_rows, problem.seq_k, d, Packing::Rows),
+            k_rows,
+            bad_k,
+        };
+        for x in [&mut *dk, &mut *dv_out, &mut *dq_group] {
+            x.fill(T::ZERO);
+        }
+        self.pass(s, kv_head, chunk, dk, dv_out, dq_group, Some(&exact));
+    }
+
+    /// `dk` and `dv` are the chunk's rows of dK and dV (zero on entry).
+    ///
+    /// Query blocks outside, key tiles inside: a block's rows are scaled and
+    /// packed once for all the chunk's tiles. Each gradient still receives
+    /// its terms in the order of the tile-outside loop (for a key tile:
+    /// head, then query block; for a block of dQ: key tile), so the bits
+    /// are those of that order.
+    ///
+    /// With `exact`, the products read q, dO and k with every NaN and
+    /// infinity replaced by 0 (the scores and D still read them as given).
+    #[allow(clippy::too_many_arguments)]
+    fn pass(
+        &self,
+        s: &mut Scratch<T>,
+        kv_head: usize,
+        chunk: &Range<usize>,
+        dk: &mut [T],
+        dv_out: &mut [T],
+        dq_group: &mut [T],
+        exact: Option<&ExactKeys<T>>,
     ) {
         let (problem, x) = (self.problem, self.x);
         let (d, dv) = (problem.head_dim, problem.value_dim);
@@ -871,6 +1105,8 @@ impl<T: Element> ChunkStep<'_, T> {
         let mut d_out_panels = std::mem::take(&mut s.d_out_panels);
         let mut delta = std::mem::take(&mut s.delta);
         let mut segments = std::mem::take(&mut s.key_tiles);
+        // The exact pass's cleaned block rows and rows to poison.
+        let (mut q_clean, mut d_out_clean, mut poison_dq) = (Vec::new(), Vec::new(), Vec::new());
         let group = problem.group_size();
         let (batch, kv_index) = (kv_head / problem.heads_kv, kv_head % problem.heads_kv);
         let k_rows = self.tiles.k_rows;
@@ -882,7 +1118,7 @@ impl<T: Element> ChunkStep<'_, T> {
                     break 'blocks;
                 }
                 let m = rows.len();
-                let d_out_rows = layout.o_rows(x.d_out, head, &rows);
+                let d_out_given = layout.o_rows(x.d_out, head, &rows);
                 // Panel strides of the packed rows, once a tile needs them.
                 let mut packed: Option<(Option<usize>, Option<usize>)> = None;
                 // Keys past the block's last visible one (causal) or before
@@ -917,16 +1153,38 @@ impl<T: Element> ChunkStep<'_, T> {
                             for (i, delta) in delta[..m].iter_mut().enumerate() {
                                 let (o, g) = (
                                     &o_rows[i * dv..(i + 1) * dv],
-                                    &d_out_rows[i * dv..(i + 1) * dv],
+                                    &d_out_given[i * dv..(i + 1) * dv],
                                 );
                                 *delta = o.iter().zip(g).fold(T::ZERO, |a, (&o, &g)| a + o * g);
                             }
+                            if exact.is_some() {
+                                q_clean = clean_rows(&q_scaled[..m * d], d).0;
+                                d_out_clean = clean_rows(d_out_given, dv).0;
+                                poison_dq = vec![false; m];
+                            }
+                            let (q_rows, d_out_rows) = match exact {
+                                Some(_) => (&q_clean[..], &d_out_clean[..]),
+                                None => (&q_scaled[..m * d], d_out_given),
+                            };
                             (
-                                T::pack_rows(&q_scaled[..m * d], m, d, &mut q_panels),
+                                T::pack_rows(q_rows, m, d, &mut q_panels),
                                 T::pack_rows(d_out_rows, m, dv, &mut d_out_panels),
                             )
                         });
+                        // What the products read: the inputs, or in the
+                        // exact pass their cleaned copies.
+                        let (q_product, d_out_rows) = match exact {
+                            Some(_) => (&q_clean[..], &d_out_clean[..]),
+                            None => (&q_scaled[..m * d], d_out_given),
+                        };
                         let kv = layout.kv_tile(x, kv_head, part);
+                        let (k_product, k_panels) = match exact {
+                            Some(e) => (
+                                &e.k_rows[part.start * d..part.end * d],
+                                layout.row_panels(e.k_panels.as_deref(), 0, d, part),
+                            ),
+                            None => (kv.k_rows, kv.k_panels),
+                        };
                         let tile = TileRows {
                             head,
                             rows: &rows,
@@ -938,7 +1196,17 @@ impl<T: Element> ChunkStep<'_, T> {
                             delta_rows: &delta[..m],
                         };
                         let ld = tiles::score_stride(n, std::mem::size_of::<T>());
-                        recompute_tile(problem, self.rules, &tile, &kv, s, ld, self.d_scores_sink);
+                        let marks = exact.map(|e| (&e.bad_k[..], &mut poison_dq[..]));
+                        recompute_tile(
+                            problem,
+                            self.rules,
+                            &tile,
+                            &kv,
+                            s,
+                            ld,
+                            self.d_scores_sink,
+                            marks,
+                        );
                         let (scores, d_scores) = (&s.scores[..m * ld], &s.d_scores[..m * ld]);
                         let local = part.start - chunk.start..part.end - chunk.start;
                         T::matmul_t_acc_packed(
@@ -953,7 +1221,7 @@ impl<T: Element> ChunkStep<'_, T> {
                         T::matmul_t_acc_packed(
                             d_scores,
                             ld,
-                            &q_scaled[..m * d],
+                            q_product,
                             q_stride.map(|stride| (&q_panels[..], stride)),
                             &mut dk[local.start * d..local.end * d],
                             (m, n, d),
@@ -961,14 +1229,16 @@ impl<T: Element> ChunkStep<'_, T> {
                         let first = g * problem.seq_q;
                         let dq_rows =
                             &mut dq_group[(first + rows.start) * d..(first + rows.end) * d];
-                        T::matmul_acc_packed(
-                            d_scores,
-                            ld,
-                            kv.k_rows,
-                            kv.k_panels,
-                            dq_rows,
-                            (m, n, d),
-                        );
+                        T::matmul_acc_packed(d_scores, ld, k_product, k_panels, dq_rows, (m, n, d));
+                        if exact.is_some() {
+                            for (row, _) in dq_rows
+                                .chunks_exact_mut(d.max(1))
+                                .zip(&poison_dq)
+                                .filter(|(_, &p)| p)
+                            {
+                                row.fill(T::NAN);
+                            }
+                        }
                     }
                 }
             }

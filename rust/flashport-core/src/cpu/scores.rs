@@ -68,13 +68,29 @@ impl<'a, T: Element> Mask<'a, T> {
                 }
             }
             MaskValues::Additive(values) => {
+                // A -inf entry hides its key whatever the score is (NaN
+                // included: NaN + -inf would be NaN), so it is selected,
+                // not added.
+                let hide = |s: T, m: T| if m == T::NEG_INFINITY { m } else { s + m };
                 let values = &values[range];
                 if per_key {
-                    scores.iter_mut().zip(values).for_each(|(s, &m)| *s += m);
+                    scores
+                        .iter_mut()
+                        .zip(values)
+                        .for_each(|(s, &m)| *s = hide(*s, m));
                 } else {
-                    scores.iter_mut().for_each(|s| *s += values[0]);
+                    scores.iter_mut().for_each(|s| *s = hide(*s, values[0]));
                 }
             }
+        }
+    }
+
+    /// Whether the mask shows key `key` to `row` (True, or not `-inf`).
+    fn shows(&self, batch: usize, head: usize, row: usize, key: usize) -> bool {
+        let at = self.layout.row_offset(batch, head, row) + key * self.layout.strides[3];
+        match &self.values {
+            MaskValues::Bool(keep) => keep[at],
+            MaskValues::Additive(values) => values[at] != T::NEG_INFINITY,
         }
     }
 }
@@ -131,6 +147,20 @@ impl<'p, T: Element> ScoreRules<'p, T> {
             Some((_, rows)) => rows.visible[row].clone(),
             None => self.problem.visible_keys(row),
         }
+    }
+
+    /// Whether `row` of flat head `head` sees `key`: causal, the window, a
+    /// packed batch's sequences and the mask (docs/design.md#non-finite-inputs:
+    /// what a key must not reach). For the rare paths; the tile loops
+    /// classify tiles instead.
+    pub fn pair_visible(&self, head: usize, row: usize, key: usize) -> bool {
+        if !self.visible_keys(row).contains(&key) {
+            return false;
+        }
+        let (batch, h) = (head / self.problem.heads_q, head % self.problem.heads_q);
+        self.mask
+            .as_ref()
+            .is_none_or(|mask| mask.shows(batch, h, row, key))
     }
 
     /// Whether rows see fewer keys than all: causal, the window, or the

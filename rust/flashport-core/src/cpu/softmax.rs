@@ -34,14 +34,29 @@ impl<T: Element> RowState<T> {
     }
 
     /// [`RowState::absorb`] for a tile whose largest score is known.
+    ///
+    /// Non-finite scores follow docs/design.md#non-finite-inputs: a NaN
+    /// makes `row_sum` NaN (through `exp`, or below where no finite score
+    /// gives a maximum to subtract), a `+inf` makes the row "infinite"
+    /// (`row_max = +inf`, `row_sum = +inf`, or NaN once a NaN came too),
+    /// and either way the probabilities become NaN so that the output
+    /// accumulator is NaN. `tile_max` may ignore NaN scores.
     #[inline]
     pub fn absorb_with_max(&mut self, scores: &mut [T], tile_max: T) -> T {
         let new_max = self.row_max.max(tile_max);
         if new_max == T::NEG_INFINITY {
             // Every key seen so far is masked. Subtracting the maximum would
-            // compute -inf - -inf = NaN, so the row stays empty instead.
+            // compute -inf - -inf = NaN, so the row stays empty instead,
+            // unless a NaN score hid from the maximum.
+            if scores.iter().any(|s| s.is_nan()) {
+                return self.poison(scores, T::NAN);
+            }
             scores.iter_mut().for_each(|s| *s = T::ZERO);
             return T::ONE;
+        }
+        if new_max == T::INFINITY {
+            let nan = self.row_sum.is_nan() || scores.iter().any(|s| s.is_nan());
+            return self.poison(scores, if nan { T::NAN } else { T::INFINITY });
         }
         // The old maximum may be -inf (nothing visible yet); exp(-inf) = 0
         // then discards the (empty) accumulator, which is what we want.
@@ -52,15 +67,37 @@ impl<T: Element> RowState<T> {
         rescale
     }
 
+    /// A row that saw a NaN or `+inf` score: its lse will be `row_sum`
+    /// (NaN or `+inf`), its output NaN (the probabilities and the rescale
+    /// of the accumulator are NaN).
+    #[cold]
+    fn poison(&mut self, scores: &mut [T], row_sum: T) -> T {
+        self.row_max = T::INFINITY;
+        self.row_sum = row_sum;
+        scores.iter_mut().for_each(|s| *s = T::NAN);
+        T::NAN
+    }
+
     /// [`RowState::finish`] with a sink logit in the denominator: the sink
     /// takes probability mass but adds nothing to the output, so the
     /// accumulator (relative to the old maximum) is rescaled to the new
     /// maximum by the normaliser itself. A row that saw no key still has
-    /// output 0, and lse = sink.
+    /// output 0, and lse = sink. A NaN sink makes the row NaN, a `+inf`
+    /// one infinite, like a score.
     #[inline]
     pub fn finish_with_sink(&self, sink: T) -> (T, T) {
         if sink == T::NEG_INFINITY {
             return self.finish();
+        }
+        if sink.is_nan() || self.row_sum.is_nan() {
+            return (T::NAN, T::NAN);
+        }
+        if sink == T::INFINITY || self.row_max == T::INFINITY {
+            return (T::NAN, T::INFINITY);
+        }
+        if self.row_sum == T::ZERO {
+            // No key: the output is 0 whatever the accumulator holds.
+            return (T::ZERO, sink);
         }
         let new_max = self.row_max.max(sink);
         let rescale = (self.row_max - new_max).exp();
@@ -69,11 +106,17 @@ impl<T: Element> RowState<T> {
     }
 
     /// The normaliser of the accumulator and the row's log-sum-exp. A row
-    /// that saw no key has output 0 and lse `-inf`.
+    /// that saw no key has output 0 and lse `-inf`; one that saw a NaN
+    /// (`+inf`) score has lse NaN (`+inf`) and a NaN normaliser. A
+    /// normaliser of 0 means "the output is 0": the caller writes 0 where
+    /// the accumulator is not finite (that of a row that saw no key may
+    /// hold what hidden keys' values left in it: 0 times NaN).
     #[inline]
     pub fn finish(&self) -> (T, T) {
         if self.row_sum == T::ZERO {
             (T::ZERO, T::NEG_INFINITY)
+        } else if self.row_max == T::INFINITY || self.row_sum.is_nan() {
+            (T::NAN, self.row_sum)
         } else {
             (T::ONE / self.row_sum, self.row_max + self.row_sum.ln())
         }
@@ -97,6 +140,35 @@ mod tests {
         assert!((whole.finish().1 - split.finish().1).abs() < 1e-12);
         let direct = scores.iter().map(|x| x.exp()).sum::<f64>().ln();
         assert!((whole.finish().1 - direct).abs() < 1e-12);
+    }
+
+    #[test]
+    fn nan_and_infinite_scores_poison_the_row() {
+        let (inf, nan) = (f64::INFINITY, f64::NAN);
+        // NaN alone among hidden keys (the maximum ignores it).
+        let mut state = RowState::<f64>::EMPTY;
+        let mut s = [f64::NEG_INFINITY, nan];
+        assert!(state.absorb(&mut s).is_nan());
+        assert!(state.finish().0.is_nan() && state.finish().1.is_nan());
+        // +inf: lse +inf, NaN output; a later NaN makes the lse NaN.
+        let mut state = RowState::<f64>::EMPTY;
+        state.absorb(&mut [1.0, 2.0]);
+        assert!(state.absorb(&mut [inf, 0.0]).is_nan());
+        assert_eq!(state.finish().1, inf);
+        assert!(state.finish().0.is_nan());
+        state.absorb(&mut [3.0]);
+        assert_eq!(state.finish().1, inf);
+        state.absorb(&mut [nan]);
+        assert!(state.finish().1.is_nan());
+        // Sinks: NaN and +inf like a score; -inf is no sink.
+        let mut state = RowState::<f64>::EMPTY;
+        state.absorb(&mut [0.5]);
+        assert!(state.finish_with_sink(nan).1.is_nan());
+        assert_eq!(state.finish_with_sink(inf).1, inf);
+        assert!(state.finish_with_sink(inf).0.is_nan());
+        assert_eq!(state.finish_with_sink(f64::NEG_INFINITY), state.finish());
+        // A row that saw no key: output 0, lse = sink.
+        assert_eq!(RowState::<f64>::EMPTY.finish_with_sink(0.25), (0.0, 0.25));
     }
 
     #[test]

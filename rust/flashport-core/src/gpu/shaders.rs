@@ -12,10 +12,22 @@ macro_rules! shader {
 }
 
 // Fragments (shaders/lib): prepended to the kernels that use them.
-/// tanh to float32 precision (softcap), for every kernel: after
-/// lib/common.wgsl's text and decoding's.
-const TANH: &str = shader!("lib/tanh.wgsl");
-pub(crate) const COMMON: &str = concat!(shader!("lib/tanh.wgsl"), "\n", shader!("lib/common.wgsl"));
+/// The bit tests and codes of NaN and infinities
+/// (docs/design.md#non-finite-inputs), then tanh to float32 precision
+/// (softcap), for every kernel: before lib/common.wgsl's text and
+/// decoding's.
+const TANH: &str = concat!(
+    shader!("lib/nonfinite.wgsl"),
+    "\n",
+    shader!("lib/tanh.wgsl")
+);
+pub(crate) const COMMON: &str = concat!(
+    shader!("lib/nonfinite.wgsl"),
+    "\n",
+    shader!("lib/tanh.wgsl"),
+    "\n",
+    shader!("lib/common.wgsl")
+);
 const INPUT_F32: &str = shader!("lib/input_f32.wgsl");
 const INPUT_F16: &str = shader!("lib/input_f16.wgsl");
 const ROW_REDUCE_SUBGROUP: &str = shader!("lib/row_reduce_subgroup.wgsl");

@@ -99,9 +99,10 @@ impl DecodeTiles {
     pub fn score_elems(&self) -> u32 {
         self.rows * self.tile_keys()
     }
-    /// The workgroup memory the kernel declares (`part`, `scores`, `stat`).
+    /// The workgroup memory the kernel declares (`part`, `scores`, `stat`,
+    /// and the flags of the tile's non-finite values, `vbad`).
     pub fn workgroup_bytes(&self) -> u64 {
-        4 * (self.part_elems() + self.score_elems() + 16) as u64
+        4 * (self.part_elems() + self.score_elems() + 24 + self.tile_keys() + 1) as u64
     }
     /// The overrides of shaders/decode/decode.wgsl for this layout, a
     /// paged cache or not, and the variants the kernel computes (the

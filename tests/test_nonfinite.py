@@ -1,0 +1,481 @@
+"""Non-finite inputs (docs/design.md#non-finite-inputs) on every backend and
+in the float64 reference: a key hidden from a row (causal, the window, a
+bool mask, a float mask's -inf, a packed batch's other sequences, cache
+positions past a sequence's length) never reaches it, whatever NaN or
+infinity its k and v hold, forward and backward; visible NaN scores and
+sinks give NaN rows, visible +inf ones lse = +inf and o = NaN; a NaN or
+infinity in a visible key's v makes the row's o NaN; a backward given a NaN
+or +inf lse returns NaN gradients for that row; a row that sees no key
+still gets o = 0, lse = -inf and zero gradients.
+
+On the GPU each case runs on the default tier (tiled on lavapipe) and on
+the simple kernels."""
+
+from __future__ import annotations
+
+import flashport
+import numpy as np
+import pytest
+from conftest import overrides
+from flashport import reference
+
+POISONS = [np.nan, np.inf, -np.inf]
+# (batch, heads_q, heads_kv, seq_q, seq_k, d, d_v): several key tiles on
+# each backend (the CPU's tiles are larger), GQA, d != d_v.
+SHAPES = {"cpu": (1, 4, 2, 70, 300, 16, 12), "gpu": (1, 2, 1, 24, 72, 8, 12)}
+
+
+def _dtypes(backend):
+    return [np.float32, np.float64] if backend == "cpu" else [np.float32]
+
+
+def _tiers(backend):
+    return [None] if backend == "cpu" else [None, "simple"]
+
+
+def _run(backend, tier, f, *args, **kw):
+    """``f(backend, *args, **kw)``, on the GPU with kernels up to ``tier``."""
+    if tier is None:
+        return f(backend, *args, **kw)
+    with overrides(max_tier=tier):
+        return f(backend, *args, **kw)
+
+
+def _data(rng, shape, dtype):
+    """Random values of magnitude 0.25 to 1 and random signs: never 0."""
+    x = rng.uniform(0.25, 1.0, shape) * rng.choice([-1.0, 1.0], shape)
+    return x.astype(dtype)
+
+
+def _arrays(backend, dtype, seed=0):
+    b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
+    rng = np.random.default_rng(seed)
+    q = _data(rng, (b, hq, sq, d), dtype)
+    k = _data(rng, (b, hkv, sk, d), dtype)
+    v = _data(rng, (b, hkv, sk, dv), dtype)
+    do = _data(rng, (b, hq, sq, dv), dtype)
+    return q, k, v, do
+
+
+def _poison(x, keys, value, rng):
+    """A copy of ``x`` (``(..., seq, width)``) with ``value`` in rows
+    ``keys``: the whole row for every other key, one element for the rest."""
+    x = x.copy()
+    for n, j in enumerate(keys):
+        if n % 2:
+            x[..., j, rng.integers(x.shape[-1])] = value
+        else:
+            x[..., j, :] = value
+    return x
+
+
+def _tol(dtype):
+    return {np.float32: 2e-4, np.float64: 1e-9}[dtype]
+
+
+def _assert_like(actual, expected, dtype, what):
+    """Same NaN and infinity positions (and signs), finite values close."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, what
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected), err_msg=what)
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite], err_msg=what)
+    tol = _tol(dtype)
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=tol, atol=tol, err_msg=what)
+
+
+def _forward_backward(device, q, k, v, do, return_dmask=False, **kw):
+    o, lse = flashport.attention(q, k, v, return_lse=True, device=device, **kw)
+    grads = flashport.attention_backward(
+        do, q, k, v, o, lse, device=device, return_dmask=return_dmask, **kw
+    )
+    return (o, lse, *grads)
+
+
+def _reference(q, k, v, do, return_dmask=False, **kw):
+    o, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    grads = reference.attention_backward(do, q, k, v, return_dmask=return_dmask, **kw)
+    return (o, lse, *grads)
+
+
+def _backward_with_lse(device, q, k, v, do, lse_value, **kw):
+    """The backward from the forward's o and lse, with ``lse_value`` as the
+    lse of row 4 of head 1 (unless None)."""
+    o, lse = flashport.attention(q, k, v, return_lse=True, device=device, **kw)
+    if lse_value is not None:
+        lse = lse.copy()
+        lse[0, 1, 4] = lse_value
+    return flashport.attention_backward(do, q, k, v, o, lse, device=device, **kw)
+
+
+def _varlen(device, q, k, v, do, cu_q, cu_k):
+    o, lse = flashport.attention_varlen(
+        q, k, v, cu_q, cu_k, causal=True, return_lse=True, device=device
+    )
+    grads = flashport.attention_varlen_backward(
+        do, q, k, v, o, lse, cu_q, cu_k, causal=True, device=device
+    )
+    return (o, lse, *grads)
+
+
+def _kvcache(device, q, k_cache, v_cache, lens, splits):
+    return flashport.attention_with_kvcache(
+        q, k_cache, v_cache, lens, return_lse=True, num_splits=splits, device=device
+    )
+
+
+NAMES = ("o", "lse", "dq", "dk", "dv", "dsinks", "dmask")
+
+
+def _hidden_everywhere(backend, mechanism):
+    """Keyword arguments that hide ``keys`` from every query row, and the
+    keys."""
+    sq, sk = SHAPES[backend][3:5]
+    rng = np.random.default_rng(1)
+    # Keys in several tiles, runs and single keys, hidden from every row.
+    keys = sorted({1, 2, 3, sk // 2, sk // 2 + 1, sk - 1} | set(rng.choice(sk, 6).tolist()))
+    if mechanism == "bool_mask":
+        mask = np.ones(sk, bool)
+        mask[keys] = False
+        return {"mask": mask}, keys
+    if mechanism == "float_mask":
+        mask = rng.uniform(-0.5, 0.5, (sq, sk)).astype(np.float32)
+        mask[:, keys] = -np.inf
+        return {"mask": mask}, keys
+    if mechanism == "causal":
+        # Top-left aligned: keys from seq_q on are in no row's past.
+        return {"causal": True, "q_offset": 0, "k_offset": 0}, list(range(sq, sk))
+    if mechanism == "window":
+        # Bottom-right aligned: row 0 sees keys from seq_k - seq_q - 3 on.
+        return {"window": (3, 2)}, list(range(sk - sq - 3))
+    raise AssertionError(mechanism)
+
+
+MECHANISMS = ["bool_mask", "float_mask", "causal", "window"]
+
+
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_keys_hidden_from_every_row_never_contribute(backend, mechanism, value):
+    """NaN or an infinity in the k and v of keys no row sees changes
+    nothing, forward and backward: every result equals the call with those
+    keys' data finite (and the float64 reference)."""
+    kw, keys = _hidden_everywhere(backend, mechanism)
+    for dtype in _dtypes(backend):
+        q, k, v, do = _arrays(backend, dtype)
+        rng = np.random.default_rng(2)
+        bad_k = _poison(k, keys, value, rng)
+        bad_v = _poison(v, keys, value, rng)
+        want = _reference(q, k, v, do, **kw)
+        for tier in _tiers(backend):
+            clean = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
+            for bk, bv in [(bad_k, v), (k, bad_v), (bad_k, bad_v)]:
+                got = _run(backend, tier, _forward_backward, q, bk, bv, do, **kw)
+                for name, g, c, w in zip(NAMES, got, clean, want, strict=False):
+                    what = f"{name} ({dtype.__name__}, tier {tier})"
+                    assert np.isfinite(g).all(), what
+                    np.testing.assert_array_equal(g, c, err_msg=what)
+                    _assert_like(g, w, dtype, what)
+
+
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("mechanism", ["causal", "window", "bool_mask", "float_mask"])
+def test_keys_hidden_from_some_rows(backend, mechanism, value):
+    """Keys hidden from some rows only: rows that do not see them equal the
+    clean call; rows that see them follow the reference (a NaN or infinity
+    in a visible v makes the row NaN; in a visible k, the scores say)."""
+    sq, sk = SHAPES[backend][3:5]
+    rng = np.random.default_rng(3)
+    keys = [sk - sq + 2, sk - sq + sq // 2, sk - 2]
+    if mechanism == "causal":
+        kw = {"causal": True}
+    elif mechanism == "window":
+        kw = {"window": (5, 0)}
+    elif mechanism == "bool_mask":
+        mask = rng.uniform(size=(sq, sk)) < 0.7
+        mask[:2, keys] = False
+        kw = {"mask": mask}
+    else:
+        mask = np.where(rng.uniform(size=(sq, sk)) < 0.7, 0.25, -np.inf).astype(np.float32)
+        mask[-2:, keys] = -np.inf
+        kw = {"mask": mask, "causal": True}
+    for dtype in _dtypes(backend):
+        q, k, v, do = _arrays(backend, dtype, seed=4)
+        for bk, bv in [(_poison(k, keys, value, rng), v), (k, _poison(v, keys, value, rng))]:
+            want = _reference(q, bk, bv, do, **kw)
+            for tier in _tiers(backend):
+                got = _run(backend, tier, _forward_backward, q, bk, bv, do, **kw)
+                for name, g, w in zip(NAMES, got, want, strict=False):
+                    _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
+                clean = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
+                # Rows that see no poisoned key are those of the clean call.
+                sees = reference._scores(
+                    q.astype(np.float64),
+                    k.astype(np.float64),
+                    kw.get("causal", False),
+                    None,
+                    window=kw.get("window"),
+                    mask=kw.get("mask"),
+                )[1][..., keys].any(axis=-1)
+                o, lse = got[0], got[1]
+                np.testing.assert_array_equal(o[~sees], clean[0][~sees])
+                np.testing.assert_array_equal(lse[~sees], clean[1][~sees])
+                assert sees.any() and (~sees).any()
+
+
+def test_plus_infinity_and_nan_scores(backend):
+    """A visible NaN score (a NaN float mask entry) makes its row's o and
+    lse NaN; a visible +inf one gives lse = +inf and o = NaN; other rows
+    are those of the clean call. The backward from those o and lse: NaN
+    gradients for the rows and the keys they see, the rest unchanged."""
+    sq, sk = SHAPES[backend][3:5]
+    for dtype in _dtypes(backend):
+        q, k, v, do = _arrays(backend, dtype, seed=5)
+        mask = np.zeros((sq, sk), np.float32)
+        mask[:, sk - 5] = -np.inf
+        clean_mask = mask.copy()
+        mask[3, 7] = np.nan
+        mask[5, 9] = np.inf
+        mask[6, 2] = np.inf
+        mask[6, 4] = np.nan
+        kw = {"causal": True, "mask": mask}
+        want = _reference(q, k, v, do, **kw)
+        rows = np.zeros(sq, bool)
+        rows[[3, 5, 6]] = True
+        assert np.isnan(want[1][..., [3, 6]]).all() and (want[1][..., 5] == np.inf).all()
+        assert np.isnan(want[0][..., rows, :]).all()
+        for tier in _tiers(backend):
+            got = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
+            for name, g, w in zip(NAMES, got, want, strict=False):
+                _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
+            clean = _run(
+                backend,
+                tier,
+                _forward_backward,
+                q,
+                k,
+                v,
+                do,
+                causal=True,
+                mask=clean_mask,
+            )
+            np.testing.assert_array_equal(got[0][..., ~rows, :], clean[0][..., ~rows, :])
+            np.testing.assert_array_equal(got[1][..., ~rows], clean[1][..., ~rows])
+            np.testing.assert_array_equal(got[2][..., ~rows, :], clean[2][..., ~rows, :])
+            # Keys the three rows see get NaN; the masked-out key and those
+            # past the rows' diagonals do not.
+            seen_end = sk - sq + 6 + 1
+            assert np.isnan(got[3][..., :seen_end, :]).all()
+            assert np.isnan(got[4][..., :seen_end, :]).all()
+            assert np.isfinite(got[3][..., seen_end:, :]).all()
+            assert np.isfinite(got[4][..., seen_end:, :]).all()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_nonfinite_sinks_propagate(backend, value):
+    """A NaN sink gives NaN lse and o on its head's rows, a +inf sink
+    lse = +inf and o = NaN; the backward's gradients of those rows and of
+    the keys they see are NaN, and so is the sink's own gradient; another
+    head's rows are unchanged."""
+    b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
+    hkv = hq
+    rng = np.random.default_rng(6)
+    for dtype in _dtypes(backend):
+        q = _data(rng, (b, hq, sq, d), dtype)
+        k = _data(rng, (b, hkv, sk, d), dtype)
+        v = _data(rng, (b, hkv, sk, dv), dtype)
+        do = _data(rng, (b, hq, sq, dv), dtype)
+        sinks = np.linspace(-1.0, 1.0, hq)
+        clean_kw = {"causal": True, "sinks": sinks}
+        sinks = sinks.copy()
+        sinks[0] = value
+        kw = {"causal": True, "sinks": sinks}
+        want = _reference(q, k, v, do, **kw)
+        for tier in _tiers(backend):
+            got = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
+            for name, g, w in zip(NAMES, got, want, strict=False):
+                _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
+            o, lse, dq, dk, dv_, dsinks = got
+            assert np.isnan(o[:, 0]).all() and np.isnan(dq[:, 0]).all()
+            assert np.isnan(dk[:, 0]).all() and np.isnan(dv_[:, 0]).all()
+            assert (np.isnan(lse[:, 0]) if np.isnan(value) else lse[:, 0] == np.inf).all()
+            assert np.isnan(dsinks[0]) and np.isfinite(dsinks[1:]).all()
+            clean = _run(backend, tier, _forward_backward, q, k, v, do, **clean_kw)
+            for g, c in zip(got[:5], clean[:5], strict=True):
+                np.testing.assert_array_equal(g[:, 1:], c[:, 1:])
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_backward_of_a_nan_or_infinite_lse_row_is_nan(backend, value):
+    """attention_backward given lse = NaN or +inf for a row: that row's dq
+    and the dk, dv of the keys it sees are NaN, never silently finite;
+    other rows' dq are unchanged."""
+    _, hq, hkv, sq, sk = SHAPES[backend][:5]
+    for dtype in _dtypes(backend):
+        q, k, v, do = _arrays(backend, dtype, seed=7)
+        kw = {"causal": True}
+        for tier in _tiers(backend):
+            clean = _run(backend, tier, _backward_with_lse, q, k, v, do, None, **kw)
+            dq, dk, dv_ = _run(backend, tier, _backward_with_lse, q, k, v, do, value, **kw)
+            assert np.isnan(dq[0, 1, 4]).all()
+            others = np.ones(sq, bool)
+            others[4] = False
+            np.testing.assert_array_equal(dq[0, 1, others], clean[0][0, 1, others])
+            np.testing.assert_array_equal(dq[0, 0], clean[0][0, 0])
+            # Row 4 sees keys up to sk - sq + 4; head 1 reads kv head 1 // 2.
+            kv = 1 // (hq // hkv)
+            seen = sk - sq + 4 + 1
+            assert np.isnan(dk[0, kv, :seen]).all() and np.isnan(dv_[0, kv, :seen]).all()
+            np.testing.assert_array_equal(dk[0, kv, seen:], clean[1][0, kv, seen:])
+            np.testing.assert_array_equal(dv_[0, kv, seen:], clean[2][0, kv, seen:])
+
+
+def test_rows_that_see_no_key(backend):
+    """A row that sees no key (causal with seq_q > seq_k; a float mask row
+    of -inf) has o = 0 and lse = -inf, and zero gradients, whatever NaN the
+    hidden keys hold."""
+    b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
+    sk = sq // 2
+    rng = np.random.default_rng(8)
+    for dtype in _dtypes(backend):
+        q = _data(rng, (b, hq, sq, d), dtype)
+        k = _data(rng, (b, hkv, sk, d), dtype)
+        v = _data(rng, (b, hkv, sk, dv), dtype)
+        do = _data(rng, (b, hq, sq, dv), dtype)
+        # Bottom-right causal: rows below seq_q - seq_k see nothing; row
+        # seq_q - 2 is masked out entirely.
+        mask = np.zeros((sq, sk), dtype)
+        mask[sq - 2] = -np.inf
+        k[..., sk - 1, :] = np.nan
+        v[..., sk - 1, :] = np.inf
+        kw = {"causal": True, "mask": mask}
+        empty = np.zeros(sq, bool)
+        empty[: sq - sk] = True
+        empty[sq - 2] = True
+        want = _reference(q, k, v, do, return_dmask=True, **kw)
+        for tier in _tiers(backend):
+            o, lse, dq, dk, dv_, dmask = _run(
+                backend,
+                tier,
+                _forward_backward,
+                q,
+                k,
+                v,
+                do,
+                return_dmask=True,
+                **kw,
+            )
+            assert (o[..., empty, :] == 0).all() and (lse[..., empty] == -np.inf).all()
+            assert (dq[..., empty, :] == 0).all() and (dmask[empty] == 0).all()
+            names = (*NAMES[:5], "dmask")
+            for name, g, w in zip(names, (o, lse, dq, dk, dv_, dmask), want, strict=True):
+                _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
+
+
+def test_softcap_of_infinite_scores_is_finite(backend):
+    """softcap: tanh(+-inf) = +-1, so a key whose q . k is infinite scores
+    +-softcap, a finite score like any other."""
+    b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
+    rng = np.random.default_rng(9)
+    for dtype in _dtypes(backend):
+        q = rng.uniform(0.25, 1.0, (b, hq, sq, d)).astype(dtype)
+        k = rng.uniform(0.25, 1.0, (b, hkv, sk, d)).astype(dtype)
+        v = _data(rng, (b, hkv, sk, dv), dtype)
+        do = _data(rng, (b, hq, sq, dv), dtype)
+        k[..., 3, :] = np.inf
+        k[..., 5, :] = -np.inf
+        kw = {"softcap": 5.0}
+        want = _reference(q, k, v, do, **kw)
+        assert np.isfinite(want[0]).all() and np.isfinite(want[1]).all()
+        for tier in _tiers(backend):
+            got = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
+            for name, g, w in zip(NAMES[:2], got[:2], want[:2], strict=True):
+                _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
+
+
+def test_packed_sequences_hide_each_others_keys(backend):
+    """attention_varlen: a sequence's NaN keys and values never reach the
+    other sequences' rows (forward and backward); a sequence with no query
+    rows hides its keys from every row."""
+    _, hq, hkv, sq, sk, d, dv = SHAPES[backend]
+    rng = np.random.default_rng(10)
+    cu_q = np.array([0, sq // 2, sq // 2, sq], np.int32)
+    cu_k = np.array([0, sk // 3, 2 * sk // 3, sk], np.int32)
+    for dtype in _dtypes(backend):
+        q = _data(rng, (sq, hq, d), dtype)
+        k = _data(rng, (sk, hkv, d), dtype)
+        v = _data(rng, (sk, hkv, dv), dtype)
+        do = _data(rng, (sq, hq, dv), dtype)
+        bad_k, bad_v = k.copy(), v.copy()
+        # Sequence 1 has no rows; sequence 0's last key is poisoned too.
+        bad_k[cu_k[1] : cu_k[2]] = np.nan
+        bad_v[cu_k[1] : cu_k[2]] = np.inf
+        bad_v[0, 0, 0] = np.nan
+        for tier in _tiers(backend):
+            clean = _run(backend, tier, _varlen, q, k, v, do, cu_q, cu_k)
+            got = _run(backend, tier, _varlen, q, bad_k, bad_v, do, cu_q, cu_k)
+            want = reference.attention_varlen(
+                q, bad_k, bad_v, cu_q, cu_k, causal=True, return_lse=True
+            )
+            for name, g, w in zip(NAMES[:2], got[:2], want, strict=True):
+                _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
+            # Sequence 2's rows and keys are untouched.
+            rows, keys = slice(cu_q[2], cu_q[3]), slice(cu_k[2], cu_k[3])
+            places = [rows, (slice(None), rows), rows, keys, keys]
+            for name, g, c, at in zip(NAMES, got, clean, places, strict=False):
+                np.testing.assert_array_equal(g[at], c[at], err_msg=name)
+            # Sequence 0's rows see its first value, NaN: their o is NaN
+            # where their head reads key/value head 0.
+            assert np.isnan(got[0][: cu_q[1], : hq // hkv]).all()
+
+
+def test_cache_positions_past_the_length_are_hidden(backend):
+    """attention_with_kvcache: NaN and infinities in the cache past each
+    sequence's length change nothing; a NaN in a visible value makes the
+    rows that see it NaN."""
+    rng = np.random.default_rng(11)
+    heads_q, heads_kv, seq_q, d, dv, capacity = 4, 2, 3, 16, 8, 40
+    lens = np.array([17, 33, 5], np.int32)
+    batch = len(lens)
+    for dtype in _dtypes(backend):
+        q = _data(rng, (batch, heads_q, seq_q, d), dtype)
+        k_cache = _data(rng, (batch, heads_kv, capacity, d), dtype)
+        v_cache = _data(rng, (batch, heads_kv, capacity, dv), dtype)
+        bad_k, bad_v = k_cache.copy(), v_cache.copy()
+        for b, n in enumerate(lens):
+            bad_k[b, :, n:] = np.nan
+            bad_v[b, :, n:] = np.inf
+            bad_v[b, :, n + 1 :, 1] = -np.inf
+        for tier in _tiers(backend):
+            for splits in (1, 3):
+                clean = _run(backend, tier, _kvcache, q, k_cache, v_cache, lens, splits)
+                got = _run(backend, tier, _kvcache, q, bad_k, bad_v, lens, splits)
+                for g, c in zip(got, clean, strict=True):
+                    assert np.isfinite(g).all()
+                    np.testing.assert_array_equal(g, c)
+                # Key 2 of sequence 1 is seen by every row: NaN rows.
+                bad_v[1, 0, 2, 3] = np.nan
+                o, lse = _run(backend, tier, _kvcache, q, bad_k, bad_v, lens, splits)
+                want = reference.attention_with_kvcache(q, bad_k, bad_v, lens, return_lse=True)
+                _assert_like(o, want[0], dtype, "o")
+                _assert_like(lse, want[1], dtype, "lse")
+                assert np.isnan(o[1, :2]).all() and np.isfinite(o[1, 2:]).all()
+                bad_v[1, 0, 2, 3] = v_cache[1, 0, 2, 3]
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_merging_a_nan_or_infinite_lse(backend, value):
+    """merge_states follows attention's rule: a part whose lse is NaN makes
+    the row's lse NaN, else one of +inf makes it +inf; o is NaN either
+    way; an empty part (-inf) is not read."""
+    rng = np.random.default_rng(12)
+    outs = [_data(rng, (2, 3, 4), np.float32) for _ in range(3)]
+    lses = [rng.uniform(-1, 1, (2, 3)).astype(np.float32) for _ in range(3)]
+    lses[1][0, 1] = value
+    lses[2][1, 2] = -np.inf
+    outs[2][1, 2] = np.nan
+    out, lse = flashport.merge_states(outs, lses, device=backend)
+    assert np.isnan(out[0, 1]).all()
+    assert np.isnan(lse[0, 1]) if np.isnan(value) else lse[0, 1] == np.inf
+    assert np.isfinite(out[1, 2]).all() and np.isfinite(lse[1, 2])
