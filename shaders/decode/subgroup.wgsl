@@ -52,9 +52,11 @@ override STEP: u32 = W * KPI;
 override DP4: u32 = LPK * VPL;
 // W * RB * DP4: the walkers' accumulators at the end.
 override PART_VEC4S: u32 = 512u;
-// 2 * W * RB + RB: the walkers' row_max (then their weights) and row_sum,
-// then the merged row_sum.
-override STAT_ELEMS: u32 = 36u;
+// 3 * W * RB + RB: the walkers' row_max (then their weights) and row_sum,
+// the merged row_sum, then the walkers' codes (lib/nonfinite.wgsl; walker
+// 0's slot ends with the row's).
+override STAT_ELEMS: u32 = 52u;
+override CODES: u32 = 2u * W * RB + RB;
 override SOFTCAP: bool = false;
 override ALIBI: bool = false;
 
@@ -370,21 +372,21 @@ fn main(
             q7_3 = q_vec4(q_first + min(row0 + 7u, last), lane + 3u * LPK);
         }
     }
-    var m0 = NEG_BIG; var l0 = 0.0;
+    var m0 = NEG_BIG; var l0 = 0.0; var c0 = 0.0;
     var acc0_0 = vec4(0.0); var acc0_1 = vec4(0.0); var acc0_2 = vec4(0.0); var acc0_3 = vec4(0.0);
-    var m1 = NEG_BIG; var l1 = 0.0;
+    var m1 = NEG_BIG; var l1 = 0.0; var c1 = 0.0;
     var acc1_0 = vec4(0.0); var acc1_1 = vec4(0.0); var acc1_2 = vec4(0.0); var acc1_3 = vec4(0.0);
-    var m2 = NEG_BIG; var l2 = 0.0;
+    var m2 = NEG_BIG; var l2 = 0.0; var c2 = 0.0;
     var acc2_0 = vec4(0.0); var acc2_1 = vec4(0.0); var acc2_2 = vec4(0.0); var acc2_3 = vec4(0.0);
-    var m3 = NEG_BIG; var l3 = 0.0;
+    var m3 = NEG_BIG; var l3 = 0.0; var c3 = 0.0;
     var acc3_0 = vec4(0.0); var acc3_1 = vec4(0.0); var acc3_2 = vec4(0.0); var acc3_3 = vec4(0.0);
-    var m4 = NEG_BIG; var l4 = 0.0;
+    var m4 = NEG_BIG; var l4 = 0.0; var c4 = 0.0;
     var acc4_0 = vec4(0.0); var acc4_1 = vec4(0.0); var acc4_2 = vec4(0.0); var acc4_3 = vec4(0.0);
-    var m5 = NEG_BIG; var l5 = 0.0;
+    var m5 = NEG_BIG; var l5 = 0.0; var c5 = 0.0;
     var acc5_0 = vec4(0.0); var acc5_1 = vec4(0.0); var acc5_2 = vec4(0.0); var acc5_3 = vec4(0.0);
-    var m6 = NEG_BIG; var l6 = 0.0;
+    var m6 = NEG_BIG; var l6 = 0.0; var c6 = 0.0;
     var acc6_0 = vec4(0.0); var acc6_1 = vec4(0.0); var acc6_2 = vec4(0.0); var acc6_3 = vec4(0.0);
-    var m7 = NEG_BIG; var l7 = 0.0;
+    var m7 = NEG_BIG; var l7 = 0.0; var c7 = 0.0;
     var acc7_0 = vec4(0.0); var acc7_1 = vec4(0.0); var acc7_2 = vec4(0.0); var acc7_3 = vec4(0.0);
 
     for (var k0 = key_start; k0 < key_end; k0 += STEP) {
@@ -566,6 +568,172 @@ fn main(
                         v7_3 = load_v(row, lane + 3u * LPK);
                     }
                 }
+            }
+            var vbad0 = vec4(false); var vbad1 = vec4(false);
+            let lane_bad = !(all(finite4(v0_0)) && all(finite4(v0_1)) && all(finite4(v0_2)) && all(finite4(v0_3)) && all(finite4(v1_0)) && all(finite4(v1_1)) && all(finite4(v1_2)) && all(finite4(v1_3)) && all(finite4(v2_0)) && all(finite4(v2_1)) && all(finite4(v2_2)) && all(finite4(v2_3)) && all(finite4(v3_0)) && all(finite4(v3_1)) && all(finite4(v3_2)) && all(finite4(v3_3)) && all(finite4(v4_0)) && all(finite4(v4_1)) && all(finite4(v4_2)) && all(finite4(v4_3)) && all(finite4(v5_0)) && all(finite4(v5_1)) && all(finite4(v5_2)) && all(finite4(v5_3)) && all(finite4(v6_0)) && all(finite4(v6_1)) && all(finite4(v6_2)) && all(finite4(v6_3)) && all(finite4(v7_0)) && all(finite4(v7_1)) && all(finite4(v7_2)) && all(finite4(v7_3)));
+            if subgroupAny(lane_bad) {
+                var bad0 = select(1u, 0u, all(finite4(v0_0)) && all(finite4(v0_1)) && all(finite4(v0_2)) && all(finite4(v0_3)));
+                if LPK > 1u {
+                    bad0 = max(bad0, subgroupShuffleXor(bad0, 1u));
+                }
+                if LPK > 2u {
+                    bad0 = max(bad0, subgroupShuffleXor(bad0, 2u));
+                }
+                if LPK > 4u {
+                    bad0 = max(bad0, subgroupShuffleXor(bad0, 4u));
+                }
+                if LPK > 8u {
+                    bad0 = max(bad0, subgroupShuffleXor(bad0, 8u));
+                }
+                if LPK > 16u {
+                    bad0 = max(bad0, subgroupShuffleXor(bad0, 16u));
+                }
+                v0_0 = clean4(v0_0);
+                v0_1 = clean4(v0_1);
+                v0_2 = clean4(v0_2);
+                v0_3 = clean4(v0_3);
+                var bad1 = select(1u, 0u, all(finite4(v1_0)) && all(finite4(v1_1)) && all(finite4(v1_2)) && all(finite4(v1_3)));
+                if LPK > 1u {
+                    bad1 = max(bad1, subgroupShuffleXor(bad1, 1u));
+                }
+                if LPK > 2u {
+                    bad1 = max(bad1, subgroupShuffleXor(bad1, 2u));
+                }
+                if LPK > 4u {
+                    bad1 = max(bad1, subgroupShuffleXor(bad1, 4u));
+                }
+                if LPK > 8u {
+                    bad1 = max(bad1, subgroupShuffleXor(bad1, 8u));
+                }
+                if LPK > 16u {
+                    bad1 = max(bad1, subgroupShuffleXor(bad1, 16u));
+                }
+                v1_0 = clean4(v1_0);
+                v1_1 = clean4(v1_1);
+                v1_2 = clean4(v1_2);
+                v1_3 = clean4(v1_3);
+                var bad2 = select(1u, 0u, all(finite4(v2_0)) && all(finite4(v2_1)) && all(finite4(v2_2)) && all(finite4(v2_3)));
+                if LPK > 1u {
+                    bad2 = max(bad2, subgroupShuffleXor(bad2, 1u));
+                }
+                if LPK > 2u {
+                    bad2 = max(bad2, subgroupShuffleXor(bad2, 2u));
+                }
+                if LPK > 4u {
+                    bad2 = max(bad2, subgroupShuffleXor(bad2, 4u));
+                }
+                if LPK > 8u {
+                    bad2 = max(bad2, subgroupShuffleXor(bad2, 8u));
+                }
+                if LPK > 16u {
+                    bad2 = max(bad2, subgroupShuffleXor(bad2, 16u));
+                }
+                v2_0 = clean4(v2_0);
+                v2_1 = clean4(v2_1);
+                v2_2 = clean4(v2_2);
+                v2_3 = clean4(v2_3);
+                var bad3 = select(1u, 0u, all(finite4(v3_0)) && all(finite4(v3_1)) && all(finite4(v3_2)) && all(finite4(v3_3)));
+                if LPK > 1u {
+                    bad3 = max(bad3, subgroupShuffleXor(bad3, 1u));
+                }
+                if LPK > 2u {
+                    bad3 = max(bad3, subgroupShuffleXor(bad3, 2u));
+                }
+                if LPK > 4u {
+                    bad3 = max(bad3, subgroupShuffleXor(bad3, 4u));
+                }
+                if LPK > 8u {
+                    bad3 = max(bad3, subgroupShuffleXor(bad3, 8u));
+                }
+                if LPK > 16u {
+                    bad3 = max(bad3, subgroupShuffleXor(bad3, 16u));
+                }
+                v3_0 = clean4(v3_0);
+                v3_1 = clean4(v3_1);
+                v3_2 = clean4(v3_2);
+                v3_3 = clean4(v3_3);
+                var bad4 = select(1u, 0u, all(finite4(v4_0)) && all(finite4(v4_1)) && all(finite4(v4_2)) && all(finite4(v4_3)));
+                if LPK > 1u {
+                    bad4 = max(bad4, subgroupShuffleXor(bad4, 1u));
+                }
+                if LPK > 2u {
+                    bad4 = max(bad4, subgroupShuffleXor(bad4, 2u));
+                }
+                if LPK > 4u {
+                    bad4 = max(bad4, subgroupShuffleXor(bad4, 4u));
+                }
+                if LPK > 8u {
+                    bad4 = max(bad4, subgroupShuffleXor(bad4, 8u));
+                }
+                if LPK > 16u {
+                    bad4 = max(bad4, subgroupShuffleXor(bad4, 16u));
+                }
+                v4_0 = clean4(v4_0);
+                v4_1 = clean4(v4_1);
+                v4_2 = clean4(v4_2);
+                v4_3 = clean4(v4_3);
+                var bad5 = select(1u, 0u, all(finite4(v5_0)) && all(finite4(v5_1)) && all(finite4(v5_2)) && all(finite4(v5_3)));
+                if LPK > 1u {
+                    bad5 = max(bad5, subgroupShuffleXor(bad5, 1u));
+                }
+                if LPK > 2u {
+                    bad5 = max(bad5, subgroupShuffleXor(bad5, 2u));
+                }
+                if LPK > 4u {
+                    bad5 = max(bad5, subgroupShuffleXor(bad5, 4u));
+                }
+                if LPK > 8u {
+                    bad5 = max(bad5, subgroupShuffleXor(bad5, 8u));
+                }
+                if LPK > 16u {
+                    bad5 = max(bad5, subgroupShuffleXor(bad5, 16u));
+                }
+                v5_0 = clean4(v5_0);
+                v5_1 = clean4(v5_1);
+                v5_2 = clean4(v5_2);
+                v5_3 = clean4(v5_3);
+                var bad6 = select(1u, 0u, all(finite4(v6_0)) && all(finite4(v6_1)) && all(finite4(v6_2)) && all(finite4(v6_3)));
+                if LPK > 1u {
+                    bad6 = max(bad6, subgroupShuffleXor(bad6, 1u));
+                }
+                if LPK > 2u {
+                    bad6 = max(bad6, subgroupShuffleXor(bad6, 2u));
+                }
+                if LPK > 4u {
+                    bad6 = max(bad6, subgroupShuffleXor(bad6, 4u));
+                }
+                if LPK > 8u {
+                    bad6 = max(bad6, subgroupShuffleXor(bad6, 8u));
+                }
+                if LPK > 16u {
+                    bad6 = max(bad6, subgroupShuffleXor(bad6, 16u));
+                }
+                v6_0 = clean4(v6_0);
+                v6_1 = clean4(v6_1);
+                v6_2 = clean4(v6_2);
+                v6_3 = clean4(v6_3);
+                var bad7 = select(1u, 0u, all(finite4(v7_0)) && all(finite4(v7_1)) && all(finite4(v7_2)) && all(finite4(v7_3)));
+                if LPK > 1u {
+                    bad7 = max(bad7, subgroupShuffleXor(bad7, 1u));
+                }
+                if LPK > 2u {
+                    bad7 = max(bad7, subgroupShuffleXor(bad7, 2u));
+                }
+                if LPK > 4u {
+                    bad7 = max(bad7, subgroupShuffleXor(bad7, 4u));
+                }
+                if LPK > 8u {
+                    bad7 = max(bad7, subgroupShuffleXor(bad7, 8u));
+                }
+                if LPK > 16u {
+                    bad7 = max(bad7, subgroupShuffleXor(bad7, 16u));
+                }
+                v7_0 = clean4(v7_0);
+                v7_1 = clean4(v7_1);
+                v7_2 = clean4(v7_2);
+                v7_3 = clean4(v7_3);
+                vbad0 = vec4(bad0, bad1, bad2, bad3) > vec4(0u);
+                vbad1 = vec4(bad4, bad5, bad6, bad7) > vec4(0u);
             }
             // 2. Partial dot products, four keys to a vec4.
             var s0_0 = vec4(0.0); var s0_1 = vec4(0.0);
@@ -1017,17 +1185,33 @@ fn main(
             let full = kb >= full_lo && kb + KPI <= full_hi && all(okq0) && (KPI <= 4u || all(okq1));
             if full {
                 {
-                    let x0 = variants4(s0_0, kq0, slope0, pos0);
+                    var x0 = variants4(s0_0, kq0, slope0, pos0);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s0_1, kq1, slope0, pos0);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c0 = max(c0, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c0 = max(c0, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m0, max(max4(x0), max4(x1)));
                     let rescale = exp(m0 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l0 = l0 * rescale + sum4(p0) + sum4(p1);
                     m0 = m_new;
@@ -1055,17 +1239,33 @@ fn main(
                     }
                 }
                 if RB > 1u {
-                    let x0 = variants4(s1_0, kq0, slope1, pos1);
+                    var x0 = variants4(s1_0, kq0, slope1, pos1);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s1_1, kq1, slope1, pos1);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c1 = max(c1, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c1 = max(c1, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m1, max(max4(x0), max4(x1)));
                     let rescale = exp(m1 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l1 = l1 * rescale + sum4(p0) + sum4(p1);
                     m1 = m_new;
@@ -1093,17 +1293,33 @@ fn main(
                     }
                 }
                 if RB > 2u {
-                    let x0 = variants4(s2_0, kq0, slope2, pos2);
+                    var x0 = variants4(s2_0, kq0, slope2, pos2);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s2_1, kq1, slope2, pos2);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c2 = max(c2, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c2 = max(c2, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m2, max(max4(x0), max4(x1)));
                     let rescale = exp(m2 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l2 = l2 * rescale + sum4(p0) + sum4(p1);
                     m2 = m_new;
@@ -1131,17 +1347,33 @@ fn main(
                     }
                 }
                 if RB > 2u {
-                    let x0 = variants4(s3_0, kq0, slope3, pos3);
+                    var x0 = variants4(s3_0, kq0, slope3, pos3);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s3_1, kq1, slope3, pos3);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c3 = max(c3, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c3 = max(c3, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m3, max(max4(x0), max4(x1)));
                     let rescale = exp(m3 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l3 = l3 * rescale + sum4(p0) + sum4(p1);
                     m3 = m_new;
@@ -1169,17 +1401,33 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = variants4(s4_0, kq0, slope4, pos4);
+                    var x0 = variants4(s4_0, kq0, slope4, pos4);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s4_1, kq1, slope4, pos4);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c4 = max(c4, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c4 = max(c4, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m4, max(max4(x0), max4(x1)));
                     let rescale = exp(m4 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l4 = l4 * rescale + sum4(p0) + sum4(p1);
                     m4 = m_new;
@@ -1207,17 +1455,33 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = variants4(s5_0, kq0, slope5, pos5);
+                    var x0 = variants4(s5_0, kq0, slope5, pos5);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s5_1, kq1, slope5, pos5);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c5 = max(c5, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c5 = max(c5, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m5, max(max4(x0), max4(x1)));
                     let rescale = exp(m5 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l5 = l5 * rescale + sum4(p0) + sum4(p1);
                     m5 = m_new;
@@ -1245,17 +1509,33 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = variants4(s6_0, kq0, slope6, pos6);
+                    var x0 = variants4(s6_0, kq0, slope6, pos6);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s6_1, kq1, slope6, pos6);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c6 = max(c6, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c6 = max(c6, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m6, max(max4(x0), max4(x1)));
                     let rescale = exp(m6 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l6 = l6 * rescale + sum4(p0) + sum4(p1);
                     m6 = m_new;
@@ -1283,17 +1563,33 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = variants4(s7_0, kq0, slope7, pos7);
+                    var x0 = variants4(s7_0, kq0, slope7, pos7);
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = variants4(s7_1, kq1, slope7, pos7);
                     }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c7 = max(c7, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1));
+                        }
+                        if hit {
+                            c7 = max(c7, CODE_VALUE);
+                        }
+                    }
                     let m_new = max(m7, max(max4(x0), max4(x1)));
                     let rescale = exp(m7 - m_new);
-                    let p0 = exp(x0 - m_new);
+                    let p0 = probs4(x0, m_new);
                     var p1 = vec4(0.0);
                     if KPI > 4u {
-                        p1 = exp(x1 - m_new);
+                        p1 = probs4(x1, m_new);
                     }
                     l7 = l7 * rescale + sum4(p0) + sum4(p1);
                     m7 = m_new;
@@ -1322,10 +1618,26 @@ fn main(
                 }
             } else {
                 {
-                    let x0 = select(vec4(NEG_BIG), variants4(s0_0, kq0, slope0, pos0), okq0 & (kq0 >= vec4(lo0)) & (kq0 < vec4(hi0)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s0_0, kq0, slope0, pos0), okq0 & (kq0 >= vec4(lo0)) & (kq0 < vec4(hi0)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s0_1, kq1, slope0, pos0), okq1 & (kq1 >= vec4(lo0)) & (kq1 < vec4(hi0)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c0 = max(c0, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo0)) & (kq0 < vec4(hi0))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo0)) & (kq1 < vec4(hi0))));
+                        }
+                        if hit {
+                            c0 = max(c0, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m0, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1362,10 +1674,26 @@ fn main(
                     }
                 }
                 if RB > 1u {
-                    let x0 = select(vec4(NEG_BIG), variants4(s1_0, kq0, slope1, pos1), okq0 & (kq0 >= vec4(lo1)) & (kq0 < vec4(hi1)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s1_0, kq0, slope1, pos1), okq0 & (kq0 >= vec4(lo1)) & (kq0 < vec4(hi1)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s1_1, kq1, slope1, pos1), okq1 & (kq1 >= vec4(lo1)) & (kq1 < vec4(hi1)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c1 = max(c1, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo1)) & (kq0 < vec4(hi1))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo1)) & (kq1 < vec4(hi1))));
+                        }
+                        if hit {
+                            c1 = max(c1, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m1, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1402,10 +1730,26 @@ fn main(
                     }
                 }
                 if RB > 2u {
-                    let x0 = select(vec4(NEG_BIG), variants4(s2_0, kq0, slope2, pos2), okq0 & (kq0 >= vec4(lo2)) & (kq0 < vec4(hi2)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s2_0, kq0, slope2, pos2), okq0 & (kq0 >= vec4(lo2)) & (kq0 < vec4(hi2)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s2_1, kq1, slope2, pos2), okq1 & (kq1 >= vec4(lo2)) & (kq1 < vec4(hi2)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c2 = max(c2, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo2)) & (kq0 < vec4(hi2))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo2)) & (kq1 < vec4(hi2))));
+                        }
+                        if hit {
+                            c2 = max(c2, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m2, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1442,10 +1786,26 @@ fn main(
                     }
                 }
                 if RB > 2u {
-                    let x0 = select(vec4(NEG_BIG), variants4(s3_0, kq0, slope3, pos3), okq0 & (kq0 >= vec4(lo3)) & (kq0 < vec4(hi3)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s3_0, kq0, slope3, pos3), okq0 & (kq0 >= vec4(lo3)) & (kq0 < vec4(hi3)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s3_1, kq1, slope3, pos3), okq1 & (kq1 >= vec4(lo3)) & (kq1 < vec4(hi3)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c3 = max(c3, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo3)) & (kq0 < vec4(hi3))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo3)) & (kq1 < vec4(hi3))));
+                        }
+                        if hit {
+                            c3 = max(c3, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m3, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1482,10 +1842,26 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = select(vec4(NEG_BIG), variants4(s4_0, kq0, slope4, pos4), okq0 & (kq0 >= vec4(lo4)) & (kq0 < vec4(hi4)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s4_0, kq0, slope4, pos4), okq0 & (kq0 >= vec4(lo4)) & (kq0 < vec4(hi4)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s4_1, kq1, slope4, pos4), okq1 & (kq1 >= vec4(lo4)) & (kq1 < vec4(hi4)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c4 = max(c4, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo4)) & (kq0 < vec4(hi4))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo4)) & (kq1 < vec4(hi4))));
+                        }
+                        if hit {
+                            c4 = max(c4, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m4, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1522,10 +1898,26 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = select(vec4(NEG_BIG), variants4(s5_0, kq0, slope5, pos5), okq0 & (kq0 >= vec4(lo5)) & (kq0 < vec4(hi5)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s5_0, kq0, slope5, pos5), okq0 & (kq0 >= vec4(lo5)) & (kq0 < vec4(hi5)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s5_1, kq1, slope5, pos5), okq1 & (kq1 >= vec4(lo5)) & (kq1 < vec4(hi5)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c5 = max(c5, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo5)) & (kq0 < vec4(hi5))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo5)) & (kq1 < vec4(hi5))));
+                        }
+                        if hit {
+                            c5 = max(c5, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m5, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1562,10 +1954,26 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = select(vec4(NEG_BIG), variants4(s6_0, kq0, slope6, pos6), okq0 & (kq0 >= vec4(lo6)) & (kq0 < vec4(hi6)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s6_0, kq0, slope6, pos6), okq0 & (kq0 >= vec4(lo6)) & (kq0 < vec4(hi6)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s6_1, kq1, slope6, pos6), okq1 & (kq1 >= vec4(lo6)) & (kq1 < vec4(hi6)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c6 = max(c6, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo6)) & (kq0 < vec4(hi6))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo6)) & (kq1 < vec4(hi6))));
+                        }
+                        if hit {
+                            c6 = max(c6, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m6, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1602,10 +2010,26 @@ fn main(
                     }
                 }
                 if RB > 4u {
-                    let x0 = select(vec4(NEG_BIG), variants4(s7_0, kq0, slope7, pos7), okq0 & (kq0 >= vec4(lo7)) & (kq0 < vec4(hi7)));
+                    var x0 = select(vec4(NEG_BIG), variants4(s7_0, kq0, slope7, pos7), okq0 & (kq0 >= vec4(lo7)) & (kq0 < vec4(hi7)));
                     var x1 = vec4(NEG_BIG);
                     if KPI > 4u {
                         x1 = select(vec4(NEG_BIG), variants4(s7_1, kq1, slope7, pos7), okq1 & (kq1 >= vec4(lo7)) & (kq1 < vec4(hi7)));
+                    }
+                    // NaN and infinite scores weigh 0; the row's code keeps them.
+                    if !(all(finite4(x0)) && all(finite4(x1))) {
+                        c7 = max(c7, max(nonfinite_code4(x0), nonfinite_code4(x1)));
+                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
+                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    }
+                    // A key the row sees whose value was not finite: o = NaN.
+                    if any(vbad0) || any(vbad1) {
+                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo7)) & (kq0 < vec4(hi7))));
+                        if KPI > 4u {
+                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo7)) & (kq1 < vec4(hi7))));
+                        }
+                        if hit {
+                            c7 = max(c7, CODE_VALUE);
+                        }
                     }
                     let m_new = max(m7, max(max4(x0), max4(x1)));
                     // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
@@ -1651,6 +2075,7 @@ fn main(
     if lane == 0u {
         stat[at + 0u] = m0;
         stat[W * RB + at + 0u] = l0;
+        stat[CODES + at + 0u] = c0;
     }
     part[(at + 0u) * DP4 + lane] = acc0_0;
     if VPL > 1u {
@@ -1666,6 +2091,7 @@ fn main(
         if lane == 0u {
             stat[at + 1u] = m1;
             stat[W * RB + at + 1u] = l1;
+            stat[CODES + at + 1u] = c1;
         }
         part[(at + 1u) * DP4 + lane] = acc1_0;
         if VPL > 1u {
@@ -1682,6 +2108,7 @@ fn main(
         if lane == 0u {
             stat[at + 2u] = m2;
             stat[W * RB + at + 2u] = l2;
+            stat[CODES + at + 2u] = c2;
         }
         part[(at + 2u) * DP4 + lane] = acc2_0;
         if VPL > 1u {
@@ -1698,6 +2125,7 @@ fn main(
         if lane == 0u {
             stat[at + 3u] = m3;
             stat[W * RB + at + 3u] = l3;
+            stat[CODES + at + 3u] = c3;
         }
         part[(at + 3u) * DP4 + lane] = acc3_0;
         if VPL > 1u {
@@ -1714,6 +2142,7 @@ fn main(
         if lane == 0u {
             stat[at + 4u] = m4;
             stat[W * RB + at + 4u] = l4;
+            stat[CODES + at + 4u] = c4;
         }
         part[(at + 4u) * DP4 + lane] = acc4_0;
         if VPL > 1u {
@@ -1730,6 +2159,7 @@ fn main(
         if lane == 0u {
             stat[at + 5u] = m5;
             stat[W * RB + at + 5u] = l5;
+            stat[CODES + at + 5u] = c5;
         }
         part[(at + 5u) * DP4 + lane] = acc5_0;
         if VPL > 1u {
@@ -1746,6 +2176,7 @@ fn main(
         if lane == 0u {
             stat[at + 6u] = m6;
             stat[W * RB + at + 6u] = l6;
+            stat[CODES + at + 6u] = c6;
         }
         part[(at + 6u) * DP4 + lane] = acc6_0;
         if VPL > 1u {
@@ -1762,6 +2193,7 @@ fn main(
         if lane == 0u {
             stat[at + 7u] = m7;
             stat[W * RB + at + 7u] = l7;
+            stat[CODES + at + 7u] = c7;
         }
         part[(at + 7u) * DP4 + lane] = acc7_0;
         if VPL > 1u {
@@ -1779,9 +2211,12 @@ fn main(
     // their row_max) and the merged row_sum, in walker order.
     if t < RB {
         var top = NEG_BIG;
+        var code = 0.0;
         for (var w = 0u; w < W; w++) {
             top = max(top, stat[w * RB + t]);
+            code = max(code, stat[CODES + w * RB + t]);
         }
+        stat[CODES + t] = code;
         var sum = 0.0;
         for (var w = 0u; w < W; w++) {
             let sum_w = stat[(W + w) * RB + t];
@@ -1794,12 +2229,12 @@ fn main(
         let r = row0 + t;
         if r < u.rows {
             // lse = row_max + ln(row_sum); -inf (as bits) for a row that
-            // saw no key in this split.
-            var bits = NEG_INF;
+            // saw no key in this split; NaN or +inf for a code.
+            var lse = bitcast<f32>(NEG_INF);
             if sum > 0.0 {
-                bits = bitcast<u32>(top + log(sum));
+                lse = top + log(sum);
             }
-            part_lse[(u.split_base + s) * u.out_rows + seq_head * u.rows + r] = bits;
+            part_lse[(u.split_base + s) * u.out_rows + seq_head * u.rows + r] = bitcast<u32>(code_lse(code, lse));
         }
     }
     workgroupBarrier();
@@ -1813,8 +2248,13 @@ fn main(
                 x += stat[w * RB + r] * part[(w * RB + r) * DP4 + col / 4u][col % 4u];
             }
             let sum = stat[2u * W * RB + r];
-            // A row that saw no key keeps o = 0.
-            let o = select(0.0, x / sum, sum > 0.0);
+            // A row that saw no key keeps o = 0; one with a code gets NaN
+            // (unless its lse is -inf: no code above 0.5, and no key).
+            var o = select(0.0, x / sum, sum > 0.0);
+            let code = stat[CODES + r];
+            if code > 0.75 || (code > 0.0 && sum > 0.0) {
+                o = nan_f32();
+            }
             part_o[((u.split_base + s) * u.out_rows + seq_head * u.rows + row0 + r) * u.dv + col] = o;
         }
     }

@@ -106,7 +106,7 @@ def state():
     pad = "    "
     out = []
     for r in ROWS:
-        out.append(pad + f"var m{r} = NEG_BIG; var l{r} = 0.0;")
+        out.append(pad + f"var m{r} = NEG_BIG; var l{r} = 0.0; var c{r} = 0.0;")
         out.append(pad + " ".join(f"var acc{r}_{i} = vec4(0.0);" for i in COLS))
     return "\n".join(out)
 
@@ -133,6 +133,26 @@ def loads():
         body = [f"let key = kb + {j}u;", "if key < key_end && bound(b, key) {"]
         body += ["    " + x for x in inner] + ["}"]
         out += block(pad, key_guard(j), body)
+    # docs/design.md#non-finite-inputs: a value row holding a NaN or an
+    # infinity is used as 0 and flagged for the walker (vbad), tested only
+    # where some lane of the subgroup loaded one.
+    values = [f"v{j}_{i}" for j in KEYS for i in COLS]
+    out.append(pad + "var vbad0 = vec4(false); var vbad1 = vec4(false);")
+    out.append(pad + "let lane_bad = !(" + " && ".join(f"all(finite4({v}))" for v in values) + ");")
+    slow = []
+    for j in KEYS:
+        row = " && ".join(f"all(finite4(v{j}_{i}))" for i in COLS)
+        slow.append(f"var bad{j} = select(1u, 0u, {row});")
+        for off in OFFSETS:
+            slow += guarded(
+                "",
+                [f"LPK > {off}u"],
+                [f"bad{j} = max(bad{j}, subgroupShuffleXor(bad{j}, {off}u));"],
+            )
+        slow += [f"v{j}_{i} = clean4(v{j}_{i});" for i in COLS]
+    slow.append("vbad0 = vec4(bad0, bad1, bad2, bad3) > vec4(0u);")
+    slow.append("vbad1 = vec4(bad4, bad5, bad6, bad7) > vec4(0u);")
+    out += guarded(pad, ["subgroupAny(lane_bad)"], slow)
     return "\n".join(out)
 
 
@@ -187,19 +207,37 @@ def softmax():
         rows_out = []
         for r in ROWS:
 
+            def seen(q, r=r, full=full):
+                if full:
+                    return f"okq{q}"
+                return f"okq{q} & (kq{q} >= vec4(lo{r})) & (kq{q} < vec4(hi{r}))"
+
             def scores(q, r=r, full=full):
                 if full:
                     return f"variants4(s{r}_{q}, kq{q}, slope{r}, pos{r})"
-                seen = f"okq{q} & (kq{q} >= vec4(lo{r})) & (kq{q} < vec4(hi{r}))"
-                return (
-                    f"select(vec4(NEG_BIG), variants4(s{r}_{q}, kq{q}, slope{r}, pos{r}), {seen})"
-                )
+                return f"select(vec4(NEG_BIG), variants4(s{r}_{q}, kq{q}, slope{r}, pos{r}), {seen(q)})"
 
-            probs = "exp(x{q} - m_new)" if full else "probs4(x{q}, m_new)"
+            # Hidden keys are NEG_BIG by now, and weigh 0 by probs4's test
+            # (so do the non-finite scores set to NEG_BIG below).
+            probs = "probs4(x{q}, m_new)"
             body = [
-                f"let x0 = {scores(0)};",
+                f"var x0 = {scores(0)};",
                 "var x1 = vec4(NEG_BIG);",
                 *guarded("", quad_guard(1), [f"x1 = {scores(1)};"]),
+                "// NaN and infinite scores weigh 0; the row's code keeps them.",
+                "if !(all(finite4(x0)) && all(finite4(x1))) {",
+                f"    c{r} = max(c{r}, max(nonfinite_code4(x0), nonfinite_code4(x1)));",
+                "    x0 = select(vec4(NEG_BIG), x0, finite4(x0));",
+                "    x1 = select(vec4(NEG_BIG), x1, finite4(x1));",
+                "}",
+                "// A key the row sees whose value was not finite: o = NaN.",
+                "if any(vbad0) || any(vbad1) {",
+                f"    var hit = any(vbad0 & ({seen(0)}));",
+                *guarded("    ", quad_guard(1), [f"hit = hit || any(vbad1 & ({seen(1)}));"]),
+                "    if hit {",
+                f"        c{r} = max(c{r}, CODE_VALUE);",
+                "    }",
+                "}",
                 f"let m_new = max(m{r}, max(max4(x0), max4(x1)));",
             ]
             if not full:
@@ -248,6 +286,7 @@ def spill():
             "if lane == 0u {",
             f"    stat[at + {r}u] = m{r};",
             f"    stat[W * RB + at + {r}u] = l{r};",
+            f"    stat[CODES + at + {r}u] = c{r};",
             "}",
         ]
         for i in COLS:

@@ -215,9 +215,9 @@ impl SubgroupTiles {
         self.walkers() * self.rows * self.lanes * self.vec4s
     }
     /// Elements of the kernel's `stat` array: the walkers' row_max and
-    /// row_sum, and the merged row_sum.
+    /// row_sum, the merged row_sum, and the walkers' non-finite codes.
     pub fn stat_elems(&self) -> u32 {
-        (2 * self.walkers() + 1) * self.rows
+        (3 * self.walkers() + 1) * self.rows
     }
     /// The workgroup memory the kernel declares (`part`, `stat`).
     pub fn workgroup_bytes(&self) -> u64 {
