@@ -74,7 +74,6 @@ fn main(
         }
         put2(BR * KS + (e / dv2) * VS + 2u * (e % dv2), w);
     }
-    clear_flags(lid);
     workgroupBarrier();
     let srow = 16u * sg;
     var ka: array<A16, MAXN>;
@@ -131,16 +130,14 @@ fn main(
         // The K/V staging (first pass) or the last tile's products are
         // done with hs.
         workgroupBarrier();
-        store_d(qw, lid, it + 1u);
+        store_d(qw, lid);
         store_dv(ow, lid);
         for (var j = lid; j < BQ; j += WG) {
             var end = 0u;
             var st = vec2(0.0);
             if j < nr {
                 st = stats[q_row + j];
-                // No key where the lse is -inf; NaN (poisoned) rows see
-                // theirs (row_status).
-                if row_status(st.x).x {
+                if is_finite(st.x) {
                     end = visible_end(r0 + j);
                 }
             }
@@ -192,13 +189,8 @@ fn main(
             if VARLEN {
                 seen = seen && r0 + j < seen_by;
             }
-            let pj = select(0.0, coop_weight(s, lse[j]), seen);
-            // Exactly 0 where hidden (dP of a value that is not finite may
-            // be NaN), NaN where a poisoned row sees the key.
-            var dsj = select(0.0, pj * (dp_t[at] - delta[j]), seen);
-            if seen && !is_finite(lse[j]) {
-                dsj = nan_f32();
-            }
+            let pj = select(0.0, exp2((s - lse[j]) * LOG2E), seen);
+            let dsj = pj * (dp_t[at] - delta[j]);
             hs[PT_OFF + (srow + r) * TS + j] = f16(pj);
             hs[DT_OFF + (srow + r) * TS + j] = f16(dsj);
         }

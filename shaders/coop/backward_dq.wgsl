@@ -72,7 +72,6 @@ fn main(
         }
         put2(BR * KS + (e / dv2) * VS + 2u * (e % dv2), w);
     }
-    clear_flags(lid);
     workgroupBarrier();
     let srow = 16u * sg;
     var qa: array<A16, MAXN>;
@@ -100,9 +99,7 @@ fn main(
         let st = stats[q_row0 + srow + r];
         lse_r = st.x;
         delta_r = st.y;
-        // No key where the lse is -inf; NaN (poisoned) rows see theirs
-        // (row_status).
-        if row_status(st.x).x {
+        if is_finite(st.x) {
             end_r = visible_end(row0 + srow + r);
         }
         if VARLEN {
@@ -127,7 +124,7 @@ fn main(
         // The last tile's products are done with hs (or the Q/dO staging,
         // on the first).
         workgroupBarrier();
-        store_d(kw, lid, k0 + 1u);
+        store_d(kw, lid);
         store_dv(vw, lid);
         workgroupBarrier();
         // The next tile's words, in flight during this tile's products.
@@ -170,15 +167,8 @@ fn main(
             if VARLEN {
                 seen = seen && k0 + j >= start_r;
             }
-            let pj = select(0.0, coop_weight(s, lse_r), seen);
-            // Exactly 0 where hidden (dP of a value that is not finite may
-            // be NaN); NaN where a poisoned row sees the key, or where a
-            // key whose k held a NaN or an infinity (staged as 0) is seen.
-            var dsj = select(0.0, pj * (dp_f[at] - delta_r), seen);
-            if seen && (!is_finite(lse_r) || (sbad_any.x == k0 + 1u && sbad[j] == k0 + 1u)) {
-                dsj = nan_f32();
-            }
-            hs[DS_OFF + (srow + r) * TS + j] = f16(dsj);
+            let pj = select(0.0, exp2((s - lse_r) * LOG2E), seen);
+            hs[DS_OFF + (srow + r) * TS + j] = f16(pj * (dp_f[at] - delta_r));
         }
         scratch_barrier();
 

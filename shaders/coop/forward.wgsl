@@ -99,15 +99,9 @@ var<workgroup> sf: array<f32, F_ELEMS>;
 var<workgroup> row_sum_wg: array<f32, BQ>;
 var<workgroup> row_max_wg: array<f32, BQ>;
 // Whether any row moved its row_max on this tile (the accumulators then
-// need a rescale), in x; in y, k0 + 1 where a value of the tile held a NaN
-// or an infinity (docs/design.md#non-finite-inputs; no reset between
-// tiles). A vector, so that every workgroup variable is a multiple of 16
-// bytes.
+// need a rescale). A vector, so that every workgroup variable is a
+// multiple of 16 bytes.
 var<workgroup> moved: vec4<u32>;
-// k0 + 1 for each key of the tile whose value held a NaN or an infinity
-// (staged as 0, so that P = 0 where a row does not see the key meets
-// 0 * 0): a row that sees one gets o = NaN.
-var<workgroup> vbad: array<u32, BK>;
 
 // Words of rows [k0, k0 + nk) of a (rows x width/2)-word key/value head
 // starting at word `base`, in the staging order: word e = i WG + lid is
@@ -152,29 +146,12 @@ fn store_k(w: array<u32, MAXW>, lid: u32) {
     }
 }
 
-// A pair of halves with a NaN or an infinity replaced by 0.
-fn clean_pair(w: u32) -> u32 {
-    var y = w;
-    if (w & 0x7c00u) == 0x7c00u {
-        y &= 0xffff0000u;
-    }
-    if (w & 0x7c000000u) == 0x7c000000u {
-        y &= 0x0000ffffu;
-    }
-    return y;
-}
-
-fn store_v(w: array<u32, MAXW>, lid: u32, mark: u32) {
+fn store_v(w: array<u32, MAXW>, lid: u32) {
     let d2 = DV / 2u;
     for (var i = 0u; i < VW; i++) {
         let e = i * WG + lid;
         if e < BK * d2 {
-            let word = clean_pair(w[i]);
-            if word != w[i] {
-                vbad[e / d2] = mark;
-                moved.y = mark;
-            }
-            let x = unpack2x16float(word);
+            let x = unpack2x16float(w[i]);
             let at = (e / d2) * VS + 2u * (e % d2);
             vs[at] = f16(x.x);
             vs[at + 1u] = f16(x.y);
@@ -246,8 +223,6 @@ fn main(
     // keys.
     var row_max = NEG_BIG;
     var row_sum = 0.0;
-    // The row's code (lib/nonfinite.wgsl), this lane's half of the keys.
-    var code = 0.0;
     let scale_log2 = p.scale * LOG2E;
 
     let key_end = visible_end(row0 + rows - 1u);
@@ -260,18 +235,14 @@ fn main(
     var kw = load_k((kv_row0 + key_start) * d2, min(BK, key_end - key_start), lid);
     var vw = load_v((kv_row0 + key_start) * dv2, min(BK, key_end - key_start), lid);
     store_k(kw, lid);
-    for (var j = lid; j < BK; j += WG) {
-        vbad[j] = 0u;
-    }
     if lid == 0u {
         moved.x = 0u;
-        moved.y = 0u;
     }
     // Q is in registers everywhere (qp becomes P), K_0 is staged.
     workgroupBarrier();
     for (var k0 = key_start; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
-        store_v(vw, lid, k0 + 1u);
+        store_v(vw, lid);
         let k1 = k0 + BK;
         let nk1 = min(BK, max(key_end, k1) - k1);
         // Both next tiles are loaded here, a whole tile ahead of their
@@ -314,9 +285,6 @@ fn main(
         let half_at = (srow + r) * FS + h * (BK / 2u);
         var sv: array<f32, MAXHALF>;
         var tile_max = NEG_BIG;
-        // Bit i: the lane's score i is seen but not finite (weight 0; the
-        // row's code keeps it).
-        var nonfinite = 0u;
         for (var i = 0u; i < BK / 2u; i++) {
             let j = h * (BK / 2u) + i;
             var s = sf[half_at + i] * scale_log2;
@@ -330,11 +298,6 @@ fn main(
                 seen = seen && j >= n0;
             }
             s = select(NEG_BIG, s, seen);
-            if !is_finite(s) {
-                code = max(code, nonfinite_code(s));
-                nonfinite |= 1u << i;
-                s = NEG_BIG;
-            }
             sv[i] = s;
             tile_max = max(tile_max, s);
         }
@@ -360,11 +323,7 @@ fn main(
             if VARLEN {
                 seen = seen && j >= n0;
             }
-            let pj = select(0.0, exp2(sv[i] - row_max), seen && (nonfinite & (1u << i)) == 0u);
-            // A key the row sees whose value is not finite: o = NaN.
-            if seen && moved.y == k0 + 1u && vbad[j] == k0 + 1u {
-                code = max(code, CODE_VALUE);
-            }
+            let pj = select(0.0, exp2(sv[i] - row_max), seen);
             row_sum += pj;
             qp[p_at + i] = f16(pj);
         }
@@ -417,17 +376,9 @@ fn main(
     }
 
     let row_sum_full = row_sum + subgroupShuffleXor(row_sum, 16u);
-    let row_code = max(code, subgroupShuffleXor(code, 16u));
     if h == 0u {
-        // The row's final lse in row_max_wg, and in row_sum_wg its sum, or
-        // -1 where its o is NaN (a code, unless the lse is -inf).
-        var l = bitcast<f32>(0xff800000u);
-        if row_sum_full > 0.0 {
-            l = (row_max + log2(row_sum_full)) * LN2;
-        }
-        let nan_out = row_code > 0.75 || (row_code > 0.0 && row_sum_full > 0.0);
-        row_sum_wg[srow + r] = select(row_sum_full, -1.0, nan_out);
-        row_max_wg[srow + r] = code_lse(row_code, l);
+        row_sum_wg[srow + r] = row_sum_full;
+        row_max_wg[srow + r] = row_max;
     }
     // Rows that saw no key: out = 0, lse = -inf.
     let o_base = (head * p.seq_q + row0) * DV;
@@ -444,8 +395,6 @@ fn main(
             var x = 0.0;
             if sum > 0.0 {
                 x = sf[i * FS + e % width] / sum;
-            } else if sum < 0.0 {
-                x = nan_f32();
             }
             out[o_base + i * DV + c0 + e % width] = x;
         }
@@ -454,6 +403,11 @@ fn main(
     }
     let l_base = head * p.seq_q + row0;
     for (var i = lid; i < rows; i += WG) {
-        lse[l_base + i] = row_max_wg[i];
+        let sum = row_sum_wg[i];
+        var x = bitcast<f32>(0xff800000u);
+        if sum > 0.0 {
+            x = (row_max_wg[i] + log2(sum)) * LN2;
+        }
+        lse[l_base + i] = x;
     }
 }

@@ -82,11 +82,7 @@ def store(acc, dst, width4, base, valid, scale):
 
 
 def ds_dq():
-    lines = [
-        "        // The flags of the tile's keys whose k held a NaN or an infinity.",
-        "        let kbad = atomicLoad(&kmask[parity]);",
-        "        let kb = ((vec4(kbad) >> vec4(cg, cg + 8u, cg + 16u, cg + 24u)) & vec4(1u)) == vec4(1u);",
-    ]
+    lines = []
     for i in R:
         c = "xyzw"[i]
         lines.append(f"        var vis{i} = (kk < vec4(vend.{c})) & vec4(ok.{c});")
@@ -95,22 +91,19 @@ def ds_dq():
         lines.append("        if MODIFIES || WINDOW {")
         lines.append(f"            u{i} = {row_vec('s', i)};")
         lines.append(f"            let sc = score4(u{i}, bh, vec4(row0 + rv.{c}), kk);")
-        lines.append(f"            vis{i} = vis{i} & shown4(sc) & (kk >= vec4(vstart.{c}));")
+        lines.append(
+            f"            vis{i} = vis{i} & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.{c}));"
+        )
         lines.append(f"            e{i} = sc;")
         lines.append("        }")
-        lines.append(f"        let p{i} = weights(e{i}, vec4(lse.{c}), vis{i});")
+        lines.append(
+            f"        let p{i} = select(vec4(0.0), exp2((e{i} - lse.{c}) * LOG2E), vis{i});"
+        )
         lines.append(f"        var dp{i} = {row_vec('t', i)};")
         lines.append("        if DROPOUT {")
         lines.append(f"            dp{i} *= dropout4(bh, vec4(row0 + rv.{c}), kk);")
         lines.append("        }")
-        lines.append(
-            f"        var ds{i} = nonfinite_pairs(p{i} * (dp{i} - delta.{c}), vis{i}, vec4(bad.{c}));"
-        )
-        # A key whose k held a NaN or an infinity, seen by a row that is
-        # not poisoned: dQ and the score's gradient NaN.
-        lines.append("        if kbad != 0u {")
-        lines.append(f"            ds{i} = select(ds{i}, nan4(), vis{i} & kb & vec4(!bad.{c}));")
-        lines.append("        }")
+        lines.append(f"        let ds{i} = p{i} * (dp{i} - delta.{c});")
         lines.append(f"        if DMASK && rv.{c} < rows {{")
         lines.append(f"            let at = (head * p.seq_q + row0 + rv.{c}) * p.seq_k + k0;")
         for comp in "xyzw":
@@ -118,7 +111,7 @@ def ds_dq():
                 f"            if keys.{comp} < nk {{ dmask[at + keys.{comp}] = ds{i}.{comp}; }}"
             )
         lines.append("        }")
-        lines.append(f"        ws[rv.{c} * 9u + cg] = dsoftcap(ds{i}, u{i}, vis{i});")
+        lines.append(f"        ws[rv.{c} * 9u + cg] = softcap_grad4(ds{i}, u{i});")
     return "\n".join(lines)
 
 
@@ -132,10 +125,14 @@ def ds_dkdv():
         lines.append("            if MODIFIES || WINDOW {")
         lines.append(f"                u{i} = {row_vec('s', i)};")
         lines.append(f"                let sc = score4(u{i}, bh, vec4(r0) + cols, vec4(krow.{c}));")
-        lines.append(f"                vis{i} = vis{i} & shown4(sc) & (vec4(krow.{c}) >= vstart);")
+        lines.append(
+            f"                vis{i} = vis{i} & (sc != vec4(NEG_BIG)) & (vec4(krow.{c}) >= vstart);"
+        )
         lines.append(f"                e{i} = sc;")
         lines.append("            }")
-        lines.append(f"            let p{i} = weights(e{i}, lse, vis{i});")
+        lines.append(
+            f"            let p{i} = select(vec4(0.0), exp2((e{i} - lse) * LOG2E), vis{i});"
+        )
         # The weights of dV (P, times the dropout mask) and of dK (dS).
         lines.append(f"            var pz{i} = p{i};")
         lines.append(f"            var dsv{i} = vec4(0.0);")
@@ -143,15 +140,13 @@ def ds_dkdv():
         lines.append(f"                let z = dropout4(bh, vec4(r0) + cols, vec4(krow.{c}));")
         lines.append(f"                pz{i} = p{i} * z;")
         lines.append(
-            f"                dsv{i} = nonfinite_pairs(p{i} * ({row_vec('t', i)} * z - delta), vis{i}, bad);"
+            f"                dsv{i} = softcap_grad4(p{i} * ({row_vec('t', i)} * z - delta), u{i});"
         )
         lines.append("            } else {")
         lines.append(
-            f"                dsv{i} = nonfinite_pairs(p{i} * ({row_vec('t', i)} - delta), vis{i}, bad);"
+            f"                dsv{i} = softcap_grad4(p{i} * ({row_vec('t', i)} - delta), u{i});"
         )
         lines.append("            }")
-        lines.append(f"            pz{i} = nonfinite_pairs(pz{i}, vis{i}, bad);")
-        lines.append(f"            dsv{i} = dsoftcap(dsv{i}, u{i}, vis{i});")
         # Shared tiles: one weight array, dS now and P after the dK update.
         lines.append("            if SHARED {")
         lines.append(f"                ws[(rg + {i}u * RG) * 9u + cg] = dsv{i};")
@@ -169,10 +164,8 @@ def stats(idx, bound, base, row, pad):
         out.append(f"{pad}if {idx}.{c} < {bound} {{")
         out.append(f"{pad}    let st = stats[{base} + {idx}.{c}];")
         out.append(f"{pad}    let lse_i = st.x;")
-        out.append(f"{pad}    let status = row_status(lse_i);")
-        out.append(f"{pad}    ok.{c} = status.x;")
-        out.append(f"{pad}    bad.{c} = status.y;")
-        out.append(f"{pad}    lse.{c} = select(0.0, lse_i, is_finite(lse_i));")
+        out.append(f"{pad}    ok.{c} = is_finite(lse_i);")
+        out.append(f"{pad}    lse.{c} = select(0.0, lse_i, ok.{c});")
         out.append(f"{pad}    delta.{c} = st.y;")
         out.append(f"{pad}    vend.{c} = visible_end({row} + {idx}.{c});")
         out.append(f"{pad}    vstart.{c} = visible_start({row} + {idx}.{c});")
@@ -204,33 +197,18 @@ def pf_load(specs, n, pad):
     return "\n".join(out)
 
 
-def pf_store(reg, boff, width, stride, pad, factor="", clean=False):
+def pf_store(reg, boff, width, stride, pad, factor=""):
     """Stores the prefetched registers {reg}0.. of one streamed tile into
-    bs from `boff`, multiplied by `factor` ("" for nothing), NaN and
-    infinities as 0 with `clean`: here, not as they are loaded, where a
-    use of the load would wait for it and undo the prefetch."""
+    bs from `boff`, multiplied by `factor` ("" for nothing): here, not as
+    they are loaded, where a use of the load would wait for it and undo
+    the prefetch."""
     out = []
     for u in PF:
-        value = f"{reg}{u}{factor}"
-        if clean:
-            value = f"clean4({value})"
         out.append(f"{pad}if PF_N > {u}u {{")
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
         out.append(
-            f"{pad}    if e < BC * {width} {{ bs[{boff}(e / {width}) * {stride} + e % {width}] = {value}; }}"
+            f"{pad}    if e < BC * {width} {{ bs[{boff}(e / {width}) * {stride} + e % {width}] = {reg}{u}{factor}; }}"
         )
-        out.append(f"{pad}}}")
-    return "\n".join(out)
-
-
-def pf_store_k(pad):
-    """pf_store of the dQ kernel's K tile: through store_k (NaN and
-    infinities as 0, flagged)."""
-    out = []
-    for u in PF:
-        out.append(f"{pad}if PF_N > {u}u {{")
-        out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
-        out.append(f"{pad}    if e < BC * (8u * ND) {{ store_k(e, pa{u}, parity); }}")
         out.append(f"{pad}}}")
     return "\n".join(out)
 
@@ -258,7 +236,7 @@ write(
             "PF_NEXT": pf_load(DQ_PF, "min(BC, key_end - next)", "            ").replace(
                 "{T0}", "next"
             ),
-            "PF_STORE_B0": pf_store_k("                "),
+            "PF_STORE_B0": pf_store("pa", "", "(8u * ND)", "SB0", "                "),
             "PF_STORE_B1": pf_store("pb", "B1_OFF + ", "DV4", "SB1", "            "),
             "DECL_S": decl_tile("s"),
             "DECL_T": decl_tile("t"),
@@ -282,11 +260,9 @@ write(
             "PF_NEXT": pf_load(KV_PF, "min(BC, row_end - r0)", "                "),
             "PF_NEXT_SHARED": pf_load(KV_PF, "min(BC, row_end - r0)", "                    "),
             "PF_STORE_B0": pf_store(
-                "pa", "", "(8u * ND)", "SB0", "                    ", " * p.scale", clean=True
+                "pa", "", "(8u * ND)", "SB0", "                    ", " * p.scale"
             ),
-            "PF_STORE_B1": pf_store(
-                "pb", "B1_OFF + ", "(8u * NV)", "SB1", "                ", clean=True
-            ),
+            "PF_STORE_B1": pf_store("pb", "B1_OFF + ", "(8u * NV)", "SB1", "                "),
             "DECL_S": indent(decl_tile("s"), 4),
             "DECL_T": indent(decl_tile("t"), 4),
             "DOT_S": indent(dots("s", "ks", "SA0", "", "SB0", "D4"), 4),

@@ -66,39 +66,30 @@ def rescale():
 
 
 def store():
-    """The rows' outputs and lse; a row with a code (lib/nonfinite.wgsl)
-    gets o = NaN (unless its lse is -inf) and lse NaN or +inf."""
     out = []
     for i in R:
         c = "xyzw"[i]
         out.append(f"    if rg + {i}u * RG < rows {{")
         out.append(f"        let at = (head * p.seq_q + row0 + rg + {i}u * RG) * DV4 + cg;")
         out.append(f"        let sum = row_sum.{c};")
-        out.append(f"        let row_code = max(code.{c}, sink_code(bh));")
         out.append("        if SINKS || DROPOUT {")
         out.append(f"            let fin = finish_row(bh, row_max.{c}, sum);")
-        out.append("            let l = code_lse(row_code, fin.y);")
-        out.append("            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;")
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
             out.append(
-                f"            if {guard} {{ out[at + {8 * n}u] = select(select(vec4(0.0), acc{i}{n} / fin.x, fin.x > 0.0), nan4(), bad); }}"
+                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), acc{i}{n} / fin.x, fin.x > 0.0); }}"
             )
         out.append(
-            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = l; }}"
+            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = fin.y; }}"
         )
         out.append("        } else {")
-        out.append(
-            f"            let l = code_lse(row_code, select(neg_inf, row_max.{c} + log(sum), sum > 0.0));"
-        )
-        out.append("            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;")
         for n in R:
             guard = f"cg + {8 * n}u < DV4"
             out.append(
-                f"            if {guard} {{ out[at + {8 * n}u] = select(select(vec4(0.0), acc{i}{n} / sum, sum > 0.0), nan4(), bad); }}"
+                f"            if {guard} {{ out[at + {8 * n}u] = select(vec4(0.0), acc{i}{n} / sum, sum > 0.0); }}"
             )
         out.append(
-            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = l; }}"
+            f"            if cg == 0u {{ lse[head * p.seq_q + row0 + rg + {i}u * RG] = select(neg_inf, row_max.{c} + log(sum), sum > 0.0); }}"
         )
         out.append("        }")
         out.append("    }")
@@ -116,7 +107,7 @@ def variant_scores():
             f"                let sc = score4(vec4(s{i}0, s{i}1, s{i}2, s{i}3), bh, vec4(r), kk);"
         )
         out.append(
-            f"                vis{i} = vis{i} & shown4(sc) & (kk >= vec4(visible_start(r)));"
+            f"                vis{i} = vis{i} & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));"
         )
         out.append(f"                u{i} = sc;")
         out.append("            }")
@@ -151,7 +142,9 @@ def prefetch_store(pad):
         out.append(f"{pad}if PF_N > {u}u {{")
         out.append(f"{pad}    let e = lid + {u}u * RG * CG;")
         out.append(f"{pad}    if e < BK * D4 {{ kvs[(e / D4) * QS4 + e % D4] = pk{u}; }}")
-        out.append(f"{pad}    if e < BK * 8u * NV {{ store_v(e, pv{u}, parity); }}")
+        out.append(
+            f"{pad}    if e < BK * 8u * NV {{ kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv{u}; }}"
+        )
         out.append(f"{pad}}}")
     return "\n".join(out)
 

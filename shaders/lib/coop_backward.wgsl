@@ -55,15 +55,6 @@ const MAXSB: u32 = 4u;
 const MAXW: u32 = 32u;
 
 var<workgroup> hs: array<f16, H_ELEMS>;
-// docs/design.md#non-finite-inputs: the streamed tiles are staged with
-// every NaN and infinity as 0 (a row of Q or dO holding any is poisoned,
-// and a product must not meet 0 * NaN where a pair is hidden); `sbad`
-// holds `mark` (the tile's) for each row of the D-wide tile that held any
-// (the dQ kernel's keys), and sbad_any.x where any did (no reset between
-// tiles). A vector, so that every workgroup variable is a multiple of 16
-// bytes.
-var<workgroup> sbad: array<u32, BS>;
-var<workgroup> sbad_any: vec4<u32>;
 
 // Waits until this subgroup's writes to its own scratch and weight rows
 // are visible to the whole subgroup (see SUBGROUP_SCRATCH).
@@ -73,18 +64,6 @@ fn scratch_barrier() {
     } else {
         workgroupBarrier();
     }
-}
-
-// A pair of halves with a NaN or an infinity replaced by 0.
-fn clean_pair(w: u32) -> u32 {
-    var y = w;
-    if (w & 0x7c00u) == 0x7c00u {
-        y &= 0xffff0000u;
-    }
-    if (w & 0x7c000000u) == 0x7c000000u {
-        y &= 0x0000ffffu;
-    }
-    return y;
 }
 
 // Writes the two halves of word `w` at hs[at], hs[at + 1].
@@ -123,17 +102,12 @@ fn load_dv(row: u32, n: u32, lid: u32) -> array<u32, MAXW> {
     return w;
 }
 
-fn store_d(w: array<u32, MAXW>, lid: u32, mark: u32) {
+fn store_d(w: array<u32, MAXW>, lid: u32) {
     let d2 = D / 2u;
     for (var i = 0u; i < DW; i++) {
         let e = i * WG + lid;
         if e < BS * d2 {
-            let word = clean_pair(w[i]);
-            if word != w[i] {
-                sbad[e / d2] = mark;
-                sbad_any.x = mark;
-            }
-            put2((e / d2) * KS + 2u * (e % d2), word);
+            put2((e / d2) * KS + 2u * (e % d2), w[i]);
         }
     }
 }
@@ -143,30 +117,7 @@ fn store_dv(w: array<u32, MAXW>, lid: u32) {
     for (var i = 0u; i < DVW; i++) {
         let e = i * WG + lid;
         if e < BS * d2 {
-            put2(DV_OFF + (e / d2) * VS + 2u * (e % d2), clean_pair(w[i]));
+            put2(DV_OFF + (e / d2) * VS + 2u * (e % d2), w[i]);
         }
     }
-}
-
-// sbad and sbad_any at 0, before the first tile (and a barrier).
-fn clear_flags(lid: u32) {
-    for (var j = lid; j < BS; j += WG) {
-        sbad[j] = 0u;
-    }
-    if lid == 0u {
-        sbad_any = vec4(0u);
-    }
-}
-
-// P of a pair (base 2) from its score and its row's lse: NaN where the row
-// is poisoned (lse NaN), a score that is not finite weighs 0 if -inf,
-// else NaN (lib/common.wgsl, pair_weight).
-fn coop_weight(s: f32, lse: f32) -> f32 {
-    if !is_finite(lse) {
-        return nan_f32();
-    }
-    if !is_finite(s) {
-        return select(nan_f32(), 0.0, bitcast<u32>(s) == 0xff800000u);
-    }
-    return exp2((s - lse) * LOG2E);
 }

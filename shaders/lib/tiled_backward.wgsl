@@ -35,35 +35,3 @@ override D4: u32 = D / 4u;
 override DV4: u32 = DV / 4u;
 
 const BC: u32 = 32u;
-
-// docs/design.md#non-finite-inputs (lib/nonfinite.wgsl) for four pairs of
-// a row of the register tiles:
-//
-// P from the scores `e` and the row's lse (its stats' lse where finite):
-// 0 where a pair is hidden; a score that is not finite weighs 0 if -inf,
-// else NaN (a NaN or +inf score leaves the row poisoned anyway).
-fn weights(e: vec4<f32>, lse: vec4<f32>, vis: vec4<bool>) -> vec4<f32> {
-    var p = select(vec4(0.0), exp2((e - lse) * LOG2E), vis);
-    let nf = vis & !finite4(e);
-    if any(nf) {
-        let neg_inf = bitcast<vec4<u32>>(e) == vec4(0xff800000u);
-        p = select(p, select(nan4(), vec4(0.0), neg_inf), nf);
-    }
-    return p;
-}
-
-// dS (or P Z) of the pairs: exactly 0 where hidden, whatever the
-// arithmetic gave (dP of a value or D that is not finite), and NaN where a
-// poisoned row (`bad`) sees the key.
-fn nonfinite_pairs(x: vec4<f32>, vis: vec4<bool>, bad: vec4<bool>) -> vec4<f32> {
-    return select(select(vec4(0.0), x, vis), nan4(), vis & bad);
-}
-
-// dU from dS: softcap_grad4, 0 where hidden (the tanh of a hidden score
-// may be NaN) and NaN where dS is.
-fn dsoftcap(ds: vec4<f32>, u: vec4<f32>, vis: vec4<bool>) -> vec4<f32> {
-    if !SOFTCAP {
-        return ds;
-    }
-    return select(vec4(0.0), select(softcap_grad4(ds, u), nan4(), !finite4(ds)), vis);
-}

@@ -45,9 +45,7 @@ var<workgroup> sds: array<f32, S_ELEMS>;
 // The lse and delta of the tile's rows, from `stats`.
 var<workgroup> lse: array<f32, ROW_ELEMS>;
 var<workgroup> delta: array<f32, ROW_ELEMS>;
-// How each row enters (lib/common.wgsl, row_status): 0 where it saw no
-// key (P = 0), 2 where it is poisoned (P = dS = NaN at every key it
-// sees), else 1.
+// 1 where the row's lse is finite: a row that saw no key has P = 0.
 var<workgroup> sok: array<u32, ROW_ELEMS>;
 
 @compute @workgroup_size(WG)
@@ -106,19 +104,14 @@ fn main(
                 if e / D < nr {
                     x = in_elem(q[in_word(q_base + e)], q_base + e);
                 }
-                // NaN and infinities as 0 (docs/design.md#non-finite-inputs):
-                // a row holding any is poisoned (its pairs NaN whatever its
-                // scores), and dK += dS q must not meet 0 * NaN where the
-                // row does not see the key.
-                sq[e] = select(0.0, x, is_finite(x));
+                sq[e] = x;
             }
             for (var e = lid; e < BQ * DV; e += WG) {
                 var x = 0.0;
                 if e / DVN < nr {
                     x = in_elem(d_out[in_word(o_base + e)], o_base + e);
                 }
-                // As q's (dV += P dO).
-                sdo[e] = select(0.0, x, is_finite(x));
+                sdo[e] = x;
             }
             for (var i = lid; i < BQ; i += WG) {
                 var lse_i = 0.0;
@@ -128,10 +121,9 @@ fn main(
                     let st = stats[l_base + i];
                     lse_i = st.x;
                     delta_i = st.y;
-                    let status = row_status(lse_i);
-                    ok = select(select(0u, 1u, status.x), 2u, status.y);
+                    ok = select(0u, 1u, is_finite(lse_i));
                 }
-                lse[i] = select(0.0, lse_i, is_finite(lse_i));
+                lse[i] = select(0.0, lse_i, ok == 1u);
                 delta[i] = delta_i;
                 sok[i] = ok;
             }
@@ -145,7 +137,7 @@ fn main(
                 // P * Z (for dV) and dU = dS * softcap'(u) (for dK).
                 var pij = 0.0;
                 var ds = 0.0;
-                if i < nr && j < nk && sok[i] != 0u && key < visible_end(row) && key >= visible_start(row) {
+                if i < nr && j < nk && sok[i] == 1u && key < visible_end(row) && key >= visible_start(row) {
                     var s = 0.0;
                     for (var c = 0u; c < D; c++) {
                         s += sq[i * D + c] * sk[j * KS + c];
@@ -155,11 +147,8 @@ fn main(
                     if MODIFIES {
                         sm = score(u, bh, row, key);
                     }
-                    if sok[i] == 2u && (!MASK || shown(sm)) {
-                        pij = nan_f32();
-                        ds = nan_f32();
-                    } else if !MASK || shown(sm) {
-                        pij = pair_weight(sm, lse[i]);
+                    if !MASK || sm != NEG_BIG {
+                        pij = exp(sm - lse[i]);
                         var dp = 0.0;
                         for (var c = 0u; c < DV; c++) {
                             dp += sdo[i * DV + c] * sv[j * VS + c];

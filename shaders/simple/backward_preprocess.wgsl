@@ -1,9 +1,7 @@
 // Backward pre-pass: D = rowsum(dO ∘ O), the per-row term of
 // dS = P ∘ (dP − D), written with the row's lse as (lse, D) into one
-// buffer, which the dQ and dK/dV kernels bind in place of two, with the
-// lse of a poisoned row replaced by NaN (lib/common.wgsl, row_status). One
-// thread per query row; the sum runs in column order, so it is
-// reproducible.
+// buffer, which the dQ and dK/dV kernels bind in place of two. One thread
+// per query row; the sum runs in column order, so it is reproducible.
 
 override WG: u32 = 64u;
 override DV: u32 = 64u;
@@ -25,20 +23,9 @@ fn main(
     }
     let r = wid.y * p.seq_q + row;
     var delta = 0.0;
-    var finite = true;
     for (var c = 0u; c < DV; c++) {
         let at = r * DV + c;
-        let g = in_elem(d_out[in_word(at)], at);
-        let x = in_elem(o[in_word(at)], at);
-        finite = finite && is_finite(g) && is_finite(x);
-        delta += g * x;
+        delta += in_elem(d_out[in_word(at)], at) * in_elem(o[in_word(at)], at);
     }
-    // docs/design.md#non-finite-inputs: a row that saw a key (lse not
-    // -inf) whose lse is NaN or +inf, or whose dO or o holds a NaN or an
-    // infinity, is poisoned: its lse becomes NaN (row_status).
-    var row_lse = lse[r];
-    if bitcast<u32>(row_lse) != 0xff800000u && !(finite && is_finite(row_lse) && is_finite(delta)) {
-        row_lse = nan_f32();
-    }
-    stats[r] = vec2(row_lse, delta);
+    stats[r] = vec2(lse[r], delta);
 }

@@ -44,12 +44,6 @@ var<workgroup> acc: array<f32, O_ELEMS>;
 var<workgroup> row_max: array<f32, ROW_ELEMS>;
 var<workgroup> row_sum: array<f32, ROW_ELEMS>;
 var<workgroup> rescale: array<f32, ROW_ELEMS>;
-// docs/design.md#non-finite-inputs (lib/nonfinite.wgsl): each row's code
-// (2 after a NaN score, 1 after +inf), and for each key of the tile
-// whether its value held a NaN or an infinity (k0 + 1 then: no reset
-// between tiles), staged as 0.
-var<workgroup> row_code: array<f32, ROW_ELEMS>;
-var<workgroup> vbad: array<u32, BK>;
 
 @compute @workgroup_size(WG)
 fn main(
@@ -77,10 +71,6 @@ fn main(
     for (var i = lid; i < BQ; i += WG) {
         row_max[i] = NEG_BIG;
         row_sum[i] = 0.0;
-        row_code[i] = 0.0;
-    }
-    for (var j = lid; j < BK; j += WG) {
-        vbad[j] = 0u;
     }
 
     // Rows grow downwards, so the last row of the tile sees the most keys.
@@ -107,10 +97,6 @@ fn main(
             if e / DVN < nk {
                 let at = (kv_row0 + k0) * DV + e;
                 x = in_elem(v[in_word(at)], at);
-                if !is_finite(x) {
-                    x = 0.0;
-                    vbad[e / DVN] = k0 + 1u;
-                }
             }
             sv[(e / DVN) * VS + e % DVN] = x;
         }
@@ -149,18 +135,10 @@ fn main(
                     n = min(nk, end - k0);
                 }
             }
-            // NaN and infinite scores weigh 0 here; the row's code keeps them.
             var row_max_new = row_max[i];
-            var code = row_code[i];
             for (var j = 0u; j < n; j++) {
-                let s = ss[i * BK + j];
-                if is_finite(s) {
-                    row_max_new = max(row_max_new, s);
-                } else {
-                    code = max(code, nonfinite_code(s));
-                }
+                row_max_new = max(row_max_new, ss[i * BK + j]);
             }
-
             // exp(NEG_BIG - finite) underflows to 0 and discards the empty
             // accumulator, which is what a first visible key needs.
             rescale[i] = exp(row_max[i] - row_max_new);
@@ -170,8 +148,7 @@ fn main(
             for (var j = 0u; j < BK; j++) {
                 var pj = 0.0;
                 let s = ss[i * BK + j];
-                let seen = j < n && (!(MASK || WINDOW) || shown(s));
-                if seen && is_finite(s) {
+                if j < n && (!(MASK || WINDOW) || s != NEG_BIG) {
                     pj = exp(s - row_max_new);
                 }
                 tile_sum += pj;
@@ -186,14 +163,9 @@ fn main(
                         pj = 0.0;
                     }
                 }
-                // A key the row sees whose value is not finite: o = NaN.
-                if seen && vbad[j] == k0 + 1u {
-                    code = max(code, CODE_VALUE);
-                }
                 ss[i * BK + j] = pj;
             }
             row_sum[i] = row_sum[i] * rescale[i] + tile_sum;
-            row_code[i] = code;
             row_max[i] = row_max_new;
         }
         workgroupBarrier();
@@ -212,22 +184,24 @@ fn main(
 
     let o_base = (head * p.seq_q + row0) * DV;
     let l_base = head * p.seq_q + row0;
-    // Rows with a code (lib/nonfinite.wgsl): a NaN or +inf score or sink,
-    // or a value that is not finite.
-    let sink = sink_code(bh);
     if SINKS || DROPOUT {
         for (var e = lid; e < rows * DV; e += WG) {
             let i = e / DVN;
-            let fin = finish_row(bh, row_max[i], row_sum[i]);
-            let code = max(row_code[i], sink);
-            let x = select(0.0, acc[e] / fin.x, fin.x > 0.0);
-            out[o_base + e] = code_out(code, x, code_lse(code, fin.y));
+            let divisor = finish_row(bh, row_max[i], row_sum[i]).x;
+            out[o_base + e] = select(0.0, acc[e] / divisor, divisor > 0.0);
         }
         for (var i = lid; i < rows; i += WG) {
-            let code = max(row_code[i], sink);
-            lse[l_base + i] = code_lse(code, finish_row(bh, row_max[i], row_sum[i]).y);
+            lse[l_base + i] = finish_row(bh, row_max[i], row_sum[i]).y;
         }
         return;
+    }
+    for (var e = lid; e < rows * DV; e += WG) {
+        let sum = row_sum[e / DVN];
+        var x = 0.0;
+        if sum > 0.0 {
+            x = acc[e] / sum;
+        }
+        out[o_base + e] = x;
     }
     for (var i = lid; i < rows; i += WG) {
         let sum = row_sum[i];
@@ -236,17 +210,6 @@ fn main(
         if sum > 0.0 {
             x = row_max[i] + log(sum);
         }
-        // Kept for the outputs below (the last reads of row_max were above).
-        row_max[i] = code_lse(row_code[i], x);
-        lse[l_base + i] = row_max[i];
-    }
-    workgroupBarrier();
-    for (var e = lid; e < rows * DV; e += WG) {
-        let sum = row_sum[e / DVN];
-        var x = 0.0;
-        if sum > 0.0 {
-            x = acc[e] / sum;
-        }
-        out[o_base + e] = code_out(row_code[e / DVN], x, row_max[e / DVN]);
+        lse[l_base + i] = x;
     }
 }

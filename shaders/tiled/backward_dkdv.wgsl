@@ -47,8 +47,7 @@ fn load_streamed(is_do: bool, row: u32, nr: u32, lid: u32) {
             if j < nr && c < DV4 {
                 x = widen(d_out[(row + j) * DV4 + c]);
             }
-            // As q's (dV += P dO).
-            bs[B1_OFF + j * SB1 + c] = clean4(x);
+            bs[B1_OFF + j * SB1 + c] = x;
         }
     } else {
         for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
@@ -60,11 +59,7 @@ fn load_streamed(is_do: bool, row: u32, nr: u32, lid: u32) {
                 // the forward's did; dK = sum dS (scale q) needs no scale.
                 x = widen(q[(row + j) * D4 + c]) * p.scale;
             }
-            // NaN and infinities as 0 (docs/design.md#non-finite-inputs):
-            // a row holding any is poisoned, its pairs' P and dS NaN
-            // whatever its scores, and dK += dS q must not meet 0 * NaN
-            // where the row does not see the key.
-            bs[j * SB0 + c] = clean4(x);
+            bs[j * SB0 + c] = x;
         }
     }
 }
@@ -297,68 +292,68 @@ fn main(
             if PF_N > 0u {
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb0); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb0; }
                 }
                 if PF_N > 1u {
                     let e = lid + 1u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb1); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb1; }
                 }
                 if PF_N > 2u {
                     let e = lid + 2u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb2); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb2; }
                 }
                 if PF_N > 3u {
                     let e = lid + 3u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb3); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb3; }
                 }
                 if PF_N > 4u {
                     let e = lid + 4u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb4); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb4; }
                 }
                 if PF_N > 5u {
                     let e = lid + 5u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb5); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb5; }
                 }
                 if PF_N > 6u {
                     let e = lid + 6u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb6); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb6; }
                 }
                 if PF_N > 7u {
                     let e = lid + 7u * RG * CG;
-                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = clean4(pb7); }
+                    if e < BC * (8u * NV) { bs[B1_OFF + (e / (8u * NV)) * SB1 + e % (8u * NV)] = pb7; }
                 }
                 if !SHARED {
                     if PF_N > 0u {
                         let e = lid + 0u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa0 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0 * p.scale; }
                     }
                     if PF_N > 1u {
                         let e = lid + 1u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa1 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1 * p.scale; }
                     }
                     if PF_N > 2u {
                         let e = lid + 2u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa2 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2 * p.scale; }
                     }
                     if PF_N > 3u {
                         let e = lid + 3u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa3 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3 * p.scale; }
                     }
                     if PF_N > 4u {
                         let e = lid + 4u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa4 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4 * p.scale; }
                     }
                     if PF_N > 5u {
                         let e = lid + 5u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa5 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5 * p.scale; }
                     }
                     if PF_N > 6u {
                         let e = lid + 6u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa6 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6 * p.scale; }
                     }
                     if PF_N > 7u {
                         let e = lid + 7u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa7 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7 * p.scale; }
                     }
                 }
             } else {
@@ -372,17 +367,13 @@ fn main(
             var lse = vec4(0.0);
             var delta = vec4(0.0);
             var ok = vec4(false);
-            // Poisoned rows (lib/common.wgsl, row_status): NaN at every pair.
-            var bad = vec4(false);
             var vend = vec4(0u);
             var vstart = vec4(0u);
             if cols.x < nr {
                 let st = stats[head * p.seq_q + r0 + cols.x];
                 let lse_i = st.x;
-                let status = row_status(lse_i);
-                ok.x = status.x;
-                bad.x = status.y;
-                lse.x = select(0.0, lse_i, is_finite(lse_i));
+                ok.x = is_finite(lse_i);
+                lse.x = select(0.0, lse_i, ok.x);
                 delta.x = st.y;
                 vend.x = visible_end(r0 + cols.x);
                 vstart.x = visible_start(r0 + cols.x);
@@ -390,10 +381,8 @@ fn main(
             if cols.y < nr {
                 let st = stats[head * p.seq_q + r0 + cols.y];
                 let lse_i = st.x;
-                let status = row_status(lse_i);
-                ok.y = status.x;
-                bad.y = status.y;
-                lse.y = select(0.0, lse_i, is_finite(lse_i));
+                ok.y = is_finite(lse_i);
+                lse.y = select(0.0, lse_i, ok.y);
                 delta.y = st.y;
                 vend.y = visible_end(r0 + cols.y);
                 vstart.y = visible_start(r0 + cols.y);
@@ -401,10 +390,8 @@ fn main(
             if cols.z < nr {
                 let st = stats[head * p.seq_q + r0 + cols.z];
                 let lse_i = st.x;
-                let status = row_status(lse_i);
-                ok.z = status.x;
-                bad.z = status.y;
-                lse.z = select(0.0, lse_i, is_finite(lse_i));
+                ok.z = is_finite(lse_i);
+                lse.z = select(0.0, lse_i, ok.z);
                 delta.z = st.y;
                 vend.z = visible_end(r0 + cols.z);
                 vstart.z = visible_start(r0 + cols.z);
@@ -412,10 +399,8 @@ fn main(
             if cols.w < nr {
                 let st = stats[head * p.seq_q + r0 + cols.w];
                 let lse_i = st.x;
-                let status = row_status(lse_i);
-                ok.w = status.x;
-                bad.w = status.y;
-                lse.w = select(0.0, lse_i, is_finite(lse_i));
+                ok.w = is_finite(lse_i);
+                lse.w = select(0.0, lse_i, ok.w);
                 delta.w = st.y;
                 vend.w = visible_end(r0 + cols.w);
                 vstart.w = visible_start(r0 + cols.w);
@@ -566,35 +551,35 @@ fn main(
                 if PF_N > 0u {
                     if PF_N > 0u {
                         let e = lid + 0u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa0 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0 * p.scale; }
                     }
                     if PF_N > 1u {
                         let e = lid + 1u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa1 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1 * p.scale; }
                     }
                     if PF_N > 2u {
                         let e = lid + 2u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa2 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2 * p.scale; }
                     }
                     if PF_N > 3u {
                         let e = lid + 3u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa3 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3 * p.scale; }
                     }
                     if PF_N > 4u {
                         let e = lid + 4u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa4 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4 * p.scale; }
                     }
                     if PF_N > 5u {
                         let e = lid + 5u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa5 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5 * p.scale; }
                     }
                     if PF_N > 6u {
                         let e = lid + 6u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa6 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6 * p.scale; }
                     }
                     if PF_N > 7u {
                         let e = lid + 7u * RG * CG;
-                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = clean4(pa7 * p.scale); }
+                        if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7 * p.scale; }
                     }
                 } else {
                     load_streamed(false, q_row, nr, lid);
@@ -745,21 +730,19 @@ fn main(
             if MODIFIES || WINDOW {
                 u0 = vec4(s00, s01, s02, s03);
                 let sc = score4(u0, bh, vec4(r0) + cols, vec4(krow.x));
-                vis0 = vis0 & shown4(sc) & (vec4(krow.x) >= vstart);
+                vis0 = vis0 & (sc != vec4(NEG_BIG)) & (vec4(krow.x) >= vstart);
                 e0 = sc;
             }
-            let p0 = weights(e0, lse, vis0);
+            let p0 = select(vec4(0.0), exp2((e0 - lse) * LOG2E), vis0);
             var pz0 = p0;
             var dsv0 = vec4(0.0);
             if DROPOUT {
                 let z = dropout4(bh, vec4(r0) + cols, vec4(krow.x));
                 pz0 = p0 * z;
-                dsv0 = nonfinite_pairs(p0 * (vec4(t00, t01, t02, t03) * z - delta), vis0, bad);
+                dsv0 = softcap_grad4(p0 * (vec4(t00, t01, t02, t03) * z - delta), u0);
             } else {
-                dsv0 = nonfinite_pairs(p0 * (vec4(t00, t01, t02, t03) - delta), vis0, bad);
+                dsv0 = softcap_grad4(p0 * (vec4(t00, t01, t02, t03) - delta), u0);
             }
-            pz0 = nonfinite_pairs(pz0, vis0, bad);
-            dsv0 = dsoftcap(dsv0, u0, vis0);
             if SHARED {
                 ws[(rg + 0u * RG) * 9u + cg] = dsv0;
             } else {
@@ -772,21 +755,19 @@ fn main(
             if MODIFIES || WINDOW {
                 u1 = vec4(s10, s11, s12, s13);
                 let sc = score4(u1, bh, vec4(r0) + cols, vec4(krow.y));
-                vis1 = vis1 & shown4(sc) & (vec4(krow.y) >= vstart);
+                vis1 = vis1 & (sc != vec4(NEG_BIG)) & (vec4(krow.y) >= vstart);
                 e1 = sc;
             }
-            let p1 = weights(e1, lse, vis1);
+            let p1 = select(vec4(0.0), exp2((e1 - lse) * LOG2E), vis1);
             var pz1 = p1;
             var dsv1 = vec4(0.0);
             if DROPOUT {
                 let z = dropout4(bh, vec4(r0) + cols, vec4(krow.y));
                 pz1 = p1 * z;
-                dsv1 = nonfinite_pairs(p1 * (vec4(t10, t11, t12, t13) * z - delta), vis1, bad);
+                dsv1 = softcap_grad4(p1 * (vec4(t10, t11, t12, t13) * z - delta), u1);
             } else {
-                dsv1 = nonfinite_pairs(p1 * (vec4(t10, t11, t12, t13) - delta), vis1, bad);
+                dsv1 = softcap_grad4(p1 * (vec4(t10, t11, t12, t13) - delta), u1);
             }
-            pz1 = nonfinite_pairs(pz1, vis1, bad);
-            dsv1 = dsoftcap(dsv1, u1, vis1);
             if SHARED {
                 ws[(rg + 1u * RG) * 9u + cg] = dsv1;
             } else {
@@ -799,21 +780,19 @@ fn main(
             if MODIFIES || WINDOW {
                 u2 = vec4(s20, s21, s22, s23);
                 let sc = score4(u2, bh, vec4(r0) + cols, vec4(krow.z));
-                vis2 = vis2 & shown4(sc) & (vec4(krow.z) >= vstart);
+                vis2 = vis2 & (sc != vec4(NEG_BIG)) & (vec4(krow.z) >= vstart);
                 e2 = sc;
             }
-            let p2 = weights(e2, lse, vis2);
+            let p2 = select(vec4(0.0), exp2((e2 - lse) * LOG2E), vis2);
             var pz2 = p2;
             var dsv2 = vec4(0.0);
             if DROPOUT {
                 let z = dropout4(bh, vec4(r0) + cols, vec4(krow.z));
                 pz2 = p2 * z;
-                dsv2 = nonfinite_pairs(p2 * (vec4(t20, t21, t22, t23) * z - delta), vis2, bad);
+                dsv2 = softcap_grad4(p2 * (vec4(t20, t21, t22, t23) * z - delta), u2);
             } else {
-                dsv2 = nonfinite_pairs(p2 * (vec4(t20, t21, t22, t23) - delta), vis2, bad);
+                dsv2 = softcap_grad4(p2 * (vec4(t20, t21, t22, t23) - delta), u2);
             }
-            pz2 = nonfinite_pairs(pz2, vis2, bad);
-            dsv2 = dsoftcap(dsv2, u2, vis2);
             if SHARED {
                 ws[(rg + 2u * RG) * 9u + cg] = dsv2;
             } else {
@@ -826,21 +805,19 @@ fn main(
             if MODIFIES || WINDOW {
                 u3 = vec4(s30, s31, s32, s33);
                 let sc = score4(u3, bh, vec4(r0) + cols, vec4(krow.w));
-                vis3 = vis3 & shown4(sc) & (vec4(krow.w) >= vstart);
+                vis3 = vis3 & (sc != vec4(NEG_BIG)) & (vec4(krow.w) >= vstart);
                 e3 = sc;
             }
-            let p3 = weights(e3, lse, vis3);
+            let p3 = select(vec4(0.0), exp2((e3 - lse) * LOG2E), vis3);
             var pz3 = p3;
             var dsv3 = vec4(0.0);
             if DROPOUT {
                 let z = dropout4(bh, vec4(r0) + cols, vec4(krow.w));
                 pz3 = p3 * z;
-                dsv3 = nonfinite_pairs(p3 * (vec4(t30, t31, t32, t33) * z - delta), vis3, bad);
+                dsv3 = softcap_grad4(p3 * (vec4(t30, t31, t32, t33) * z - delta), u3);
             } else {
-                dsv3 = nonfinite_pairs(p3 * (vec4(t30, t31, t32, t33) - delta), vis3, bad);
+                dsv3 = softcap_grad4(p3 * (vec4(t30, t31, t32, t33) - delta), u3);
             }
-            pz3 = nonfinite_pairs(pz3, vis3, bad);
-            dsv3 = dsoftcap(dsv3, u3, vis3);
             if SHARED {
                 ws[(rg + 3u * RG) * 9u + cg] = dsv3;
             } else {

@@ -37,28 +37,9 @@ var<workgroup> dos: array<vec4<f32>, A1_ELEMS>;
 var<workgroup> bs: array<vec4<f32>, B_ELEMS>;
 // dS of the tile; vec4 c of a row holds keys c, c+8, c+16, c+24.
 var<workgroup> ws: array<vec4<f32>, W_ELEMS>;
-// docs/design.md#non-finite-inputs (lib/nonfinite.wgsl): bit j of
-// kmask[t & 1] says that key j of the t-th tile the workgroup visits held
-// a NaN or an infinity in its k (staged as 0). Invocation 0 clears a mask
-// during a tile of the other parity, between its last reads and its next
-// writes.
-var<workgroup> kmask: array<atomic<u32>, 2>;
-
-// Stores vec4 `e` of the K tile (`parity`: the tile's, t & 1), a NaN or an
-// infinity replaced by 0 and flagged: dQ += dS K must not meet 0 * NaN
-// where a row does not see the key.
-fn store_k(e: u32, x: vec4<f32>, parity: u32) {
-    let j = e / (8u * ND);
-    var y = x;
-    if !all(finite4(x)) {
-        y = clean4(x);
-        atomicOr(&kmask[parity], 1u << j);
-    }
-    bs[j * SB0 + e % (8u * ND)] = y;
-}
 
 // Loads the K tile of `nk` keys from row `row` (zeros past them).
-fn load_k(row: u32, nk: u32, lid: u32, parity: u32) {
+fn load_k(row: u32, nk: u32, lid: u32) {
     for (var e = lid; e < BC * 8u * ND; e += RG * CG) {
         let j = e / (8u * ND);
         let c = e % (8u * ND);
@@ -66,7 +47,7 @@ fn load_k(row: u32, nk: u32, lid: u32, parity: u32) {
         if j < nk && c < D4 {
             x = widen(k[(row + j) * D4 + c]);
         }
-        store_k(e, x, parity);
+        bs[j * SB0 + c] = x;
     }
 }
 
@@ -109,10 +90,6 @@ fn main(
         }
         dos[r * SA1 + e % DV4] = x;
     }
-    if lid == 0u {
-        atomicStore(&kmask[0], 0u);
-        atomicStore(&kmask[1], 0u);
-    }
 
     let rv = vec4(rg, rg + RG, rg + 2u * RG, rg + 3u * RG);
     // The lse, delta and visible key range of this invocation's four query
@@ -120,17 +97,13 @@ fn main(
     var lse = vec4(0.0);
     var delta = vec4(0.0);
     var ok = vec4(false);
-    // Poisoned rows (lib/common.wgsl, row_status): NaN at every pair.
-    var bad = vec4(false);
     var vend = vec4(0u);
     var vstart = vec4(0u);
     if rv.x < rows {
         let st = stats[head * p.seq_q + row0 + rv.x];
         let lse_i = st.x;
-        let status = row_status(lse_i);
-        ok.x = status.x;
-        bad.x = status.y;
-        lse.x = select(0.0, lse_i, is_finite(lse_i));
+        ok.x = is_finite(lse_i);
+        lse.x = select(0.0, lse_i, ok.x);
         delta.x = st.y;
         vend.x = visible_end(row0 + rv.x);
         vstart.x = visible_start(row0 + rv.x);
@@ -138,10 +111,8 @@ fn main(
     if rv.y < rows {
         let st = stats[head * p.seq_q + row0 + rv.y];
         let lse_i = st.x;
-        let status = row_status(lse_i);
-        ok.y = status.x;
-        bad.y = status.y;
-        lse.y = select(0.0, lse_i, is_finite(lse_i));
+        ok.y = is_finite(lse_i);
+        lse.y = select(0.0, lse_i, ok.y);
         delta.y = st.y;
         vend.y = visible_end(row0 + rv.y);
         vstart.y = visible_start(row0 + rv.y);
@@ -149,10 +120,8 @@ fn main(
     if rv.z < rows {
         let st = stats[head * p.seq_q + row0 + rv.z];
         let lse_i = st.x;
-        let status = row_status(lse_i);
-        ok.z = status.x;
-        bad.z = status.y;
-        lse.z = select(0.0, lse_i, is_finite(lse_i));
+        ok.z = is_finite(lse_i);
+        lse.z = select(0.0, lse_i, ok.z);
         delta.z = st.y;
         vend.z = visible_end(row0 + rv.z);
         vstart.z = visible_start(row0 + rv.z);
@@ -160,10 +129,8 @@ fn main(
     if rv.w < rows {
         let st = stats[head * p.seq_q + row0 + rv.w];
         let lse_i = st.x;
-        let status = row_status(lse_i);
-        ok.w = status.x;
-        bad.w = status.y;
-        lse.w = select(0.0, lse_i, is_finite(lse_i));
+        ok.w = is_finite(lse_i);
+        lse.w = select(0.0, lse_i, ok.w);
         delta.w = st.y;
         vend.w = visible_end(row0 + rv.w);
         vstart.w = visible_start(row0 + rv.w);
@@ -313,13 +280,9 @@ fn main(
             }
         }
     }
-    // The tiles visited so far: the parity of kmask.
-    var tile = 0u;
     for (var k0 = first; k0 < key_end; k0 += BC) {
         let nk = min(BC, key_end - k0);
         let next = next_visible_tile(bh, row0, row0 + rows, k0 + BC, key_end, BC);
-        let parity = tile & 1u;
-        tile++;
         if DMASK {
             // The hidden tiles up to the next visible one: dS is 0 there.
             zero_dmask(head, row0, rows, k0 + nk, min(next, key_end), lid);
@@ -333,9 +296,6 @@ fn main(
         var t20 = 0.0; var t21 = 0.0; var t22 = 0.0; var t23 = 0.0;
         var t30 = 0.0; var t31 = 0.0; var t32 = 0.0; var t33 = 0.0;
         workgroupBarrier();
-        if lid == 0u {
-            atomicStore(&kmask[parity ^ 1u], 0u);
-        }
         if PF_N > 0u {
             if PF_N > 0u {
                 let e = lid + 0u * RG * CG;
@@ -372,35 +332,35 @@ fn main(
             if !SHARED {
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa0, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0; }
                 }
                 if PF_N > 1u {
                     let e = lid + 1u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa1, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1; }
                 }
                 if PF_N > 2u {
                     let e = lid + 2u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa2, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2; }
                 }
                 if PF_N > 3u {
                     let e = lid + 3u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa3, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3; }
                 }
                 if PF_N > 4u {
                     let e = lid + 4u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa4, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4; }
                 }
                 if PF_N > 5u {
                     let e = lid + 5u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa5, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5; }
                 }
                 if PF_N > 6u {
                     let e = lid + 6u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa6, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6; }
                 }
                 if PF_N > 7u {
                     let e = lid + 7u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa7, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7; }
                 }
             }
         } else {
@@ -413,7 +373,7 @@ fn main(
                 bs[B1_OFF + j * SB1 + e % DV4] = x;
             }
             if !SHARED {
-                load_k(kv_row0 + k0, nk, lid, parity);
+                load_k(kv_row0 + k0, nk, lid);
             }
         }
         workgroupBarrier();
@@ -560,38 +520,38 @@ fn main(
             if PF_N > 0u {
                 if PF_N > 0u {
                     let e = lid + 0u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa0, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa0; }
                 }
                 if PF_N > 1u {
                     let e = lid + 1u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa1, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa1; }
                 }
                 if PF_N > 2u {
                     let e = lid + 2u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa2, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa2; }
                 }
                 if PF_N > 3u {
                     let e = lid + 3u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa3, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa3; }
                 }
                 if PF_N > 4u {
                     let e = lid + 4u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa4, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa4; }
                 }
                 if PF_N > 5u {
                     let e = lid + 5u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa5, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa5; }
                 }
                 if PF_N > 6u {
                     let e = lid + 6u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa6, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa6; }
                 }
                 if PF_N > 7u {
                     let e = lid + 7u * RG * CG;
-                    if e < BC * (8u * ND) { store_k(e, pa7, parity); }
+                    if e < BC * (8u * ND) { bs[(e / (8u * ND)) * SB0 + e % (8u * ND)] = pa7; }
                 }
             } else {
-                load_k(kv_row0 + k0, nk, lid, parity);
+                load_k(kv_row0 + k0, nk, lid);
             }
             workgroupBarrier();
             if PF_N > 0u && next < key_end {
@@ -732,27 +692,21 @@ fn main(
             s30 = dot_acc(s30, a3, b0); s31 = dot_acc(s31, a3, b1); s32 = dot_acc(s32, a3, b2); s33 = dot_acc(s33, a3, b3);
         }
         let kk = vec4(k0) + keys;
-        // The flags of the tile's keys whose k held a NaN or an infinity.
-        let kbad = atomicLoad(&kmask[parity]);
-        let kb = ((vec4(kbad) >> vec4(cg, cg + 8u, cg + 16u, cg + 24u)) & vec4(1u)) == vec4(1u);
         var vis0 = (kk < vec4(vend.x)) & vec4(ok.x);
         var e0 = vec4(s00, s01, s02, s03);
         var u0 = vec4(0.0);
         if MODIFIES || WINDOW {
             u0 = vec4(s00, s01, s02, s03);
             let sc = score4(u0, bh, vec4(row0 + rv.x), kk);
-            vis0 = vis0 & shown4(sc) & (kk >= vec4(vstart.x));
+            vis0 = vis0 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.x));
             e0 = sc;
         }
-        let p0 = weights(e0, vec4(lse.x), vis0);
+        let p0 = select(vec4(0.0), exp2((e0 - lse.x) * LOG2E), vis0);
         var dp0 = vec4(t00, t01, t02, t03);
         if DROPOUT {
             dp0 *= dropout4(bh, vec4(row0 + rv.x), kk);
         }
-        var ds0 = nonfinite_pairs(p0 * (dp0 - delta.x), vis0, vec4(bad.x));
-        if kbad != 0u {
-            ds0 = select(ds0, nan4(), vis0 & kb & vec4(!bad.x));
-        }
+        let ds0 = p0 * (dp0 - delta.x);
         if DMASK && rv.x < rows {
             let at = (head * p.seq_q + row0 + rv.x) * p.seq_k + k0;
             if keys.x < nk { dmask[at + keys.x] = ds0.x; }
@@ -760,25 +714,22 @@ fn main(
             if keys.z < nk { dmask[at + keys.z] = ds0.z; }
             if keys.w < nk { dmask[at + keys.w] = ds0.w; }
         }
-        ws[rv.x * 9u + cg] = dsoftcap(ds0, u0, vis0);
+        ws[rv.x * 9u + cg] = softcap_grad4(ds0, u0);
         var vis1 = (kk < vec4(vend.y)) & vec4(ok.y);
         var e1 = vec4(s10, s11, s12, s13);
         var u1 = vec4(0.0);
         if MODIFIES || WINDOW {
             u1 = vec4(s10, s11, s12, s13);
             let sc = score4(u1, bh, vec4(row0 + rv.y), kk);
-            vis1 = vis1 & shown4(sc) & (kk >= vec4(vstart.y));
+            vis1 = vis1 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.y));
             e1 = sc;
         }
-        let p1 = weights(e1, vec4(lse.y), vis1);
+        let p1 = select(vec4(0.0), exp2((e1 - lse.y) * LOG2E), vis1);
         var dp1 = vec4(t10, t11, t12, t13);
         if DROPOUT {
             dp1 *= dropout4(bh, vec4(row0 + rv.y), kk);
         }
-        var ds1 = nonfinite_pairs(p1 * (dp1 - delta.y), vis1, vec4(bad.y));
-        if kbad != 0u {
-            ds1 = select(ds1, nan4(), vis1 & kb & vec4(!bad.y));
-        }
+        let ds1 = p1 * (dp1 - delta.y);
         if DMASK && rv.y < rows {
             let at = (head * p.seq_q + row0 + rv.y) * p.seq_k + k0;
             if keys.x < nk { dmask[at + keys.x] = ds1.x; }
@@ -786,25 +737,22 @@ fn main(
             if keys.z < nk { dmask[at + keys.z] = ds1.z; }
             if keys.w < nk { dmask[at + keys.w] = ds1.w; }
         }
-        ws[rv.y * 9u + cg] = dsoftcap(ds1, u1, vis1);
+        ws[rv.y * 9u + cg] = softcap_grad4(ds1, u1);
         var vis2 = (kk < vec4(vend.z)) & vec4(ok.z);
         var e2 = vec4(s20, s21, s22, s23);
         var u2 = vec4(0.0);
         if MODIFIES || WINDOW {
             u2 = vec4(s20, s21, s22, s23);
             let sc = score4(u2, bh, vec4(row0 + rv.z), kk);
-            vis2 = vis2 & shown4(sc) & (kk >= vec4(vstart.z));
+            vis2 = vis2 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.z));
             e2 = sc;
         }
-        let p2 = weights(e2, vec4(lse.z), vis2);
+        let p2 = select(vec4(0.0), exp2((e2 - lse.z) * LOG2E), vis2);
         var dp2 = vec4(t20, t21, t22, t23);
         if DROPOUT {
             dp2 *= dropout4(bh, vec4(row0 + rv.z), kk);
         }
-        var ds2 = nonfinite_pairs(p2 * (dp2 - delta.z), vis2, vec4(bad.z));
-        if kbad != 0u {
-            ds2 = select(ds2, nan4(), vis2 & kb & vec4(!bad.z));
-        }
+        let ds2 = p2 * (dp2 - delta.z);
         if DMASK && rv.z < rows {
             let at = (head * p.seq_q + row0 + rv.z) * p.seq_k + k0;
             if keys.x < nk { dmask[at + keys.x] = ds2.x; }
@@ -812,25 +760,22 @@ fn main(
             if keys.z < nk { dmask[at + keys.z] = ds2.z; }
             if keys.w < nk { dmask[at + keys.w] = ds2.w; }
         }
-        ws[rv.z * 9u + cg] = dsoftcap(ds2, u2, vis2);
+        ws[rv.z * 9u + cg] = softcap_grad4(ds2, u2);
         var vis3 = (kk < vec4(vend.w)) & vec4(ok.w);
         var e3 = vec4(s30, s31, s32, s33);
         var u3 = vec4(0.0);
         if MODIFIES || WINDOW {
             u3 = vec4(s30, s31, s32, s33);
             let sc = score4(u3, bh, vec4(row0 + rv.w), kk);
-            vis3 = vis3 & shown4(sc) & (kk >= vec4(vstart.w));
+            vis3 = vis3 & (sc != vec4(NEG_BIG)) & (kk >= vec4(vstart.w));
             e3 = sc;
         }
-        let p3 = weights(e3, vec4(lse.w), vis3);
+        let p3 = select(vec4(0.0), exp2((e3 - lse.w) * LOG2E), vis3);
         var dp3 = vec4(t30, t31, t32, t33);
         if DROPOUT {
             dp3 *= dropout4(bh, vec4(row0 + rv.w), kk);
         }
-        var ds3 = nonfinite_pairs(p3 * (dp3 - delta.w), vis3, vec4(bad.w));
-        if kbad != 0u {
-            ds3 = select(ds3, nan4(), vis3 & kb & vec4(!bad.w));
-        }
+        let ds3 = p3 * (dp3 - delta.w);
         if DMASK && rv.w < rows {
             let at = (head * p.seq_q + row0 + rv.w) * p.seq_k + k0;
             if keys.x < nk { dmask[at + keys.x] = ds3.x; }
@@ -838,7 +783,7 @@ fn main(
             if keys.z < nk { dmask[at + keys.z] = ds3.z; }
             if keys.w < nk { dmask[at + keys.w] = ds3.w; }
         }
-        ws[rv.w * 9u + cg] = dsoftcap(ds3, u3, vis3);
+        ws[rv.w * 9u + cg] = softcap_grad4(ds3, u3);
         workgroupBarrier();
 
         for (var c = 0u; c < 8u; c++) {

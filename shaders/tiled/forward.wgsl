@@ -61,12 +61,6 @@ var<workgroup> kvs: array<vec4<f32>, KV_ELEMS>;
 // c, c+8, c+16, c+24 (the keys of invocation cg = c), so each invocation
 // stores one vec4 per row.
 var<workgroup> ps: array<vec4<f32>, P_ELEMS>;
-// docs/design.md#non-finite-inputs (lib/nonfinite.wgsl): bit j of
-// vmask[t & 1] says that key j of the t-th tile the workgroup visits held
-// a NaN or an infinity in its value (staged as 0). Invocation 0 clears a
-// mask during a tile of the other parity, between its last reads and its
-// next writes.
-var<workgroup> vmask: array<atomic<u32>, 2>;
 
 fn hmax(x: vec4<f32>) -> f32 {
     return max(max(x.x, x.y), max(x.z, x.w));
@@ -76,19 +70,7 @@ fn hsum(x: vec4<f32>) -> f32 {
     return (x.x + x.y) + (x.z + x.w);
 }
 
-// Stores vec4 `e` of the V tile (`parity`: the tile's, t & 1), a NaN or
-// an infinity replaced by 0 and flagged.
-fn store_v(e: u32, x: vec4<f32>, parity: u32) {
-    let j = e / (8u * NV);
-    var y = x;
-    if !all(finite4(x)) {
-        y = clean4(x);
-        atomicOr(&vmask[parity], 1u << j);
-    }
-    kvs[V_OFF + j * VS4 + e % (8u * NV)] = y;
-}
-
-fn load_v(kv_row: u32, nk: u32, lid: u32, parity: u32) {
+fn load_v(kv_row: u32, nk: u32, lid: u32) {
     for (var e = lid; e < BK * 8u * NV; e += RG * CG) {
         let j = e / (8u * NV);
         let c = e % (8u * NV);
@@ -96,7 +78,7 @@ fn load_v(kv_row: u32, nk: u32, lid: u32, parity: u32) {
         if j < nk && c < DV4 {
             x = widen(v[(kv_row + j) * DV4 + c]);
         }
-        store_v(e, x, parity);
+        kvs[V_OFF + j * VS4 + c] = x;
     }
 }
 
@@ -127,10 +109,6 @@ fn main(
         }
         qs[r * QS4 + e % D4] = x;
     }
-    if lid == 0u {
-        atomicStore(&vmask[0], 0u);
-        atomicStore(&vmask[1], 0u);
-    }
 
     let rv = vec4(rg, rg + RG, rg + 2u * RG, rg + 3u * RG);
     let vend = vec4(visible_end(row0 + rv.x), visible_end(row0 + rv.y),
@@ -145,8 +123,6 @@ fn main(
     // the last tile.
     var row_max = vec4(NEG_BIG);
     var row_sum = vec4(0.0);
-    // The four rows' codes (lib/nonfinite.wgsl), this invocation's share.
-    var code = vec4(0.0);
     var acc00 = vec4(0.0); var acc01 = vec4(0.0); var acc02 = vec4(0.0); var acc03 = vec4(0.0);
     var acc10 = vec4(0.0); var acc11 = vec4(0.0); var acc12 = vec4(0.0); var acc13 = vec4(0.0);
     var acc20 = vec4(0.0); var acc21 = vec4(0.0); var acc22 = vec4(0.0); var acc23 = vec4(0.0);
@@ -242,60 +218,53 @@ fn main(
             if e < BK * 8u * NV && j < min(BK, key_end - first) && c < DV4 { pv7 = widen(v[(kv_row0 + first + j) * DV4 + c]); }
         }
     }
-    // The tiles visited so far: the parity of vmask.
-    var tile = 0u;
     for (var k0 = first; k0 < key_end; k0 += BK) {
         let nk = min(BK, key_end - k0);
         let next = next_visible_tile(bh, row0, row0 + rows, k0 + BK, key_end, BK);
-        let parity = tile & 1u;
-        tile++;
         // Also orders the previous tile's reads of kvs/ps before these writes.
         workgroupBarrier();
-        if lid == 0u {
-            atomicStore(&vmask[parity ^ 1u], 0u);
-        }
         if PF_N > 0u {
             // This tile's K and V were loaded into registers while the
             // previous tile was computed.
             if PF_N > 0u {
                 let e = lid + 0u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk0; }
-                if e < BK * 8u * NV { store_v(e, pv0, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv0; }
             }
             if PF_N > 1u {
                 let e = lid + 1u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk1; }
-                if e < BK * 8u * NV { store_v(e, pv1, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv1; }
             }
             if PF_N > 2u {
                 let e = lid + 2u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk2; }
-                if e < BK * 8u * NV { store_v(e, pv2, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv2; }
             }
             if PF_N > 3u {
                 let e = lid + 3u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk3; }
-                if e < BK * 8u * NV { store_v(e, pv3, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv3; }
             }
             if PF_N > 4u {
                 let e = lid + 4u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk4; }
-                if e < BK * 8u * NV { store_v(e, pv4, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv4; }
             }
             if PF_N > 5u {
                 let e = lid + 5u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk5; }
-                if e < BK * 8u * NV { store_v(e, pv5, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv5; }
             }
             if PF_N > 6u {
                 let e = lid + 6u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk6; }
-                if e < BK * 8u * NV { store_v(e, pv6, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv6; }
             }
             if PF_N > 7u {
                 let e = lid + 7u * RG * CG;
                 if e < BK * D4 { kvs[(e / D4) * QS4 + e % D4] = pk7; }
-                if e < BK * 8u * NV { store_v(e, pv7, parity); }
+                if e < BK * 8u * NV { kvs[V_OFF + (e / (8u * NV)) * VS4 + e % (8u * NV)] = pv7; }
             }
         } else {
             for (var e = lid; e < BK * D4; e += RG * CG) {
@@ -307,7 +276,7 @@ fn main(
                 kvs[j * QS4 + e % D4] = x;
             }
             if V_OFF != 0u {
-                load_v(kv_row0 + k0, nk, lid, parity);
+                load_v(kv_row0 + k0, nk, lid);
             }
         }
         workgroupBarrier();
@@ -437,52 +406,32 @@ fn main(
             {
                 let r = row0 + rv.x;
                 let sc = score4(vec4(s00, s01, s02, s03), bh, vec4(r), kk);
-                vis0 = vis0 & shown4(sc) & (kk >= vec4(visible_start(r)));
+                vis0 = vis0 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
                 u0 = sc;
             }
             {
                 let r = row0 + rv.y;
                 let sc = score4(vec4(s10, s11, s12, s13), bh, vec4(r), kk);
-                vis1 = vis1 & shown4(sc) & (kk >= vec4(visible_start(r)));
+                vis1 = vis1 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
                 u1 = sc;
             }
             {
                 let r = row0 + rv.z;
                 let sc = score4(vec4(s20, s21, s22, s23), bh, vec4(r), kk);
-                vis2 = vis2 & shown4(sc) & (kk >= vec4(visible_start(r)));
+                vis2 = vis2 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
                 u2 = sc;
             }
             {
                 let r = row0 + rv.w;
                 let sc = score4(vec4(s30, s31, s32, s33), bh, vec4(r), kk);
-                vis3 = vis3 & shown4(sc) & (kk >= vec4(visible_start(r)));
+                vis3 = vis3 & (sc != vec4(NEG_BIG)) & (kk >= vec4(visible_start(r)));
                 u3 = sc;
             }
         }
-        var t0 = select(vec4(NEG_BIG), u0, vis0);
-        var t1 = select(vec4(NEG_BIG), u1, vis1);
-        var t2 = select(vec4(NEG_BIG), u2, vis2);
-        var t3 = select(vec4(NEG_BIG), u3, vis3);
-        // NaN and infinite scores weigh 0; the rows' codes keep them.
-        var w0 = vis0;
-        var w1 = vis1;
-        var w2 = vis2;
-        var w3 = vis3;
-        let nf0 = !finite4(t0);
-        let nf1 = !finite4(t1);
-        let nf2 = !finite4(t2);
-        let nf3 = !finite4(t3);
-        if any(nf0 | nf1 | nf2 | nf3) {
-            code = max(code, vec4(nonfinite_code4(t0), nonfinite_code4(t1), nonfinite_code4(t2), nonfinite_code4(t3)));
-            t0 = select(t0, vec4(NEG_BIG), nf0);
-            t1 = select(t1, vec4(NEG_BIG), nf1);
-            t2 = select(t2, vec4(NEG_BIG), nf2);
-            t3 = select(t3, vec4(NEG_BIG), nf3);
-            w0 = vis0 & !nf0;
-            w1 = vis1 & !nf1;
-            w2 = vis2 & !nf2;
-            w3 = vis3 & !nf3;
-        }
+        let t0 = select(vec4(NEG_BIG), u0, vis0);
+        let t1 = select(vec4(NEG_BIG), u1, vis1);
+        let t2 = select(vec4(NEG_BIG), u2, vis2);
+        let t3 = select(vec4(NEG_BIG), u3, vis3);
         let row_max_new = max(row_max, reduce_max4(vec4(hmax(t0), hmax(t1), hmax(t2), hmax(t3)), rg, cg));
         // exp(NEG_BIG - finite) underflows to 0 and discards the empty
         // accumulator, which is what a first visible key needs; the clamp
@@ -491,10 +440,10 @@ fn main(
         // backward's exp2((s - lse) * LOG2E) does.
         let rescale = exp2(max(row_max - row_max_new, vec4(-1.0e30)) * LOG2E);
         row_max = row_max_new;
-        let p0 = select(vec4(0.0), exp2((t0 - row_max_new.x) * LOG2E), w0);
-        let p1 = select(vec4(0.0), exp2((t1 - row_max_new.y) * LOG2E), w1);
-        let p2 = select(vec4(0.0), exp2((t2 - row_max_new.z) * LOG2E), w2);
-        let p3 = select(vec4(0.0), exp2((t3 - row_max_new.w) * LOG2E), w3);
+        let p0 = select(vec4(0.0), exp2((t0 - row_max_new.x) * LOG2E), vis0);
+        let p1 = select(vec4(0.0), exp2((t1 - row_max_new.y) * LOG2E), vis1);
+        let p2 = select(vec4(0.0), exp2((t2 - row_max_new.z) * LOG2E), vis2);
+        let p3 = select(vec4(0.0), exp2((t3 - row_max_new.w) * LOG2E), vis3);
         row_sum = row_sum * rescale + vec4(hsum(p0), hsum(p1), hsum(p2), hsum(p3));
         acc00 *= rescale.x; acc01 *= rescale.x; acc02 *= rescale.x; acc03 *= rescale.x;
         acc10 *= rescale.y; acc11 *= rescale.y; acc12 *= rescale.y; acc13 *= rescale.y;
@@ -516,16 +465,9 @@ fn main(
         if V_OFF == 0u {
             // Everyone is done with K; V takes its place.
             workgroupBarrier();
-            load_v(kv_row0 + k0, nk, lid, parity);
+            load_v(kv_row0 + k0, nk, lid);
         }
         workgroupBarrier();
-        // A key a row sees whose value held a NaN or an infinity: o = NaN.
-        let vbad = atomicLoad(&vmask[parity]);
-        if vbad != 0u {
-            let kb = ((vec4(vbad) >> vec4(cg, cg + 8u, cg + 16u, cg + 24u)) & vec4(1u)) == vec4(1u);
-            let seen = vec4(any(vis0 & kb), any(vis1 & kb), any(vis2 & kb), any(vis3 & kb));
-            code = max(code, select(vec4(0.0), vec4(CODE_VALUE), seen));
-        }
 
         for (var c = 0u; c < 8u; c++) {
             let p0 = ps[(rg + 0u * RG) * PS4 + c];
@@ -612,99 +554,76 @@ fn main(
     }
 
     row_sum = reduce_sum4(row_sum, rg, cg);
-    // The reductions share their scratch (workgroup variant).
-    workgroupBarrier();
-    code = reduce_max4(code, rg, cg);
     if rg + 0u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 0u * RG) * DV4 + cg;
         let sum = row_sum.x;
-        let row_code = max(code.x, sink_code(bh));
         if SINKS || DROPOUT {
             let fin = finish_row(bh, row_max.x, sum);
-            let l = code_lse(row_code, fin.y);
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc00 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc01 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc02 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc03 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc00 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc01 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc02 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc03 / fin.x, fin.x > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = fin.y; }
         } else {
-            let l = code_lse(row_code, select(neg_inf, row_max.x + log(sum), sum > 0.0));
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc00 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc01 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc02 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc03 / sum, sum > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc00 / sum, sum > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc01 / sum, sum > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc02 / sum, sum > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc03 / sum, sum > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 0u * RG] = select(neg_inf, row_max.x + log(sum), sum > 0.0); }
         }
     }
     if rg + 1u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 1u * RG) * DV4 + cg;
         let sum = row_sum.y;
-        let row_code = max(code.y, sink_code(bh));
         if SINKS || DROPOUT {
             let fin = finish_row(bh, row_max.y, sum);
-            let l = code_lse(row_code, fin.y);
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc10 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc11 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc12 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc13 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc10 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc11 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc12 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc13 / fin.x, fin.x > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = fin.y; }
         } else {
-            let l = code_lse(row_code, select(neg_inf, row_max.y + log(sum), sum > 0.0));
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc10 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc11 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc12 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc13 / sum, sum > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc10 / sum, sum > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc11 / sum, sum > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc12 / sum, sum > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc13 / sum, sum > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 1u * RG] = select(neg_inf, row_max.y + log(sum), sum > 0.0); }
         }
     }
     if rg + 2u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 2u * RG) * DV4 + cg;
         let sum = row_sum.z;
-        let row_code = max(code.z, sink_code(bh));
         if SINKS || DROPOUT {
             let fin = finish_row(bh, row_max.z, sum);
-            let l = code_lse(row_code, fin.y);
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc20 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc21 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc22 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc23 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc20 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc21 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc22 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc23 / fin.x, fin.x > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = fin.y; }
         } else {
-            let l = code_lse(row_code, select(neg_inf, row_max.z + log(sum), sum > 0.0));
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc20 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc21 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc22 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc23 / sum, sum > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc20 / sum, sum > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc21 / sum, sum > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc22 / sum, sum > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc23 / sum, sum > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 2u * RG] = select(neg_inf, row_max.z + log(sum), sum > 0.0); }
         }
     }
     if rg + 3u * RG < rows {
         let at = (head * p.seq_q + row0 + rg + 3u * RG) * DV4 + cg;
         let sum = row_sum.w;
-        let row_code = max(code.w, sink_code(bh));
         if SINKS || DROPOUT {
             let fin = finish_row(bh, row_max.w, sum);
-            let l = code_lse(row_code, fin.y);
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc30 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc31 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc32 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc33 / fin.x, fin.x > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc30 / fin.x, fin.x > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc31 / fin.x, fin.x > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc32 / fin.x, fin.x > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc33 / fin.x, fin.x > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = fin.y; }
         } else {
-            let l = code_lse(row_code, select(neg_inf, row_max.w + log(sum), sum > 0.0));
-            let bad = row_code > 0.0 && bitcast<u32>(l) != 0xff800000u;
-            if cg + 0u < DV4 { out[at + 0u] = select(select(vec4(0.0), acc30 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 8u < DV4 { out[at + 8u] = select(select(vec4(0.0), acc31 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 16u < DV4 { out[at + 16u] = select(select(vec4(0.0), acc32 / sum, sum > 0.0), nan4(), bad); }
-            if cg + 24u < DV4 { out[at + 24u] = select(select(vec4(0.0), acc33 / sum, sum > 0.0), nan4(), bad); }
-            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = l; }
+            if cg + 0u < DV4 { out[at + 0u] = select(vec4(0.0), acc30 / sum, sum > 0.0); }
+            if cg + 8u < DV4 { out[at + 8u] = select(vec4(0.0), acc31 / sum, sum > 0.0); }
+            if cg + 16u < DV4 { out[at + 16u] = select(vec4(0.0), acc32 / sum, sum > 0.0); }
+            if cg + 24u < DV4 { out[at + 24u] = select(vec4(0.0), acc33 / sum, sum > 0.0); }
+            if cg == 0u { lse[head * p.seq_q + row0 + rg + 3u * RG] = select(neg_inf, row_max.w + log(sum), sum > 0.0); }
         }
     }
 }

@@ -48,9 +48,8 @@ pub const COOP_MAX_STAGED_WORDS: u32 = 64;
 
 pub fn coop_workgroup_bytes(d: u32, dv: u32, t: Tiles) -> u64 {
     let [k, v, qp, f] = coop_elems(d, dv, t);
-    // Plus the per-row l and m, the flags (a vec4) and the key tile's
-    // flags of non-finite values.
-    2 * (k + v + qp) + 4 * f + 8 * t.q_rows as u64 + 16 + 4 * t.k_rows as u64
+    // Plus the per-row l and m and the rescale flag (a vec4).
+    2 * (k + v + qp) + 4 * f + 8 * t.q_rows as u64 + 16
 }
 
 /// Tiles of the cooperative-matrix forward for head dimensions d, dv
@@ -137,13 +136,8 @@ impl CoopBackwardLayout {
     }
 
     pub fn bytes(&self) -> u64 {
-        // Plus dK/dV's per-row lse, D and visible end, and the flags of the
-        // streamed tile's non-finite values (a u32 a row and a vec4).
-        2 * self.halves as u64
-            + 2 * 4 * self.floats as u64
-            + 12 * self.streamed as u64
-            + 4 * self.streamed as u64
-            + 16
+        // Plus dK/dV's per-row lse, D and visible end.
+        2 * self.halves as u64 + 2 * 4 * self.floats as u64 + 12 * self.streamed as u64
     }
 
     /// Words (pairs of halves) of each streamed tile (K and V for dQ, Q

@@ -11,11 +11,6 @@ use crate::gpu::select::AdapterCaps;
 pub const TILED_BK: u32 = 32;
 pub const TILED_CG: u32 = 8;
 
-/// vec4s of the flags of the streamed tile's non-finite values
-/// (docs/design.md#non-finite-inputs): two u32 bit masks, in the tiled
-/// forward (V) and dQ (K) kernels.
-pub const NONFINITE_FLAG_VEC4S: u64 = 1;
-
 /// vec4 columns of the output per invocation in the tiled forward.
 pub fn tiled_nv(dv: u32) -> u32 {
     dv.div_ceil(4 * TILED_CG).max(1)
@@ -58,8 +53,6 @@ pub struct BackwardLayout {
     /// streamed tiles share (then one array holds dS, later P).
     pub w: u64,
     pub w_arrays: u64,
-    /// The dQ kernel's flags of the K tile's non-finite values.
-    pub flags: u64,
 }
 
 impl BackwardLayout {
@@ -90,15 +83,11 @@ impl BackwardLayout {
             b,
             w: br * 9,
             w_arrays,
-            flags: match kernel {
-                Kernel::BackwardDqTiled => NONFINITE_FLAG_VEC4S,
-                _ => 0,
-            },
         }
     }
 
     pub fn total(&self) -> u64 {
-        self.a0 + self.a1 + self.b + self.w_arrays * self.w + self.flags
+        self.a0 + self.a1 + self.b + self.w_arrays * self.w
     }
 }
 
@@ -108,7 +97,7 @@ pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 
     match kernel {
         Kernel::ForwardTiled => {
             let (q, kv, p, red) = tiled_workgroup_vec4s(d, dv, t, false);
-            16 * (q + kv + p + red + NONFINITE_FLAG_VEC4S)
+            16 * (q + kv + p + red)
         }
         _ => 16 * BackwardLayout::new(kernel, d, dv, t).total(),
     }
@@ -200,7 +189,7 @@ pub fn tiled_forward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<Tiles> 
     };
     let fits = |t: &Tiles| {
         let (q, kv, p, red) = tiled_workgroup_vec4s(d, dv, *t, caps.subgroups);
-        16 * (q + kv + p + red + NONFINITE_FLAG_VEC4S) <= budget
+        16 * (q + kv + p + red) <= budget
             && t.workgroup <= caps.max_invocations
             && t.workgroup <= caps.max_workgroup_size_x
     };
