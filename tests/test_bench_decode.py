@@ -9,18 +9,21 @@ import pytest
 from flashport import _bench_decode, reference
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_paged_cache_gathers_back_to_the_contiguous_cache(block_size):
+def test_paged_cache_gathers_back_to_the_contiguous_cache(block_size, batch):
     rng = np.random.default_rng(3)
-    k = rng.standard_normal((3, 2, 512, 4)).astype(np.float32)
+    k = rng.standard_normal((batch, 2, 512, 4)).astype(np.float32)
     pool, table = _bench_decode.paged_cache(k, block_size)
-    assert pool.shape == (3 * 512 // block_size, 2, block_size, 4)
-    assert table.shape == (3, 512 // block_size)
+    assert pool.shape == (batch * 512 // block_size, 2, block_size, 4)
+    # As a cache manager allocates it (a strided pool is copied on each call).
+    assert pool.flags.c_contiguous
+    assert table.shape == (batch, 512 // block_size)
     # A permutation of the blocks, not the identity.
     assert sorted(table.ravel()) == list(range(pool.shape[0]))
     assert block_size == 256 or not np.array_equal(table.ravel(), np.arange(table.size))
-    lens = np.full(3, 512)
-    for b in range(3):
+    lens = np.full(batch, 512)
+    for b in range(batch):
         keys, _ = reference.cached_sequence(pool, pool, lens, b, table)
         assert np.array_equal(keys, k[b])
 

@@ -74,7 +74,10 @@ def paged_cache(k, block_size: int, seed: int = 1):
     rows = k.reshape(batch, heads, blocks, block_size, d).transpose(0, 2, 1, 3, 4)
     rows = rows.reshape(batch * blocks, heads, block_size, d)
     order = np.random.default_rng(seed).permutation(batch * blocks)
-    pool = np.empty_like(rows)
+    # C-contiguous, as a cache manager allocates its pool (empty_like would
+    # keep the strides of the transposed view at batch 1, and the call
+    # would copy that pool into a contiguous one first).
+    pool = np.empty(rows.shape, rows.dtype)
     pool[order] = rows
     return pool, order.reshape(batch, blocks).astype(np.int32)
 
