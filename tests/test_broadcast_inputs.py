@@ -103,7 +103,7 @@ def test_only_keys_repeated_over_heads_still_works(backend):
 
 
 def test_keys_and_values_repeated_over_heads_are_not_copied():
-    # Copies of k and v would take 1 GiB each; the call stays far below.
+    # Copies of k and v would take 1 GiB each; the call adds next to nothing.
     script = textwrap.dedent(
         """
         import resource
@@ -115,15 +115,20 @@ def test_keys_and_values_repeated_over_heads_are_not_copied():
         k = rng.standard_normal((1, 1, seq_k, d)).astype(np.float32)
         v = rng.standard_normal((1, 1, seq_k, d)).astype(np.float32)
         shape = (1, heads, seq_k, d)
+        # The same attention with the one head as such first: the peak the
+        # broadcast call may not raise (thread pools and buffers differ by
+        # machine).
+        want = flashport.attention(q, k, v, device="cpu")
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = flashport.attention(
             q, np.broadcast_to(k, shape), np.broadcast_to(v, shape), device="cpu"
         )
-        assert np.array_equal(out, flashport.attention(q, k, v, device="cpu"))
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+        assert np.array_equal(out, want)
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
         """
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     )
-    peak_mib = int(done.stdout.split()[-1])
-    assert peak_mib < 512, f"peak RSS {peak_mib} MiB: the broadcast k and v were copied"
+    grown_mib = int(done.stdout.split()[-1])
+    assert grown_mib < 256, f"peak RSS grew {grown_mib} MiB: the broadcast k and v were copied"
