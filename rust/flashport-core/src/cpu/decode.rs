@@ -18,6 +18,7 @@ use std::ops::Range;
 use half::slice::HalfFloatSliceExt;
 
 use super::element::Element;
+use super::kernels::all_finite;
 use super::merge::merge_row;
 use super::scores::{ScoreRules, TileVisibility};
 use super::softmax::RowState;
@@ -429,11 +430,13 @@ impl<T: Element + CacheElement> Walk<'_, T> {
             }
             keys = tile_at(keys.end);
         }
-        let dirty = |(state, a): (&RowState<T>, &[T])| {
-            state.finish().1.is_finite() && a.iter().any(|x| !x.is_finite())
+        // A vectorised pass over each accumulator first: the rows are
+        // looked at only where one is not finite.
+        let dirty =
+            |(state, a): (&RowState<T>, &[T])| state.finish().1.is_finite() && !all_finite(a);
+        let any_dirty = |head: &Head<T>| {
+            !all_finite(&head.acc) && head.states.iter().zip(head.acc.chunks_exact(dv)).any(dirty)
         };
-        let any_dirty =
-            |head: &Head<T>| head.states.iter().zip(head.acc.chunks_exact(dv)).any(dirty);
         if !exact && dv > 0 && heads.iter().any(any_dirty) {
             return false;
         }

@@ -89,6 +89,14 @@ pub fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut
     }
 }
 
+/// Whether every element is finite (neither NaN nor an infinity): an OR
+/// over the whole slice, without an early exit, so that it vectorises; the
+/// checks of docs/design.md#non-finite-inputs pass over every task's
+/// outputs with it.
+pub fn all_finite<T: Element>(x: &[T]) -> bool {
+    !x.iter().fold(false, |bad, v| bad | !v.is_finite())
+}
+
 /// The largest element; `-inf` for an empty row.
 pub fn row_max<T: Element>(x: &[T]) -> T {
     x.iter().fold(T::NEG_INFINITY, |a, &b| a.max(b))

@@ -618,9 +618,11 @@ fn forward_typed<T: Element>(
                 // such a key has o = NaN.
                 let acc_rows = s.acc[..m * dv].chunks_exact(dv.max(1));
                 let redo = dv > 0
-                    && s.states[..m].iter().zip(acc_rows).any(|(state, a)| {
-                        finish(state).1.is_finite() && a.iter().any(|x| !x.is_finite())
-                    });
+                    && !kernels::all_finite(&s.acc[..m * dv])
+                    && s.states[..m]
+                        .iter()
+                        .zip(acc_rows)
+                        .any(|(state, a)| finish(state).1.is_finite() && !kernels::all_finite(a));
                 let mut poisoned = vec![false; if redo { m } else { 0 }];
                 if redo {
                     let (v_head, bad) =
@@ -646,14 +648,21 @@ fn forward_typed<T: Element>(
                         _ => normaliser * rules.keep_scale(),
                     };
                     let o_row = out[i * dv..(i + 1) * dv].iter_mut();
-                    for (o, &a) in o_row.zip(&s.acc[i * dv..(i + 1) * dv]) {
-                        // A normaliser of 0 (no key, or the sink took
-                        // everything) gives o = 0, also where hidden
-                        // values left a NaN in acc.
-                        o.write(match normaliser == T::ZERO && !a.is_finite() {
-                            true => T::ZERO,
-                            false => a * normaliser,
-                        });
+                    let acc_row = &s.acc[i * dv..(i + 1) * dv];
+                    if normaliser == T::ZERO {
+                        // No key, or the sink took everything: o = 0, also
+                        // where hidden values left a NaN in acc.
+                        for (o, &a) in o_row.zip(acc_row) {
+                            o.write(if a.is_finite() {
+                                a * normaliser
+                            } else {
+                                T::ZERO
+                            });
+                        }
+                    } else {
+                        for (o, &a) in o_row.zip(acc_row) {
+                            o.write(a * normaliser);
+                        }
                     }
                     lse[i].write(row_lse);
                 }
@@ -1055,9 +1064,11 @@ impl<T: Element> ChunkStep<'_, T> {
     ) {
         self.pass(s, kv_head, chunk, dk, dv_out, dq_group, None);
         let (problem, layout) = (self.problem, Layout { p: self.problem });
-        let finite = |x: &[T]| x.iter().all(|x| x.is_finite());
         let k_chunk = layout.k_rows(self.x.k, kv_head, chunk);
-        if finite(dk) && finite(dv_out) && finite(k_chunk) {
+        if [&*dk, &*dv_out, k_chunk]
+            .into_iter()
+            .all(kernels::all_finite)
+        {
             return;
         }
         let d = problem.head_dim;
