@@ -97,20 +97,6 @@ fn score(x: f32, b: u32, h: u32, len: u32, r: u32, key: u32, key_end: u32) -> f3
     return s;
 }
 
-// Elements 4c..4c+3 of row `row` of q (the dispatch's own rows), scaled,
-// zeros past d.
-fn load_q(row: u32, c: u32) -> vec4<f32> {
-    var x = vec4(0.0);
-    let base = row * u.d;
-    for (var e = 0u; e < 4u; e++) {
-        let col = 4u * c + e;
-        if col < u.d {
-            x[e] = in_elem(q[in_word(base + col)], base + col);
-        }
-    }
-    return x * u.scale;
-}
-
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -129,18 +115,10 @@ fn main(
     // loop below (and its barriers) is uniform.
     let len = seq_data[u.seqlens_off + b];
     let split = split_keys(keys_read(len), s);
-    // The keys the block's rows see: the first and the last query index
-    // among them bound both ends (all of them when the block wraps from
-    // one head of the group to the next).
-    var i_lo = row0 % u.seq_q;
-    var i_hi = min(row0 + RB, u.rows) - 1u;
-    i_hi = i_hi % u.seq_q;
-    if i_hi < i_lo || min(RB, u.rows - row0) > u.seq_q {
-        i_lo = 0u;
-        i_hi = u.seq_q - 1u;
-    }
-    let key_start = max(split.x, visible(len, i_lo).x);
-    let key_end = min(split.y, visible(len, i_hi).y);
+    // The keys the block's rows see.
+    let block = block_keys(len, split, row0, RB);
+    let key_start = block.x;
+    let key_end = block.y;
 
     // The q rows of the group are consecutive: heads h * group.., each
     // seq_q rows; rows past the group read row 0 (and are never written).

@@ -123,3 +123,32 @@ fn split_keys(keys: vec2<u32>, s: u32) -> vec2<u32> {
     let start = keys.x + min(s * per, n);
     return vec2(start, min(start + per, keys.y));
 }
+
+// The keys the rows row0 .. row0 + rows_per_block - 1 of the group (of
+// split `split` of a sequence of `len` keys) see: the first and the last
+// query index among them bound both ends (all of them when the block
+// wraps from one head of the group to the next).
+fn block_keys(len: u32, split: vec2<u32>, row0: u32, rows_per_block: u32) -> vec2<u32> {
+    var i_lo = row0 % u.seq_q;
+    var i_hi = min(row0 + rows_per_block, u.rows) - 1u;
+    i_hi = i_hi % u.seq_q;
+    if i_hi < i_lo || min(rows_per_block, u.rows - row0) > u.seq_q {
+        i_lo = 0u;
+        i_hi = u.seq_q - 1u;
+    }
+    return vec2(max(split.x, visible(len, i_lo).x), min(split.y, visible(len, i_hi).y));
+}
+
+// Elements 4c..4c+3 of row `row` of q (the dispatch's own rows), scaled,
+// zeros past d.
+fn load_q(row: u32, c: u32) -> vec4<f32> {
+    var x = vec4(0.0);
+    let base = row * u.d;
+    for (var e = 0u; e < 4u; e++) {
+        let col = 4u * c + e;
+        if col < u.d {
+            x[e] = in_elem(q[in_word(base + col)], base + col);
+        }
+    }
+    return x * u.scale;
+}

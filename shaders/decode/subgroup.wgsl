@@ -63,20 +63,6 @@ override ALIBI: bool = false;
 var<workgroup> part: array<vec4<f32>, PART_VEC4S>;
 var<workgroup> stat: array<f32, STAT_ELEMS>;
 
-// Elements 4c..4c+3 of row `row` of q (the dispatch's own rows), scaled,
-// zeros past d.
-fn q_vec4(row: u32, c: u32) -> vec4<f32> {
-    var x = vec4(0.0);
-    let base = row * u.d;
-    for (var e = 0u; e < 4u; e++) {
-        let col = 4u * c + e;
-        if col < u.d {
-            x[e] = in_elem(q[in_word(base + col)], base + col);
-        }
-    }
-    return x * u.scale;
-}
-
 fn max4(x: vec4<f32>) -> f32 {
     return max(max(x.x, x.y), max(x.z, x.w));
 }
@@ -122,16 +108,10 @@ fn main(
     let row0 = rb * RB;
     let len = seq_data[u.seqlens_off + b];
     let split = split_keys(keys_read(len), s);
-    // The keys the block's rows see (as decode.wgsl bounds them).
-    var i_lo = row0 % u.seq_q;
-    var i_hi = min(row0 + RB, u.rows) - 1u;
-    i_hi = i_hi % u.seq_q;
-    if i_hi < i_lo || min(RB, u.rows - row0) > u.seq_q {
-        i_lo = 0u;
-        i_hi = u.seq_q - 1u;
-    }
-    let key_start = max(split.x, visible(len, i_lo).x);
-    let key_end = min(split.y, visible(len, i_hi).y);
+    // The keys the block's rows see.
+    let block = block_keys(len, split, row0, RB);
+    let key_start = block.x;
+    let key_end = block.y;
 
     // Per row: the keys it sees below key_end, [lo, hi) (none for rows
     // past the group), its ALiBi slope and its position.
@@ -278,98 +258,98 @@ fn main(
     var q5_0 = vec4(0.0); var q5_1 = vec4(0.0); var q5_2 = vec4(0.0); var q5_3 = vec4(0.0);
     var q6_0 = vec4(0.0); var q6_1 = vec4(0.0); var q6_2 = vec4(0.0); var q6_3 = vec4(0.0);
     var q7_0 = vec4(0.0); var q7_1 = vec4(0.0); var q7_2 = vec4(0.0); var q7_3 = vec4(0.0);
-    q0_0 = q_vec4(q_first + min(row0 + 0u, last), lane);
+    q0_0 = load_q(q_first + min(row0 + 0u, last), lane);
     if VPL > 1u {
-        q0_1 = q_vec4(q_first + min(row0 + 0u, last), lane + LPK);
+        q0_1 = load_q(q_first + min(row0 + 0u, last), lane + LPK);
     }
     if VPL > 2u {
-        q0_2 = q_vec4(q_first + min(row0 + 0u, last), lane + 2u * LPK);
+        q0_2 = load_q(q_first + min(row0 + 0u, last), lane + 2u * LPK);
     }
     if VPL > 3u {
-        q0_3 = q_vec4(q_first + min(row0 + 0u, last), lane + 3u * LPK);
+        q0_3 = load_q(q_first + min(row0 + 0u, last), lane + 3u * LPK);
     }
     if RB > 1u {
-        q1_0 = q_vec4(q_first + min(row0 + 1u, last), lane);
+        q1_0 = load_q(q_first + min(row0 + 1u, last), lane);
         if VPL > 1u {
-            q1_1 = q_vec4(q_first + min(row0 + 1u, last), lane + LPK);
+            q1_1 = load_q(q_first + min(row0 + 1u, last), lane + LPK);
         }
         if VPL > 2u {
-            q1_2 = q_vec4(q_first + min(row0 + 1u, last), lane + 2u * LPK);
+            q1_2 = load_q(q_first + min(row0 + 1u, last), lane + 2u * LPK);
         }
         if VPL > 3u {
-            q1_3 = q_vec4(q_first + min(row0 + 1u, last), lane + 3u * LPK);
+            q1_3 = load_q(q_first + min(row0 + 1u, last), lane + 3u * LPK);
         }
     }
     if RB > 2u {
-        q2_0 = q_vec4(q_first + min(row0 + 2u, last), lane);
+        q2_0 = load_q(q_first + min(row0 + 2u, last), lane);
         if VPL > 1u {
-            q2_1 = q_vec4(q_first + min(row0 + 2u, last), lane + LPK);
+            q2_1 = load_q(q_first + min(row0 + 2u, last), lane + LPK);
         }
         if VPL > 2u {
-            q2_2 = q_vec4(q_first + min(row0 + 2u, last), lane + 2u * LPK);
+            q2_2 = load_q(q_first + min(row0 + 2u, last), lane + 2u * LPK);
         }
         if VPL > 3u {
-            q2_3 = q_vec4(q_first + min(row0 + 2u, last), lane + 3u * LPK);
+            q2_3 = load_q(q_first + min(row0 + 2u, last), lane + 3u * LPK);
         }
     }
     if RB > 2u {
-        q3_0 = q_vec4(q_first + min(row0 + 3u, last), lane);
+        q3_0 = load_q(q_first + min(row0 + 3u, last), lane);
         if VPL > 1u {
-            q3_1 = q_vec4(q_first + min(row0 + 3u, last), lane + LPK);
+            q3_1 = load_q(q_first + min(row0 + 3u, last), lane + LPK);
         }
         if VPL > 2u {
-            q3_2 = q_vec4(q_first + min(row0 + 3u, last), lane + 2u * LPK);
+            q3_2 = load_q(q_first + min(row0 + 3u, last), lane + 2u * LPK);
         }
         if VPL > 3u {
-            q3_3 = q_vec4(q_first + min(row0 + 3u, last), lane + 3u * LPK);
+            q3_3 = load_q(q_first + min(row0 + 3u, last), lane + 3u * LPK);
         }
     }
     if RB > 4u {
-        q4_0 = q_vec4(q_first + min(row0 + 4u, last), lane);
+        q4_0 = load_q(q_first + min(row0 + 4u, last), lane);
         if VPL > 1u {
-            q4_1 = q_vec4(q_first + min(row0 + 4u, last), lane + LPK);
+            q4_1 = load_q(q_first + min(row0 + 4u, last), lane + LPK);
         }
         if VPL > 2u {
-            q4_2 = q_vec4(q_first + min(row0 + 4u, last), lane + 2u * LPK);
+            q4_2 = load_q(q_first + min(row0 + 4u, last), lane + 2u * LPK);
         }
         if VPL > 3u {
-            q4_3 = q_vec4(q_first + min(row0 + 4u, last), lane + 3u * LPK);
+            q4_3 = load_q(q_first + min(row0 + 4u, last), lane + 3u * LPK);
         }
     }
     if RB > 4u {
-        q5_0 = q_vec4(q_first + min(row0 + 5u, last), lane);
+        q5_0 = load_q(q_first + min(row0 + 5u, last), lane);
         if VPL > 1u {
-            q5_1 = q_vec4(q_first + min(row0 + 5u, last), lane + LPK);
+            q5_1 = load_q(q_first + min(row0 + 5u, last), lane + LPK);
         }
         if VPL > 2u {
-            q5_2 = q_vec4(q_first + min(row0 + 5u, last), lane + 2u * LPK);
+            q5_2 = load_q(q_first + min(row0 + 5u, last), lane + 2u * LPK);
         }
         if VPL > 3u {
-            q5_3 = q_vec4(q_first + min(row0 + 5u, last), lane + 3u * LPK);
+            q5_3 = load_q(q_first + min(row0 + 5u, last), lane + 3u * LPK);
         }
     }
     if RB > 4u {
-        q6_0 = q_vec4(q_first + min(row0 + 6u, last), lane);
+        q6_0 = load_q(q_first + min(row0 + 6u, last), lane);
         if VPL > 1u {
-            q6_1 = q_vec4(q_first + min(row0 + 6u, last), lane + LPK);
+            q6_1 = load_q(q_first + min(row0 + 6u, last), lane + LPK);
         }
         if VPL > 2u {
-            q6_2 = q_vec4(q_first + min(row0 + 6u, last), lane + 2u * LPK);
+            q6_2 = load_q(q_first + min(row0 + 6u, last), lane + 2u * LPK);
         }
         if VPL > 3u {
-            q6_3 = q_vec4(q_first + min(row0 + 6u, last), lane + 3u * LPK);
+            q6_3 = load_q(q_first + min(row0 + 6u, last), lane + 3u * LPK);
         }
     }
     if RB > 4u {
-        q7_0 = q_vec4(q_first + min(row0 + 7u, last), lane);
+        q7_0 = load_q(q_first + min(row0 + 7u, last), lane);
         if VPL > 1u {
-            q7_1 = q_vec4(q_first + min(row0 + 7u, last), lane + LPK);
+            q7_1 = load_q(q_first + min(row0 + 7u, last), lane + LPK);
         }
         if VPL > 2u {
-            q7_2 = q_vec4(q_first + min(row0 + 7u, last), lane + 2u * LPK);
+            q7_2 = load_q(q_first + min(row0 + 7u, last), lane + 2u * LPK);
         }
         if VPL > 3u {
-            q7_3 = q_vec4(q_first + min(row0 + 7u, last), lane + 3u * LPK);
+            q7_3 = load_q(q_first + min(row0 + 7u, last), lane + 3u * LPK);
         }
     }
     var m0 = NEG_BIG; var l0 = 0.0; var c0 = 0.0;

@@ -96,7 +96,7 @@ def q_regs():
             body += guarded(
                 "",
                 col_guard(i),
-                [f"q{r}_{i} = q_vec4(q_first + min(row0 + {r}u, last), {col(i)});"],
+                [f"q{r}_{i} = load_q(q_first + min(row0 + {r}u, last), {col(i)});"],
             )
         out += guarded(pad, row_guard(r), body)
     return "\n".join(out)
