@@ -102,10 +102,10 @@ pub fn available() -> bool {
     false
 }
 
-/// Cache rows a kernel prefetches while it computes, one for each key it
-/// takes (the rest at its end): the rows the next product reads, so that
-/// they come from L2 instead of memory. A prefetch never faults, so any
-/// offsets may be given.
+/// Cache rows a kernel prefetches while it computes, spread over its keys
+/// (the rows past them at its end): the rows the next product of its kind
+/// reads, so that they come from L2 instead of memory. A prefetch never
+/// faults, so any offsets may be given.
 #[derive(Clone, Copy)]
 pub struct Ahead<'a> {
     base: *const u8,
@@ -228,8 +228,8 @@ pub fn accumulate<E: CacheElement>(
 }
 
 /// The same two products for any compute type, row by row: what float64
-/// problems and CPUs without the SIMD kernels run. `row` is scratch of the
-/// head dimension (a float16 row is widened there).
+/// problems and CPUs without the SIMD kernels run. `scratch` holds a row
+/// (a float16 or bfloat16 row is widened there).
 pub mod portable {
     use super::*;
 
@@ -346,13 +346,10 @@ mod simd {
     /// (a6 + a7))` of `a[r]`, whatever the other vectors are.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn sums<const R: usize>(a: [__m256; R]) -> [f32; 4] {
+    unsafe fn sums<const R: usize>(a: [__m256; R]) -> __m128 {
         let at = |r: usize| if r < R { a[r] } else { _mm256_setzero_ps() };
         let h = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
-        let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-        let mut out = [0.0f32; 4];
-        _mm_storeu_ps(out.as_mut_ptr(), s);
-        out
+        _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -454,8 +451,21 @@ mod simd {
             }
             p += 8;
         }
-        for i in 0..K {
-            finish_scores::<E, R>(sums(a[i]), q, d, k[i], out.add(i), ld);
+        // Reduced in registers, all keys before any store: reduced and
+        // stored key by key, the accumulators went through the stack.
+        let totals: [__m128; K] = std::array::from_fn(|i| sums(a[i]));
+        if d % 8 == 0 {
+            for (i, &total) in totals.iter().enumerate() {
+                let mut lanes = [0.0f32; 4];
+                _mm_storeu_ps(lanes.as_mut_ptr(), total);
+                for (r, &lane) in lanes.iter().enumerate().take(R) {
+                    *out.add(r * ld + i) = lane;
+                }
+            }
+        } else {
+            for (i, &total) in totals.iter().enumerate() {
+                finish_scores::<E, R>(total, q, d, k[i], out.add(i), ld);
+            }
         }
     }
 
@@ -463,13 +473,15 @@ mod simd {
     /// tail past the last multiple of 8, in order.
     #[inline(always)]
     unsafe fn finish_scores<E: CacheElement, const R: usize>(
-        sums: [f32; 4],
+        total: __m128,
         q: *const f32,
         d: usize,
         k: *const E,
         out: *mut f32,
         ld: usize,
     ) {
+        let mut sums = [0.0f32; 4];
+        _mm_storeu_ps(sums.as_mut_ptr(), total);
         for (r, &sum) in sums.iter().enumerate().take(R) {
             let mut s = sum;
             for p in d / 8 * 8..d {
