@@ -9,12 +9,11 @@ or +inf lse returns NaN gradients for that row; a row that sees no key
 still gets o = 0, lse = -inf and zero gradients.
 
 On the GPU each case runs on the default tier (tiled on lavapipe) and on
-the simple kernels. The GPU's attention kernels (simple, tiled,
-cooperative) do not follow these rules yet: the version that did, staging
-values with a flag per key, made the H100's float16 forward 40% and its
-backward 49% slower (docs/design.md#non-finite-inputs), so their cases are
-strict expected failures until a version that costs nothing lands;
-decoding and merge_states follow them on the GPU too."""
+the simple kernels. Only the simple kernels follow these rules; a screen
+sends every call whose inputs hold NaN or infinities to them
+(src/gpu/screen.rs), so "the clean call" a result must equal bit for bit
+runs on the simple kernels there (`_clean`). Decoding and merge_states
+follow the rules themselves."""
 
 from __future__ import annotations
 
@@ -30,23 +29,19 @@ POISONS = [np.nan, np.inf, -np.inf]
 SHAPES = {"cpu": (1, 4, 2, 70, 300, 16, 12), "gpu": (1, 2, 1, 24, 72, 8, 12)}
 
 
-def _gpu_attention_pending(request, backend):
-    """Marks a GPU case of the attention kernels as the known gap above."""
-    if backend == "gpu":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="GPU attention kernels: non-finite rules not landed (speed)",
-            )
-        )
-
-
 def _dtypes(backend):
     return [np.float32, np.float64] if backend == "cpu" else [np.float32]
 
 
 def _tiers(backend):
     return [None] if backend == "cpu" else [None, "simple"]
+
+
+def _clean(backend, tier, f, *args, **kw):
+    """``f`` with finite data on the kernels a call with NaN or infinities
+    runs: on the GPU the simple ones, whose results differ from the tiled
+    and cooperative kernels' by rounding only."""
+    return _run(backend, "simple" if backend == "gpu" else tier, f, *args, **kw)
 
 
 def _run(backend, tier, f, *args, **kw):
@@ -115,10 +110,13 @@ def _reference(q, k, v, do, return_dmask=False, **kw):
     return (o, lse, *grads)
 
 
-def _backward_with_lse(device, q, k, v, do, lse_value, **kw):
-    """The backward from the forward's o and lse, with ``lse_value`` as the
-    lse of row 4 of head 1 (unless None)."""
-    o, lse = flashport.attention(q, k, v, return_lse=True, device=device, **kw)
+def _forward(device, q, k, v, **kw):
+    return flashport.attention(q, k, v, return_lse=True, device=device, **kw)
+
+
+def _backward_with_lse(device, q, k, v, do, o, lse, lse_value, **kw):
+    """The backward from ``o`` and ``lse``, with ``lse_value`` as the lse
+    of row 4 of head 1 (unless None)."""
     if lse_value is not None:
         lse = lse.copy()
         lse[0, 1, 4] = lse_value
@@ -173,11 +171,10 @@ MECHANISMS = ["bool_mask", "float_mask", "causal", "window"]
 
 @pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("mechanism", MECHANISMS)
-def test_keys_hidden_from_every_row_never_contribute(request, backend, mechanism, value):
+def test_keys_hidden_from_every_row_never_contribute(backend, mechanism, value):
     """NaN or an infinity in the k and v of keys no row sees changes
     nothing, forward and backward: every result equals the call with those
     keys' data finite (and the float64 reference)."""
-    _gpu_attention_pending(request, backend)
     kw, keys = _hidden_everywhere(backend, mechanism)
     for dtype in _dtypes(backend):
         q, k, v, do = _arrays(backend, dtype)
@@ -186,7 +183,7 @@ def test_keys_hidden_from_every_row_never_contribute(request, backend, mechanism
         bad_v = _poison(v, keys, value, rng)
         want = _reference(q, k, v, do, **kw)
         for tier in _tiers(backend):
-            clean = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
+            clean = _clean(backend, tier, _forward_backward, q, k, v, do, **kw)
             for bk, bv in [(bad_k, v), (k, bad_v), (bad_k, bad_v)]:
                 got = _run(backend, tier, _forward_backward, q, bk, bv, do, **kw)
                 for name, g, c, w in zip(NAMES, got, clean, want, strict=False):
@@ -198,11 +195,10 @@ def test_keys_hidden_from_every_row_never_contribute(request, backend, mechanism
 
 @pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("mechanism", ["causal", "window", "bool_mask", "float_mask"])
-def test_keys_hidden_from_some_rows(request, backend, mechanism, value):
+def test_keys_hidden_from_some_rows(backend, mechanism, value):
     """Keys hidden from some rows only: rows that do not see them equal the
     clean call; rows that see them follow the reference (a NaN or infinity
     in a visible v makes the row NaN; in a visible k, the scores say)."""
-    _gpu_attention_pending(request, backend)
     sq, sk = SHAPES[backend][3:5]
     rng = np.random.default_rng(3)
     keys = [sk - sq + 2, sk - sq + sq // 2, sk - 2]
@@ -226,7 +222,7 @@ def test_keys_hidden_from_some_rows(request, backend, mechanism, value):
                 got = _run(backend, tier, _forward_backward, q, bk, bv, do, **kw)
                 for name, g, w in zip(NAMES, got, want, strict=False):
                     _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
-                clean = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
+                clean = _clean(backend, tier, _forward_backward, q, k, v, do, **kw)
                 # Rows that see no poisoned key are those of the clean call.
                 sees = reference._scores(
                     q.astype(np.float64),
@@ -242,12 +238,11 @@ def test_keys_hidden_from_some_rows(request, backend, mechanism, value):
                 assert sees.any() and (~sees).any()
 
 
-def test_plus_infinity_and_nan_scores(request, backend):
+def test_plus_infinity_and_nan_scores(backend):
     """A visible NaN score (a NaN float mask entry) makes its row's o and
     lse NaN; a visible +inf one gives lse = +inf and o = NaN; other rows
     are those of the clean call. The backward from those o and lse: NaN
     gradients for the rows and the keys they see, the rest unchanged."""
-    _gpu_attention_pending(request, backend)
     sq, sk = SHAPES[backend][3:5]
     for dtype in _dtypes(backend):
         q, k, v, do = _arrays(backend, dtype, seed=5)
@@ -268,7 +263,7 @@ def test_plus_infinity_and_nan_scores(request, backend):
             got = _run(backend, tier, _forward_backward, q, k, v, do, **kw)
             for name, g, w in zip(NAMES, got, want, strict=False):
                 _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
-            clean = _run(
+            clean = _clean(
                 backend,
                 tier,
                 _forward_backward,
@@ -292,12 +287,11 @@ def test_plus_infinity_and_nan_scores(request, backend):
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
-def test_nonfinite_sinks_propagate(request, backend, value):
+def test_nonfinite_sinks_propagate(backend, value):
     """A NaN sink gives NaN lse and o on its head's rows, a +inf sink
     lse = +inf and o = NaN; the backward's gradients of those rows and of
     the keys they see are NaN, and so is the sink's own gradient; another
     head's rows are unchanged."""
-    _gpu_attention_pending(request, backend)
     b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
     hkv = hq
     rng = np.random.default_rng(6)
@@ -321,24 +315,24 @@ def test_nonfinite_sinks_propagate(request, backend, value):
             assert np.isnan(dk[:, 0]).all() and np.isnan(dv_[:, 0]).all()
             assert (np.isnan(lse[:, 0]) if np.isnan(value) else lse[:, 0] == np.inf).all()
             assert np.isnan(dsinks[0]) and np.isfinite(dsinks[1:]).all()
-            clean = _run(backend, tier, _forward_backward, q, k, v, do, **clean_kw)
+            clean = _clean(backend, tier, _forward_backward, q, k, v, do, **clean_kw)
             for g, c in zip(got[:5], clean[:5], strict=True):
                 np.testing.assert_array_equal(g[:, 1:], c[:, 1:])
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
-def test_backward_of_a_nan_or_infinite_lse_row_is_nan(request, backend, value):
+def test_backward_of_a_nan_or_infinite_lse_row_is_nan(backend, value):
     """attention_backward given lse = NaN or +inf for a row: that row's dq
     and the dk, dv of the keys it sees are NaN, never silently finite;
     other rows' dq are unchanged."""
-    _gpu_attention_pending(request, backend)
     _, hq, hkv, sq, sk = SHAPES[backend][:5]
     for dtype in _dtypes(backend):
         q, k, v, do = _arrays(backend, dtype, seed=7)
         kw = {"causal": True}
         for tier in _tiers(backend):
-            clean = _run(backend, tier, _backward_with_lse, q, k, v, do, None, **kw)
-            dq, dk, dv_ = _run(backend, tier, _backward_with_lse, q, k, v, do, value, **kw)
+            o, lse = _run(backend, tier, _forward, q, k, v, **kw)
+            clean = _clean(backend, tier, _backward_with_lse, q, k, v, do, o, lse, None, **kw)
+            dq, dk, dv_ = _run(backend, tier, _backward_with_lse, q, k, v, do, o, lse, value, **kw)
             assert np.isnan(dq[0, 1, 4]).all()
             others = np.ones(sq, bool)
             others[4] = False
@@ -352,11 +346,10 @@ def test_backward_of_a_nan_or_infinite_lse_row_is_nan(request, backend, value):
             np.testing.assert_array_equal(dv_[0, kv, seen:], clean[2][0, kv, seen:])
 
 
-def test_rows_that_see_no_key(request, backend):
+def test_rows_that_see_no_key(backend):
     """A row that sees no key (causal with seq_q > seq_k; a float mask row
     of -inf) has o = 0 and lse = -inf, and zero gradients, whatever NaN the
     hidden keys hold."""
-    _gpu_attention_pending(request, backend)
     b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
     sk = sq // 2
     rng = np.random.default_rng(8)
@@ -416,11 +409,10 @@ def test_softcap_of_infinite_scores_is_finite(backend):
                 _assert_like(g, w, dtype, f"{name} ({dtype.__name__}, tier {tier})")
 
 
-def test_packed_sequences_hide_each_others_keys(request, backend):
+def test_packed_sequences_hide_each_others_keys(backend):
     """attention_varlen: a sequence's NaN keys and values never reach the
     other sequences' rows (forward and backward); a sequence with no query
     rows hides its keys from every row."""
-    _gpu_attention_pending(request, backend)
     _, hq, hkv, sq, sk, d, dv = SHAPES[backend]
     rng = np.random.default_rng(10)
     cu_q = np.array([0, sq // 2, sq // 2, sq], np.int32)
@@ -436,7 +428,7 @@ def test_packed_sequences_hide_each_others_keys(request, backend):
         bad_v[cu_k[1] : cu_k[2]] = np.inf
         bad_v[0, 0, 0] = np.nan
         for tier in _tiers(backend):
-            clean = _run(backend, tier, _varlen, q, k, v, do, cu_q, cu_k)
+            clean = _clean(backend, tier, _varlen, q, k, v, do, cu_q, cu_k)
             got = _run(backend, tier, _varlen, q, bad_k, bad_v, do, cu_q, cu_k)
             want = reference.attention_varlen(
                 q, bad_k, bad_v, cu_q, cu_k, causal=True, return_lse=True
@@ -502,3 +494,44 @@ def test_merging_a_nan_or_infinite_lse(backend, value):
     assert np.isnan(out[0, 1]).all()
     assert np.isnan(lse[0, 1]) if np.isnan(value) else lse[0, 1] == np.inf
     assert np.isfinite(out[1, 2]).all() and np.isfinite(lse[1, 2])
+
+
+def test_scores_that_overflow_float32_follow_the_rules(gpu):
+    """Finite float32 inputs whose score overflows (q of row 5 and k of key
+    60 at 3e19, key 60 hidden from every other row of either head): row 5's lse is +inf,
+    its o NaN and its gradients poisoned, as the CPU computes them. The
+    screen sends calls with a float32 input of 2^48 or more to the simple
+    kernels: the tiled ones read a +inf score as no key."""
+    q, k, v, do = _arrays("gpu", np.float32, seed=13)
+    q[0, 0, 5] = 3e19
+    k[0, 0, 60] = 3e19
+    _, hq, _, sq, sk = SHAPES["gpu"][:5]
+    mask = np.ones((hq, sq, sk), bool)
+    mask[:, :, 60] = False
+    mask[0, 5, 60] = True
+    want = _forward_backward("cpu", q, k, v, do, mask=mask)
+    assert want[1][0, 0, 5] == np.inf and np.isnan(want[0][0, 0, 5]).all()
+    for tier in _tiers("gpu"):
+        got = _run("gpu", tier, _forward_backward, q, k, v, do, mask=mask)
+        for name, g, w in zip(NAMES, got, want, strict=False):
+            _assert_like(g, w, np.float32, f"{name} (tier {tier})")
+
+
+def test_finite_calls_keep_the_fast_kernels(gpu):
+    """The screen sends only calls with NaN, infinities or huge values to
+    the simple kernels: on finite data the default tier's results are the
+    tiled kernels' (on lavapipe), which round differently from the simple
+    ones', and a call with a NaN in a hidden key gives the simple kernels'
+    bits."""
+    q, k, v, do = _arrays("gpu", np.float32, seed=14)
+    fast = _forward_backward("gpu", q, k, v, do, causal=True)
+    simple = _run("gpu", "simple", _forward_backward, q, k, v, do, causal=True)
+    assert any(not np.array_equal(f, s) for f, s in zip(fast, simple, strict=True))
+    for f, s in zip(fast, simple, strict=True):
+        _assert_like(f, s, np.float32, "fast against simple")
+    bad_k = k.copy()
+    bad_k[0, 0, -1] = np.nan  # the last key: hidden from every row but the last
+    got = _forward_backward("gpu", q, bad_k, v, do, causal=True)
+    want = _run("gpu", "simple", _forward_backward, q, bad_k, v, do, causal=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)

@@ -19,7 +19,6 @@ override MODIFIES: bool = SOFTCAP || ALIBI || MASK;
 // WINDOW with it (rows start later than key 0), which switches the
 // kernels' per-row starts on.
 override VARLEN: bool = false;
-
 // Mirrors `params` in src/gpu/mod.rs, word for word.
 struct Params {
     seq_q: u32,
@@ -99,7 +98,13 @@ struct Params {
 // backends (src/cpu/softmax.rs, finish): the kernels write it as the bits
 // 0xff800000 where row_sum is 0 (finish_row below; simple/forward.wgsl and
 // coop/forward.wgsl at the end; tiled/forward.wgsl's `neg_inf`), and the
-// backward kernels read a non-finite lse as "no key: P = 0".
+// backward kernels read an lse of -inf as "no key: P = 0". In the simple
+// kernels NaN and infinities follow lib/nonfinite.wgsl: a row's NaN (+inf)
+// score or sink gives lse NaN (+inf) and o NaN; the backward pre-pass
+// writes NaN as the lse of a row whose lse is NaN or +inf or whose D is
+// not finite, and the backward kernels give such a row's pairs P = dS =
+// NaN (row_status). The tiled and cooperative kernels run only where
+// screen.wgsl found none of them in the inputs.
 const NEG_BIG: f32 = -3.0e38;
 const MASK_BLOCK: u32 = 16u;
 // The tiled and cooperative kernels take their exponentials in base 2.
@@ -108,6 +113,13 @@ const LOG2E: f32 = 1.4426950408889634;
 // Checked on the bits: WGSL does not promise IEEE infinities.
 fn is_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Whether score() left a score shown, not NEG_BIG: on the bits, since a
+// float comparison with a NaN score may come out either way (a driver's
+// ordered compare says false; lib/nonfinite.wgsl).
+fn shown(s: f32) -> bool {
+    return bitcast<u32>(s) != bitcast<u32>(NEG_BIG);
 }
 
 // Word `w` of `row`'s entry in the row table (VARLEN): 0 its first key,
@@ -171,6 +183,23 @@ fn sink_of(bh: u32) -> f32 {
     return bitcast<f32>(vx[p.sinks_off + bh % p.heads_q]);
 }
 
+// The code (lib/nonfinite.wgsl) of head bh's sink: a NaN or +inf sink
+// makes every row of the head NaN or infinite, like a score.
+fn sink_code(bh: u32) -> f32 {
+    if !SINKS {
+        return 0.0;
+    }
+    return nonfinite_code(sink_of(bh));
+}
+
+// How the backward treats a query row, from the lse in its stats (the
+// pre-pass's): x = 1 where it saw a key (lse not -inf), y = 1 where it is
+// poisoned (lse NaN: its pairs get P = dS = NaN).
+fn row_status(lse: f32) -> vec2<bool> {
+    let seen = bitcast<u32>(lse) != 0xff800000u;
+    return vec2(seen, seen && !is_finite(lse));
+}
+
 fn softcap_tanh(u: f32) -> f32 {
     return tanh_f32(u / p.softcap);
 }
@@ -209,6 +238,16 @@ fn score(u: f32, bh: u32, row: u32, key: u32) -> f32 {
         s += bitcast<f32>(bits);
     }
     return s;
+}
+
+// P of one pair of a row that is not poisoned (row_status), from its score
+// and the row's lse: a score that is not finite weighs 0 if -inf, else NaN
+// (docs/design.md#non-finite-inputs).
+fn pair_weight(s: f32, lse: f32) -> f32 {
+    if !is_finite(s) {
+        return select(nan_f32(), 0.0, bitcast<u32>(s) == 0xff800000u);
+    }
+    return exp(s - lse);
 }
 
 // dS -> dU: the softcap's derivative 1 - tanh^2, tanh recomputed from u.
@@ -329,7 +368,8 @@ fn dropout_factor(bh: u32, row: u32, key: u32) -> f32 {
 // acc / divisor, and 0 where the divisor is 0: a row that saw no key, whose
 // lse is -inf (or the sink, with a sink). A divisor rather than a factor,
 // so that a sink of -inf and no dropout divide by row_sum exactly as the
-// plain kernels do, bit for bit.
+// plain kernels do, bit for bit. A NaN or +inf sink is the caller's
+// (sink_code), as is a row's NaN or +inf score.
 fn finish_row(bh: u32, row_max: f32, row_sum: f32) -> vec2<f32> {
     let neg_inf = bitcast<f32>(0xff800000u);
     if SINKS {

@@ -83,3 +83,12 @@ fn code_out(code: f32, o: f32, lse: f32) -> f32 {
     }
     return nan_f32();
 }
+
+// Float32 bits that send a call to the simple kernels (screen.wgsl): not
+// finite, or 2^48 or more in magnitude (exponent 127 + 48), whose
+// products, summed over a row, may overflow to an infinity.
+const SCREEN_EXPONENT: u32 = 0x57800000u;
+
+fn screened_f32(bits: u32) -> bool {
+    return (bits & 0x7f800000u) >= SCREEN_EXPONENT;
+}

@@ -45,7 +45,9 @@ var<workgroup> sds: array<f32, S_ELEMS>;
 // The lse and delta of the tile's rows, from `stats`.
 var<workgroup> lse: array<f32, ROW_ELEMS>;
 var<workgroup> delta: array<f32, ROW_ELEMS>;
-// 1 where the row's lse is finite: a row that saw no key has P = 0.
+// How each row enters (lib/common.wgsl, row_status): 0 where it saw no
+// key (P = 0), 2 where it is poisoned (P = dS = NaN at every key it
+// sees), else 1.
 var<workgroup> sok: array<u32, ROW_ELEMS>;
 
 @compute @workgroup_size(WG)
@@ -53,6 +55,10 @@ fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
+    // screen.wgsl's flag: the last word of `stats`.
+    if screened_out(lid, bitcast<u32>(stats[arrayLength(&stats) - 1u].y)) {
+        return;
+    }
     let kv = wid.y;
     let k0 = wid.x * BK;
     let nk = min(BK, p.seq_k - k0);
@@ -104,14 +110,19 @@ fn main(
                 if e / D < nr {
                     x = in_elem(q[in_word(q_base + e)], q_base + e);
                 }
-                sq[e] = x;
+                // NaN and infinities as 0 (docs/design.md#non-finite-inputs):
+                // a row holding any is poisoned (its pairs NaN whatever its
+                // scores), and dK += dS q must not meet 0 * NaN where the
+                // row does not see the key.
+                sq[e] = select(0.0, x, is_finite(x));
             }
             for (var e = lid; e < BQ * DV; e += WG) {
                 var x = 0.0;
                 if e / DVN < nr {
                     x = in_elem(d_out[in_word(o_base + e)], o_base + e);
                 }
-                sdo[e] = x;
+                // As q's (dV += P dO).
+                sdo[e] = select(0.0, x, is_finite(x));
             }
             for (var i = lid; i < BQ; i += WG) {
                 var lse_i = 0.0;
@@ -121,9 +132,10 @@ fn main(
                     let st = stats[l_base + i];
                     lse_i = st.x;
                     delta_i = st.y;
-                    ok = select(0u, 1u, is_finite(lse_i));
+                    let status = row_status(lse_i);
+                    ok = select(select(0u, 1u, status.x), 2u, status.y);
                 }
-                lse[i] = select(0.0, lse_i, ok == 1u);
+                lse[i] = select(0.0, lse_i, is_finite(lse_i));
                 delta[i] = delta_i;
                 sok[i] = ok;
             }
@@ -137,7 +149,7 @@ fn main(
                 // P * Z (for dV) and dU = dS * softcap'(u) (for dK).
                 var pij = 0.0;
                 var ds = 0.0;
-                if i < nr && j < nk && sok[i] == 1u && key < visible_end(row) && key >= visible_start(row) {
+                if i < nr && j < nk && sok[i] != 0u && key < visible_end(row) && key >= visible_start(row) {
                     var s = 0.0;
                     for (var c = 0u; c < D; c++) {
                         s += sq[i * D + c] * sk[j * KS + c];
@@ -147,8 +159,11 @@ fn main(
                     if MODIFIES {
                         sm = score(u, bh, row, key);
                     }
-                    if !MASK || sm != NEG_BIG {
-                        pij = exp(sm - lse[i]);
+                    if sok[i] == 2u && (!MASK || shown(sm)) {
+                        pij = nan_f32();
+                        ds = nan_f32();
+                    } else if !MASK || shown(sm) {
+                        pij = pair_weight(sm, lse[i]);
                         var dp = 0.0;
                         for (var c = 0u; c < DV; c++) {
                             dp += sdo[i * DV + c] * sv[j * VS + c];

@@ -46,14 +46,24 @@ var<workgroup> sds: array<f32, S_ELEMS>;
 // The lse and delta of the tile's rows, from `stats`.
 var<workgroup> lse: array<f32, ROW_ELEMS>;
 var<workgroup> delta: array<f32, ROW_ELEMS>;
-// 1 where the row's lse is finite: a row that saw no key has P = 0.
+// How each row enters (lib/common.wgsl, row_status): 0 where it saw no
+// key (P = 0), 2 where it is poisoned (dS = NaN at every key it sees),
+// else 1.
 var<workgroup> sok: array<u32, ROW_ELEMS>;
+// docs/design.md#non-finite-inputs: k0 + 1 for each key of the tile whose
+// k held a NaN or an infinity (staged as 0: dQ += dS K must not meet
+// 0 * NaN where a row does not see the key).
+var<workgroup> kbad: array<u32, BK>;
 
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
+    // screen.wgsl's flag: the last word of `stats`.
+    if screened_out(lid, bitcast<u32>(stats[arrayLength(&stats) - 1u].y)) {
+        return;
+    }
     let head = wid.y;
     let row0 = wid.x * BQ;
     let rows = min(BQ, p.seq_q - row0);
@@ -86,11 +96,15 @@ fn main(
             let st = stats[l_base + i];
             lse_i = st.x;
             delta_i = st.y;
-            ok = select(0u, 1u, is_finite(lse_i));
+            let status = row_status(lse_i);
+            ok = select(select(0u, 1u, status.x), 2u, status.y);
         }
-        lse[i] = select(0.0, lse_i, ok == 1u);
+        lse[i] = select(0.0, lse_i, is_finite(lse_i));
         delta[i] = delta_i;
         sok[i] = ok;
+    }
+    for (var j = lid; j < BK; j += WG) {
+        kbad[j] = 0u;
     }
 
     let key_end = visible_end(row0 + rows - 1u);
@@ -114,6 +128,10 @@ fn main(
             var x = 0.0;
             if e / D < nk {
                 x = in_elem(k[in_word(k_base + e)], k_base + e);
+                if !is_finite(x) {
+                    x = 0.0;
+                    kbad[e / D] = k0 + 1u;
+                }
             }
             sk[(e / D) * KS + e % D] = x;
         }
@@ -134,7 +152,7 @@ fn main(
             // dS, and dU = dS * softcap'(u).
             var ds = 0.0;
             var du = 0.0;
-            if i < rows && j < nk && sok[i] == 1u && key < visible_end(row) && key >= visible_start(row) {
+            if i < rows && j < nk && sok[i] != 0u && key < visible_end(row) && key >= visible_start(row) {
                 var s = 0.0;
                 for (var c = 0u; c < D; c++) {
                     s += sq[i * D + c] * sk[j * KS + c];
@@ -144,14 +162,23 @@ fn main(
                 if MODIFIES {
                     sm = score(u, bh, row, key);
                 }
-                if !MASK || sm != NEG_BIG {
-                    let pij = exp(sm - lse[i]);
+                if sok[i] == 2u && (!MASK || shown(sm)) {
+                    ds = nan_f32();
+                    du = ds;
+                } else if !MASK || shown(sm) {
+                    let pij = pair_weight(sm, lse[i]);
                     var dp = 0.0;
                     for (var c = 0u; c < DV; c++) {
                         dp += sdo[i * DV + c] * sv[j * VS + c];
                     }
                     ds = pij * (dp * dropout_factor(bh, row, key) - delta[i]);
                     du = softcap_grad(ds, u);
+                    // A key whose k held a NaN or an infinity: dQ and the
+                    // score's gradient NaN.
+                    if kbad[j] == k0 + 1u {
+                        ds = nan_f32();
+                        du = ds;
+                    }
                 }
             }
             if DMASK && i < rows && j < nk {

@@ -33,6 +33,8 @@ override ROW_ELEMS: u32 = 16u;
 @group(0) @binding(3) var<storage, read> v: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> lse: array<f32>;
+// screen.wgsl's flag (SCREENED in lib/common.wgsl).
+@group(0) @binding(6) var<storage, read> screen_flag: array<u32>;
 
 var<workgroup> sq: array<f32, Q_ELEMS>;
 var<workgroup> sk: array<f32, K_ELEMS>;
@@ -44,12 +46,21 @@ var<workgroup> acc: array<f32, O_ELEMS>;
 var<workgroup> row_max: array<f32, ROW_ELEMS>;
 var<workgroup> row_sum: array<f32, ROW_ELEMS>;
 var<workgroup> rescale: array<f32, ROW_ELEMS>;
+// docs/design.md#non-finite-inputs (lib/nonfinite.wgsl): each row's code
+// (2 after a NaN score, 1 after +inf), and for each key of the tile
+// whether its value held a NaN or an infinity (k0 + 1 then: no reset
+// between tiles), staged as 0.
+var<workgroup> row_code: array<f32, ROW_ELEMS>;
+var<workgroup> vbad: array<u32, BK>;
 
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
+    if screened_out(lid, screen_flag[arrayLength(&screen_flag) - 1u]) {
+        return;
+    }
     let head = wid.y;
     let row0 = wid.x * BQ;
     let rows = min(BQ, p.seq_q - row0);
@@ -71,6 +82,10 @@ fn main(
     for (var i = lid; i < BQ; i += WG) {
         row_max[i] = NEG_BIG;
         row_sum[i] = 0.0;
+        row_code[i] = 0.0;
+    }
+    for (var j = lid; j < BK; j += WG) {
+        vbad[j] = 0u;
     }
 
     // Rows grow downwards, so the last row of the tile sees the most keys.
@@ -97,6 +112,10 @@ fn main(
             if e / DVN < nk {
                 let at = (kv_row0 + k0) * DV + e;
                 x = in_elem(v[in_word(at)], at);
+                if !is_finite(x) {
+                    x = 0.0;
+                    vbad[e / DVN] = k0 + 1u;
+                }
             }
             sv[(e / DVN) * VS + e % DVN] = x;
         }
@@ -135,10 +154,18 @@ fn main(
                     n = min(nk, end - k0);
                 }
             }
+            // NaN and infinite scores weigh 0 here; the row's code keeps them.
             var row_max_new = row_max[i];
+            var code = row_code[i];
             for (var j = 0u; j < n; j++) {
-                row_max_new = max(row_max_new, ss[i * BK + j]);
+                let s = ss[i * BK + j];
+                if is_finite(s) {
+                    row_max_new = max(row_max_new, s);
+                } else {
+                    code = max(code, nonfinite_code(s));
+                }
             }
+
             // exp(NEG_BIG - finite) underflows to 0 and discards the empty
             // accumulator, which is what a first visible key needs.
             rescale[i] = exp(row_max[i] - row_max_new);
@@ -148,7 +175,8 @@ fn main(
             for (var j = 0u; j < BK; j++) {
                 var pj = 0.0;
                 let s = ss[i * BK + j];
-                if j < n && (!(MASK || WINDOW) || s != NEG_BIG) {
+                let seen = j < n && (!(MASK || WINDOW) || shown(s));
+                if seen && is_finite(s) {
                     pj = exp(s - row_max_new);
                 }
                 tile_sum += pj;
@@ -163,9 +191,14 @@ fn main(
                         pj = 0.0;
                     }
                 }
+                // A key the row sees whose value is not finite: o = NaN.
+                if seen && vbad[j] == k0 + 1u {
+                    code = max(code, CODE_VALUE);
+                }
                 ss[i * BK + j] = pj;
             }
             row_sum[i] = row_sum[i] * rescale[i] + tile_sum;
+            row_code[i] = code;
             row_max[i] = row_max_new;
         }
         workgroupBarrier();
@@ -184,24 +217,22 @@ fn main(
 
     let o_base = (head * p.seq_q + row0) * DV;
     let l_base = head * p.seq_q + row0;
+    // Rows with a code (lib/nonfinite.wgsl): a NaN or +inf score or sink,
+    // or a value that is not finite.
+    let sink = sink_code(bh);
     if SINKS || DROPOUT {
         for (var e = lid; e < rows * DV; e += WG) {
             let i = e / DVN;
-            let divisor = finish_row(bh, row_max[i], row_sum[i]).x;
-            out[o_base + e] = select(0.0, acc[e] / divisor, divisor > 0.0);
+            let fin = finish_row(bh, row_max[i], row_sum[i]);
+            let code = max(row_code[i], sink);
+            let x = select(0.0, acc[e] / fin.x, fin.x > 0.0);
+            out[o_base + e] = code_out(code, x, code_lse(code, fin.y));
         }
         for (var i = lid; i < rows; i += WG) {
-            lse[l_base + i] = finish_row(bh, row_max[i], row_sum[i]).y;
+            let code = max(row_code[i], sink);
+            lse[l_base + i] = code_lse(code, finish_row(bh, row_max[i], row_sum[i]).y);
         }
         return;
-    }
-    for (var e = lid; e < rows * DV; e += WG) {
-        let sum = row_sum[e / DVN];
-        var x = 0.0;
-        if sum > 0.0 {
-            x = acc[e] / sum;
-        }
-        out[o_base + e] = x;
     }
     for (var i = lid; i < rows; i += WG) {
         let sum = row_sum[i];
@@ -210,6 +241,17 @@ fn main(
         if sum > 0.0 {
             x = row_max[i] + log(sum);
         }
-        lse[l_base + i] = x;
+        // Kept for the outputs below (the last reads of row_max were above).
+        row_max[i] = code_lse(row_code[i], x);
+        lse[l_base + i] = row_max[i];
+    }
+    workgroupBarrier();
+    for (var e = lid; e < rows * DV; e += WG) {
+        let sum = row_sum[e / DVN];
+        var x = 0.0;
+        if sum > 0.0 {
+            x = acc[e] / sum;
+        }
+        out[o_base + e] = code_out(row_code[e / DVN], x, row_max[e / DVN]);
     }
 }

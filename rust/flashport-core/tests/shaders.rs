@@ -10,7 +10,7 @@ use flashport_core::gpu::kernel::Kernel;
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
     decode_source, decode_subgroup_source, source, tile_overrides, variant_overrides, Variants,
-    DECODE_COMBINE, DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, VARLEN,
+    DECODE_COMBINE, DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, SCREEN, VARLEN,
 };
 use flashport_core::gpu::tiles::{
     coop_backward_tiles, coop_forward_tiles, coop_workgroup_bytes, simple_tiles,
@@ -184,6 +184,7 @@ fn every_shader_parses_and_validates() {
                 MERGE_STATES.to_string(),
                 DECODE_COMBINE.to_string(),
                 KV_SCATTER.to_string(),
+                SCREEN.to_string(),
                 decode_source(false, true),
                 decode_source(true, false),
             ];
@@ -202,6 +203,7 @@ fn every_shader_parses_and_validates() {
             "device_arrays.wgsl",
             "kv_scatter.wgsl",
             "merge_states.wgsl",
+            "screen.wgsl",
             "varlen.wgsl",
         ]
         .contains(&file.as_str())
@@ -232,29 +234,42 @@ fn every_shader_parses_and_validates() {
     }
 }
 
+/// A module of its own (no kernel's fragments) validates with WebGPU's
+/// core capabilities as it is, with the entry points the host runs.
+fn module_validates(file: &str, text: &str, entries: &[&str]) {
+    let module = parse_text(file, text);
+    let plain =
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
+            .validate(&module);
+    if let Err(e) = plain {
+        panic!("{file} does not validate:\n{}", e.emit_to_string(text));
+    }
+    let mut found: Vec<&str> = module
+        .entry_points
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    found.sort();
+    assert_eq!(found, entries);
+}
+
+/// The screen in front of the fast attention kernels (src/gpu/screen.rs):
+/// a module of its own, whose override only picks the element type.
+#[test]
+fn screen_validates() {
+    module_validates("screen.wgsl", SCREEN, &["main"]);
+}
+
 /// The device-array moves (copies, sums, float16 rounding between a
 /// DeviceArray and the kernels' buffers) are one module of their own, with
 /// no overrides: it must validate with WebGPU's core capabilities.
 #[test]
 fn device_array_moves_validate() {
-    let text = DEVICE_ARRAYS;
-    let module = parse_text("device_arrays.wgsl", text);
-    let plain =
-        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
-            .validate(&module);
-    if let Err(e) = plain {
-        panic!(
-            "device_arrays.wgsl does not validate:\n{}",
-            e.emit_to_string(text)
-        );
-    }
-    let mut entries: Vec<&str> = module
-        .entry_points
-        .iter()
-        .map(|e| e.name.as_str())
-        .collect();
-    entries.sort();
-    assert_eq!(entries, ["add_f32", "copy_f16", "to_f16"]);
+    module_validates(
+        "device_arrays.wgsl",
+        DEVICE_ARRAYS,
+        &["add_f32", "copy_f16", "to_f16"],
+    );
 }
 
 /// A KV cache's scatter (writes and block copies into its pools) is a
@@ -262,23 +277,11 @@ fn device_array_moves_validate() {
 /// core capabilities, with the two entry points the host runs.
 #[test]
 fn kv_scatter_validates() {
-    let module = parse_text("kv_scatter.wgsl", KV_SCATTER);
-    let plain =
-        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
-            .validate(&module);
-    if let Err(e) = plain {
-        panic!(
-            "kv_scatter.wgsl does not validate:\n{}",
-            e.emit_to_string(KV_SCATTER)
-        );
-    }
-    let mut entries: Vec<&str> = module
-        .entry_points
-        .iter()
-        .map(|e| e.name.as_str())
-        .collect();
-    entries.sort();
-    assert_eq!(entries, ["scatter_f16", "scatter_f32"]);
+    module_validates(
+        "kv_scatter.wgsl",
+        KV_SCATTER,
+        &["scatter_f16", "scatter_f32"],
+    );
 }
 
 /// The merge of attention states is a module of its own, with no
@@ -287,26 +290,10 @@ fn kv_scatter_validates() {
 /// points the host runs.
 #[test]
 fn merge_states_validates() {
-    let text = MERGE_STATES;
-    let module = parse_text("merge_states.wgsl", text);
-    let plain =
-        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
-            .validate(&module);
-    if let Err(e) = plain {
-        panic!(
-            "merge_states.wgsl does not validate:\n{}",
-            e.emit_to_string(text)
-        );
-    }
-    let mut entries: Vec<&str> = module
-        .entry_points
-        .iter()
-        .map(|e| e.name.as_str())
-        .collect();
-    entries.sort();
-    assert_eq!(
-        entries,
-        ["merge_accumulate", "merge_finish", "merge_max", "merge_sum"]
+    module_validates(
+        "merge_states.wgsl",
+        MERGE_STATES,
+        &["merge_accumulate", "merge_finish", "merge_max", "merge_sum"],
     );
 }
 
@@ -315,21 +302,11 @@ fn merge_states_validates() {
 /// device-array moves.
 #[test]
 fn varlen_moves_validate() {
-    let text = VARLEN;
-    let module = parse_text("varlen.wgsl", text);
-    let plain =
-        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
-            .validate(&module);
-    if let Err(e) = plain {
-        panic!("varlen.wgsl does not validate:\n{}", e.emit_to_string(text));
-    }
-    let mut entries: Vec<&str> = module
-        .entry_points
-        .iter()
-        .map(|e| e.name.as_str())
-        .collect();
-    entries.sort();
-    assert_eq!(entries, ["varlen_swap_f16", "varlen_swap_f32"]);
+    module_validates(
+        "varlen.wgsl",
+        VARLEN,
+        &["varlen_swap_f16", "varlen_swap_f32"],
+    );
 }
 
 /// Every kernel binds at most 8 storage buffers per stage, WebGPU's default
@@ -367,6 +344,7 @@ fn kernels_specialise_with_every_variant() {
         window: true,
         dmask: true,
         varlen: true,
+        screened: true,
     };
     let caps = AdapterCaps {
         workgroup_storage_bytes: 32 * 1024,
@@ -535,6 +513,7 @@ const PACKED: Variants = Variants {
     window: true,
     dmask: false,
     varlen: true,
+    screened: false,
 };
 
 const NVIDIA: AdapterCaps = AdapterCaps {

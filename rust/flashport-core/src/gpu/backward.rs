@@ -11,10 +11,12 @@ use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
 use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
+use super::kernel::Kernel;
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::select::{check_loop_limit, select_backward};
+use super::screen;
+use super::select::{check_loop_limit, select_backward, simple_backward};
 use super::timing;
 use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
@@ -169,6 +171,24 @@ fn backward_on(
     let xp = grid(sq, kp.tiles.workgroup, ctx, "the backward pre-pass")?;
     let xq = grid(sq, kq.tiles.q_rows, ctx, "the dQ pass")?;
     let xkv = grid(sk, kkv.tiles.k_rows, ctx, "the dK/dV pass")?;
+    // The simple kernels behind the screen (src/gpu/screen.rs), where they
+    // are needed and their grids fit.
+    let simple = match simple_backward(p, ctx.caps, overrides, &plan) {
+        Some((sq_key, skv_key)) => {
+            let grids = (
+                grid(sq, sq_key.tiles.q_rows, ctx, "the dQ pass"),
+                grid(sk, skv_key.tiles.k_rows, ctx, "the dK/dV pass"),
+            );
+            match grids {
+                (Ok(xsq), Ok(xskv)) => {
+                    Some(((ctx.pipeline(sq_key)?, xsq), (ctx.pipeline(skv_key)?, xskv)))
+                }
+                _ => None,
+            }
+        }
+        None => None,
+    };
+    let screened_on_host = vd.screened(p);
     let limit = binding_limit(ctx, overrides);
     let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;
     let (pre, dq_pipe, dkdv_pipe) = (ctx.pipeline(kp)?, ctx.pipeline(kq)?, ctx.pipeline(kkv)?);
@@ -193,8 +213,9 @@ fn backward_on(
             let kb = chunk_input(&mut sub, "k", x.k, (sk * d, eb), kvs)?;
             let vb = chunk_input(&mut sub, "v", x.v, (sk * dv, eb), kvs)?;
             let lb = chunk_input(&mut sub, "lse", x.lse, (sq, 4), qs)?;
-            // (lse, D) per query row: written by the pre-pass.
-            let stats = sub.output(2 * nq * sq);
+            // (lse, D) per query row, written by the pre-pass, then the
+            // screen's flag (the last word).
+            let stats = sub.output(2 * nq * sq + 2);
             let dqb = sub.output(nq * sq * d);
             let dkb = sub.output(nkv * sk * d);
             let dvb = sub.output(nkv * sk * dv);
@@ -230,9 +251,23 @@ fn backward_on(
             kv_bindings.extend([dkb.binding(), dvb.binding()]);
             let g_dq = bind(ctx, &dq_pipe, &dq_bindings, Some(&vx));
             let g_kv = bind(ctx, &dkdv_pipe, &kv_bindings, Some(&vx));
+            // Raised by the pre-pass and the screen, read by the simple
+            // kernels behind the fast ones.
+            screen::reset_flag(ctx, &mut sub, &stats, screened_on_host);
             sub.dispatch(&pre, &g_pre, (xp, nq as u32), "backward_preprocess");
+            if simple.is_some() && !screened_on_host {
+                let f16 = p.dtype == DType::F16;
+                screen::screen(ctx, &mut sub, f16, [&qb, &kb, &vb], &stats)?;
+            }
             sub.dispatch(&dq_pipe, &g_dq, (xq, nq as u32), kq.kernel.name());
             sub.dispatch(&dkdv_pipe, &g_kv, (xkv, nkv as u32), kkv.kernel.name());
+            if let Some(((sdq, xsq), (skv, xskv))) = &simple {
+                let sg_dq = bind(ctx, sdq, &dq_bindings, Some(&vx));
+                let sg_kv = bind(ctx, skv, &kv_bindings, Some(&vx));
+                let (dq_name, kv_name) = (Kernel::BackwardDq.name(), Kernel::BackwardDkDv.name());
+                sub.dispatch(sdq, &sg_dq, (*xsq, nq as u32), dq_name);
+                sub.dispatch(skv, &sg_kv, (*xskv, nkv as u32), kv_name);
+            }
             let mut reads = Vec::new();
             let (k_off, v_off) = (kv0 * sk * d, kv0 * sk * dv);
             let s = &mut sub;

@@ -10,10 +10,12 @@ use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
 use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
+use super::kernel::Kernel;
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::select::{check_loop_limit, select_forward};
+use super::screen;
+use super::select::{check_loop_limit, select_forward, simple_forward};
 use super::timing;
 use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
@@ -132,9 +134,20 @@ fn forward_on(
     let mut lse = Sink::new(outputs, p.lse_len(), f32::NEG_INFINITY);
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let eb = if p.dtype == DType::F16 { 2 } else { 4 };
-    let key = select_forward(p, ctx.caps, overrides).forward;
+    let plan = select_forward(p, ctx.caps, overrides);
+    let key = plan.forward;
     check_loop_limit(p, ctx.caps, &[key])?;
     let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
+    // The simple kernel behind the screen (src/gpu/screen.rs), where one
+    // is needed and its grid fits.
+    let simple = match simple_forward(p, ctx.caps, overrides, &plan) {
+        Some(k) => match grid(sq, k.tiles.q_rows, ctx, "the forward pass") {
+            Ok(xs) => Some((ctx.pipeline(k)?, xs)),
+            Err(_) => None,
+        },
+        None => None,
+    };
+    let screened_on_host = vd.screened(p);
     let limit = binding_limit(ctx, overrides);
     let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;
     let pipeline = ctx.pipeline(key)?;
@@ -152,20 +165,33 @@ fn forward_on(
             let vb = chunk_input(&mut sub, "v", v, (sk * dv, eb), (kv0, nkv))?;
             let ob = sub.output(nq * sq * dv);
             let lb = sub.output(nq * sq);
-            let group = bind(
-                ctx,
-                &pipeline,
-                &[
-                    params.binding(),
-                    qb.binding(),
-                    kb.binding(),
-                    vb.binding(),
-                    ob.binding(),
-                    lb.binding(),
-                ],
-                Some(&vx),
-            );
-            sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
+            // The simple kernel's extra binding: the screen's flag (its
+            // contents unread where the simple kernel is the plan's own).
+            let flag = sub.scratch(4);
+            let bindings = [
+                params.binding(),
+                qb.binding(),
+                kb.binding(),
+                vb.binding(),
+                ob.binding(),
+                lb.binding(),
+                flag.binding(),
+            ];
+            let own = if key.kernel == Kernel::Forward { 7 } else { 6 };
+            let group = bind(ctx, &pipeline, &bindings[..own], Some(&vx));
+            if let Some((simple_pipeline, xs)) = &simple {
+                screen::reset_flag(ctx, &mut sub, &flag, screened_on_host);
+                if !screened_on_host {
+                    let f16 = p.dtype == DType::F16;
+                    screen::screen(ctx, &mut sub, f16, [&qb, &kb, &vb], &flag)?;
+                }
+                sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
+                let simple_group = bind(ctx, simple_pipeline, &bindings, Some(&vx));
+                let name = Kernel::Forward.name();
+                sub.dispatch(simple_pipeline, &simple_group, (*xs, nq as u32), name);
+            } else {
+                sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
+            }
             let mut reads = Vec::new();
             out.collect(
                 ctx,

@@ -31,6 +31,8 @@
 //!   its reused buffers; `run`: panics and lost devices as errors;
 //! - `timing`: kernel timestamps and host phases; `shaders`, `spirv`: the
 //!   WGSL sources and the SPIR-V of the cooperative kernels.
+//! - `screen`: the pass that sends calls with NaN, infinities or huge
+//!   values from the tiled and cooperative kernels to the simple ones;
 //! - `kv_pool`: a KV cache's pools on the device (its writes, block
 //!   copies and attention);
 //! - `varlen`: packed batches of variable-length sequences, their row table
@@ -53,6 +55,7 @@ mod params;
 mod pipelines;
 mod pool;
 mod run;
+mod screen;
 pub mod select;
 #[cfg(not(feature = "testing"))]
 mod shaders;

@@ -247,6 +247,26 @@ impl VariantData {
         })
     }
 
+    /// Whether what the host holds sends the call to the simple kernels
+    /// (src/gpu/screen.rs): a NaN or a value of 2^48 or more in a float
+    /// mask (its -inf hides a key; a very negative value only lowers a
+    /// score), ALiBi slopes or sinks that are not finite or are that
+    /// large, or such a scale or softcap.
+    pub fn screened(&self, p: &Problem) -> bool {
+        const SCREEN: f64 = (1u64 << 48) as f64;
+        let huge = |x: f64| x.is_nan() || x.abs() >= SCREEN;
+        let floats = |from: u32, to: u32| {
+            self.words[from as usize..to as usize]
+                .iter()
+                .map(|&w| f32::from_bits(w) as f64)
+        };
+        let mask_end = if p.mask.is_some() { self.blocks_off } else { 0 };
+        floats(0, mask_end).any(|m| m.is_nan() || m >= SCREEN)
+            || floats(self.slopes_off, self.rows_off).any(huge)
+            || huge(p.scale)
+            || p.softcap.is_some_and(huge)
+    }
+
     /// The words to upload: a one-word dummy when the call has no variant
     /// arrays (the kernels name `vx` in code their overrides switch off,
     /// and every binding a pipeline names must be bound).
@@ -273,6 +293,51 @@ mod tests {
             &options,
         )
         .unwrap()
+    }
+
+    /// What the host screens (src/gpu/screen.rs): a float mask's NaN, +inf
+    /// or value of 2^48 or more, but not its -inf or very negative values
+    /// (they hide or lower a key); slopes and sinks that are not finite or
+    /// that large; such a scale.
+    #[test]
+    fn the_host_screens_what_it_holds() {
+        let (mask_info, one) = ([6usize, 10], [1usize]);
+        let screened = |mask: Option<&[f32]>, sinks: Option<f64>, slope: Option<f64>, scale| {
+            let options = crate::Options {
+                mask: mask.map(|_| crate::ArrayInfo::new(&mask_info, "float32")),
+                sinks: sinks.map(|_| crate::ArrayInfo::new(&one, "float32")),
+                alibi_slopes: slope.map(|_| crate::ArrayInfo::new(&one, "float32")),
+                scale,
+                ..Default::default()
+            };
+            let p = problem(6, 10, options);
+            let (sinks, slopes) = (sinks.map(|s| [s]), slope.map(|s| [s]));
+            let arrays = crate::VariantArrays {
+                mask: mask.map(|m| crate::variants::MaskData::Float(crate::Slice::F32(m))),
+                sinks: sinks.as_ref().map(|s| &s[..]),
+                alibi_slopes: slopes.as_ref().map(|s| &s[..]),
+                segments: None,
+            };
+            VariantData::new(&p, &arrays).unwrap().screened(&p)
+        };
+        let mask = |x: f32| {
+            let mut m = vec![0.25f32; 60];
+            m[17] = x;
+            m
+        };
+        assert!(!screened(None, None, None, None));
+        for x in [f32::NEG_INFINITY, -3.0e38, 1.0e14] {
+            assert!(!screened(Some(&mask(x)), None, None, None), "{x}");
+        }
+        for x in [f32::NAN, f32::INFINITY, 3.0e14] {
+            assert!(screened(Some(&mask(x)), None, None, None), "{x}");
+        }
+        for x in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e20] {
+            assert!(screened(None, Some(x), None, None), "sink {x}");
+            assert!(screened(None, None, Some(x), None), "slope {x}");
+        }
+        assert!(!screened(None, Some(-3.0), Some(0.5), Some(0.1)));
+        assert!(screened(None, None, None, Some(1e20)));
     }
 
     /// With the default positions the offsets are those the uniform held

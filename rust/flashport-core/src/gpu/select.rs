@@ -124,6 +124,7 @@ pub fn variants_of(p: &Problem) -> Variants {
         window: p.window.left.is_some() || p.varlen.is_some(),
         dmask: p.return_dmask,
         varlen: p.varlen.is_some(),
+        screened: false,
     }
 }
 
@@ -275,6 +276,55 @@ pub fn select_backward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Backwa
         dq,
         dkdv,
     }
+}
+
+/// The simple forward kernel that runs behind `plan`'s tiled or cooperative
+/// one and does its work again where the screen finds NaN, infinities or
+/// huge values (src/gpu/screen.rs): none where `plan`
+/// is simple already (it follows docs/design.md#non-finite-inputs itself),
+/// or where the simple kernel would pass the driver's loop limit, which
+/// the fast kernel does not (such calls keep it, and IEEE arithmetic's
+/// NaN: docs/gpu.md).
+pub fn simple_forward(
+    p: &Problem,
+    caps: AdapterCaps,
+    ov: &Overrides,
+    plan: &ForwardPlan,
+) -> Option<PipelineKey> {
+    if plan.tier == Tier::Simple {
+        return None;
+    }
+    let variants = Variants {
+        screened: true,
+        ..plan.forward.variants
+    };
+    let key = Keys::new(p, ov.apply(caps), ov, variants).simple(Kernel::Forward);
+    check_loop_limit(p, ov.apply(caps), &[key]).ok()?;
+    Some(key)
+}
+
+/// The simple dQ and dK/dV kernels behind `plan`'s, as [`simple_forward`]
+/// says.
+pub fn simple_backward(
+    p: &Problem,
+    caps: AdapterCaps,
+    ov: &Overrides,
+    plan: &BackwardPlan,
+) -> Option<(PipelineKey, PipelineKey)> {
+    if plan.tier == Tier::Simple {
+        return None;
+    }
+    let variants = Variants {
+        screened: true,
+        ..plan.dq.variants
+    };
+    let keys = Keys::new(p, ov.apply(caps), ov, variants);
+    let (dq, dkdv) = (
+        keys.simple(Kernel::BackwardDq),
+        keys.simple(Kernel::BackwardDkDv),
+    );
+    check_loop_limit(p, ov.apply(caps), &[dq, dkdv]).ok()?;
+    Some((dq, dkdv))
 }
 
 /// Refuses a call whose kernels (`keys`, as selected for `p`) would run
@@ -662,6 +712,80 @@ mod tests {
         // d = 1024's backward stays over the limit even so: refused.
         let p = shaped([1, 1, 1, 64, 64, 1024, 1024], "float32");
         assert!(check_loop_limit(&p, LAVAPIPE, &keys(&p, LAVAPIPE)).is_err());
+    }
+
+    /// Behind the screen: a tiled or cooperative plan gets the simple
+    /// kernels of the same problem built to run behind it (variants
+    /// included, dmask only in dQ as selected), a simple plan none (it follows the rules itself), and a
+    /// loop-limited driver none where the simple kernels would pass its
+    /// limit but the tiled ones do not.
+    #[test]
+    fn the_screen_sends_fast_plans_to_the_simple_kernels_of_the_same_problem() {
+        let no = Overrides::default();
+        let causal = Options {
+            causal: true,
+            softcap: Some(20.0),
+            ..Options::default()
+        };
+        for (p, caps) in [
+            (plain("float16", 64, 64), H100),
+            (problem("float32", 64, 48, causal), LAVAPIPE),
+            (plain("float32", 64, 64), AdapterCaps::WEBGPU_DEFAULT),
+            (plain("float16", 64, 64), NO_SUBGROUPS),
+        ] {
+            let f = select_forward(&p, caps, &no);
+            let b = select_backward(&p, caps, &no);
+            assert_ne!(f.tier, Tier::Simple);
+            let sf = simple_forward(&p, caps, &no, &f).unwrap();
+            let screened = |k: PipelineKey| PipelineKey {
+                variants: Variants {
+                    screened: true,
+                    ..k.variants
+                },
+                ..k
+            };
+            let plain = simple_keys(&p, caps);
+            assert_eq!(sf, screened(plain[0]));
+            assert_eq!(
+                sf.variants,
+                Variants {
+                    screened: true,
+                    ..f.forward.variants
+                }
+            );
+            let (sq, skv) = simple_backward(&p, caps, &no, &b).unwrap();
+            assert_eq!(
+                (sq.kernel, skv.kernel),
+                (Kernel::BackwardDq, Kernel::BackwardDkDv)
+            );
+            assert_eq!([sq, skv], [screened(plain[2]), screened(plain[3])]);
+            assert!(sq.variants.screened && !b.dq.variants.screened);
+        }
+        // d = 256: simple already.
+        let wide = plain("float32", 256, 256);
+        let f = select_forward(&wide, H100, &no);
+        assert_eq!(f.tier, Tier::Simple);
+        assert_eq!(simple_forward(&wide, H100, &no, &f), None);
+        let b = select_backward(&wide, H100, &no);
+        assert_eq!(simple_backward(&wide, H100, &no, &b), None);
+        // 40 000 keys at d = 64: the tiled forward fits lavapipe's loop
+        // limit, the simple one does not.
+        let long = shaped([1, 1, 1, 1, 40_000, 64, 64], "float32");
+        let f = select_forward(&long, LAVAPIPE, &no);
+        assert_eq!(f.tier, Tier::Tiled);
+        check_loop_limit(&long, LAVAPIPE, &[f.forward]).unwrap();
+        assert_eq!(simple_forward(&long, LAVAPIPE, &no, &f), None);
+        assert!(simple_forward(&long, H100, &no, &select_forward(&long, H100, &no)).is_some());
+    }
+
+    /// The keys of `p` on `caps` with the simple tier only.
+    fn simple_keys(p: &Problem, caps: AdapterCaps) -> Vec<PipelineKey> {
+        let ov = Overrides {
+            max_tier: Some(Tier::Simple),
+            ..Overrides::NONE
+        };
+        let (f, b) = (select_forward(p, caps, &ov), select_backward(p, caps, &ov));
+        vec![f.forward, b.preprocess, b.dq, b.dkdv]
     }
 
     /// Where no tiles stay within the limit, the call is refused, naming

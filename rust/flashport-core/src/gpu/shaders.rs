@@ -36,6 +36,7 @@ const TILED: &str = shader!("lib/tiled.wgsl");
 const TILED_BACKWARD: &str = shader!("lib/tiled_backward.wgsl");
 const COOP: &str = shader!("lib/coop.wgsl");
 const COOP_BACKWARD: &str = shader!("lib/coop_backward.wgsl");
+const SCREENED: &str = shader!("lib/screened.wgsl");
 
 // Kernels, one folder per tier.
 const SIMPLE_FORWARD: &str = shader!("simple/forward.wgsl");
@@ -114,6 +115,10 @@ fn decode_kernel_source(f16_inputs: bool, vec4: bool, kernel: &str) -> String {
 /// own, after the grid it shares: lib/grid.wgsl).
 pub const KV_SCATTER: &str = concat!(grid!(), "\n", shader!("kv_scatter.wgsl"));
 
+/// The screen in front of the fast attention kernels (a module of its
+/// own, after the bit tests it shares with the kernels).
+pub const SCREEN: &str = concat!(shader!("lib/nonfinite.wgsl"), "\n", shader!("screen.wgsl"));
+
 /// attention_varlen's moves between layouts (a module of its own, after
 /// lib/grid.wgsl).
 pub const VARLEN: &str = concat!(grid!(), "\n", shader!("varlen.wgsl"));
@@ -138,10 +143,10 @@ pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
         ROW_REDUCE_WORKGROUP
     };
     let parts: &[&str] = match kernel {
-        Kernel::Forward => &[COMMON, input, SIMPLE_FORWARD],
+        Kernel::Forward => &[COMMON, SCREENED, input, SIMPLE_FORWARD],
         Kernel::BackwardPreprocess => &[COMMON, input, SIMPLE_BACKWARD_PREPROCESS],
-        Kernel::BackwardDkDv => &[COMMON, input, SIMPLE_BACKWARD_DKDV],
-        Kernel::BackwardDq => &[COMMON, input, SIMPLE_BACKWARD_DQ],
+        Kernel::BackwardDkDv => &[COMMON, SCREENED, input, SIMPLE_BACKWARD_DKDV],
+        Kernel::BackwardDq => &[COMMON, SCREENED, input, SIMPLE_BACKWARD_DQ],
         Kernel::ForwardTiled => &[COMMON, input, TILED, reduce, TILED_FORWARD],
         Kernel::BackwardDqTiled => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DQ],
         Kernel::BackwardDkDvTiled => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DKDV],
@@ -187,6 +192,9 @@ pub struct Variants {
     /// A packed batch of variable-length sequences: rows' keys from the
     /// row table (with `window`, since rows start later than key 0).
     pub varlen: bool,
+    /// A simple kernel behind the screen (src/gpu/screen.rs): it runs only
+    /// where the screen raised its flag (lib/screened.wgsl).
+    pub screened: bool,
 }
 
 /// The variant overrides of `kernel` (none for the backward pre-pass,
@@ -210,6 +218,12 @@ pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)
         Kernel::BackwardDq | Kernel::BackwardDqTiled | Kernel::BackwardDqCoop
     ) {
         c.push(("DMASK", b(v.dmask)));
+    }
+    if matches!(
+        kernel,
+        Kernel::Forward | Kernel::BackwardDq | Kernel::BackwardDkDv
+    ) {
+        c.push(("SCREENED", b(v.screened)));
     }
     c
 }

@@ -145,10 +145,7 @@ fn subgroup_cases(off: bool, shapes: [Shape; 5]) {
         &VariantArrays::default(),
     )
     .unwrap();
-    let times: Vec<(String, f64)> = gpu::last_kernel_times()
-        .into_iter()
-        .filter(|(n, _)| !n.starts_with("host:"))
-        .collect();
+    let times = kernel_times_run();
     eprintln!(
         "subgroups off={off}: features {:?}, kernel times {times:?}",
         gpu::adapters()[0].features

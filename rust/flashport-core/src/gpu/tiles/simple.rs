@@ -134,12 +134,17 @@ pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 
     // K and V tiles have rows padded by one word (see KS/VS in the shaders).
     let (kt, vt) = (e(bk * (d + 1)), e(bk * (dv + 1)));
     let words = match kernel {
-        Kernel::Forward => e(bq * d) + kt + vt + e(bq * bk) + e(bq * dv) + 3 * e(bq),
+        // And the rows' codes and the keys' flags of non-finite values, and
+        // the screen's flag (lib/screened.wgsl), here and in dQ and dK/dV.
+        Kernel::Forward => e(bq * d) + kt + vt + e(bq * bk) + e(bq * dv) + 4 * e(bq) + bk + 1,
         // The dK/dV accumulators are sized like the K/V tiles.
         Kernel::BackwardDkDv => {
-            2 * kt + 2 * vt + e(bq * d) + e(bq * dv) + 2 * e(bq * bk) + 3 * e(bq)
+            2 * kt + 2 * vt + e(bq * d) + e(bq * dv) + 2 * e(bq * bk) + 3 * e(bq) + 1
         }
-        Kernel::BackwardDq => 2 * e(bq * d) + e(bq * dv) + kt + vt + e(bq * bk) + 3 * e(bq),
+        // And the flags of the K tile's non-finite values.
+        Kernel::BackwardDq => {
+            2 * e(bq * d) + e(bq * dv) + kt + vt + e(bq * bk) + 3 * e(bq) + bk + 1
+        }
         _ => 0,
     };
     4 * words
