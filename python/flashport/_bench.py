@@ -47,19 +47,34 @@ def median_seconds(fn: Callable[[], object], repeat: int) -> float:
     return interleaved_medians({"fn": fn}, repeat)["fn"]
 
 
-def interleaved_medians(cases: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+def interleaved_medians(
+    cases: dict[str, Callable[[], object]],
+    repeat: int,
+    settle: float = SETTLE_SECONDS,
+    warm: float = 0.0,
+) -> dict[str, float]:
     """Median seconds of each callable over ``repeat`` rounds, after one
-    warm-up call each (thread pools, page faults, first-call setup). Every
-    round runs each callable once, in turn: the developer machines are shared
-    VMs, and a disturbance then slows every competitor of a row instead of
-    whichever happened to be measured at that moment."""
+    warm-up call each (thread pools, page faults, first-call setup) and, with
+    ``warm``, that many seconds of back-to-back calls each. Every round runs
+    each callable once, in turn, ``settle`` seconds after the last: the
+    developer machines are shared VMs, and a disturbance then slows every
+    competitor of a row instead of whichever happened to be measured at that
+    moment.
+
+    On a GPU pass ``settle=0`` and a ``warm`` of some tenths of a second: the
+    H100 runs slower for a while after it idled (on 2026-11-24 one float16
+    decode call took 2.2 ms in its first tens of calls and 0.67 ms after a
+    few hundred more), and a serving loop keeps it busy."""
     for fn in cases.values():
-        time.sleep(SETTLE_SECONDS)
+        time.sleep(settle)
         fn()
+        until = time.perf_counter() + warm
+        while time.perf_counter() < until:
+            fn()
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
-            time.sleep(SETTLE_SECONDS)
+            time.sleep(settle)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
