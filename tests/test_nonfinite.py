@@ -535,3 +535,25 @@ def test_finite_calls_keep_the_fast_kernels(gpu):
     want = _run("gpu", "simple", _forward_backward, q, bad_k, v, do, causal=True)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_heads_split_into_chunks_follow_the_rules(gpu):
+    """With the heads split across submissions (a small binding limit: one
+    kv head per chunk, each with its own screen), a NaN in a key of the
+    second kv head that every one of its rows sees poisons those rows and
+    only those, forward and backward, as on the CPU."""
+    q, k, v, do = _arrays("gpu", np.float32, seed=15)
+    q = np.concatenate([q, -q], axis=1)  # 4 query heads over 2 kv heads
+    k = np.concatenate([k, k[:, :, ::-1]], axis=1)
+    v = np.concatenate([v, v[:, :, ::-1]], axis=1)
+    do = np.concatenate([do, do], axis=1)
+    bad_k = k.copy()
+    bad_k[0, 1, 0, 2] = np.nan
+    want = _forward_backward("cpu", q, bad_k, v, do, causal=True)
+    # One kv head (two query heads) per chunk: v of one kv head is 3456
+    # bytes, of two 6912.
+    with overrides(binding_limit=4096):
+        got = _forward_backward("gpu", q, bad_k, v, do, causal=True)
+    for name, g, w in zip(NAMES, got, want, strict=False):
+        _assert_like(g, w, np.float32, name)
+    assert np.isnan(got[0][0, 2:]).all() and np.isfinite(got[0][0, :2]).all()
