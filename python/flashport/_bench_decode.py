@@ -21,10 +21,9 @@ with ``enable_gqa=True`` on the same contiguous cache when torch imports;
 split-KV (Flash-Decoding) at batch 1 against ``num_splits=1``; paged caches
 of block sizes 1, 16, 32, 128 and 256 through a permuted block table against
 the contiguous cache. Each time is a median of ``--repeat`` rounds after a
-warm-up; on the GPU the calls run back to back after a second of them,
-at the clocks a decoding loop keeps the GPU at (an H100 that idled runs a
-decode call up to 3x slower for its first few hundred calls). Speed is
-measured here, never asserted in tests.
+warm-up; on the GPU each case runs in a block of its own, its calls back to
+back after a second of them (``GPU_TIMING``). Speed is measured here, never
+asserted in tests.
 """
 
 from __future__ import annotations
@@ -91,7 +90,9 @@ def copy_bandwidth(device: str, nbytes: int, repeat: int) -> float:
     if device == "gpu":
         x = flashport.to_device(src)
         del src
-        seconds = interleaved_medians({"copy": x.copy}, max(repeat, 5), **GPU_TIMING)["copy"]
+        seconds = interleaved_medians({"copy": x.copy}, max(repeat, GPU_CALLS), **GPU_TIMING)[
+            "copy"
+        ]
     else:
         dst = np.empty_like(src)
         seconds = interleaved_medians({"copy": lambda: np.copyto(dst, src)}, max(repeat, 5))["copy"]
@@ -142,9 +143,14 @@ def decode_call(device: str, q, k, v, lens, **kw) -> Callable[[], object]:
     return lambda: flashport.attention_with_kvcache(q, k, v, lens, device="cpu", **kw)
 
 
-# The GPU's calls back to back after half a second of them, at the clocks
-# a decoding loop keeps it at (_bench.interleaved_medians).
+# On the GPU each case runs in a block of its own, its calls back to back
+# after a second of them: at the clocks a decoding loop keeps the GPU at (an
+# H100 that idled runs a decode call up to 3x slower for a few hundred
+# calls), and without torch's CUDA calls between flashport's Vulkan ones
+# (the GPU switches between the two contexts: flashport's float16 1x131072
+# call took 0.96 ms in a block and 1.37 ms interleaved with torch's).
 GPU_TIMING = {"settle": 0.0, "warm": 1.0}
+GPU_CALLS = 11
 
 
 def _measure(
@@ -159,8 +165,11 @@ def _measure(
             runnable[name] = fn
         except (flashport.ProblemTooLargeError, MemoryError) as e:
             results[name] = f"{type(e).__name__}: {e}"
-    timing = GPU_TIMING if device == "gpu" else {}
-    results.update(interleaved_medians(runnable, repeat, **timing) if runnable else {})
+    if device == "gpu":
+        for name, fn in runnable.items():
+            results |= interleaved_medians({name: fn}, max(repeat, GPU_CALLS), **GPU_TIMING)
+    elif runnable:
+        results |= interleaved_medians(runnable, repeat)
     return results
 
 
@@ -186,16 +195,11 @@ def bench_shapes(args, shapes, copy_bw, torch_dev) -> list[dict]:
             torch_run = torch_case(torch_dev, q, k, v)
             if torch_run is not None:
                 cases["torch"] = torch_run
-            t = _measure(cases, args.repeat, args.device)
             if args.device == "gpu":
-                # On its own: its uploads leave the GPU idle for tens of
-                # milliseconds, long enough to slow the next GPU call.
-                numpy_case = {
-                    "numpy": lambda q=q, k=k, v=v, lens=lens: flashport.attention_with_kvcache(
-                        q, k, v, lens, device="gpu"
-                    )
-                }
-                t |= _measure(numpy_case, args.repeat, args.device)
+                cases["numpy"] = lambda q=q, k=k, v=v, lens=lens: flashport.attention_with_kvcache(
+                    q, k, v, lens, device="gpu"
+                )
+            t = _measure(cases, args.repeat, args.device)
             nbytes = cache_bytes(batch, context, dtype)
             fp = t["flashport"]
             bw = nbytes / fp if isinstance(fp, float) else None

@@ -27,6 +27,7 @@
 pub mod select;
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytemuck::{Pod, Zeroable};
 
@@ -580,6 +581,7 @@ fn decode_on(
         return Err(float16_error(ctx, "q"));
     }
     timing::start_call();
+    let prepared = Instant::now();
     if p.lse_len() == 0 {
         return ctx.scoped("making the outputs", || {
             let mut sub = Submission::new(ctx);
@@ -808,6 +810,9 @@ fn decode_on(
             if last {
                 out.finish_on_device(ctx, &mut sub, a.dtype, p.out_shape())?;
                 lse.finish_on_device(ctx, &mut sub, DType::F32, p.lse_shape())?;
+            }
+            if i == 0 {
+                timing::record_host("prepare", prepared);
             }
             let reads: Vec<(&Pooled, usize)> = reads.iter().map(|(b, n)| (&**b, *n)).collect();
             sub.submit(&reads)
