@@ -58,8 +58,11 @@ def _data(rng, shape, dtype):
     return x.astype(dtype)
 
 
-def _arrays(backend, dtype, seed=0):
+def _arrays(backend, dtype, seed=0, heads_kv=None, seq_k=None):
+    """q, k, v, do of the backend's shape (its kv heads or keys replaced
+    where given)."""
     b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
+    hkv, sk = heads_kv or hkv, seq_k or sk
     rng = np.random.default_rng(seed)
     q = _data(rng, (b, hq, sq, d), dtype)
     k = _data(rng, (b, hkv, sk, d), dtype)
@@ -292,14 +295,9 @@ def test_nonfinite_sinks_propagate(backend, value):
     lse = +inf and o = NaN; the backward's gradients of those rows and of
     the keys they see are NaN, and so is the sink's own gradient; another
     head's rows are unchanged."""
-    b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
-    hkv = hq
-    rng = np.random.default_rng(6)
+    hq = SHAPES[backend][1]
     for dtype in _dtypes(backend):
-        q = _data(rng, (b, hq, sq, d), dtype)
-        k = _data(rng, (b, hkv, sk, d), dtype)
-        v = _data(rng, (b, hkv, sk, dv), dtype)
-        do = _data(rng, (b, hq, sq, dv), dtype)
+        q, k, v, do = _arrays(backend, dtype, seed=6, heads_kv=hq)
         sinks = np.linspace(-1.0, 1.0, hq)
         clean_kw = {"causal": True, "sinks": sinks}
         sinks = sinks.copy()
@@ -350,14 +348,10 @@ def test_rows_that_see_no_key(backend):
     """A row that sees no key (causal with seq_q > seq_k; a float mask row
     of -inf) has o = 0 and lse = -inf, and zero gradients, whatever NaN the
     hidden keys hold."""
-    b, hq, hkv, sq, sk, d, dv = SHAPES[backend]
+    sq = SHAPES[backend][3]
     sk = sq // 2
-    rng = np.random.default_rng(8)
     for dtype in _dtypes(backend):
-        q = _data(rng, (b, hq, sq, d), dtype)
-        k = _data(rng, (b, hkv, sk, d), dtype)
-        v = _data(rng, (b, hkv, sk, dv), dtype)
-        do = _data(rng, (b, hq, sq, dv), dtype)
+        q, k, v, do = _arrays(backend, dtype, seed=8, seq_k=sk)
         # Bottom-right causal: rows below seq_q - seq_k see nothing; row
         # seq_q - 2 is masked out entirely.
         mask = np.zeros((sq, sk), dtype)
