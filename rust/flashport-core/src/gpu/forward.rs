@@ -179,18 +179,18 @@ fn forward_on(
             ];
             let own = if key.kernel == Kernel::Forward { 7 } else { 6 };
             let group = bind(ctx, &pipeline, &bindings[..own], Some(&vx));
-            if let Some((simple_pipeline, xs)) = &simple {
+            if simple.is_some() {
                 screen::reset_flag(ctx, &mut sub, &flag, screened_on_host);
                 if !screened_on_host {
                     let f16 = p.dtype == DType::F16;
                     screen::screen(ctx, &mut sub, f16, [&qb, &kb, &vb], &flag)?;
                 }
-                sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
+            }
+            sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
+            if let Some((simple_pipeline, xs)) = &simple {
                 let simple_group = bind(ctx, simple_pipeline, &bindings, Some(&vx));
                 let name = Kernel::Forward.name();
                 sub.dispatch(simple_pipeline, &simple_group, (*xs, nq as u32), name);
-            } else {
-                sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
             }
             let mut reads = Vec::new();
             out.collect(
