@@ -285,6 +285,34 @@ def _run(backend, splits, dtype=np.float32):
     )
 
 
+INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", ">i4"]
+
+
+@pytest.mark.parametrize("layout", ["C", "F", "strided"])
+@pytest.mark.parametrize("int_dtype", INT_DTYPES)
+def test_lengths_and_tables_of_any_integer_dtype_and_layout(backend, int_dtype, layout):
+    """The host reads the entries of every integer dtype (big-endian too)
+    and of Fortran-ordered and strided arrays as the same numbers."""
+    case = _decode_case(lens=(37, 0, 48), block_size=5)
+    q, (pool_k, pool_v, table), _, lens = case.arrays(np.float32)
+    expected = flashport.attention_with_kvcache(
+        q, pool_k, pool_v, lens.astype(np.int32), block_table=table.astype(np.int32), device=backend
+    )
+    table, lens = table.astype(int_dtype), lens.astype(int_dtype)
+    if layout == "F":
+        table = np.asfortranarray(table)
+    elif layout == "strided":
+        wide = np.zeros((table.shape[0], 2 * table.shape[1]), table.dtype)
+        wide[:, ::2] = table
+        table = wide[:, ::2]
+        lens = np.repeat(lens, 2)[::2]
+    assert (layout == "C") == table.flags.c_contiguous
+    out = flashport.attention_with_kvcache(
+        q, pool_k, pool_v, lens, block_table=table, device=backend
+    )
+    assert out.tobytes() == expected.tobytes()
+
+
 @pytest.mark.parametrize("splits", [None, 1, 4])
 def test_two_runs_are_bitwise_equal(backend, splits):
     first, second = _run(backend, splits), _run(backend, splits)

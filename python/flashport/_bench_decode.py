@@ -21,9 +21,10 @@ with ``enable_gqa=True`` on the same contiguous cache when torch imports;
 split-KV (Flash-Decoding) at batch 1 against ``num_splits=1``; paged caches
 of block sizes 1, 16, 32, 128 and 256 through a permuted block table against
 the contiguous cache. Each time is a median of ``--repeat`` rounds after a
-warm-up; on the GPU each case runs in a block of its own, its calls back to
-back after a second of them (``GPU_TIMING``). Speed is measured here, never
-asserted in tests.
+warm-up; on the GPU the calls run back to back after a second of them
+(``GPU_TIMING``), the DeviceArray calls of a row alternating in one block,
+torch's and the NumPy round trip each in a block of its own. Speed is
+measured here, never asserted in tests.
 """
 
 from __future__ import annotations
@@ -143,14 +144,19 @@ def decode_call(device: str, q, k, v, lens, **kw) -> Callable[[], object]:
     return lambda: flashport.attention_with_kvcache(q, k, v, lens, device="cpu", **kw)
 
 
-# On the GPU each case runs in a block of its own, its calls back to back
-# after a second of them: at the clocks a decoding loop keeps the GPU at (an
-# H100 that idled runs a decode call up to 3x slower for a few hundred
-# calls), and without torch's CUDA calls between flashport's Vulkan ones
-# (the GPU switches between the two contexts: flashport's float16 1x131072
-# call took 0.96 ms in a block and 1.37 ms interleaved with torch's).
+# On the GPU the calls run back to back after a second of them: at the
+# clocks a decoding loop keeps the GPU at (an H100 that idled runs a decode
+# call up to 3x slower for a few hundred calls). torch's and the NumPy
+# round trip each run in a block of their own: torch's CUDA calls between
+# flashport's Vulkan ones switch the GPU between two contexts (flashport's
+# float16 1x131072 call took 0.96 ms in a block and 1.37 ms interleaved with
+# torch's), and a round trip leaves the GPU idle while it copies. The
+# DeviceArray calls of a row (paged and contiguous, auto and one split)
+# alternate in one block, so that the GPU's drift over the seconds of a
+# block (up to 2x on the H100, 2026-11-24) moves both sides of a ratio.
 GPU_TIMING = {"settle": 0.0, "warm": 1.0}
-GPU_CALLS = 11
+GPU_CALLS = 21
+GPU_BLOCKS_OF_THEIR_OWN = ("torch", "numpy")
 
 
 def _measure(
@@ -166,8 +172,10 @@ def _measure(
         except (flashport.ProblemTooLargeError, MemoryError) as e:
             results[name] = f"{type(e).__name__}: {e}"
     if device == "gpu":
-        for name, fn in runnable.items():
-            results |= interleaved_medians({name: fn}, max(repeat, GPU_CALLS), **GPU_TIMING)
+        together = {n: f for n, f in runnable.items() if n not in GPU_BLOCKS_OF_THEIR_OWN}
+        blocks = [together] + [{n: f} for n, f in runnable.items() if n in GPU_BLOCKS_OF_THEIR_OWN]
+        for block in filter(None, blocks):
+            results |= interleaved_medians(block, max(repeat, GPU_CALLS), **GPU_TIMING)
     elif runnable:
         results |= interleaved_medians(runnable, repeat)
     return results

@@ -1665,8 +1665,10 @@ pub fn validate_kvcache(
     {
         table.resize(batch * *max_blocks, 0);
         for (b, &len) in seqlens.iter().enumerate() {
-            for i in 0..len.div_ceil(*block_size) {
-                let entry = given.values[b * *max_blocks + i];
+            let used = len.div_ceil(*block_size);
+            let entries = &given.values[b * *max_blocks..][..used];
+            let slots = &mut table[b * *max_blocks..][..used];
+            for (i, (&entry, slot)) in entries.iter().zip(slots).enumerate() {
                 if !(0..*num_blocks as i128).contains(&(entry as i128)) {
                     return Err(value_error(
                         &format!("block_table[{b}, {i}]"),
@@ -1678,7 +1680,7 @@ pub fn validate_kvcache(
                         ),
                     ));
                 }
-                table[b * *max_blocks + i] = entry as usize;
+                *slot = entry as usize;
             }
         }
     }

@@ -211,6 +211,14 @@ fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
     unsafe impl Sync for Destination {}
     assert_eq!(dst.len(), src.len(), "upload of the wrong size");
     let destination = Destination(dst.as_raw_ptr().as_ptr() as *mut u8);
+    if src.len() <= COPY_CHUNK {
+        // One chunk (a call's parameters, its block table): handing it to
+        // a pool thread and waiting for it to wake cost more than the copy.
+        // SAFETY: `dst` is valid for `src.len()` bytes of writes while it
+        // is borrowed here.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), destination.0, src.len()) };
+        return;
+    }
     // Not rayon's global pool: a forked child would wait on its threads.
     crate::cpu::parallel::install(|| {
         src.par_chunks(COPY_CHUNK)
@@ -336,6 +344,7 @@ pub(crate) fn submit_and_read(
             match bytemuck::try_cast_slice::<u8, f32>(bytes) {
                 // Collected in parallel straight into the result, without
                 // zeroing it first.
+                Ok(values) if bytes.len() <= COPY_CHUNK => values.to_vec(),
                 Ok(values) => {
                     use rayon::prelude::*;
                     crate::cpu::parallel::install(|| values.par_iter().copied().collect())

