@@ -86,7 +86,8 @@ fn code_out(code: f32, o: f32, lse: f32) -> f32 {
 
 // Float32 bits that send a call to the simple kernels (screen.wgsl): not
 // finite, or 2^48 or more in magnitude (exponent 127 + 48), whose
-// products, summed over a row, may overflow to an infinity.
+// products, summed over a row, may overflow to an infinity. The host
+// tests uploads with the same bits (src/gpu/screen.rs, raises_f32).
 const SCREEN_EXPONENT: u32 = 0x57800000u;
 
 fn screened_f32(bits: u32) -> bool {

@@ -189,6 +189,9 @@ fn backward_on(
         None => None,
     };
     let screened_on_host = vd.screened(p);
+    // q, k and v uploaded by `to_device` and found clean need no screen
+    // (do, o and lse are the pre-pass's to test).
+    let clean = [&x.q, &x.k, &x.v].iter().all(|s| s.known_clean());
     let limit = binding_limit(ctx, overrides);
     let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;
     let (pre, dq_pipe, dkdv_pipe) = (ctx.pipeline(kp)?, ctx.pipeline(kq)?, ctx.pipeline(kkv)?);
@@ -255,7 +258,7 @@ fn backward_on(
             // kernels behind the fast ones.
             screen::reset_flag(ctx, &mut sub, &stats, screened_on_host);
             sub.dispatch(&pre, &g_pre, (xp, nq as u32), "backward_preprocess");
-            if simple.is_some() && !screened_on_host {
+            if simple.is_some() && !screened_on_host && !clean {
                 let f16 = p.dtype == DType::F16;
                 screen::screen(ctx, &mut sub, f16, [&qb, &kb, &vb], &stats)?;
             }

@@ -15,6 +15,7 @@ use super::context::Context;
 use super::inputs::{float16_error, float64_error};
 use super::pool::Pooled;
 use super::run::{guarded, run_on, with_context};
+use super::screen;
 use super::timing;
 use super::transfer::{submit_and_read, Submission};
 use crate::overrides;
@@ -30,6 +31,10 @@ pub struct DeviceArray {
     ctx: Arc<Context>,
     dtype: DType,
     shape: Vec<usize>,
+    /// Known to hold nothing the screen raises its flag for
+    /// (src/gpu/screen.rs): tested on the host as `to_device` uploaded it.
+    /// Kernels' results are not known clean.
+    clean: bool,
 }
 
 impl std::fmt::Debug for DeviceArray {
@@ -107,12 +112,10 @@ impl DeviceArray {
                         self.buffer.bytes(),
                     );
                     sub.submit(&[])?;
-                    Ok(DeviceArray::from_buffer(
-                        ctx,
-                        copy,
-                        self.dtype,
-                        self.shape.clone(),
-                    ))
+                    Ok(DeviceArray {
+                        clean: self.clean,
+                        ..DeviceArray::from_buffer(ctx, copy, self.dtype, self.shape.clone())
+                    })
                 })
             })
         })
@@ -172,6 +175,11 @@ impl DeviceArray {
         &self.buffer
     }
 
+    /// Whether the array is known to pass the screen.
+    pub(crate) fn clean(&self) -> bool {
+        self.clean
+    }
+
     pub(crate) fn from_buffer(
         ctx: &Arc<Context>,
         buffer: Arc<Pooled>,
@@ -183,6 +191,7 @@ impl DeviceArray {
             ctx: ctx.clone(),
             dtype,
             shape,
+            clean: false,
         }
     }
 }
@@ -211,18 +220,20 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
             return Err(float16_error(ctx, argument));
         }
         fits_one_buffer(ctx, argument, bytes.len() as u64)?;
-        let buffer = ctx.scoped("uploading an array", || {
+        let raises = match data.dtype() {
+            DType::F16 => screen::raises_f16,
+            _ => screen::raises_f32,
+        };
+        let (buffer, raised) = ctx.scoped("uploading an array", || {
             let mut sub = Submission::new(ctx);
-            let buffer = sub.upload(argument, bytes)?;
+            let uploaded = sub.upload_screened(argument, bytes, Some(raises))?;
             sub.submit(&[])?;
-            Ok(buffer)
+            Ok(uploaded)
         })?;
-        Ok(DeviceArray::from_buffer(
-            ctx,
-            buffer,
-            data.dtype(),
-            shape.to_vec(),
-        ))
+        Ok(DeviceArray {
+            clean: !raised,
+            ..DeviceArray::from_buffer(ctx, buffer, data.dtype(), shape.to_vec())
+        })
     })
 }
 

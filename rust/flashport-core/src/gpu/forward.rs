@@ -138,16 +138,19 @@ fn forward_on(
     let key = plan.forward;
     check_loop_limit(p, ctx.caps, &[key])?;
     let x = grid(sq, key.tiles.q_rows, ctx, "the forward pass")?;
+    let screened_on_host = vd.screened(p);
+    // Device arrays that passed the host's test as they were uploaded need
+    // no screen, nor the simple kernel behind it.
+    let clean = !screened_on_host && [&q, &k, &v].iter().all(|s| s.known_clean());
     // The simple kernel behind the screen (src/gpu/screen.rs), where one
     // is needed and its grid fits.
-    let simple = match simple_forward(p, ctx.caps, overrides, &plan) {
+    let simple = match simple_forward(p, ctx.caps, overrides, &plan).filter(|_| !clean) {
         Some(k) => match grid(sq, k.tiles.q_rows, ctx, "the forward pass") {
             Ok(xs) => Some((ctx.pipeline(k)?, xs)),
             Err(_) => None,
         },
         None => None,
     };
-    let screened_on_host = vd.screened(p);
     let limit = binding_limit(ctx, overrides);
     let chunks = chunks::plan(p, limit, ctx.limits.max_compute_workgroups_per_dimension)?;
     let pipeline = ctx.pipeline(key)?;

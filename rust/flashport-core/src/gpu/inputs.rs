@@ -91,6 +91,13 @@ pub(crate) enum Source<'a> {
     Device(&'a DeviceArray),
 }
 
+impl Source<'_> {
+    /// A device array known to pass the screen (src/gpu/screen.rs).
+    pub(crate) fn known_clean(&self) -> bool {
+        matches!(self, Source::Device(a) if a.clean())
+    }
+}
+
 pub(crate) fn source<'a>(name: &str, input: Input<'a>) -> Result<Source<'a>> {
     match input {
         Input::Host(s) => Ok(Source::Host(input_bytes(name, &s)?)),

@@ -85,26 +85,45 @@ impl<'c> Submission<'c> {
     /// A host input array's `bytes` in a device buffer, copied before this
     /// submission's work (the time it takes is the call's "host:upload").
     pub fn upload(&mut self, label: &str, bytes: &[u8]) -> Result<Arc<Pooled>> {
+        self.upload_screened(label, bytes, None)
+            .map(|(buffer, _)| buffer)
+    }
+
+    /// As [`Self::upload`], and whether any of the bytes' chunks made
+    /// `raises` true (read as they are copied, while they are in cache).
+    pub fn upload_screened(
+        &mut self,
+        label: &str,
+        bytes: &[u8],
+        raises: Option<fn(&[u8]) -> bool>,
+    ) -> Result<(Arc<Pooled>, bool)> {
         let started = Instant::now();
-        let buffer = self.upload_bytes(label, bytes);
+        let uploaded = self.upload_bytes(label, bytes, raises);
         *self.uploading.get_or_insert_default() += started.elapsed();
-        buffer
+        uploaded
     }
 
     /// The call's own data (the variants' words) in a device buffer.
     pub fn data(&mut self, words: &[u32]) -> Result<Arc<Pooled>> {
-        self.upload_bytes("data", bytemuck::cast_slice(words))
+        self.upload_bytes("data", bytemuck::cast_slice(words), None)
+            .map(|(buffer, _)| buffer)
     }
 
-    fn upload_bytes(&mut self, label: &str, bytes: &[u8]) -> Result<Arc<Pooled>> {
+    fn upload_bytes(
+        &mut self,
+        label: &str,
+        bytes: &[u8],
+        raises: Option<fn(&[u8]) -> bool>,
+    ) -> Result<(Arc<Pooled>, bool)> {
         let size = padded(bytes.len() as u64);
         let buffer = self.scratch(size);
         let staging = self.ctx.take_upload_staging(size);
+        let raised;
         {
             let mut view = staging.slice(..size).get_mapped_range_mut().map_err(|e| {
                 Error::Gpu(format!("could not map the upload buffer of {label}: {e}"))
             })?;
-            parallel_copy(view.slice(..bytes.len()), bytes);
+            raised = parallel_copy(view.slice(..bytes.len()), bytes, raises);
             // A reused staging buffer holds an earlier upload: the padding
             // after the data must not carry it over.
             view.slice(bytes.len()..).fill(0);
@@ -113,12 +132,13 @@ impl<'c> Submission<'c> {
         self.encoder
             .copy_buffer_to_buffer(&staging, 0, buffer.buffer(), 0, size);
         self.staged.push(staging);
-        Ok(buffer)
+        Ok((buffer, raised))
     }
 
     /// A buffer holding `value`, to bind as a uniform.
     pub fn uniform<T: bytemuck::Pod>(&mut self, value: &T) -> Result<Arc<Pooled>> {
-        self.upload_bytes("params", bytemuck::bytes_of(value))
+        self.upload_bytes("params", bytemuck::bytes_of(value), None)
+            .map(|(buffer, _)| buffer)
     }
 
     /// Records one pass of `pipeline` over an `x` × `y` grid, timed as
@@ -202,8 +222,17 @@ impl<'c> Submission<'c> {
 /// large arrays are copied by several threads, which also spreads the
 /// first-touch page faults of fresh host buffers.
 const COPY_CHUNK: usize = 4 << 20;
+/// Bytes copied, then tested, at a time within a chunk: a multiple of
+/// every element size, well within a core's L2 cache.
+const SCREEN_PIECE: usize = 256 << 10;
 
-fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
+/// Copies `src` into `dst`, by several threads where it is large, and
+/// returns whether `raises` held for any chunk of it (false without one).
+fn parallel_copy(
+    mut dst: wgpu::WriteOnly<'_, [u8]>,
+    src: &[u8],
+    raises: Option<fn(&[u8]) -> bool>,
+) -> bool {
     use rayon::prelude::*;
     /// The mapped destination, shared by the copying threads.
     struct Destination(*mut u8);
@@ -211,31 +240,37 @@ fn parallel_copy(mut dst: wgpu::WriteOnly<'_, [u8]>, src: &[u8]) {
     unsafe impl Sync for Destination {}
     assert_eq!(dst.len(), src.len(), "upload of the wrong size");
     let destination = Destination(dst.as_raw_ptr().as_ptr() as *mut u8);
+    let copy = |i: usize, chunk: &[u8]| {
+        // The whole struct, which is Sync, not its pointer field.
+        let destination = &destination;
+        let mut raised = false;
+        // Each piece tested right after its copy, while it is in cache.
+        for (j, piece) in chunk.chunks(SCREEN_PIECE).enumerate() {
+            // SAFETY: `dst` is valid for `src.len()` bytes of writes while
+            // it is borrowed here, and the pieces are disjoint.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    piece.as_ptr(),
+                    destination.0.add(i * COPY_CHUNK + j * SCREEN_PIECE),
+                    piece.len(),
+                )
+            }
+            raised |= raises.is_some_and(|raises| raises(piece));
+        }
+        raised
+    };
     if src.len() <= COPY_CHUNK {
         // One chunk (a call's parameters, its block table): handing it to
         // a pool thread and waiting for it to wake cost more than the copy.
-        // SAFETY: `dst` is valid for `src.len()` bytes of writes while it
-        // is borrowed here.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), destination.0, src.len()) };
-        return;
+        return copy(0, src);
     }
     // Not rayon's global pool: a forked child would wait on its threads.
     crate::cpu::parallel::install(|| {
         src.par_chunks(COPY_CHUNK)
             .enumerate()
-            .for_each(|(i, chunk)| {
-                let destination = &destination;
-                // SAFETY: `dst` is valid for `src.len()` bytes of writes while it
-                // is borrowed here, and the chunks are disjoint.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        chunk.as_ptr(),
-                        destination.0.add(i * COPY_CHUNK),
-                        chunk.len(),
-                    )
-                }
-            });
-    });
+            .map(|(i, chunk)| copy(i, chunk))
+            .reduce(|| false, |a, b| a | b)
+    })
 }
 
 /// The word poisoned outputs are filled with: a quiet NaN as a float32
