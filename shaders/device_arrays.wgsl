@@ -98,20 +98,23 @@ fn f32_to_f16_bits(x: u32) -> u32 {
     return bits;
 }
 
+// A grid-stride loop over the destination's words (the host caps the
+// grid, src/gpu/device_array.rs): fewer, longer-lived invocations, as the
+// screen streams its inputs.
 @compute @workgroup_size(WG)
 fn to_f16(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) groups: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
-    let first = 2u * invocation(wid, groups, lid);
-    if first >= span.count {
-        return;
+    let stride = groups.x * groups.y * WG;
+    for (var word = invocation(wid, groups, lid); 2u * word < span.count; word += stride) {
+        let first = 2u * word;
+        let lo = f32_to_f16_bits(src[span.src_offset + first]);
+        var hi = 0u;
+        if first + 1u < span.count {
+            hi = f32_to_f16_bits(src[span.src_offset + first + 1u]);
+        }
+        dst[(span.dst_offset + first) >> 1u] = lo | (hi << 16u);
     }
-    let lo = f32_to_f16_bits(src[span.src_offset + first]);
-    var hi = 0u;
-    if first + 1u < span.count {
-        hi = f32_to_f16_bits(src[span.src_offset + first + 1u]);
-    }
-    dst[(span.dst_offset + first) >> 1u] = lo | (hi << 16u);
 }

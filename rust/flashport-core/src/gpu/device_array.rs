@@ -424,6 +424,10 @@ impl Helper {
 }
 
 const HELPER_WORKGROUP: u64 = 64;
+/// The most workgroups of `to_f16`, whose invocations stride over the
+/// words: fewer passes (at most 2^29 words / 2^19 invocations = 1024,
+/// within lavapipe's loop limit) than one word each.
+const TO_F16_MAX_WORKGROUPS: u64 = 8192;
 
 /// Records `helper` over `count` elements, reading from element `start` of
 /// `src` and writing from element `start` of `dst` (each given as
@@ -493,7 +497,11 @@ pub(crate) fn run_helper(
         } else {
             n.div_ceil(2)
         };
-        let groups = invocations.div_ceil(HELPER_WORKGROUP);
+        let mut groups = invocations.div_ceil(HELPER_WORKGROUP);
+        if helper == Helper::ToF16 {
+            // Its invocations loop over the words (shaders/device_arrays.wgsl).
+            groups = groups.min(TO_F16_MAX_WORKGROUPS);
+        }
         let x = groups.min(max_dim);
         let y = groups.div_ceil(x);
         if y > max_dim {
