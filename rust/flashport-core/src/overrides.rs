@@ -5,6 +5,7 @@
 
 use crate::gpu::kernel::Tier;
 use crate::gpu::select::AdapterCaps;
+use crate::gpu::tiles::Tiles;
 
 /// The knobs. A call reads them once, on the thread that makes it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -35,6 +36,12 @@ pub struct Overrides {
     pub decode_keys: Option<u32>,
     /// Decoding's subgroup kernel with walkers of at most this many lanes.
     pub decode_lanes: Option<u32>,
+    /// The cooperative forward with these tiles where they fit (one of
+    /// `tiles::coop_forward_candidates`; else the next tier runs).
+    pub coop_forward: Option<Tiles>,
+    /// Poll for GPU work this long before sleeping, instead of the
+    /// context's own time (which is zero on a software adapter).
+    pub spin: Option<std::time::Duration>,
 }
 
 impl Overrides {
@@ -49,6 +56,8 @@ impl Overrides {
         decode_workgroup: None,
         decode_keys: None,
         decode_lanes: None,
+        coop_forward: None,
+        spin: None,
     };
 
     /// `caps` as the overrides narrow them.

@@ -1238,6 +1238,7 @@ fn _gpu_kernel_timing(enabled: bool) {
 mod testing {
     use super::*;
     use flashport_core::gpu::kernel::Tier;
+    use flashport_core::gpu::tiles::Tiles;
     use flashport_core::overrides::{self, Overrides};
 
     /// _testing_set_overrides(**knobs): the calling thread's overrides
@@ -1245,7 +1246,8 @@ mod testing {
     #[pyfunction]
     #[pyo3(signature = (*, max_tier=None, workgroup_bytes=None, no_subgroups=false,
                         binding_limit=None, naga_spirv=false, portable_cpu=false,
-                        decode_workgroup=None, decode_keys=None, decode_lanes=None))]
+                        decode_workgroup=None, decode_keys=None, decode_lanes=None,
+                        coop_forward=None))]
     #[allow(clippy::too_many_arguments)]
     pub fn _testing_set_overrides(
         max_tier: Option<&str>,
@@ -1257,6 +1259,7 @@ mod testing {
         decode_workgroup: Option<u32>,
         decode_keys: Option<u32>,
         decode_lanes: Option<u32>,
+        coop_forward: Option<(u32, u32)>,
     ) -> PyResult<()> {
         let max_tier = match max_tier {
             None => None,
@@ -1279,6 +1282,15 @@ mod testing {
             decode_workgroup,
             decode_keys,
             decode_lanes,
+            // (subgroups, key rows)
+            coop_forward: coop_forward.map(|(w, bk)| Tiles {
+                q_rows: 16 * w,
+                k_rows: bk,
+                workgroup: 32 * w,
+                kv_shared: false,
+                prefetch: 0,
+            }),
+            spin: None,
         });
         Ok(())
     }

@@ -139,6 +139,10 @@ pub(crate) struct Context {
     /// and the adapter's subgroups have one size (decoding's subgroup
     /// kernel lays its walkers out by it).
     pub subgroup_size: Option<u32>,
+    /// A call polls for its work instead of sleeping until the driver
+    /// wakes it, for up to this long (zero on a software adapter, whose
+    /// threads need the CPU): src/gpu/transfer.rs, `wait_for`.
+    pub spin: std::time::Duration,
     lost: Arc<AtomicBool>,
     /// The process that opened the device (`fork::generation`): in a
     /// forked child the device is as good as lost.
@@ -154,6 +158,12 @@ pub(crate) struct Context {
     /// Device-local buffers calls no longer use (src/gpu/pool.rs).
     pub device_pool: Arc<DevicePool>,
 }
+
+/// How long a call polls for its GPU work before it sleeps: a sleeping
+/// thread wakes 0.05-0.15 ms after the GPU finishes (H100, driver 580),
+/// which is a third of a small call; past 2 ms that is under 5%, and the
+/// core is not held any longer.
+const SPIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // The guarded maps stay consistent even if a holder panicked.
@@ -316,6 +326,11 @@ impl Context {
             timestamps,
             subgroup_size: (subgroups && info.subgroup_min_size == info.subgroup_max_size)
                 .then_some(info.subgroup_min_size),
+            spin: if info.device_type == wgpu::DeviceType::Cpu {
+                std::time::Duration::ZERO
+            } else {
+                SPIN
+            },
             lost,
             generation: fork::generation(),
             uncaptured,

@@ -216,7 +216,10 @@ pub fn select_forward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Forward
     let (d, dv) = (keys.d, keys.dv);
     let coop = keys
         .coop(p, ov)
-        .then(|| tiles::coop_forward_tiles(d, dv, caps))
+        .then(|| match ov.coop_forward {
+            None => tiles::coop_forward_tiles(d, dv, caps),
+            Some(want) => tiles::coop_forward_candidates(d, dv, caps).find(|&t| t == want),
+        })
         .flatten()
         .map(|t| (Tier::Coop, keys.key(Kernel::ForwardCoop, t)));
     let tiled = || {

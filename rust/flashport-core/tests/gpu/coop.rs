@@ -5,6 +5,7 @@
 use super::common::*;
 use flashport_core::gpu::kernel::Tier;
 use flashport_core::gpu::testing::{adapter_caps, plans};
+use flashport_core::gpu::tiles::{self, Tiles};
 use flashport_core::overrides::{self, Overrides};
 use flashport_core::{cpu, gpu, DType, Slice, VariantArrays};
 
@@ -18,6 +19,15 @@ pub fn coop_available() -> bool {
 fn coop_or_tiled(coop: bool) -> Overrides {
     Overrides {
         max_tier: (!coop).then_some(Tier::Tiled),
+        ..overrides::current()
+    }
+}
+
+/// The calling thread's overrides with the cooperative forward's tiles set
+/// to `layout` (None: the default ones).
+fn with_layout(layout: Option<Tiles>) -> Overrides {
+    Overrides {
+        coop_forward: layout,
         ..overrides::current()
     }
 }
@@ -90,11 +100,19 @@ fn coop_forward_matches_float64_reference() {
     // kernels and is skipped (tiers.rs checks that the plan is what runs).
     let mut worst = [0.0f64; 4];
     let mut tested = 0;
+    // Every tile layout the adapter fits, not only the default one (each
+    // shape's first test uses the default).
+    let caps = adapter_caps().unwrap();
     for (i, &s) in shapes.iter().enumerate() {
-        for causal in [false, true] {
-            for grow in [false, true] {
+        let layouts: Vec<Option<Tiles>> = std::iter::once(None)
+            .chain(tiles::coop_forward_candidates(s.5 as u32, s.6 as u32, caps).map(Some))
+            .collect();
+        for (n, causal) in [false, true].into_iter().enumerate() {
+            for (g, grow) in [false, true].into_iter().enumerate() {
+                let layout = layouts[(i + 2 * n + g) % layouts.len()];
                 let mut c = case(s, causal, DType::F16, 70 + i as u64);
-                if plans(&c.p).unwrap().0.tier != Tier::Coop {
+                let plan = overrides::with(with_layout(layout), || plans(&c.p).unwrap());
+                if plan.0.tier != Tier::Coop {
                     eprintln!("{s:?}: runs other kernels here; not tested");
                     continue;
                 }
@@ -113,15 +131,17 @@ fn coop_forward_matches_float64_reference() {
                     c.k = Inputs::new(scaled, DType::F16);
                     c.q = Inputs::new(c.q.f64.iter().map(|x| x.abs() * 2.0).collect(), DType::F16);
                 }
-                let (o, l, kernels) = forward_errors(&c, true);
+                let (o, l, kernels) =
+                    overrides::with(with_layout(layout), || forward_errors(&c, true));
                 assert!(
                     kernels.is_empty() || kernels.iter().all(|k| k == "forward_coop"),
                     "expected the cooperative forward, ran {kernels:?}"
                 );
                 let (so, sl, _) = forward_errors(&c, false);
                 eprintln!(
-                    "coop {s:?} causal={causal} grow={grow}: out {o:.2e} lse {l:.2e} \
-                     (scalar float16: out {so:.2e} lse {sl:.2e})"
+                    "coop {s:?} causal={causal} grow={grow} {:?}: out {o:.2e} lse {l:.2e} \
+                     (scalar float16: out {so:.2e} lse {sl:.2e})",
+                    plan.0.forward.tiles
                 );
                 assert!(
                     o <= 1e-2 && l <= 1e-2,

@@ -16,6 +16,7 @@
 //! - `decode`: decoding over paged KV caches (`attention_with_kvcache`);
 //! - `kvcache`: `KvCache` with its pools on the GPU;
 //! - `loop_limit`: kernels whose threads loop long (lavapipe's limit).
+//! - `wait`: polling for GPU work or sleeping until it is done.
 //!
 //! The knobs are `flashport_core::overrides` (per thread, restored by
 //! `overrides::with`); nothing here reads another environment variable.
@@ -35,3 +36,4 @@ mod tiers;
 mod variant_cases;
 mod variant_edges;
 mod variants;
+mod wait;

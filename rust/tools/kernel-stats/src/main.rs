@@ -22,6 +22,7 @@ use flashport_core::gpu::select::{
 };
 use flashport_core::gpu::shaders::{overrides, source};
 use flashport_core::gpu::spirv;
+use flashport_core::gpu::tiles::coop_forward_candidates;
 use flashport_core::{validate_forward, ArrayInfo, Options};
 use std::ffi::CStr;
 
@@ -166,7 +167,18 @@ unsafe fn with_device(
             let none = Overrides::default();
             let f = select_forward(&p, caps, &none);
             let b = select_backward(&p, caps, &none);
-            for key in [f.forward, b.dq, b.dkdv] {
+            // The cooperative forward's other tiles too: which of them the
+            // driver spills or holds to fewer workgroups.
+            let others = coop_forward_candidates(d, d, caps)
+                .filter(|&t| dtype == "float16" && t != f.forward.tiles)
+                .map(|t| {
+                    let ov = Overrides {
+                        coop_forward: Some(t),
+                        ..Overrides::default()
+                    };
+                    select_forward(&p, caps, &ov).forward
+                });
+            for key in [f.forward, b.dq, b.dkdv].into_iter().chain(others) {
                 println!("\n{} {dtype} d={d} {:?}", key.kernel.name(), key.tiles);
                 let label = format!("{}-{dtype}-d{d}", key.kernel.name());
                 let lines = pipeline_statistics(device, &stats, &compile(&key)?, &label, args)?;

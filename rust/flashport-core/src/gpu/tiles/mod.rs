@@ -14,8 +14,8 @@ mod simple;
 mod tiled;
 
 pub use coop::{
-    coop_backward_tiles, coop_elems, coop_forward_tiles, coop_o_columns, coop_staged_words,
-    coop_workgroup_bytes, CoopBackwardLayout, COOP_BACKWARD_MAX_STAGED_WORDS,
+    coop_backward_tiles, coop_elems, coop_forward_candidates, coop_forward_tiles, coop_o_columns,
+    coop_staged_words, coop_workgroup_bytes, CoopBackwardLayout, COOP_BACKWARD_MAX_STAGED_WORDS,
     COOP_MAX_STAGED_WORDS,
 };
 pub use loops::{
