@@ -1247,7 +1247,7 @@ mod testing {
     #[pyo3(signature = (*, max_tier=None, workgroup_bytes=None, no_subgroups=false,
                         binding_limit=None, naga_spirv=false, portable_cpu=false,
                         decode_workgroup=None, decode_keys=None, decode_lanes=None,
-                        coop_forward=None))]
+                        coop_forward=None, spin_us=None))]
     #[allow(clippy::too_many_arguments)]
     pub fn _testing_set_overrides(
         max_tier: Option<&str>,
@@ -1260,6 +1260,7 @@ mod testing {
         decode_keys: Option<u32>,
         decode_lanes: Option<u32>,
         coop_forward: Option<(u32, u32)>,
+        spin_us: Option<u64>,
     ) -> PyResult<()> {
         let max_tier = match max_tier {
             None => None,
@@ -1290,7 +1291,7 @@ mod testing {
                 kv_shared: false,
                 prefetch: 0,
             }),
-            spin: None,
+            spin: spin_us.map(std::time::Duration::from_micros),
         });
         Ok(())
     }

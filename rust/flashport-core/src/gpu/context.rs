@@ -160,10 +160,11 @@ pub(crate) struct Context {
 }
 
 /// How long a call polls for its GPU work before it sleeps: a sleeping
-/// thread wakes 0.05-0.15 ms after the GPU finishes (H100, driver 580),
-/// which is a third of a small call; past 2 ms that is under 5%, and the
-/// core is not held any longer.
-const SPIN: std::time::Duration = std::time::Duration::from_millis(2);
+/// thread wakes 0.1-0.15 ms after the GPU finishes (H100, driver 580), a
+/// third of a small call and 1-3% of calls of 4-14 ms; past 20 ms that is
+/// under 0.75%, and the core is not held any longer
+/// (docs/gpu.md#host-transfers).
+const SPIN: std::time::Duration = std::time::Duration::from_millis(20);
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // The guarded maps stay consistent even if a holder panicked.
