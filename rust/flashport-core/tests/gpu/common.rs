@@ -6,8 +6,8 @@ pub use super::require::gpu_present;
 use flashport_core::gpu::kernel::Tier;
 use flashport_core::overrides::{self, Overrides};
 use flashport_core::{
-    bf16, cpu, f16, gpu, validate_forward, ArrayInfo, Buffer, DType, Options, Problem, Slice,
-    VariantArrays,
+    bf16, cpu, f16, gpu, validate_forward, ArrayInfo, Buffer, DType, ForwardOutput, Options,
+    Problem, Slice, VariantArrays,
 };
 
 /// Deterministic values in [-1, 1), never exactly 0.
@@ -208,27 +208,38 @@ pub fn workgroup_bytes(bytes: u32) -> Overrides {
     }
 }
 
-/// Checks forward and backward of one case; returns (forward, backward)
-/// relative errors.
-pub fn check(c: &Case, fwd_tol: f64, bwd_tol: f64) -> (f64, f64) {
+/// The forward of `c` on the GPU, inputs in the case's dtype, no variants.
+pub fn gpu_forward(c: &Case) -> ForwardOutput {
     let dt = c.p.dtype;
-    let p64 = f64_problem(&c.p);
-    let reference = cpu::forward(
-        &p64,
-        c.q.slice(DType::F64),
-        c.k.slice(DType::F64),
-        c.v.slice(DType::F64),
-        &VariantArrays::default(),
-    )
-    .unwrap();
-    let got = gpu::forward(
+    gpu::forward(
         &c.p,
         c.q.slice(dt),
         c.k.slice(dt),
         c.v.slice(dt),
         &VariantArrays::default(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// The forward of `c` in float64 on the CPU, the reference.
+pub fn reference_forward(c: &Case) -> ForwardOutput {
+    cpu::forward(
+        &f64_problem(&c.p),
+        c.q.slice(DType::F64),
+        c.k.slice(DType::F64),
+        c.v.slice(DType::F64),
+        &VariantArrays::default(),
+    )
+    .unwrap()
+}
+
+/// Checks forward and backward of one case; returns (forward, backward)
+/// relative errors.
+pub fn check(c: &Case, fwd_tol: f64, bwd_tol: f64) -> (f64, f64) {
+    let dt = c.p.dtype;
+    let p64 = f64_problem(&c.p);
+    let reference = reference_forward(c);
+    let got = gpu_forward(c);
     assert_eq!(got.out.len(), c.p.out_len());
     assert!(matches!(got.lse, Buffer::F32(_)), "lse must be float32");
     let ref_out = as_f64(&reference.out);

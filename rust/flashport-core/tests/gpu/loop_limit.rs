@@ -6,28 +6,14 @@
 //! a shape past it must be refused rather than computed wrong.
 
 use super::common::*;
-use flashport_core::{cpu, gpu, DType, Error, Slice, VariantArrays};
+use flashport_core::{gpu, DType, Error, Slice, VariantArrays};
 
 /// The forward of `c` against the float64 reference: the relative error
 /// of out and lse (the debug build poisons outputs, so an unwritten one is
 /// NaN and fails).
 fn forward_error(c: &Case) -> f64 {
-    let reference = cpu::forward(
-        &f64_problem(&c.p),
-        c.q.slice(DType::F64),
-        c.k.slice(DType::F64),
-        c.v.slice(DType::F64),
-        &VariantArrays::default(),
-    )
-    .unwrap();
-    let got = gpu::forward(
-        &c.p,
-        c.q.slice(DType::F32),
-        c.k.slice(DType::F32),
-        c.v.slice(DType::F32),
-        &VariantArrays::default(),
-    )
-    .unwrap();
+    let reference = reference_forward(c);
+    let got = gpu_forward(c);
     let out = rel_err(&as_f64(&got.out), &as_f64(&reference.out));
     let lse = rel_err(&as_f64(&got.lse), &as_f64(&reference.lse));
     out.max(lse)

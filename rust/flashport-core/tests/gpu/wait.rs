@@ -11,14 +11,7 @@ use std::time::Duration;
 
 /// Forward and backward outputs of `c` on the GPU, as bits.
 fn run(c: &Case) -> Vec<Vec<u64>> {
-    let f = gpu::forward(
-        &c.p,
-        c.q.slice(DType::F32),
-        c.k.slice(DType::F32),
-        c.v.slice(DType::F32),
-        &VariantArrays::default(),
-    )
-    .unwrap();
+    let f = gpu_forward(c);
     let d_out: Vec<f32> = random(c.p.out_len(), 9).iter().map(|&x| x as f32).collect();
     let (Buffer::F32(o), Buffer::F32(lse)) = (&f.out, &f.lse) else {
         panic!("float32 inputs gave other outputs");

@@ -212,16 +212,7 @@ pub fn coop_backward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<(Tiles,
 mod tests {
     use super::*;
 
-    fn caps(kib: u32) -> AdapterCaps {
-        AdapterCaps {
-            workgroup_storage_bytes: kib * 1024,
-            max_invocations: 1024,
-            max_workgroup_size_x: 1024,
-            subgroups: true,
-            coop: true,
-            ..AdapterCaps::WEBGPU_DEFAULT
-        }
-    }
+    use crate::gpu::tiles::test_caps as caps;
 
     fn layout(t: Tiles) -> (u32, u32) {
         (t.workgroup / 32, t.k_rows)

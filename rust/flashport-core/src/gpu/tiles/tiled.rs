@@ -215,15 +215,7 @@ pub fn tiled_forward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<Tiles> 
 mod tests {
     use super::*;
 
-    fn caps(kib: u32) -> AdapterCaps {
-        AdapterCaps {
-            workgroup_storage_bytes: kib * 1024,
-            max_invocations: 1024,
-            max_workgroup_size_x: 1024,
-            subgroups: true,
-            ..AdapterCaps::WEBGPU_DEFAULT
-        }
-    }
+    use crate::gpu::tiles::test_caps as caps;
 
     #[test]
     fn tiled_backward_shares_the_streamed_tiles_only_where_needed() {
