@@ -104,7 +104,7 @@ impl DeviceArray {
                     let mut sub = Submission::new(ctx);
                     sub.keep(&self.buffer);
                     let copy = sub.scratch(self.buffer.bytes());
-                    sub.encoder.copy_buffer_to_buffer(
+                    sub.encoder().copy_buffer_to_buffer(
                         self.buffer.buffer(),
                         0,
                         copy.buffer(),
@@ -293,7 +293,7 @@ pub(crate) fn heads(
     if start % wgpu::COPY_BUFFER_ALIGNMENT == 0 {
         // The padded size stays inside the array's buffer, which is
         // itself padded to a 4-byte multiple.
-        sub.encoder.copy_buffer_to_buffer(
+        sub.encoder().copy_buffer_to_buffer(
             t.buffer.buffer(),
             start,
             chunk.buffer(),
@@ -335,7 +335,7 @@ impl Resident {
         }
         let full = self.full(sub);
         if n > 0 {
-            sub.encoder.copy_buffer_to_buffer(
+            sub.encoder().copy_buffer_to_buffer(
                 part.buffer(),
                 0,
                 full.buffer(),

@@ -380,7 +380,7 @@ impl GpuStorage {
         let end = (src_at + block_bytes).next_multiple_of(4);
         let scratch = sub.scratch(end - start);
         sub.keep(src.buffer());
-        sub.encoder.copy_buffer_to_buffer(
+        sub.encoder().copy_buffer_to_buffer(
             src.buffer().buffer(),
             start,
             scratch.buffer(),
@@ -389,7 +389,7 @@ impl GpuStorage {
         );
         if start == src_at && dst_at % 4 == 0 && block_bytes % 4 == 0 {
             sub.keep(dst.buffer());
-            sub.encoder.copy_buffer_to_buffer(
+            sub.encoder().copy_buffer_to_buffer(
                 scratch.buffer(),
                 0,
                 dst.buffer().buffer(),

@@ -70,7 +70,7 @@ pub(crate) fn reset_flag(ctx: &Context, sub: &mut Submission<'_>, buffer: &Poole
         ctx.queue
             .write_buffer(buffer.buffer(), at, &1u32.to_le_bytes());
     } else {
-        sub.encoder.clear_buffer(buffer.buffer(), at, Some(4));
+        sub.encoder().clear_buffer(buffer.buffer(), at, Some(4));
     }
 }
 

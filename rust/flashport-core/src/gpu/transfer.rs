@@ -25,7 +25,10 @@ pub(crate) fn padded(bytes: u64) -> u64 {
 /// afterwards, and the timestamps of its passes where they are measured.
 pub(crate) struct Submission<'c> {
     ctx: &'c Context,
-    pub encoder: wgpu::CommandEncoder,
+    /// The compute pass the untimed dispatches share, open until something
+    /// else is recorded (declared before the encoder: it ends first).
+    pass: Option<wgpu::ComputePass<'static>>,
+    encoder: wgpu::CommandEncoder,
     keep: Vec<Arc<Pooled>>,
     staged: Vec<wgpu::Buffer>,
     timer: Option<Timer>,
@@ -37,6 +40,7 @@ impl<'c> Submission<'c> {
     pub fn new(ctx: &'c Context) -> Self {
         Submission {
             ctx,
+            pass: None,
             encoder: ctx.device.create_command_encoder(&Default::default()),
             keep: Vec::new(),
             staged: Vec::new(),
@@ -47,6 +51,13 @@ impl<'c> Submission<'c> {
 
     pub fn ctx(&self) -> &'c Context {
         self.ctx
+    }
+
+    /// The encoder, for copies and clears between the passes (ending the
+    /// open compute pass).
+    pub fn encoder(&mut self) -> &mut wgpu::CommandEncoder {
+        self.pass = None;
+        &mut self.encoder
     }
 
     /// Keeps `buffer` out of the pool until the submission is done.
@@ -130,7 +141,7 @@ impl<'c> Submission<'c> {
             view.slice(bytes.len()..).fill(0);
         }
         staging.unmap();
-        self.encoder
+        self.encoder()
             .copy_buffer_to_buffer(&staging, 0, buffer.buffer(), 0, size);
         self.staged.push(staging);
         Ok((buffer, raised))
@@ -154,13 +165,35 @@ impl<'c> Submission<'c> {
         if x == 0 || y == 0 {
             return;
         }
+        // Untimed dispatches share one pass (wgpu still orders each after
+        // the ones whose writes it reads); a timed one has its own, which
+        // carries its timestamps.
         let timestamp_writes = self.timer.as_mut().and_then(|t| t.next(name));
-        let mut pass = self
-            .encoder
-            .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some(name),
-                timestamp_writes,
-            });
+        if timestamp_writes.is_some() {
+            self.pass = None;
+        }
+        let timed = timestamp_writes.is_some();
+        let mut own;
+        let pass = if timed {
+            own = self
+                .encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some(name),
+                    timestamp_writes,
+                })
+                .forget_lifetime();
+            &mut own
+        } else {
+            let encoder = &mut self.encoder;
+            self.pass.get_or_insert_with(|| {
+                encoder
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("kernels"),
+                        timestamp_writes: None,
+                    })
+                    .forget_lifetime()
+            })
+        };
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, group, &[]);
         pass.dispatch_workgroups(x, y, 1);
@@ -177,6 +210,7 @@ impl<'c> Submission<'c> {
             record_host_seconds("upload", uploading.as_secs_f64());
         }
         let t_submit = Instant::now();
+        self.pass = None;
         self.ctx.queue.submit([self.encoder.finish()]);
         for staging in std::mem::take(&mut self.staged) {
             self.ctx.recycle_upload_staging(staging);
@@ -199,6 +233,7 @@ impl<'c> Submission<'c> {
         }
         let mut reads: Vec<(&wgpu::Buffer, usize)> =
             reads.iter().map(|(b, n)| (b.buffer(), *n)).collect();
+        self.pass = None;
         let timer = self.timer.take();
         if let Some(t) = &timer {
             reads.push((&t.resolve, t.resolve(&mut self.encoder)));
