@@ -153,8 +153,9 @@ impl<'c> Submission<'c> {
             .map(|(buffer, _)| buffer)
     }
 
-    /// Records one pass of `pipeline` over an `x` × `y` grid, timed as
-    /// `name` where the submission measures its passes.
+    /// Records `pipeline` over an `x` × `y` grid: in the pass the call's
+    /// kernels share, or, where the submission measures its passes, in a
+    /// pass of its own timed as `name`.
     pub fn dispatch(
         &mut self,
         pipeline: &wgpu::ComputePipeline,
@@ -168,31 +169,30 @@ impl<'c> Submission<'c> {
         // Untimed dispatches share one pass (wgpu still orders each after
         // the ones whose writes it reads); a timed one has its own, which
         // carries its timestamps.
-        let timestamp_writes = self.timer.as_mut().and_then(|t| t.next(name));
-        if timestamp_writes.is_some() {
-            self.pass = None;
-        }
-        let timed = timestamp_writes.is_some();
         let mut own;
-        let pass = if timed {
-            own = self
-                .encoder
-                .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some(name),
-                    timestamp_writes,
-                })
-                .forget_lifetime();
-            &mut own
-        } else {
-            let encoder = &mut self.encoder;
-            self.pass.get_or_insert_with(|| {
-                encoder
+        let pass = match self.timer.as_mut().and_then(|t| t.next(name)) {
+            Some(timestamp_writes) => {
+                self.pass = None;
+                own = self
+                    .encoder
                     .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: Some("kernels"),
-                        timestamp_writes: None,
+                        label: Some(name),
+                        timestamp_writes: Some(timestamp_writes),
                     })
-                    .forget_lifetime()
-            })
+                    .forget_lifetime();
+                &mut own
+            }
+            None => {
+                let encoder = &mut self.encoder;
+                self.pass.get_or_insert_with(|| {
+                    encoder
+                        .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                            label: Some("kernels"),
+                            timestamp_writes: None,
+                        })
+                        .forget_lifetime()
+                })
+            }
         };
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, group, &[]);
