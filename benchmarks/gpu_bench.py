@@ -17,8 +17,9 @@ calls are followed by `torch.cuda.synchronize()` inside the timed region):
 - `kern fwd`, `kern f+b`: the breakdown, the GPU time of the kernels of
   the DeviceArray calls (timestamp queries, summed; measured in calls of
   their own after the timed ones, where the extension can switch the
-  timestamps off for the timed calls), and `host fwd`: `dev fwd` less
-  `kern fwd`;
+  timestamps off for the timed calls); `outside fwd ms`: `dev fwd` less
+  `kern fwd`, and `outside bwd ms` the same for the backward call alone
+  (`attention_backward` on DeviceArrays, timed apart from its forward);
 - `torch`: SDPA with its default backend choice on CUDA tensors of the
   same dtype; for float16 also `torch FA2` (the FLASH_ATTENTION backend).
 
@@ -29,8 +30,10 @@ and reports each forward as a fraction of the ceiling of its dtype
 (`% ceiling`, on `dev fwd`): what a portable backend can reach.
 
 TF/s by the convention of BENCHMARKS.md: forward 4·B·H·N²·d FLOPs, halved
-when causal; forward+backward 3.5× that. The last lines are a Markdown
-table; `--json` writes every number.
+when causal; forward+backward 3.5× that. The last lines are the Markdown
+table of BENCHMARKS.md; `--json` writes every number, and
+`--table A.json B.json ...` prints one table of the records of several
+runs (the ceiling from the first run that measured it).
 """
 
 from __future__ import annotations
@@ -114,6 +117,12 @@ def flashport_rows(shape, dtype, causal, reps):
         flashport.attention_backward(ddo, dq, dk, dv, o, lse, causal=causal)
         return kt + kernel_seconds()
 
+    saved = flashport.attention(dq, dk, dv, causal=causal, return_lse=True)
+
+    def dev_bwd():
+        flashport.attention_backward(ddo, dq, dk, dv, *saved, causal=causal)
+        return kernel_seconds()
+
     def np_fwd():
         flashport.attention(q, k, v, causal=causal, device="gpu")
 
@@ -126,12 +135,14 @@ def flashport_rows(shape, dtype, causal, reps):
         timing(False)
     row["dev_fwd"], row["fwd_phases"] = median_time(dev_fwd_phases, reps)
     row["dev_both"], _ = median_time(dev_both, reps)
+    row["dev_bwd"], _ = median_time(dev_bwd, reps)
     row["np_fwd"], _ = median_time(np_fwd, reps)
     row["np_both"], _ = median_time(np_both, reps)
     if timing is not None:
         timing(True)
     _, row["kern_fwd"] = median_time(dev_fwd, reps, warmup=1)
     _, row["kern_both"] = median_time(dev_both, reps, warmup=1)
+    _, row["kern_bwd"] = median_time(dev_bwd, reps, warmup=1)
 
     def np_both_kernels():
         o, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, device="gpu")
@@ -223,7 +234,16 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--ceiling", default=None, help="path of the gemm-ceiling tool")
+    ap.add_argument("--table", nargs="+", default=None, help="print the table of these JSON files")
     args = ap.parse_args()
+    if args.table:
+        runs = []
+        for path in args.table:
+            with open(path) as f:
+                runs.append(json.load(f))
+        ceiling = next((r["machine"]["ceiling"] for r in runs if "ceiling" in r["machine"]), {})
+        print_table([rec for r in runs for rec in r["records"]], peaks(ceiling))
+        return
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -246,7 +266,7 @@ def main():
         ceiling = json.loads(done.stdout.strip().splitlines()[-1])
         info["ceiling"] = ceiling
         print(json.dumps(ceiling), flush=True)
-    peak = {"float32": ceiling.get("f32_fma_tflops"), "float16": ceiling.get("f16_coop_tflops")}
+    peak = peaks(ceiling)
 
     records = []
     for shape in shapes:
@@ -263,53 +283,78 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"machine": info, "records": records}, f, indent=1)
 
-    # The table: TF/s (ms) per column.
+    print_table(records, peak)
+
+
+def peaks(ceiling):
+    """The ceiling of each dtype in TFLOP/s, from the gemm-ceiling tool's record."""
+    return {"float32": ceiling.get("f32_fma_tflops"), "float16": ceiling.get("f16_coop_tflops")}
+
+
+def print_table(records, peak):
+    """BENCHMARKS.md's table: TF/s (ms) per cell, rows by shape, float16
+    first, non-causal first."""
     head = [
         "shape",
         "dtype",
-        "causal",
+        "c",
         "dev fwd",
         "dev f+b",
         "np fwd",
         "np f+b",
         "kern fwd",
         "kern f+b",
-        "host fwd ms",
+        "outside fwd ms",
+        "outside bwd ms",
         "torch fwd",
         "torch f+b",
         "torch FA2 fwd",
         "torch FA2 f+b",
-        "dev fwd / torch",
-        "% ceiling",
+        "×torch fwd",
+        "×torch f+b",
+        "% ceiling fwd",
     ]
     print("\n| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for r in records:
-        s, c = r["shape"], r["causal"]
+    order = {tuple(s): i for i, s in enumerate(SHAPES)}
+
+    def key(r):
+        return (order.get(tuple(r["shape"]), len(order)), r["dtype"] != "float16", r["causal"])
+
+    for r in sorted(records, key=key):
+        s, c = tuple(r["shape"]), r["causal"]
 
         def cell(seconds, backward=False, s=s, c=c):
+            if not seconds:
+                return "–"
             return f"{tf(s, c, seconds, backward):.1f} ({1e3 * seconds:.2f})"
 
+        def outside(wall, kern):
+            return f"{1e3 * (wall - kern):.2f}" if wall and kern else "–"
+
         t = r.get("torch", {})
+        ceil = peak.get(r["dtype"])
         tfwd, tboth = t.get("torch", (None, None))
         ffwd, fboth = t.get("torch FA2", (None, None))
         cells = [
-            "x".join(map(str, s)),
+            "×".join(map(str, s)),
             r["dtype"],
             str(int(c)),
             cell(r["dev_fwd"]),
             cell(r["dev_both"], True),
             cell(r["np_fwd"]),
             cell(r["np_both"], True),
-            cell(r["kern_fwd"]) if r["kern_fwd"] else "-",
-            cell(r["kern_both"], True) if r["kern_both"] else "-",
-            f"{1e3 * (r['dev_fwd'] - (r['kern_fwd'] or 0)):.2f}",
-            cell(tfwd) if tfwd else "-",
-            cell(tboth, True) if tboth else "-",
-            cell(ffwd) if ffwd else "-",
-            cell(fboth, True) if fboth else "-",
-            f"{tfwd / r['dev_fwd']:.3f}" if tfwd else "-",
-            f"{100 * tf(s, c, r['dev_fwd']) / peak[r['dtype']]:.0f}%" if peak[r["dtype"]] else "-",
+            cell(r["kern_fwd"]),
+            cell(r["kern_both"], True),
+            outside(r["dev_fwd"], r["kern_fwd"]),
+            outside(r.get("dev_bwd"), r.get("kern_bwd")),
+            cell(tfwd),
+            cell(tboth, True),
+            cell(ffwd),
+            cell(fboth, True),
+            f"{tfwd / r['dev_fwd']:.3f}" if tfwd else "–",
+            f"{tboth / r['dev_both']:.3f}" if tboth else "–",
+            f"{100 * tf(s, c, r['dev_fwd']) / ceil:.0f}%" if ceil else "–",
         ]
         print("| " + " | ".join(cells) + " |")
 

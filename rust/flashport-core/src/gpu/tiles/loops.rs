@@ -34,6 +34,7 @@
 //! no loop is unrolled (the tiled forward's: 2426 tiles of 32 keys run,
 //! 2427 do not).
 
+use super::simple::PREPROCESS_COLUMNS;
 use super::tiled::tiled_nv;
 use super::{TILED_BK, TILED_CG};
 use crate::gpu::decode::select::{DecodeTiles, SubgroupTiles};
@@ -130,7 +131,13 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
         trips + 1 + live * work + (trips - live) * loops + loops
     };
     match key.kernel {
-        Kernel::BackwardPreprocess => flat(dv),
+        Kernel::BackwardPreprocess => {
+            // Per staged pass: the loads of the pass's columns of every
+            // row, four per step, then the row's sum over them.
+            let cw = PREPROCESS_COLUMNS as u64;
+            let loads = (wg * cw).saturating_sub(lane).div_ceil(4 * wg);
+            lp(dv.div_ceil(cw), flat(loads) + flat(cw), 2)
+        }
         Kernel::Forward => {
             let (tr, ta) = (per(bq), per(bq * dv));
             // The online-softmax step, one row per thread: the row maximum

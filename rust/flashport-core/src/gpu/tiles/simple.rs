@@ -10,6 +10,10 @@ use crate::gpu::select::AdapterCaps;
 /// stay cheap.
 const WORKGROUP: u32 = 64;
 
+/// Columns of dO and o the backward pre-pass stages per pass (`CW` in
+/// shaders/simple/backward_preprocess.wgsl).
+pub const PREPROCESS_COLUMNS: u32 = 16;
+
 /// Candidate (primary, secondary) tile heights, best first. The primary
 /// tile is the one a workgroup owns (query rows in the forward and dQ
 /// kernels, key rows in dK/dV); the secondary one is streamed through.
@@ -145,6 +149,8 @@ pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 
         Kernel::BackwardDq => {
             2 * e(bq * d) + e(bq * dv) + kt + vt + e(bq * bk) + 3 * e(bq) + bk + 1
         }
+        // dO and o, a few columns of the workgroup's rows at a time.
+        Kernel::BackwardPreprocess => 2 * t.workgroup as u64 * (PREPROCESS_COLUMNS as u64 + 1),
         _ => 0,
     };
     4 * words
