@@ -16,8 +16,8 @@ calls are followed by `torch.cuda.synchronize()` inside the timed region):
 - `np fwd`, `np f+b`: the same with NumPy arrays in and out;
 - `kern fwd`, `kern f+b`: the breakdown, the GPU time of the kernels of
   the DeviceArray calls (timestamp queries, summed; measured in calls of
-  their own after the timed ones, where the extension can switch the
-  timestamps off for the timed calls); `outside fwd ms`: `dev fwd` less
+  their own, each right after a timed call, where the extension can
+  switch the timestamps off for the timed calls); `outside fwd ms`: `dev fwd` less
   `kern fwd`, and `outside bwd ms` the same for the backward call alone
   (`attention_backward` on DeviceArrays, timed apart from its forward);
 - `torch`: SDPA with its default backend choice on CUDA tensors of the
@@ -94,6 +94,39 @@ def median_time(call, reps, warmup=2):
     return statistics.median(walls), extra
 
 
+def set_timing(on):
+    """Kernel timestamps on or off for the calling thread's GPU calls (off
+    by default; a wheel built without the test hooks has none)."""
+    timing = getattr(_core, "_gpu_kernel_timing", None)
+    if timing is not None:
+        timing(on)
+
+
+def paired(call, reps, warmup=2):
+    """`call()` with the kernel timestamps off, each followed by the same
+    call with them on, so that both see the GPU in the same state: the
+    median wall seconds of the first, the median GPU seconds of the
+    kernels of the second (what `call` returns; None without timestamps),
+    and the median host phases of the first."""
+    walls, kerns, host = [], [], []
+    for i in range(warmup + reps):
+        set_timing(False)
+        t0 = time.perf_counter()
+        call()
+        wall = time.perf_counter() - t0
+        ph = {k: v for k, v in phases().items() if k.startswith("host:")}
+        set_timing(True)
+        kern = call()
+        if i >= warmup:
+            walls.append(wall)
+            kerns.append(kern)
+            host.append(ph)
+    set_timing(False)
+    kern = statistics.median(kerns) if hasattr(_core, "_gpu_kernel_timing") else None
+    host = {k: statistics.median(h.get(k, 0.0) for h in host) for k in host[0]}
+    return statistics.median(walls), kern, host
+
+
 def flashport_rows(shape, dtype, causal, reps):
     rng = np.random.default_rng(0)
     b, h, n, d = shape
@@ -106,10 +139,6 @@ def flashport_rows(shape, dtype, causal, reps):
     def dev_fwd():
         flashport.attention(dq, dk, dv, causal=causal)
         return kernel_seconds()
-
-    def dev_fwd_phases():
-        flashport.attention(dq, dk, dv, causal=causal)
-        return phases()
 
     def dev_both():
         o, lse = flashport.attention(dq, dk, dv, causal=causal, return_lse=True)
@@ -130,19 +159,12 @@ def flashport_rows(shape, dtype, causal, reps):
         o, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, device="gpu")
         flashport.attention_backward(do, q, k, v, o, lse, causal=causal, device="gpu")
 
-    timing = getattr(_core, "_gpu_kernel_timing", None)
-    if timing is not None:
-        timing(False)
-    row["dev_fwd"], row["fwd_phases"] = median_time(dev_fwd_phases, reps)
-    row["dev_both"], _ = median_time(dev_both, reps)
-    row["dev_bwd"], _ = median_time(dev_bwd, reps)
+    row["dev_fwd"], row["kern_fwd"], row["fwd_phases"] = paired(dev_fwd, reps)
+    row["dev_both"], row["kern_both"], _ = paired(dev_both, reps)
+    row["dev_bwd"], row["kern_bwd"], row["bwd_phases"] = paired(dev_bwd, reps)
     row["np_fwd"], _ = median_time(np_fwd, reps)
     row["np_both"], _ = median_time(np_both, reps)
-    if timing is not None:
-        timing(True)
-    _, row["kern_fwd"] = median_time(dev_fwd, reps, warmup=1)
-    _, row["kern_both"] = median_time(dev_both, reps, warmup=1)
-    _, row["kern_bwd"] = median_time(dev_bwd, reps, warmup=1)
+    set_timing(True)
 
     def np_both_kernels():
         o, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, device="gpu")
@@ -158,6 +180,7 @@ def flashport_rows(shape, dtype, causal, reps):
     # (its clocks drop): whether either changes the kernels' own time.
     _, row["kern_np_both"] = median_time(np_both_kernels, min(reps, 3), warmup=1)
     _, row["kern_both_after_idle"] = median_time(idle_then_dev_both, 2, warmup=0)
+    set_timing(False)
     return row
 
 
