@@ -5,11 +5,11 @@
 //
 // One invocation per row sums it in column order, the order in which the
 // simple and register-tiled dQ kernels sum dP = dO · v, so that there a
-// row whose o is one key's v gets dP − D = 0 exactly. The workgroup's rows reach it through workgroup
-// memory, CW columns at a time, loaded so that a warp's loads cover
-// consecutive columns and each invocation has eight in flight: walking
-// its row from global memory, one load at a time with a warp's loads 32
-// rows apart, ran at about 355 GB/s on the H100.
+// row whose o is one key's v gets dP − D = 0 exactly. The workgroup's
+// rows reach it through workgroup memory, CW columns at a time, loaded so
+// that a warp's loads cover consecutive columns and each invocation has
+// eight in flight: walking its row from global memory, one load at a time
+// with a warp's loads 32 rows apart, ran at about 355 GB/s on the H100.
 //
 // It also raises screen.wgsl's flag, which sends the call to the simple
 // kernels, for a poisoned row and for a dO or o element that is not finite
@@ -64,6 +64,7 @@ fn main(
     let first = (wid.y * p.seq_q + row0) * DV;
     var delta = 0.0;
     var finite = true;
+    // Whether to send the call to the simple kernels.
     var raise = false;
     for (var c0 = 0u; c0 < DV; c0 += CW) {
         let cw = min(CW, DV - c0);
