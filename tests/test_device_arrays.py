@@ -76,8 +76,9 @@ def uploads():
 
 
 def submissions():
-    """The submissions the last GPU call waited for: one per chunk of heads."""
-    return sum(name == "host:wait" for name, _ in _core._gpu_kernel_times())
+    """The submissions the last GPU call made, waited for or queued: one per
+    chunk of heads."""
+    return sum(name == "host:submit" for name, _ in _core._gpu_kernel_times())
 
 
 def check_device_path(

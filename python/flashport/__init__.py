@@ -8,7 +8,8 @@ on the CPU (multi-threaded, tiled) and on any GPU that wgpu reaches.
 >>> dq, dk, dv = flashport.attention_backward(np.ones_like(o), q, k, v, o, lse, causal=True)
 
 Arrays can stay on the GPU between calls (``flashport.to_device``): results
-live where the inputs live. For inference: ``merge_states``,
+live where the inputs live, and calls on them return as soon as their work
+is queued (``flashport.synchronize`` waits for it). For inference: ``merge_states``,
 ``attention_with_kvcache`` and ``KVCache``, a paged KV cache with shared,
 copy-on-write blocks and prefix reuse.
 """
@@ -19,7 +20,7 @@ from . import reference
 from ._attention import attention, attention_backward, devices
 from ._cache import KVCache
 from ._core import __version__
-from ._device import DeviceArray, to_device
+from ._device import DeviceArray, synchronize, to_device
 from ._errors import (
     BackendUnavailableError,
     CacheFullError,
@@ -58,5 +59,6 @@ __all__ = [
     "devices",
     "merge_states",
     "reference",
+    "synchronize",
     "to_device",
 ]

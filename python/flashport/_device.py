@@ -1,5 +1,6 @@
-"""Arrays that stay in GPU memory between calls: :class:`DeviceArray` and
-:func:`to_device`."""
+"""Arrays that stay in GPU memory between calls: :class:`DeviceArray`,
+:func:`to_device`, and :func:`synchronize` for the calls on them, which
+return as soon as their work is queued."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy.typing as npt
 
 from . import _core
 
-__all__ = ["DeviceArray", "to_device"]
+__all__ = ["DeviceArray", "synchronize", "to_device"]
 
 
 class DeviceArray:
@@ -30,6 +31,19 @@ class DeviceArray:
     GPU. It holds GPU memory until it is garbage-collected. If the GPU device
     is lost or reset (a driver reset, a removed GPU), its data is gone:
     using it raises :class:`flashport.GpuError` naming the argument.
+
+    Asynchronous, as CUDA tensors are: a call whose arrays are all
+    ``DeviceArray`` s (and :meth:`copy`) returns as soon as its work is
+    queued on the GPU, and its results are ``DeviceArray`` s whose values
+    are computed later. The GPU runs calls in the order they were made, so
+    passing a result to the next call is always correct. :meth:`numpy`,
+    ``np.asarray(x)``, every call with a NumPy array among its arguments or
+    results, and :func:`flashport.synchronize` wait for the work queued
+    before them. A GPU failure in queued work (a lost device) raises
+    :class:`flashport.GpuError` at the latest at the next call that waits,
+    and reading any array the lost device held raises it too: such an
+    array never returns stale values. ``del`` of an array while calls that
+    use it are queued is safe: its memory is reused only by later work.
     """
 
     __slots__ = ("_array",)
@@ -132,6 +146,36 @@ def to_device(array: npt.ArrayLike | DeviceArray) -> DeviceArray:
     if isinstance(array, DeviceArray):
         return array
     return DeviceArray(_core.to_device(as_native_array(array)))
+
+
+def synchronize(device: str | None = None) -> None:
+    """Waits until the GPU has finished every flashport call queued on it.
+
+    Calls whose arrays are all :class:`DeviceArray` s return as soon as their
+    work is queued (as PyTorch's CUDA calls do); reading a result
+    (:meth:`DeviceArray.numpy`) waits for it anyway. ``synchronize`` is
+    for the rest: timing GPU work from the host (``time.perf_counter()``
+    around a call measures only its queueing otherwise), and finding out
+    that queued work failed.
+
+    Arguments
+    ---------
+    device : "gpu", "auto", "cpu" or None, optional
+        ``None`` (the default), ``"gpu"`` and ``"auto"`` wait for the GPU;
+        ``"cpu"`` returns at once (CPU calls return when they are done).
+        Without a GPU in use, there is nothing to wait for.
+
+    Raises
+    ------
+    GpuError
+        The GPU device was lost (a driver reset, a removed GPU) while
+        queued work ran: that work, and every ``DeviceArray`` the device
+        held, are gone (reading one raises). The next GPU call opens the
+        device again.
+    InvalidArgumentError
+        ``device`` is not one of the names above.
+    """
+    _core.synchronize(device)
 
 
 def as_native_array(x: Any) -> np.ndarray:

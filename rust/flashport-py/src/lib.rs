@@ -1179,6 +1179,27 @@ fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceArray> 
     Ok(DeviceArray { inner })
 }
 
+/// synchronize(device=None) -> None: waits until the GPU has done every
+/// call queued on it ("cpu": nothing to wait for, CPU calls return done);
+/// GpuError if the device was lost on the way. The private entry point
+/// behind flashport.synchronize.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn synchronize(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let name = match device {
+        Some(device) => scalars::device_name(device)?,
+        None => None,
+    };
+    // Not `Device::parse`'s default: FLASHPORT_DEVICE picks where calls
+    // run, while queued work can only be on the GPU.
+    if let Some(name) = name {
+        if validated(py, Device::parse(Some(&name)))? == Device::Cpu {
+            return Ok(());
+        }
+    }
+    run_detached(py, core::gpu::synchronize)
+}
+
 /// devices() -> list[dict]: the CPU and every GPU adapter flashport can use.
 #[pyfunction]
 fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -1318,6 +1339,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_varlen_backward, m)?)?;
     m.add_function(wrap_pyfunction!(attention_with_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
+    m.add_function(wrap_pyfunction!(synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_times, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_kernel_timing, m)?)?;
     #[cfg(feature = "testing")]

@@ -3,6 +3,7 @@
 //! buffer pools; created lazily, shared by every thread, and replaced
 //! after the device is lost.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -157,7 +158,27 @@ pub(crate) struct Context {
     pub upload_pool: BufferPool,
     /// Device-local buffers calls no longer use (src/gpu/pool.rs).
     pub device_pool: Arc<DevicePool>,
+    /// Submissions queued without a wait that may still be running.
+    queued: Mutex<Queued>,
 }
+
+/// The submissions of a context queued without a wait, oldest first, each
+/// numbered in the order it was queued.
+#[derive(Default)]
+struct Queued {
+    in_flight: VecDeque<(u64, wgpu::SubmissionIndex)>,
+    /// Submissions queued so far: the next one's number.
+    count: u64,
+}
+
+/// The most submissions queued without a wait that a context lets run at
+/// once: the next one waits for the oldest first. wgpu keeps each one's
+/// command buffer, bind groups and upload staging buffers until it is
+/// done, so a loop of calls that never waits would otherwise grow memory
+/// without bound while the host outruns the GPU. Deep enough that the GPU
+/// never idles behind a host that is faster than it (a decode call's
+/// kernels take tens of microseconds, its host work about as long).
+pub(crate) const MAX_QUEUED: usize = 32;
 
 /// How long a call polls for its GPU work before it sleeps: a sleeping
 /// thread wakes 0.1-0.15 ms after the GPU finishes (H100, driver 580), a
@@ -189,8 +210,8 @@ pub(crate) fn get() -> Result<Arc<Context>> {
     Ok(ctx)
 }
 
-/// The shared context if one exists, without creating one.
-#[cfg(feature = "testing")]
+/// The shared context if one exists, without creating one (a lost one
+/// too, until a call replaces it).
 pub(crate) fn current() -> Option<Arc<Context>> {
     CONTEXT.lock().clone()
 }
@@ -343,7 +364,66 @@ impl Context {
             // Enough for the outputs and temporaries of a forward and
             // backward of (4, 16, 4096, 128) float32 several times over.
             device_pool: Arc::new(DevicePool::new(2 << 30)),
+            queued: Default::default(),
         })
+    }
+
+    /// Counts `index` as queued without a wait; the oldest queued
+    /// submission, taken out of the count, where it must be waited for
+    /// (`MAX_QUEUED` are in flight).
+    pub(crate) fn queued(&self, index: wgpu::SubmissionIndex) -> Option<wgpu::SubmissionIndex> {
+        let mut queued = lock(&self.queued);
+        let number = queued.count;
+        queued.count += 1;
+        queued.in_flight.push_back((number, index));
+        (queued.in_flight.len() > MAX_QUEUED)
+            .then(|| queued.in_flight.pop_front().map(|(_, index)| index))
+            .flatten()
+    }
+
+    /// The number the next queued submission will have: those below it
+    /// are done once a submission made after this call is.
+    pub(crate) fn queued_count(&self) -> u64 {
+        lock(&self.queued).count
+    }
+
+    /// Forgets the queued submissions numbered below `count`, done.
+    pub(crate) fn done_before(&self, count: u64) {
+        let mut queued = lock(&self.queued);
+        while queued.in_flight.front().is_some_and(|&(n, _)| n < count) {
+            queued.in_flight.pop_front();
+        }
+    }
+
+    /// Waits until the GPU has done everything submitted to this context
+    /// so far, and returns an error if the device was lost, or wgpu
+    /// reported an error outside any call, on the way: what
+    /// `flashport.synchronize()` raises.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        let count = self.queued_count();
+        let waited = self.device.poll(wgpu::PollType::wait_indefinitely());
+        if self.is_lost() {
+            return Err(Error::Gpu(format!(
+                "the work queued on {} and every device array it held are gone",
+                self.adapter.name
+            )));
+        }
+        waited.map_err(|e| {
+            Error::Gpu(format!(
+                "waiting for the GPU {} failed: {e}",
+                self.adapter.name
+            ))
+        })?;
+        let errors = self.take_uncaptured();
+        if !errors.is_empty() {
+            return Err(Error::Gpu(format!(
+                "GPU error on {}: {}",
+                self.adapter.name,
+                errors.join("; ")
+            )));
+        }
+        self.done_before(count);
+        Ok(())
     }
 
     pub fn is_lost(&self) -> bool {

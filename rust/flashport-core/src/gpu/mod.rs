@@ -4,7 +4,9 @@
 //!
 //! One context (device, queue, compiled pipelines) is created lazily per
 //! process and shared by all threads; a lost device is dropped so that the
-//! next call opens a new one. A call selects its kernels (`select`), uploads
+//! next call opens a new one. A call on device arrays only returns once its
+//! work is queued; reading a result, a call on host arrays and
+//! [`synchronize`] wait (`transfer.rs`). A call selects its kernels (`select`), uploads
 //! its host inputs, runs one submission per chunk of heads (one in all
 //! unless the arrays exceed the adapter's binding size) and reads the
 //! outputs back; inputs that are device arrays are bound or copied on the
@@ -83,7 +85,20 @@ pub use timing::{last_kernel_times, set_kernel_timing};
 pub use varlen::swap_leading;
 
 use crate::auto::GpuModel;
-use run::guarded;
+use crate::Result;
+use run::{guarded, run_on};
+
+/// Waits until the GPU has done every call queued on it (calls on device
+/// arrays return once their work is queued: `transfer.rs`), and returns
+/// the error of a device lost on the way. Nothing to wait for where no GPU
+/// context exists (none was opened, or a failed one was dropped, its error
+/// raised by the call that found it).
+pub fn synchronize() -> Result<()> {
+    guarded("synchronizing with the GPU", || match context::current() {
+        Some(ctx) => run_on(&ctx, |ctx| ctx.synchronize()),
+        None => Ok(()),
+    })
+}
 
 /// What `flashport.devices()` reports about one adapter.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,8 +3,19 @@
 //! copied by commands in the same encoder as the kernels; output buffers
 //! from the device pool (poisoned with NaN where asked); and the outputs
 //! that go back to the host, read through one mappable buffer. Everything
-//! a call records goes to the GPU in one submission with one wait, and the
-//! buffers the work uses stay out of the pool until it is done.
+//! a call records goes to the GPU in one submission.
+//!
+//! A submission that reads nothing back, uploads no host array and is not
+//! timed is queued without waiting (CUDA's asynchronous launches): the
+//! queue runs submissions in order, so a later call, a readback or
+//! [`synchronize`] sees its results. Its buffers go back to the pool as it
+//! is submitted, which is safe for the same reason: a pooled buffer handed
+//! out again is used only by later submissions, and no host write reaches
+//! a device buffer except through the queue (`Queue::write_buffer`, run
+//! before the next submission's commands and after every earlier one's) or
+//! through staging buffers mapped again only once their copies are done.
+//! At most `MAX_QUEUED` (context.rs) queued submissions are in flight per
+//! context.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -32,7 +43,8 @@ pub(crate) struct Submission<'c> {
     keep: Vec<Arc<Pooled>>,
     staged: Vec<wgpu::Buffer>,
     timer: Option<Timer>,
-    /// Host time spent uploading the call's input arrays.
+    /// Host time spent uploading the call's input arrays (`Some` once a
+    /// host array was uploaded: such a call waits, as NumPy calls do).
     uploading: Option<Duration>,
 }
 
@@ -199,35 +211,57 @@ impl<'c> Submission<'c> {
         pass.dispatch_workgroups(x, y, 1);
     }
 
-    /// Submits the work and returns without waiting for the GPU: for writes
-    /// that only later work on this queue reads (a KV cache's appends, read
-    /// by the next attention). The queue runs submissions in order, wgpu
-    /// keeps every buffer the work uses alive until it is done, and a pooled
-    /// buffer handed out again is used only by later submissions. Any error
-    /// of the GPU's surfaces at the next call that waits.
+    /// Submits the work and returns without waiting for the GPU, whose
+    /// results only later work on this queue reads (a KV cache's appends,
+    /// read by the next attention; a call's device outputs). The queue runs
+    /// submissions in order and wgpu keeps every buffer the work uses alive
+    /// until it is done, so the buffers it kept go back to the pool now (see
+    /// the module's comment). Where `MAX_QUEUED` submissions are already
+    /// in flight, waits for the oldest first. A device lost under the work
+    /// surfaces at the next call that waits, or that uses the context.
     pub fn submit_queued(mut self) -> Result<()> {
         if let Some(uploading) = self.uploading {
             record_host_seconds("upload", uploading.as_secs_f64());
         }
         let t_submit = Instant::now();
         self.pass = None;
-        self.ctx.queue.submit([self.encoder.finish()]);
+        let index = self.ctx.queue.submit([self.encoder.finish()]);
         for staging in std::mem::take(&mut self.staged) {
             self.ctx.recycle_upload_staging(staging);
         }
-        // Delivers the maps of finished work (recycled staging) without
-        // blocking.
-        self.ctx
-            .device
-            .poll(wgpu::PollType::Poll)
-            .map_err(|e| Error::Gpu(format!("polling the GPU failed: {e}")))?;
+        let oldest = self.ctx.queued(index);
         record_host("submit", t_submit);
+        if let Some(oldest) = oldest {
+            let t_wait = Instant::now();
+            self.ctx
+                .device
+                .poll(wgpu::PollType::Wait {
+                    submission_index: Some(oldest),
+                    timeout: None,
+                })
+                .map_err(|e| Error::Gpu(format!("waiting for the GPU failed: {e}")))?;
+            record_host("wait", t_wait);
+        } else {
+            // Delivers the maps of finished work (recycled staging) without
+            // blocking.
+            self.ctx
+                .device
+                .poll(wgpu::PollType::Poll)
+                .map_err(|e| Error::Gpu(format!("polling the GPU failed: {e}")))?;
+        }
         Ok(())
     }
 
-    /// Submits the work, reads `reads` (buffer, float32 words each) back,
-    /// and returns when the GPU is done: the words of each read.
+    /// Submits the work and reads `reads` (buffer, float32 words each)
+    /// back: the words of each read. Waits for the GPU where there is
+    /// something to read, the call uploaded a host array (calls on NumPy
+    /// arrays keep their synchronous contract) or it is timed; otherwise
+    /// queues the work ([`Self::submit_queued`]) and returns no words.
     pub fn submit(mut self, reads: &[(&Pooled, usize)]) -> Result<Vec<Vec<f32>>> {
+        if reads.is_empty() && self.uploading.is_none() && !timing::enabled() {
+            self.submit_queued()?;
+            return Ok(Vec::new());
+        }
         if let Some(uploading) = self.uploading {
             record_host_seconds("upload", uploading.as_secs_f64());
         }
@@ -382,6 +416,8 @@ pub(crate) fn submit_and_read(
         }
     }
     let t_submit = Instant::now();
+    // Every queued submission before this one is done once it is.
+    let before = ctx.queued_count();
     let index = ctx.queue.submit([encoder.finish()]);
     submitted();
     record_host("submit", t_submit);
@@ -398,6 +434,7 @@ pub(crate) fn submit_and_read(
             ctx.adapter.name
         ))
     })?;
+    ctx.done_before(before);
     let Some(staging) = staging else {
         record_host("wait", t_wait);
         return Ok(Vec::new());
@@ -432,6 +469,14 @@ pub(crate) fn submit_and_read(
             ctx.adapter.name
         ))
     })?;
+    // A device lost under queued work may still signal it done (Vulkan
+    // leaves memory undefined then): its bytes are refused, not returned.
+    if ctx.is_lost() {
+        return Err(Error::Gpu(format!(
+            "the GPU device {} was lost",
+            ctx.adapter.name
+        )));
+    }
     record_host("wait", t_wait);
     let t_copy = Instant::now();
     let view = staging
