@@ -151,5 +151,6 @@ def _gpu_kernel_times() -> list[tuple[str, float]]: ...
 def _gpu_kernel_timing(enabled: bool) -> None: ...
 
 # The development build (cargo feature `testing`) also has the test hooks
-# `_testing_set_overrides` and `_testing_lose_device`; the wheel does not,
-# so they have no stubs here (stubtest runs with --ignore-missing-stub).
+# `_testing_set_overrides`, `_testing_lose_device` and
+# `_testing_queued_submissions`; the wheel does not, so they have no stubs
+# here (stubtest runs with --ignore-missing-stub).

@@ -36,7 +36,22 @@ fn lost_device_arrays_are_errors_naming_them_and_the_cpu_keeps_working() {
     let tk = gpu::to_device("k", x, &shape).unwrap();
     let before = run(Device::Gpu, [x.into(), (&tk).into(), x.into()]).unwrap();
 
+    // Work queued (a copy on the device returns without waiting) and not
+    // yet waited for when the device goes.
+    let queued = tk.copy().unwrap();
     lose_device();
+    let err = gpu::synchronize().unwrap_err();
+    assert!(
+        matches!(&err, Error::Gpu(m) if m.contains("lost")),
+        "{err:?}"
+    );
+    let err = queued.to_host().unwrap_err();
+    assert!(
+        matches!(&err, Error::Gpu(m) if m.contains("lost")),
+        "{err:?}"
+    );
+    // Raised once: the lost device is dropped, nothing is left to wait for.
+    gpu::synchronize().unwrap();
     let err = run(Device::Gpu, [x.into(), (&tk).into(), x.into()]).unwrap_err();
     assert!(
         matches!(&err, Error::Gpu(m) if m.starts_with("k is a device array") && m.contains("lost")),

@@ -1325,6 +1325,14 @@ mod testing {
             let _ = catch_unwind(core::gpu::testing::lose_device);
         });
     }
+
+    /// _testing_queued_submissions() -> int: the GPU submissions queued
+    /// without a wait that the shared context has not yet seen finish (the
+    /// bound on them is what the tests check).
+    #[pyfunction]
+    pub fn _testing_queued_submissions() -> usize {
+        core::gpu::testing::queued_submissions()
+    }
 }
 
 #[pymodule]
@@ -1346,6 +1354,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     {
         m.add_function(wrap_pyfunction!(testing::_testing_set_overrides, m)?)?;
         m.add_function(wrap_pyfunction!(testing::_testing_lose_device, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_testing_queued_submissions, m)?)?;
     }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

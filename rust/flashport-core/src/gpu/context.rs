@@ -387,6 +387,12 @@ impl Context {
         lock(&self.queued).count
     }
 
+    /// The queued submissions not yet known to be done.
+    #[cfg(feature = "testing")]
+    pub(crate) fn queued_len(&self) -> usize {
+        lock(&self.queued).in_flight.len()
+    }
+
     /// Forgets the queued submissions numbered below `count`, done.
     pub(crate) fn done_before(&self, count: u64) {
         let mut queued = lock(&self.queued);

@@ -45,8 +45,22 @@ pub fn decode_plan(p: &KvCacheProblem) -> Result<(DecodeKernel, usize)> {
 pub fn lose_device() {
     if let Some(ctx) = context::current() {
         ctx.device.destroy();
+        // wgpu-core reports a destroyed device lost only once its queue is
+        // empty, while a driver reports a real loss at its next check of a
+        // fence: waiting out the queued work makes the loss visible now, as
+        // a real one would be to the next call.
+        let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
     }
 }
+
+/// The submissions queued without a wait on the shared context that are
+/// not yet known to be done (at most `MAX_QUEUED`); 0 without a context.
+pub fn queued_submissions() -> usize {
+    context::current().map_or(0, |ctx| ctx.queued_len())
+}
+
+/// The most submissions a context keeps queued without a wait.
+pub const MAX_QUEUED: usize = context::MAX_QUEUED;
 
 /// Rounds `values` to float16 with the device's conversion (the one device
 /// outputs use), for tests against the host's rounding.

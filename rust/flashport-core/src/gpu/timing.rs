@@ -35,10 +35,12 @@ pub(crate) fn enabled() -> bool {
 /// allocating, binding and recording), "host:upload" (recorded only when
 /// host data was uploaded: device-array inputs are not), "host:submit"
 /// (handing the work to the driver), "host:wait" (until the GPU is done:
-/// one per submission) and "host:readback_copy". The moves of device
-/// outputs (float16 rounding, chunk assembly) are timed as passes of their
-/// own. An upload into or a readback of a device array is a call too: it
-/// starts a new record.
+/// one per submission that waits; a call on device arrays queues its work
+/// and has none), "host:queue_full" (a queued submission waiting for the
+/// oldest one in flight, where the queue is full) and
+/// "host:readback_copy". The moves of device outputs (float16 rounding,
+/// chunk assembly) are timed as passes of their own. An upload into or a
+/// readback of a device array is a call too: it starts a new record.
 pub fn last_kernel_times() -> Vec<(String, f64)> {
     KERNEL_TIMES.with(|times| times.borrow().clone())
 }

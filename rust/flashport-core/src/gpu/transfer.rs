@@ -240,7 +240,7 @@ impl<'c> Submission<'c> {
                     timeout: None,
                 })
                 .map_err(|e| Error::Gpu(format!("waiting for the GPU failed: {e}")))?;
-            record_host("wait", t_wait);
+            record_host("queue_full", t_wait);
         } else {
             // Delivers the maps of finished work (recycled staging) without
             // blocking.

@@ -1,0 +1,248 @@
+"""Calls that do not wait: a call whose arrays are all DeviceArrays returns
+once its work is queued on the GPU. Queue order must keep every result
+exact (the same bits as calls that wait), a GPU failure under queued work
+must surface as GpuError and never as stale values, inputs may be dropped
+while their calls are queued, and the queue is bounded."""
+
+from __future__ import annotations
+
+import gc
+
+import flashport
+import numpy as np
+import pytest
+from flashport import DeviceArray, GpuError, InvalidArgumentError, _core, to_device
+
+# The most submissions a context keeps queued without a wait
+# (rust/flashport-core/src/gpu/context.rs, MAX_QUEUED).
+MAX_QUEUED = 32
+
+HEADS, KV_LEN, D = 2, 16, 8
+STEPS = 100
+
+
+def phases() -> list[str]:
+    """The host phases the calling thread's last GPU call recorded."""
+    return [name for name, _ in _core._gpu_kernel_times() if name.startswith("host:")]
+
+
+def waited() -> bool:
+    """Whether the last GPU call waited for the GPU."""
+    return "host:wait" in phases()
+
+
+def chain_inputs(dtype=np.float32):
+    rng = np.random.default_rng(34)
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    return {
+        # The 3-d chain, whose outputs are appended to the cache as keys
+        # and values: (heads, 1, d) rows.
+        "t": normal(HEADS, 1, D),
+        "k3": normal(HEADS, KV_LEN, D),
+        "v3": normal(HEADS, KV_LEN, D),
+        # The 4-d chain: attention, then decoding over the cache.
+        "x": normal(1, HEADS, 1, D),
+        "k4": normal(1, HEADS, KV_LEN, D),
+        "v4": normal(1, HEADS, KV_LEN, D),
+        # A contiguous cache for attention_with_kvcache itself.
+        "kc": normal(1, HEADS, KV_LEN, D),
+        "vc": normal(1, HEADS, KV_LEN, D),
+    }
+
+
+def run_chain(arrays, *, device: bool, sync_each: bool = False, on_step=None):
+    """``STEPS`` rounds of dependent calls, each feeding the next: attention
+    of the 3-d row, appended to a GPU KVCache as a key and a value; the 4-d
+    query through attention, the cache's decode (which must see the row just
+    appended) and attention_with_kvcache over a contiguous cache. With
+    ``device`` every argument is a DeviceArray (nothing waits); otherwise
+    NumPy (every call waits). Returns every step's outputs as NumPy."""
+    a = {name: to_device(x) for name, x in arrays.items()} if device else dict(arrays)
+    dtype = arrays["t"].dtype
+    cache = flashport.KVCache(
+        STEPS // 4 + 1, 4, HEADS, D, layers=1, dtype=dtype, device="gpu"
+    )
+    sid = cache.new_sequence()
+    lens = np.array([KV_LEN], np.int32)
+    t, x = a["t"], a["x"]
+    kept = []
+    for step in range(STEPS):
+        t = flashport.attention(t, a["k3"], a["v3"], device="gpu")
+        cache.append(sid, t, t)
+        x = flashport.attention(x, a["k4"], a["v4"], device="gpu")
+        x = cache.attention(x, [sid], causal=False)
+        x = flashport.attention_with_kvcache(x, a["kc"], a["vc"], lens, device="gpu")
+        if sync_each:
+            flashport.synchronize()
+        kept.append((t, x))
+        if on_step is not None:
+            on_step(step)
+    return [tuple(np.asarray(y) for y in pair) for pair in kept]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_chain_of_queued_calls_gives_the_bits_of_calls_that_wait(gpu, dtype):
+    arrays = chain_inputs(dtype)
+    queued_depths = []
+
+    def depth(step):
+        queued_depths.append(_core._testing_queued_submissions())
+        # Not one of a chain's calls waited for the GPU.
+        assert not waited(), phases()
+
+    flashport.synchronize()
+    queued = run_chain(arrays, device=True, on_step=depth)
+    synced = run_chain(arrays, device=True, sync_each=True)
+    numpy = run_chain(arrays, device=False)
+    # The calls were queued (the queue filled to its bound) and no more.
+    assert max(queued_depths) == MAX_QUEUED
+    for step, (a, b, c) in enumerate(zip(queued, synced, numpy, strict=True)):
+        for got_q, got_s, want, name in zip(a, b, c, ("t", "x"), strict=True):
+            assert want.dtype == dtype and np.isfinite(want).all(), (step, name)
+            assert got_q.tobytes() == want.tobytes(), f"queued chain, step {step}, {name}"
+            assert got_s.tobytes() == want.tobytes(), f"synchronized chain, step {step}, {name}"
+    # The chain moves: the decode saw rows appended during the chain.
+    assert not np.array_equal(numpy[0][1], numpy[-1][1])
+
+
+def test_calls_on_device_arrays_do_not_wait_and_the_others_do(gpu):
+    q, k, v = chain_inputs()["x"], chain_inputs()["k4"], chain_inputs()["v4"]
+    tq, tk, tv = (to_device(x) for x in (q, k, v))
+    assert waited(), "an upload waits"
+    o, lse = flashport.attention(tq, tk, tv, return_lse=True)
+    assert not waited() and "host:submit" in phases()
+    flashport.attention_backward(o, tq, tk, tv, o, lse)
+    assert not waited()
+    tq.copy()
+    assert not waited()
+    # A NumPy argument among DeviceArrays: the call waits, as NumPy calls do.
+    assert isinstance(flashport.attention(tq, k, tv), DeviceArray)
+    assert waited()
+    flashport.attention(q, k, v, device="gpu")
+    assert waited()
+    # Reading a result waits for it (and everything queued before it).
+    o.numpy()
+    assert waited()
+
+
+def test_timed_calls_wait_and_measure_their_kernels(gpu):
+    tq, tk, tv = (to_device(chain_inputs()[n]) for n in ("x", "k4", "v4"))
+    want = flashport.attention(tq, tk, tv).numpy()
+    _core._gpu_kernel_timing(True)
+    try:
+        got = flashport.attention(tq, tk, tv)
+        times = _core._gpu_kernel_times()
+    finally:
+        _core._gpu_kernel_timing(False)
+    assert "host:wait" in [name for name, _ in times]
+    # Kernel times, from timestamp queries where the adapter has them
+    # (lavapipe does): each measured, none zero.
+    kernels = [s for name, s in times if not name.startswith("host:")]
+    assert all(s > 0 for s in kernels), times
+    assert got.numpy().tobytes() == want.tobytes()
+
+
+def test_del_of_inputs_while_their_call_is_queued_is_safe(gpu):
+    """The freed buffers go back to the pool while the call that reads them
+    is queued: queued copies take them at once and overwrite them, and the
+    call must still have read the values it was given."""
+    rng = np.random.default_rng(5)
+    # A size no other test uses, so that the pool's buffers of its size
+    # class are this test's.
+    q, k, v = (rng.standard_normal((1, 3, 77, 24), dtype=np.float32) for _ in range(3))
+    want = flashport.attention(q, k, v, device="gpu")
+    fill = to_device(np.full_like(q, 7.0))
+    tq, tk, tv = (to_device(x) for x in (q, k, v))
+    flashport.synchronize()
+    out = flashport.attention(tq, tk, tv)
+    assert not waited()
+    del tq, tk, tv
+    gc.collect()
+    copies = [fill.copy() for _ in range(8)]
+    assert not waited()
+    assert out.numpy().tobytes() == want.tobytes()
+    for c in copies:
+        assert np.array_equal(c.numpy(), np.full_like(q, 7.0))
+
+
+def test_the_queue_is_bounded(gpu):
+    x = to_device(np.arange(4096, dtype=np.float32))
+    flashport.synchronize()
+    assert _core._testing_queued_submissions() == 0
+    depths = []
+    for _ in range(3 * MAX_QUEUED):
+        x.copy()
+        depths.append(_core._testing_queued_submissions())
+    assert max(depths) == MAX_QUEUED and depths[MAX_QUEUED - 1] == MAX_QUEUED
+    flashport.synchronize()
+    assert _core._testing_queued_submissions() == 0
+
+
+def test_synchronize_is_public_and_takes_a_device_name(gpu):
+    assert "synchronize" in flashport.__all__
+    assert flashport.synchronize is flashport._device.synchronize
+    assert flashport.synchronize.__doc__ and "GpuError" in flashport.synchronize.__doc__
+    for device in (None, "gpu", "auto", "cpu", "GPU"):
+        assert flashport.synchronize(device) is None
+    assert flashport.synchronize(device="gpu") is None
+    with pytest.raises(InvalidArgumentError, match="device"):
+        flashport.synchronize("tpu")
+    with pytest.raises((InvalidArgumentError, TypeError), match="device"):
+        flashport.synchronize(3)
+
+
+def queue_a_chain(steps=12):
+    """A KVCache and DeviceArrays made by queued calls, still queued."""
+    arrays = chain_inputs()
+    a = {name: to_device(x) for name, x in arrays.items()}
+    cache = flashport.KVCache(8, 4, HEADS, D, device="gpu")
+    sid = cache.new_sequence()
+    flashport.synchronize()
+    t, x, outputs = a["t"], a["x"], []
+    for _ in range(steps):
+        t = flashport.attention(t, a["k3"], a["v3"])
+        cache.append(sid, t, t)
+        x = cache.attention(flashport.attention(x, a["k4"], a["v4"]), [sid])
+        outputs += [t, x]
+    assert not waited()
+    return a, cache, sid, outputs
+
+
+def assert_lost_everywhere(a, cache, sid, outputs):
+    """Every array the lost device held raises when read or used, and so do
+    its cache and a call on its arrays; nothing returns values."""
+    for out in outputs:
+        with pytest.raises(GpuError, match="lost"):
+            out.numpy()
+    with pytest.raises(GpuError, match="lost"):
+        flashport.attention(outputs[-1], a["k4"], a["v4"])
+    with pytest.raises(GpuError, match="lost"):
+        cache.attention(chain_inputs()["x"], [sid])
+
+
+def test_a_device_lost_under_queued_calls_raises_at_synchronize(gpu):
+    inputs = [chain_inputs()[n] for n in ("x", "k4", "v4")]
+    want = flashport.attention(*inputs, device="gpu")
+    a, cache, sid, outputs = queue_a_chain()
+    _core._testing_lose_device()
+    with pytest.raises(GpuError, match="lost"):
+        flashport.synchronize()
+    assert_lost_everywhere(a, cache, sid, outputs)
+    # The next GPU call opens a fresh device.
+    again = flashport.attention(*inputs, device="gpu")
+    assert again.tobytes() == want.tobytes()
+    flashport.synchronize()
+
+
+def test_a_device_lost_under_queued_calls_raises_when_a_result_is_read(gpu):
+    a, cache, sid, outputs = queue_a_chain()
+    _core._testing_lose_device()
+    # No synchronize first: reading is where the loss surfaces.
+    assert_lost_everywhere(a, cache, sid, outputs)
+    with pytest.raises(GpuError, match="lost"):
+        flashport.synchronize()
+    # Once raised, the failed device is gone: nothing is left to wait for.
+    flashport.synchronize()
