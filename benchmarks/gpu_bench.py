@@ -136,20 +136,25 @@ def flashport_rows(shape, dtype, causal, reps):
     dq, dk, dv, ddo = (flashport.to_device(x) for x in (q, k, v, do))
     row = {}
 
+    # Calls on DeviceArrays return once their work is queued: each timed
+    # call synchronizes, so that its wall time is until its results exist.
     def dev_fwd():
         flashport.attention(dq, dk, dv, causal=causal)
+        flashport.synchronize()
         return kernel_seconds()
 
     def dev_both():
         o, lse = flashport.attention(dq, dk, dv, causal=causal, return_lse=True)
         kt = kernel_seconds()
         flashport.attention_backward(ddo, dq, dk, dv, o, lse, causal=causal)
+        flashport.synchronize()
         return kt + kernel_seconds()
 
     saved = flashport.attention(dq, dk, dv, causal=causal, return_lse=True)
 
     def dev_bwd():
         flashport.attention_backward(ddo, dq, dk, dv, *saved, causal=causal)
+        flashport.synchronize()
         return kernel_seconds()
 
     def np_fwd():

@@ -62,9 +62,7 @@ def run_chain(arrays, *, device: bool, sync_each: bool = False, on_step=None):
     NumPy (every call waits). Returns every step's outputs as NumPy."""
     a = {name: to_device(x) for name, x in arrays.items()} if device else dict(arrays)
     dtype = arrays["t"].dtype
-    cache = flashport.KVCache(
-        STEPS // 4 + 1, 4, HEADS, D, layers=1, dtype=dtype, device="gpu"
-    )
+    cache = flashport.KVCache(STEPS // 4 + 1, 4, HEADS, D, layers=1, dtype=dtype, device="gpu")
     sid = cache.new_sequence()
     lens = np.array([KV_LEN], np.int32)
     t, x = a["t"], a["x"]

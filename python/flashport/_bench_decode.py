@@ -23,8 +23,20 @@ of block sizes 1, 16, 32, 128 and 256 through a permuted block table against
 the contiguous cache. Each time is a median of ``--repeat`` rounds after a
 warm-up; on the GPU the calls run back to back after a second of them
 (``GPU_TIMING``), the DeviceArray calls of a row alternating in one block,
-torch's and the NumPy round trip each in a block of its own. Speed is
-measured here, never asserted in tests.
+torch's and the NumPy round trip each in a block of its own. A call on
+DeviceArrays returns once its work is queued: each timed GPU call is
+followed by ``flashport.synchronize()``, so that its time is until the
+results are there, as for torch's (``torch.cuda.synchronize()``).
+
+Host time per queued call (GPU only): the host seconds of a float16 decode
+call on DeviceArrays that does not wait (batch 1, context 4096, the
+contiguous cache and a ``KVCache``), over 1,000 calls back to back and then
+one ``synchronize``; "submit" is the part spent handing the work to the
+driver (lavapipe runs the previous submission there, so on a software
+adapter this is the GPU's time), "waiting" the part spent waiting for the
+oldest queued call once the queue is full (the GPU's pace, not host work),
+and "own" the rest: flashport's and Python's host work. ``--queued-only``
+measures just this. Speed is measured here, never asserted in tests.
 """
 
 from __future__ import annotations
@@ -91,9 +103,14 @@ def copy_bandwidth(device: str, nbytes: int, repeat: int) -> float:
     if device == "gpu":
         x = flashport.to_device(src)
         del src
-        seconds = interleaved_medians({"copy": x.copy}, max(repeat, GPU_CALLS), **GPU_TIMING)[
-            "copy"
-        ]
+
+        def copy():
+            y = x.copy()
+            # The copy returns once it is queued: the time is until it is done.
+            flashport.synchronize()
+            return y
+
+        seconds = interleaved_medians({"copy": copy}, max(repeat, GPU_CALLS), **GPU_TIMING)["copy"]
     else:
         dst = np.empty_like(src)
         seconds = interleaved_medians({"copy": lambda: np.copyto(dst, src)}, max(repeat, 5))["copy"]
@@ -140,7 +157,15 @@ def decode_call(device: str, q, k, v, lens, **kw) -> Callable[[], object]:
     """The public call as its user makes it on ``device``."""
     if device == "gpu":
         dq, dk, dv = (flashport.to_device(x) for x in (q, k, v))
-        return lambda: flashport.attention_with_kvcache(dq, dk, dv, lens, **kw)
+
+        def run():
+            out = flashport.attention_with_kvcache(dq, dk, dv, lens, **kw)
+            # The call returns once its work is queued; its user has the
+            # results when the GPU is done.
+            flashport.synchronize()
+            return out
+
+        return run
     return lambda: flashport.attention_with_kvcache(q, k, v, lens, device="cpu", **kw)
 
 
@@ -187,6 +212,84 @@ def _ms(x) -> str:
 
 def _ratio(a, b) -> str:
     return f"{a / b:6.2f}x" if isinstance(a, float) and isinstance(b, float) else f"{'-':>7}"
+
+
+QUEUED_CALLS = 1000
+QUEUED_SHAPE = {"batch": 1, "context": 4096, "dtype": np.float16, "block_size": 16}
+
+
+def queued_host_time() -> dict[str, dict[str, float]]:
+    """Host seconds per decode call on DeviceArrays that returns once its
+    work is queued: ``QUEUED_CALLS`` calls back to back, then one
+    synchronize. Per call: "host" (the call's own wall time), "submit" and
+    "waiting" (its host phases "host:submit" and "host:queue_full": handing
+    the work to the driver, and waiting for the oldest call when the queue
+    is full) and
+    "wall" (the loop and the synchronize, per call)."""
+    from . import _core
+
+    batch, context, dtype = (QUEUED_SHAPE[n] for n in ("batch", "context", "dtype"))
+    q, k, v = make_arrays(batch, context, dtype)
+    lens = np.full(batch, context, np.int32)
+    dq, dk, dv = (flashport.to_device(x) for x in (q, k, v))
+    cache = flashport.KVCache(
+        batch * -(-context // QUEUED_SHAPE["block_size"]),
+        QUEUED_SHAPE["block_size"],
+        HEADS_KV,
+        D,
+        dtype=dtype,
+        device="gpu",
+    )
+    seq_ids = [cache.new_sequence() for _ in range(batch)]
+    for b, sid in enumerate(seq_ids):
+        cache.append(sid, k[b], v[b])
+    calls = {
+        "contiguous": lambda: flashport.attention_with_kvcache(dq, dk, dv, lens),
+        "KVCache": lambda: cache.attention(dq, seq_ids),
+    }
+    results = {}
+    for name, call in calls.items():
+        for _ in range(50):
+            call()
+        flashport.synchronize()
+        host = 0.0
+        phases = {"host:submit": 0.0, "host:queue_full": 0.0}
+        start = time.perf_counter()
+        for _ in range(QUEUED_CALLS):
+            t = time.perf_counter()
+            call()
+            host += time.perf_counter() - t
+            for n, s in _core._gpu_kernel_times():
+                if n in phases:
+                    phases[n] += s
+        flashport.synchronize()
+        wall = time.perf_counter() - start
+        results[name] = {
+            "host": host / QUEUED_CALLS,
+            "submit": phases["host:submit"] / QUEUED_CALLS,
+            "waiting": phases["host:queue_full"] / QUEUED_CALLS,
+            "wall": wall / QUEUED_CALLS,
+        }
+    return results
+
+
+def print_queued_host_time() -> dict[str, dict[str, float]]:
+    shape = QUEUED_SHAPE
+    print(
+        f"\nhost time per queued call: {np.dtype(shape['dtype']).name} decode, batch "
+        f"{shape['batch']}, context {shape['context']}, DeviceArray q, {QUEUED_CALLS} calls "
+        f"then one synchronize (us per call)"
+    )
+    print(f"{'cache':>10} {'host':>8} {'submit':>8} {'waiting':>8} {'own':>8} {'wall':>8}")
+    rows = queued_host_time()
+    for name, r in rows.items():
+        own = r["host"] - r["submit"] - r["waiting"]
+        print(
+            f"{name:>10} {1e6 * r['host']:8.1f} {1e6 * r['submit']:8.1f} "
+            f"{1e6 * r['waiting']:8.1f} {1e6 * own:8.1f} {1e6 * r['wall']:8.1f}",
+            flush=True,
+        )
+    return rows
 
 
 def bench_shapes(args, shapes, copy_bw, torch_dev) -> list[dict]:
@@ -300,6 +403,9 @@ def main(argv: list[str]) -> int:
         "--max-cache-gib", type=float, default=8.0, help="skip shapes whose K+V take more"
     )
     parser.add_argument("--dtype", action="append", choices=("float32", "float16"))
+    parser.add_argument(
+        "--queued-only", action="store_true", help="only the host time per queued call (GPU)"
+    )
     parser.add_argument("--json", help="write the raw numbers to this file")
     args = parser.parse_args(argv)
     args.dtypes = [np.dtype(x).type for x in (args.dtype or ["float32", "float16"])]
@@ -317,6 +423,15 @@ def main(argv: list[str]) -> int:
     torch_dev = _torch(args.device)
     torch_name = f"torch {torch_dev[0].__version__}" if torch_dev else "no torch"
     print(f"flashport {flashport.__version__} bench decode on {where}; {torch_name}", flush=True)
+    if args.queued_only:
+        if args.device != "gpu":
+            print("--queued-only measures GPU calls: pass --device gpu")
+            return 1
+        queued = print_queued_host_time()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": args.device, "where": where, "queued": queued}, f, indent=2)
+        return 0
 
     batches, contexts = (QUICK["batches"], QUICK["contexts"]) if args.quick else (BATCHES, CONTEXTS)
     limit = args.max_cache_gib * 2**30
@@ -346,6 +461,7 @@ def main(argv: list[str]) -> int:
     paged_at = (batches[1], contexts[1]) if (batches[1], contexts[1]) in fits else (1, contexts[0])
     print(f"\npaged caches (permuted block tables) at batch {paged_at[0]}, context {paged_at[1]}")
     blocks = bench_blocks(args, *paged_at)
+    queued = print_queued_host_time() if args.device == "gpu" else None
     print(f"\n{time.perf_counter() - started:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
@@ -357,6 +473,7 @@ def main(argv: list[str]) -> int:
                     "shapes": shapes,
                     "splits": splits,
                     "blocks": blocks,
+                    "queued": queued,
                 },
                 f,
                 indent=2,

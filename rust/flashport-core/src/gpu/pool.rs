@@ -90,8 +90,10 @@ impl DevicePool {
 
 /// A device-local buffer of the pool holding `bytes` bytes (the buffer
 /// itself may be larger: bind it with [`Pooled::binding`]). It goes back to
-/// the pool when dropped, so it must outlive every submission that uses it:
-/// a call keeps its temporaries until it has waited for its work.
+/// the pool when dropped, so it must outlive the recording of every
+/// submission that uses it: a call keeps its temporaries until its work is
+/// submitted. Only later submissions can take it from the pool then, and
+/// the queue runs them after the work that used it (`transfer.rs`).
 pub(crate) struct Pooled {
     buffer: wgpu::Buffer,
     bytes: u64,
@@ -223,8 +225,9 @@ impl Context {
 
     /// Maps an upload staging buffer again once the copy out of it (already
     /// submitted) is done, and keeps it for later calls. The map completes
-    /// at the next poll, which every call makes while waiting for its
-    /// results.
+    /// at a poll after the GPU is done, which every call makes (a queued
+    /// one as it submits, a waiting one while it waits). Until then the
+    /// buffer is in no pool, so no host write reaches it.
     pub fn recycle_upload_staging(&self, staging: wgpu::Buffer) {
         if staging.size() > self.upload_pool.max_buffer_bytes {
             return;

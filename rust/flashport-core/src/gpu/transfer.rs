@@ -32,8 +32,9 @@ pub(crate) fn padded(bytes: u64) -> u64 {
 }
 
 /// The work of one submission: its encoder, the buffers it uses (kept
-/// out of the pool until the GPU is done), the staging buffers to reuse
-/// afterwards, and the timestamps of its passes where they are measured.
+/// out of the pool until the work is submitted, or done where the call
+/// waits), the staging buffers to reuse afterwards, and the timestamps of
+/// its passes where they are measured.
 pub(crate) struct Submission<'c> {
     ctx: &'c Context,
     /// The compute pass the untimed dispatches share, open until something
