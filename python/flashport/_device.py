@@ -33,8 +33,9 @@ class DeviceArray:
     using it raises :class:`flashport.GpuError` naming the argument.
 
     Asynchronous, as CUDA tensors are: a call whose arrays are all
-    ``DeviceArray`` s (and :meth:`copy`) returns as soon as its work is
-    queued on the GPU, and its results are ``DeviceArray`` s whose values
+    ``DeviceArray`` s (and :meth:`copy`, and an append to a GPU
+    :class:`flashport.KVCache`) returns as soon as its work is queued on the
+    GPU, and its results are ``DeviceArray`` s whose values
     are computed later. The GPU runs calls in the order they were made, so
     passing a result to the next call is always correct. :meth:`numpy`,
     ``np.asarray(x)``, every call with a NumPy array among its arguments or
