@@ -10,7 +10,10 @@
 //!
 //! - A write uploads only the appended tokens (or binds a device array
 //!   where it is) and runs shaders/kv_scatter.wgsl over the plan's slots,
-//!   one dispatch per pool buffer written: O(the tokens written).
+//!   one dispatch per pool buffer written: O(the tokens written). A batch
+//!   of appends (`KvCache::append_batch`) is one write: one upload of its
+//!   keys and one of its values, one dispatch per pool buffer, one
+//!   submission, queued without waiting.
 //! - A copy-on-write copies each block, every layer's keys and values, on
 //!   the device in one submission: through a scratch buffer (wgpu copies
 //!   between distinct buffers only), and through the scatter shader where
@@ -246,9 +249,14 @@ impl GpuStorage {
         input: Input<'_>,
         n: usize,
         dim: usize,
-        runs: &[WriteRun],
+        rows: &[&[WriteRun]],
     ) -> Result<()> {
-        if runs.iter().all(|r| r.source.is_empty()) || dim == 0 {
+        if rows
+            .iter()
+            .flat_map(|runs| runs.iter())
+            .all(|r| r.source.is_empty())
+            || dim == 0
+        {
             return Ok(());
         }
         let limit = self.limit();
@@ -269,13 +277,22 @@ impl GpuStorage {
                 t.buffer().clone()
             }
         };
-        // The slots of each pool buffer: (source token, block, slot).
+        // The slots of each pool buffer: (source token, block, slot). The
+        // shader reads token `t` of head `h` at `(h * n + t) * dim`; row
+        // `r`'s token `t`, at `((r * heads + h) * n + t) * dim` of the
+        // batch's `(rows, heads, n, dim)`, is therefore token `r * heads *
+        // n + t` to it, and the whole batch is one source and one dispatch
+        // per pool buffer.
+        let row_tokens = self.shape.heads_kv * n;
         let mut slots: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
-        for run in runs {
-            let words = slots.entry(run.block / self.per_buffer).or_default();
-            let block = (run.block % self.per_buffer) as u32;
-            for (i, token) in run.source.clone().enumerate() {
-                words.extend([token as u32, block, (run.offset + i) as u32]);
+        for (r, runs) in rows.iter().enumerate() {
+            for run in runs.iter() {
+                let words = slots.entry(run.block / self.per_buffer).or_default();
+                let block = (run.block % self.per_buffer) as u32;
+                for (i, token) in run.source.clone().enumerate() {
+                    let token = r * row_tokens + token;
+                    words.extend([token as u32, block, (run.offset + i) as u32]);
+                }
             }
         }
         for (buffer, words) in slots {
@@ -476,7 +493,7 @@ impl Storage for GpuStorage {
         &mut self,
         layer: usize,
         n: usize,
-        runs: &[WriteRun],
+        rows: &[&[WriteRun]],
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()> {
@@ -484,8 +501,8 @@ impl Storage for GpuStorage {
         self.on_device("writing to a KV cache", &[("k", k), ("v", v)], |ctx| {
             ctx.scoped("writing to a KV cache", || {
                 let mut sub = Submission::new(ctx);
-                self.write_pool(&mut sub, &self.keys[layer], "k", k, n, s.head_dim, runs)?;
-                self.write_pool(&mut sub, &self.values[layer], "v", v, n, s.head_dim_v, runs)?;
+                self.write_pool(&mut sub, &self.keys[layer], "k", k, n, s.head_dim, rows)?;
+                self.write_pool(&mut sub, &self.values[layer], "v", v, n, s.head_dim_v, rows)?;
                 // The next attention, on this queue, reads what this writes.
                 sub.submit_queued()?;
                 Ok(())

@@ -25,15 +25,18 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// `dst` block, in order.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()>;
 
-    /// Writes `n` new tokens of `layer`: `k` is `(heads_kv, n, head_dim)`
-    /// and `v` `(heads_kv, n, head_dim_v)`, row-major in the cache's dtype
-    /// (validated); each run's tokens go to consecutive slots of a block.
-    /// Costs O(the tokens written).
+    /// Writes `n` new tokens per row of `layer`, for `rows.len()` rows
+    /// (sequences): `k` is `(rows.len(), heads_kv, n, head_dim)` and `v`
+    /// `(rows.len(), heads_kv, n, head_dim_v)`, row-major in the cache's
+    /// dtype (validated; one row is a single append's `(heads_kv, n, ...)`).
+    /// The runs of `rows[r]` take their tokens from row `r`; each run's
+    /// tokens go to consecutive slots of a block, and no two runs write the
+    /// same slot. Costs O(the tokens written).
     fn write(
         &mut self,
         layer: usize,
         n: usize,
-        runs: &[WriteRun],
+        rows: &[&[WriteRun]],
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()>;
