@@ -15,9 +15,10 @@
 //!   keys and one of its values, one dispatch per pool buffer, one
 //!   submission, queued without waiting.
 //! - A copy-on-write copies each block, every layer's keys and values, on
-//!   the device in one submission: through a scratch buffer (wgpu copies
-//!   between distinct buffers only), and through the scatter shader where
-//!   a float16 block does not start on a 4-byte boundary.
+//!   the device, in the submission of the append's writes (copies first):
+//!   through a scratch buffer (wgpu copies between distinct buffers only),
+//!   and through the scatter shader where a float16 block does not start
+//!   on a 4-byte boundary.
 //! - Attention is the GPU's `attention_with_kvcache` over the pool
 //!   buffers with the cache's block table (`super::decode`), no gather.
 
@@ -426,6 +427,46 @@ impl GpuStorage {
         self.scatter(sub, &scratch, dst, (s.block_size, delta), dim, &slots)
     }
 
+    /// The copies, then the writes, recorded in one submission and queued
+    /// without waiting (the next attention, on this queue, reads what they
+    /// write). When recording fails (an input larger than a binding) the
+    /// submission is dropped unsubmitted: no block has changed, not even a
+    /// copy's target.
+    fn record(
+        &self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        let writes = rows
+            .iter()
+            .any(|runs| runs.iter().any(|r| !r.source.is_empty()));
+        if copies.is_empty() && !writes {
+            return Ok(());
+        }
+        let s = self.shape;
+        self.on_device("writing to a KV cache", &[("k", k), ("v", v)], |ctx| {
+            ctx.scoped("writing to a KV cache", || {
+                let mut sub = Submission::new(ctx);
+                for &copy in copies {
+                    for (k, v) in self.keys.iter().zip(&self.values) {
+                        self.copy_block(&mut sub, k, s.head_dim, copy)?;
+                        self.copy_block(&mut sub, v, s.head_dim_v, copy)?;
+                    }
+                }
+                if writes {
+                    self.write_pool(&mut sub, &self.keys[layer], "k", k, n, s.head_dim, rows)?;
+                    self.write_pool(&mut sub, &self.values[layer], "v", v, n, s.head_dim_v, rows)?;
+                }
+                sub.submit_queued()?;
+                Ok(())
+            })
+        })
+    }
+
     /// One pool's buffers read back and joined, in block order.
     fn read_pool(&self, pool: &[DeviceArray]) -> Result<Buffer> {
         let mut out = match self.shape.dtype {
@@ -470,23 +511,8 @@ impl Storage for GpuStorage {
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
-        if copies.is_empty() {
-            return Ok(());
-        }
-        let s = self.shape;
-        self.on_device("copying KV cache blocks", &[], |ctx| {
-            ctx.scoped("copying KV cache blocks", || {
-                let mut sub = Submission::new(ctx);
-                for &copy in copies {
-                    for (k, v) in self.keys.iter().zip(&self.values) {
-                        self.copy_block(&mut sub, k, s.head_dim, copy)?;
-                        self.copy_block(&mut sub, v, s.head_dim_v, copy)?;
-                    }
-                }
-                sub.submit_queued()?;
-                Ok(())
-            })
-        })
+        let none = Input::Host(Slice::F32(&[]));
+        self.record(0, 0, copies, &[], none, none)
     }
 
     fn write(
@@ -497,17 +523,19 @@ impl Storage for GpuStorage {
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()> {
-        let s = self.shape;
-        self.on_device("writing to a KV cache", &[("k", k), ("v", v)], |ctx| {
-            ctx.scoped("writing to a KV cache", || {
-                let mut sub = Submission::new(ctx);
-                self.write_pool(&mut sub, &self.keys[layer], "k", k, n, s.head_dim, rows)?;
-                self.write_pool(&mut sub, &self.values[layer], "v", v, n, s.head_dim_v, rows)?;
-                // The next attention, on this queue, reads what this writes.
-                sub.submit_queued()?;
-                Ok(())
-            })
-        })
+        self.record(layer, n, &[], rows, k, v)
+    }
+
+    fn append(
+        &mut self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        self.record(layer, n, copies, rows, k, v)
     }
 
     fn attention(

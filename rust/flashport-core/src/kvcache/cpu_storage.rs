@@ -158,6 +158,22 @@ impl Storage for CpuStorage {
         scatter_buffer("v", &mut self.values[layer], v, rows, dims(s.head_dim_v))
     }
 
+    fn append(
+        &mut self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        // Refused inputs are refused before the copies change any block.
+        host("k", k)?;
+        host("v", v)?;
+        self.copy_blocks(copies)?;
+        self.write(layer, n, rows, k, v)
+    }
+
     fn attention(
         &self,
         layer: usize,

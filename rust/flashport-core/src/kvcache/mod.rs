@@ -393,8 +393,7 @@ impl KvCache {
         let batch = Batch::commit(&mut self.manager, layer, n, rows, named)?;
         let stored = self
             .storage
-            .copy_blocks(&batch.copies())
-            .and_then(|()| self.storage.write(layer, n, &batch.writes(), k, v));
+            .append(layer, n, &batch.copies(), &batch.writes(), k, v);
         if let Err(e) = stored {
             batch.abandon(&mut self.manager);
             return Err(e);

@@ -41,6 +41,23 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
         v: Input<'_>,
     ) -> Result<()>;
 
+    /// An append's (or a batch's) storage work: `copies` (see
+    /// [`Self::copy_blocks`]), then the writes (see [`Self::write`]). A
+    /// storage that records both before running either (the GPU, in one
+    /// submission) runs none of it when recording fails.
+    fn append(
+        &mut self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        self.copy_blocks(copies)?;
+        self.write(layer, n, rows, k, v)
+    }
+
     /// `attention_with_kvcache` of `q` over `layer`'s pools, as the
     /// validated `problem` (paged, with the sequences' block table and
     /// lengths) says; the outputs stay where `outputs` says.
