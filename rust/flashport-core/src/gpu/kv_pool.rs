@@ -239,8 +239,8 @@ impl GpuStorage {
         binding_limit(&self.ctx, &overrides::current())
     }
 
-    /// Records the scatter of `input` `(heads_kv, n, dim)` into `pool`'s
-    /// slots that `runs` name.
+    /// Records the scatter of `input` `(rows.len(), heads_kv, n, dim)`
+    /// into `pool`'s slots that each row's runs name.
     #[allow(clippy::too_many_arguments)]
     fn write_pool(
         &self,

@@ -391,9 +391,12 @@ fn bits(b: &Buffer) -> Vec<u64> {
     }
 }
 
+/// Each layer's key and value pools, as bits.
+type PoolBits = Vec<(Vec<u64>, Vec<u64>)>;
+
 /// Everything about a cache: its bookkeeping (counts, free queue order,
 /// cached prefixes, every sequence) and every layer's pools, as bits.
-fn state(c: &KvCache) -> (BlockManager, Vec<(Vec<u64>, Vec<u64>)>) {
+fn state(c: &KvCache) -> (BlockManager, PoolBits) {
     let layers = c.shape().layers as i64;
     let pools = (0..layers)
         .map(|l| {
