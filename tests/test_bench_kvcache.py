@@ -1,15 +1,20 @@
 """The KV cache benchmark's own arithmetic (timings are never asserted):
 its KVCache and its contiguous cache hold the same keys and grow together,
-so the two attentions it times compute the same thing."""
+so the two attentions it times compute the same thing, whether its step
+appends with append_batch or one append per sequence."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from flashport import _bench_kvcache, reference
 
 
-def test_both_caches_hold_the_same_sequences_as_they_grow(backend):
-    pair = _bench_kvcache.Pair(batch=2, context=40, block_size=16, rounds=3, device=backend)
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["append_batch", "append"])
+def test_both_caches_hold_the_same_sequences_as_they_grow(backend, per_sequence):
+    pair = _bench_kvcache.Pair(
+        batch=2, context=40, block_size=16, rounds=3, device=backend, per_sequence=per_sequence
+    )
     for _ in range(3):
         pair.cache_step()
         pair.contiguous_step()

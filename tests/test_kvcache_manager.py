@@ -2,7 +2,9 @@
 
 A hypothesis state machine drives random interleavings of new_sequence,
 append (model-like: each step's positions appended layer by layer, with or
-without tokens, spanning any number of blocks), fork, free and attention.
+without tokens, spanning any number of blocks), append_batch (the same for
+several sequences in one call, checked against the model's appends row by
+row), fork, free and attention.
 The model keeps each sequence's keys and values per layer as lists, and the
 pool's bookkeeping by the rules of the class docstring (free queue order,
 reference counts, copy-on-write, prefix reuse by the token prefix itself).
@@ -401,6 +403,123 @@ class KVCacheMachine(RuleBasedStateMachine):
         for _ in range(self.model.layers):
             layer, n = self._next_append(child, data, 1)
             self._append(child, layer, n, data.draw(st.integers(0, 4), label="give") > 0)
+
+    def _next_key(self, sid: int) -> tuple:
+        """What ``_next_append`` would give ``sid`` without drawing: the
+        layer of its step in flight and the positions left, or ``None`` for
+        a new step on layer 0."""
+        lengths = self.model.seqs[sid].lengths
+        behind = [layer for layer in range(self.model.layers) if lengths[layer] < lengths[0]]
+        return (behind[0], lengths[0] - lengths[behind[0]]) if behind else None
+
+    def _snapshot_model(self, ids) -> tuple:
+        m = self.model
+        return (
+            list(m.free_queue),
+            list(m.count),
+            dict(m.cached),
+            list(m.key_of),
+            {sid: m.seqs[sid].copy() for sid in ids},
+        )
+
+    def _restore_model(self, saved) -> None:
+        m = self.model
+        m.free_queue, m.count, m.cached, m.key_of = saved[0], saved[1], saved[2], saved[3]
+        m.seqs.update(saved[4])
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data())
+    def append_batch(self, data):
+        """A step of a batch in one call (``append_batch``): the sequences
+        whose next append of a model's forward is the same layer and count
+        (a new step on layer 0, or the same step in flight), in any order,
+        with or without tokens. The model appends row by row in that order;
+        if a row fails, the batch changes nothing (rows before it included),
+        and the cache raises that row's error by its index. Now and then an
+        id twice or a freed id, which the cache refuses first."""
+        groups: dict = {}
+        for sid in sorted(self.model.seqs):
+            groups.setdefault(self._next_key(sid), []).append(sid)
+        key = data.draw(st.sampled_from(sorted(groups, key=str)), label="step")
+        members = groups[key]
+        ids = data.draw(st.permutations(members), label="order")
+        ids = ids[: data.draw(st.integers(1, len(ids)), label="rows")]
+        if key is None:
+            bs = self.model.bs
+            n = data.draw(st.one_of(st.integers(0, 2), st.integers(0, 2 * bs + 1)), label="n")
+        else:
+            n = key[1]
+        layer = 0 if key is None else key[0]
+        for sid in ids:
+            assert self._next_append(sid, data, n) == (layer, n)
+        heads_kv, _, d, dv = self.shape
+        give = data.draw(st.integers(0, 3), label="give tokens") > 0
+        tokens = None
+        if give:
+            tokens = np.array(
+                [
+                    self.model.seqs[sid].truth[
+                        self.model.seqs[sid].lengths[layer] : self.model.seqs[sid].lengths[layer]
+                        + n
+                    ]
+                    for sid in ids
+                ],
+                dtype=np.int64,
+            ).reshape(len(ids), n)
+        kvs = [
+            [
+                kv_of(layer, self.model.seqs[sid].prefix_keys[p], heads_kv, d, dv, self.dtype)
+                for p in range(
+                    self.model.seqs[sid].lengths[layer], self.model.seqs[sid].lengths[layer] + n
+                )
+            ]
+            for sid in ids
+        ]
+        k = np.empty((len(ids), heads_kv, n, d), self.dtype)
+        v = np.empty((len(ids), heads_kv, n, dv), self.dtype)
+        for r, row in enumerate(kvs):
+            for p, (kp, vp) in enumerate(row):
+                k[r, :, p], v[r, :, p] = kp, vp
+        before = snapshot(self.cache)
+        refused = data.draw(st.integers(0, 9), label="refused ids")
+        if refused == 0:
+            bad = [*ids, ids[0]]
+            bk, bv = np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]])
+            with pytest.raises(InvalidArgumentError, match=rf"seq_ids\[{len(ids)}\]=.*is also"):
+                self.cache.append_batch(bad, bk, bv, layer=layer)
+            assert_same(before, snapshot(self.cache))
+            return
+        if refused == 1:
+            freed = self.cache.new_sequence()
+            assert freed == self.model.new_sequence()
+            self.cache.free(freed)
+            self.model.free(freed)
+            bad = [*ids, freed]
+            bk, bv = np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]])
+            before = snapshot(self.cache)
+            with pytest.raises(UnknownSequenceError, match="that sequence was freed"):
+                self.cache.append_batch(bad, bk, bv, layer=layer)
+            assert_same(before, snapshot(self.cache))
+            return
+        saved = self._snapshot_model(ids)
+        for r, sid in enumerate(ids):
+            row_tokens = None if tokens is None else tokens[r].tolist()
+            try:
+                self.model.append(sid, layer, n, row_tokens, kvs[r])
+            except (CacheFull, TokensRefused) as e:
+                self._restore_model(saved)
+                if isinstance(e, CacheFull):
+                    event("batch: cache full")
+                    error, message = CacheFullError, rf"seq_ids\[{r}\].*nothing was changed"
+                else:
+                    event("batch: tokens refused")
+                    error, message = InvalidArgumentError, rf"tokens\[{r}\]=.*without tokens"
+                with pytest.raises(error, match=message):
+                    self.cache.append_batch(ids, k, v, layer=layer, tokens=tokens)
+                assert_same(before, snapshot(self.cache))
+                return
+        event(f"batch of {min(len(ids), 3)}{'+' if len(ids) > 3 else ''} rows")
+        self.cache.append_batch(ids, k, v, layer=layer, tokens=tokens)
 
     def _check_model_unchanged(self, sid, state):
         # The model, too, refuses before changing anything.

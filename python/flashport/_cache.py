@@ -21,6 +21,23 @@ from ._kvcache import _kvcache_variants
 __all__ = ["KVCache"]
 
 
+def _tokens(tokens: npt.ArrayLike | None) -> np.ndarray | None:
+    """An append's token ids as the core takes them (which checks their
+    dtype and shape): NumPy only, since the host reads them."""
+    if isinstance(tokens, DeviceArray):
+        raise InvalidArgumentError(
+            "tokens is a flashport.DeviceArray: token ids are read on the host and must "
+            "be a NumPy integer array"
+        )
+    if tokens is None:
+        return None
+    tokens = as_native_array(tokens)
+    if tokens.size == 0 and tokens.dtype.kind == "f":
+        # np.asarray([]) is float64; no token is no token.
+        tokens = tokens.astype(np.int64)
+    return tokens
+
+
 class KVCache:
     """A paged cache of attention keys and values for generation, its pools
     in host memory (``device="cpu"``) or GPU memory (``device="gpu"``).
@@ -44,6 +61,13 @@ class KVCache:
 
         cache.append(sid, k_l, v_l, layer=l, tokens=new_tokens)  # (heads_kv, n, d)
         o_l = cache.attention(q_l, [sid], layer=l)               # sees layer l's length
+
+    A decode step of a batch appends to every sequence at once, one call per
+    layer (:meth:`append_batch`: the same as the appends in order, in one
+    write)::
+
+        cache.append_batch(seq_ids, k_l, v_l, layer=l)     # (len(seq_ids), heads_kv, 1, d)
+        o_l = cache.attention(q_l, seq_ids, layer=l)
 
     The first layer to reach past the sequence's blocks takes new blocks (for
     all layers); the others find them. ``length(sid)`` is the positions
@@ -102,7 +126,8 @@ class KVCache:
     taken, adopted, copied) before it changes anything: an append that needs
     more free blocks than there are raises :class:`CacheFullError` (a
     ``MemoryError``) and leaves the cache, its counts and every sequence as
-    they were. An unknown or freed sequence id raises
+    they were; so does any failure of :meth:`append_batch`, whichever row it
+    is in. An unknown or freed sequence id raises
     :class:`UnknownSequenceError` (a ``KeyError``), a layer out of range
     :class:`InvalidArgumentError`, wrong shapes :class:`ShapeError`, wrong
     dtypes :class:`DTypeError`, each naming the argument. The cache is safe
@@ -210,23 +235,41 @@ class KVCache:
         before anything changes; :class:`CacheFullError` if the free blocks
         do not suffice.
         """
-        if isinstance(tokens, DeviceArray):
-            raise InvalidArgumentError(
-                "tokens is a flashport.DeviceArray: token ids are read on the host and must "
-                "be a NumPy integer array"
-            )
-        if tokens is not None:
-            tokens = as_native_array(tokens)
-            if tokens.size == 0 and tokens.dtype.kind == "f":
-                # np.asarray([]) is float64; no token is no token.
-                tokens = tokens.astype(np.int64)
-        self._cache.append(
-            sid,
-            _main_array(k),
-            _main_array(v),
-            layer,
-            tokens,
-        )
+        self._cache.append(sid, _main_array(k), _main_array(v), layer, _tokens(tokens))
+
+    def append_batch(
+        self,
+        seq_ids: Iterable[int],
+        k: Tensor,
+        v: Tensor,
+        *,
+        layer: int = 0,
+        tokens: npt.ArrayLike | None = None,
+    ) -> None:
+        """Appends ``n`` positions to ``layer`` of each sequence of
+        ``seq_ids`` in one call: a decode step of a batch (``n = 1``) is one
+        ``append_batch`` and one :meth:`attention` per layer.
+
+        ``k`` is ``(len(seq_ids), heads_kv, n, head_dim)`` and ``v``
+        ``(len(seq_ids), heads_kv, n, head_dim_v)``, row ``b`` for sequence
+        ``seq_ids[b]`` (the layout of :meth:`attention`'s ``q``); ``tokens``,
+        if given, is an integer array ``(len(seq_ids), n)``. Every sequence
+        gets the same ``n``; a sequence may appear only once
+        (:class:`InvalidArgumentError` otherwise).
+
+        The result is exactly that of ``append(seq_ids[b], k[b], v[b],
+        layer=layer, tokens=tokens[b])`` for ``b = 0, 1, ...`` in order: the
+        same blocks taken from the free queue in the same order, the same
+        copy-on-write and prefix reuse (a block an earlier row fills and
+        caches can be adopted by a later row), the same bits in the pools.
+        It is one call into the core and one write of the pools (on the GPU
+        one upload of ``k`` and one of ``v``, one scatter, queued without
+        waiting). Every row is checked and planned before the call returns
+        anything: if any row fails (:class:`CacheFullError` when the free
+        blocks do not suffice for the rows together, refused tokens, an
+        unknown id) the cache is exactly as it was, rows before it included.
+        """
+        self._cache.append_batch(seq_ids, _main_array(k), _main_array(v), layer, _tokens(tokens))
 
     @overload
     def attention(

@@ -126,6 +126,14 @@ class KVCache:
         layer: int,
         tokens: npt.NDArray[np.integer] | None,
     ) -> None: ...
+    def append_batch(
+        self,
+        seq_ids: Iterable[int],
+        k: _Tensor,
+        v: _Tensor,
+        layer: int,
+        tokens: npt.NDArray[np.integer] | None,
+    ) -> None: ...
     def attention(
         self,
         q: _Tensor,

@@ -33,6 +33,41 @@ fn data<'a>(held: &'a Option<Contiguous<'a>>) -> Input<'a> {
         .map_or(Input::Host(core::Slice::F32(&[])), Contiguous::input)
 }
 
+/// Calls `f` with an append's `k`, `v` and `tokens` as the core reads
+/// them (the core checks their shapes and dtypes).
+fn with_appended<R>(
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    tokens: Option<&Bound<'_, PyAny>>,
+    f: impl FnOnce(ArrayArg<'_>, ArrayArg<'_>, Option<core::IntArray<'_>>) -> PyResult<R>,
+) -> PyResult<R> {
+    let (k_meta, v_meta) = (ArgMeta::read_main("k", k)?, ArgMeta::read_main("v", v)?);
+    let (k_held, v_held) = (hold(k, &k_meta)?, hold(v, &v_meta)?);
+    let (k_data, v_data) = (
+        k_held.as_ref().map(|h| h.contiguous("k")).transpose()?,
+        v_held.as_ref().map(|h| h.contiguous("v")).transpose()?,
+    );
+    let k = ArrayArg {
+        info: k_meta.info(),
+        data: data(&k_data),
+    };
+    let v = ArrayArg {
+        info: v_meta.info(),
+        data: data(&v_data),
+    };
+    let t_meta = tokens.map(|t| ArgMeta::read("tokens", t)).transpose()?;
+    let t_values = match (tokens, &t_meta) {
+        (Some(t), Some(meta)) => int_values(t, &meta.dtype)?,
+        _ => Vec::new(),
+    };
+    let tokens = t_meta.as_ref().map(|meta| core::IntArray {
+        shape: &meta.shape,
+        dtype: &meta.dtype,
+        values: &t_values,
+    });
+    f(k, v, tokens)
+}
+
 /// KVCache(num_blocks, block_size, heads_kv, head_dim, head_dim_v, layers,
 /// dtype, device): the private class behind `flashport.KVCache`; see its
 /// docstrings for the contract.
@@ -141,31 +176,26 @@ impl KvCacheHandle {
         tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let (sid, layer) = (scalars::index("sid", sid)?, scalars::index("layer", layer)?);
-        let (k_meta, v_meta) = (ArgMeta::read_main("k", k)?, ArgMeta::read_main("v", v)?);
-        let (k_held, v_held) = (hold(k, &k_meta)?, hold(v, &v_meta)?);
-        let (k_data, v_data) = (
-            k_held.as_ref().map(|h| h.contiguous("k")).transpose()?,
-            v_held.as_ref().map(|h| h.contiguous("v")).transpose()?,
-        );
-        let k = ArrayArg {
-            info: k_meta.info(),
-            data: data(&k_data),
-        };
-        let v = ArrayArg {
-            info: v_meta.info(),
-            data: data(&v_data),
-        };
-        let t_meta = tokens.map(|t| ArgMeta::read("tokens", t)).transpose()?;
-        let t_values = match (tokens, &t_meta) {
-            (Some(t), Some(meta)) => int_values(t, &meta.dtype)?,
-            _ => Vec::new(),
-        };
-        let tokens = t_meta.as_ref().map(|meta| core::IntArray {
-            shape: &meta.shape,
-            dtype: &meta.dtype,
-            values: &t_values,
-        });
-        self.write(py, |c| c.append(sid, layer, k, v, tokens))
+        with_appended(k, v, tokens, |k, v, tokens| {
+            self.write(py, |c| c.append(sid, layer, k, v, tokens))
+        })
+    }
+
+    #[pyo3(signature = (seq_ids, k, v, layer, tokens))]
+    fn append_batch(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        layer: &Bound<'_, PyAny>,
+        tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ids = scalars::indices("seq_ids", seq_ids)?;
+        let layer = scalars::index("layer", layer)?;
+        with_appended(k, v, tokens, |k, v, tokens| {
+            self.write(py, |c| c.append_batch(&ids, layer, k, v, tokens))
+        })
     }
 
     #[pyo3(signature = (q, seq_ids, layer, causal, scale, variants, num_splits, return_lse))]

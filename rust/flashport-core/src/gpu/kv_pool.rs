@@ -10,11 +10,15 @@
 //!
 //! - A write uploads only the appended tokens (or binds a device array
 //!   where it is) and runs shaders/kv_scatter.wgsl over the plan's slots,
-//!   one dispatch per pool buffer written: O(the tokens written).
+//!   one dispatch per pool buffer written: O(the tokens written). A batch
+//!   of appends (`KvCache::append_batch`) is one write: one upload of its
+//!   keys and one of its values, one dispatch per pool buffer, one
+//!   submission, queued without waiting.
 //! - A copy-on-write copies each block, every layer's keys and values, on
-//!   the device in one submission: through a scratch buffer (wgpu copies
-//!   between distinct buffers only), and through the scatter shader where
-//!   a float16 block does not start on a 4-byte boundary.
+//!   the device, in the submission of the append's writes (copies first):
+//!   through a scratch buffer (wgpu copies between distinct buffers only),
+//!   and through the scatter shader where a float16 block does not start
+//!   on a 4-byte boundary.
 //! - Attention is the GPU's `attention_with_kvcache` over the pool
 //!   buffers with the cache's block table (`super::decode`), no gather.
 
@@ -235,8 +239,8 @@ impl GpuStorage {
         binding_limit(&self.ctx, &overrides::current())
     }
 
-    /// Records the scatter of `input` `(heads_kv, n, dim)` into `pool`'s
-    /// slots that `runs` name.
+    /// Records the scatter of `input` `(rows.len(), heads_kv, n, dim)`
+    /// into `pool`'s slots that each row's runs name.
     #[allow(clippy::too_many_arguments)]
     fn write_pool(
         &self,
@@ -246,9 +250,14 @@ impl GpuStorage {
         input: Input<'_>,
         n: usize,
         dim: usize,
-        runs: &[WriteRun],
+        rows: &[&[WriteRun]],
     ) -> Result<()> {
-        if runs.iter().all(|r| r.source.is_empty()) || dim == 0 {
+        if rows
+            .iter()
+            .flat_map(|runs| runs.iter())
+            .all(|r| r.source.is_empty())
+            || dim == 0
+        {
             return Ok(());
         }
         let limit = self.limit();
@@ -269,13 +278,22 @@ impl GpuStorage {
                 t.buffer().clone()
             }
         };
-        // The slots of each pool buffer: (source token, block, slot).
+        // The slots of each pool buffer: (source token, block, slot). The
+        // shader reads token `t` of head `h` at `(h * n + t) * dim`; row
+        // `r`'s token `t`, at `((r * heads + h) * n + t) * dim` of the
+        // batch's `(rows, heads, n, dim)`, is therefore token `r * heads *
+        // n + t` to it, and the whole batch is one source and one dispatch
+        // per pool buffer.
+        let row_tokens = self.shape.heads_kv * n;
         let mut slots: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
-        for run in runs {
-            let words = slots.entry(run.block / self.per_buffer).or_default();
-            let block = (run.block % self.per_buffer) as u32;
-            for (i, token) in run.source.clone().enumerate() {
-                words.extend([token as u32, block, (run.offset + i) as u32]);
+        for (r, runs) in rows.iter().enumerate() {
+            for run in runs.iter() {
+                let words = slots.entry(run.block / self.per_buffer).or_default();
+                let block = (run.block % self.per_buffer) as u32;
+                for (i, token) in run.source.clone().enumerate() {
+                    let token = r * row_tokens + token;
+                    words.extend([token as u32, block, (run.offset + i) as u32]);
+                }
             }
         }
         for (buffer, words) in slots {
@@ -409,6 +427,46 @@ impl GpuStorage {
         self.scatter(sub, &scratch, dst, (s.block_size, delta), dim, &slots)
     }
 
+    /// The copies, then the writes, recorded in one submission and queued
+    /// without waiting (the next attention, on this queue, reads what they
+    /// write). When recording fails (an input larger than a binding) the
+    /// submission is dropped unsubmitted: no block has changed, not even a
+    /// copy's target.
+    fn record(
+        &self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        let writes = rows
+            .iter()
+            .any(|runs| runs.iter().any(|r| !r.source.is_empty()));
+        if copies.is_empty() && !writes {
+            return Ok(());
+        }
+        let s = self.shape;
+        self.on_device("writing to a KV cache", &[("k", k), ("v", v)], |ctx| {
+            ctx.scoped("writing to a KV cache", || {
+                let mut sub = Submission::new(ctx);
+                for &copy in copies {
+                    for (k, v) in self.keys.iter().zip(&self.values) {
+                        self.copy_block(&mut sub, k, s.head_dim, copy)?;
+                        self.copy_block(&mut sub, v, s.head_dim_v, copy)?;
+                    }
+                }
+                if writes {
+                    self.write_pool(&mut sub, &self.keys[layer], "k", k, n, s.head_dim, rows)?;
+                    self.write_pool(&mut sub, &self.values[layer], "v", v, n, s.head_dim_v, rows)?;
+                }
+                sub.submit_queued()?;
+                Ok(())
+            })
+        })
+    }
+
     /// One pool's buffers read back and joined, in block order.
     fn read_pool(&self, pool: &[DeviceArray]) -> Result<Buffer> {
         let mut out = match self.shape.dtype {
@@ -453,44 +511,31 @@ impl Storage for GpuStorage {
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
-        if copies.is_empty() {
-            return Ok(());
-        }
-        let s = self.shape;
-        self.on_device("copying KV cache blocks", &[], |ctx| {
-            ctx.scoped("copying KV cache blocks", || {
-                let mut sub = Submission::new(ctx);
-                for &copy in copies {
-                    for (k, v) in self.keys.iter().zip(&self.values) {
-                        self.copy_block(&mut sub, k, s.head_dim, copy)?;
-                        self.copy_block(&mut sub, v, s.head_dim_v, copy)?;
-                    }
-                }
-                sub.submit_queued()?;
-                Ok(())
-            })
-        })
+        let none = Input::Host(Slice::F32(&[]));
+        self.record(0, 0, copies, &[], none, none)
     }
 
     fn write(
         &mut self,
         layer: usize,
         n: usize,
-        runs: &[WriteRun],
+        rows: &[&[WriteRun]],
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()> {
-        let s = self.shape;
-        self.on_device("writing to a KV cache", &[("k", k), ("v", v)], |ctx| {
-            ctx.scoped("writing to a KV cache", || {
-                let mut sub = Submission::new(ctx);
-                self.write_pool(&mut sub, &self.keys[layer], "k", k, n, s.head_dim, runs)?;
-                self.write_pool(&mut sub, &self.values[layer], "v", v, n, s.head_dim_v, runs)?;
-                // The next attention, on this queue, reads what this writes.
-                sub.submit_queued()?;
-                Ok(())
-            })
-        })
+        self.record(layer, n, &[], rows, k, v)
+    }
+
+    fn append(
+        &mut self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        self.record(layer, n, copies, rows, k, v)
     }
 
     fn attention(

@@ -51,20 +51,23 @@ fn host<'a>(argument: &str, input: Input<'a>) -> Result<Slice<'a>> {
     }
 }
 
-/// Copies `runs` of `n` tokens of `dim` elements per head from `src`
-/// `(heads, n, dim)` into `dst` `(num_blocks, heads, block_size, dim)`.
+/// Copies the runs of each row `r` of `n` tokens of `dim` elements per
+/// head from row `r` of `src` `(rows, heads, n, dim)` into `dst`
+/// `(num_blocks, heads, block_size, dim)`.
 fn scatter<T: Copy>(
     dst: &mut [T],
     src: &[T],
-    runs: &[WriteRun],
+    rows: &[&[WriteRun]],
     (heads, n, dim, block_size): (usize, usize, usize, usize),
 ) {
-    for run in runs {
-        let len = run.source.len() * dim;
-        for h in 0..heads {
-            let from = (h * n + run.source.start) * dim;
-            let to = ((run.block * heads + h) * block_size + run.offset) * dim;
-            dst[to..to + len].copy_from_slice(&src[from..from + len]);
+    for (r, runs) in rows.iter().enumerate() {
+        for run in runs.iter() {
+            let len = run.source.len() * dim;
+            for h in 0..heads {
+                let from = ((r * heads + h) * n + run.source.start) * dim;
+                let to = ((run.block * heads + h) * block_size + run.offset) * dim;
+                dst[to..to + len].copy_from_slice(&src[from..from + len]);
+            }
         }
     }
 }
@@ -73,14 +76,14 @@ fn scatter_buffer(
     argument: &str,
     dst: &mut Buffer,
     src: Slice<'_>,
-    runs: &[WriteRun],
+    rows: &[&[WriteRun]],
     dims: (usize, usize, usize, usize),
 ) -> Result<()> {
     match (dst, src) {
-        (Buffer::F16(d), Slice::F16(s)) => scatter(d, s, runs, dims),
-        (Buffer::BF16(d), Slice::BF16(s)) => scatter(d, s, runs, dims),
-        (Buffer::F32(d), Slice::F32(s)) => scatter(d, s, runs, dims),
-        (Buffer::F64(d), Slice::F64(s)) => scatter(d, s, runs, dims),
+        (Buffer::F16(d), Slice::F16(s)) => scatter(d, s, rows, dims),
+        (Buffer::BF16(d), Slice::BF16(s)) => scatter(d, s, rows, dims),
+        (Buffer::F32(d), Slice::F32(s)) => scatter(d, s, rows, dims),
+        (Buffer::F64(d), Slice::F64(s)) => scatter(d, s, rows, dims),
         (d, s) => {
             return Err(Error::DType {
                 argument: argument.to_string(),
@@ -144,15 +147,31 @@ impl Storage for CpuStorage {
         &mut self,
         layer: usize,
         n: usize,
-        runs: &[WriteRun],
+        rows: &[&[WriteRun]],
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()> {
         let s = self.shape;
         let (k, v) = (host("k", k)?, host("v", v)?);
         let dims = |dim| (s.heads_kv, n, dim, s.block_size);
-        scatter_buffer("k", &mut self.keys[layer], k, runs, dims(s.head_dim))?;
-        scatter_buffer("v", &mut self.values[layer], v, runs, dims(s.head_dim_v))
+        scatter_buffer("k", &mut self.keys[layer], k, rows, dims(s.head_dim))?;
+        scatter_buffer("v", &mut self.values[layer], v, rows, dims(s.head_dim_v))
+    }
+
+    fn append(
+        &mut self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        // Refused inputs are refused before the copies change any block.
+        host("k", k)?;
+        host("v", v)?;
+        self.copy_blocks(copies)?;
+        self.write(layer, n, rows, k, v)
     }
 
     fn attention(
@@ -217,7 +236,7 @@ mod tests {
                 source: 1..3,
             },
         ];
-        st.write(1, 3, &runs, Slice::F32(&k).into(), Slice::F32(&v).into())
+        st.write(1, 3, &[&runs], Slice::F32(&k).into(), Slice::F32(&v).into())
             .unwrap();
         let (Buffer::F32(kp), Buffer::F32(vp)) = st.read(1).unwrap() else {
             panic!()
@@ -246,6 +265,57 @@ mod tests {
     }
 
     #[test]
+    fn each_rows_runs_read_their_own_row_of_the_batch() {
+        let mut st = CpuStorage::new(shape()).unwrap();
+        // 2 rows of heads 2, 2 tokens, dim 3: k[r, h, t, e] = 1000r + 100h
+        // + 10t + e + 1 (never 0); v (dim 1) = -(1 + its index).
+        let k: Vec<f32> = (0..24)
+            .map(|i| (1000 * (i / 12) + 100 * (i / 6 % 2) + 10 * (i / 3 % 2) + i % 3 + 1) as f32)
+            .collect();
+        let v: Vec<f32> = (0..8).map(|i| -(i as f32) - 1.0).collect();
+        // Row 0's token 1 into block 1 slot 0; row 1's tokens 0, 1 into
+        // block 2 slots 0, 1.
+        let row0 = [WriteRun {
+            block: 1,
+            offset: 0,
+            source: 1..2,
+        }];
+        let row1 = [WriteRun {
+            block: 2,
+            offset: 0,
+            source: 0..2,
+        }];
+        st.write(
+            0,
+            2,
+            &[&row0, &row1],
+            Slice::F32(&k).into(),
+            Slice::F32(&v).into(),
+        )
+        .unwrap();
+        let (Buffer::F32(kp), Buffer::F32(vp)) = st.read(0).unwrap() else {
+            panic!()
+        };
+        let at = |b: usize, h: usize, slot: usize| ((b * 2 + h) * 2 + slot) * 3;
+        assert_eq!(kp[at(1, 0, 0)..at(1, 0, 0) + 3], [11.0, 12.0, 13.0]);
+        assert_eq!(kp[at(1, 1, 0)..at(1, 1, 0) + 3], [111.0, 112.0, 113.0]);
+        assert_eq!(
+            kp[at(2, 1, 0)..at(2, 1, 0) + 6],
+            [1101.0, 1102.0, 1103.0, 1111.0, 1112.0, 1113.0]
+        );
+        // v (rows 2, heads 2, 2 tokens, dim 1) = -1 .. -8: row 0's token 1
+        // is -2 (head 0) and -4 (head 1), row 1's tokens -5, -6 and -7, -8.
+        assert_eq!(vp[4..], [-2.0, 0.0, -4.0, 0.0, -5.0, -6.0, -7.0, -8.0]);
+        assert_eq!(vp[..4], [0.0; 4]);
+        // Block 0 and layer 1 untouched.
+        assert!(kp[..12].iter().all(|&x| x == 0.0));
+        let (Buffer::F32(k1), _) = st.read(1).unwrap() else {
+            panic!()
+        };
+        assert!(k1.iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
     fn refuses_device_inputs_and_other_dtypes_by_name() {
         let mut st = CpuStorage::new(shape()).unwrap();
         let k = [1.0f64; 6];
@@ -256,7 +326,7 @@ mod tests {
             source: 0..1,
         }];
         let e = st
-            .write(0, 1, &runs, Slice::F64(&k).into(), Slice::F32(&v).into())
+            .write(0, 1, &[&runs], Slice::F64(&k).into(), Slice::F32(&v).into())
             .unwrap_err();
         assert!(e.to_string().starts_with("k has dtype float64"), "{e}");
     }

@@ -10,6 +10,14 @@
 /// No block: the end of the list.
 const NONE: usize = usize::MAX;
 
+/// Where a block stood in the queue when it left: its neighbours then.
+/// [`FreeQueue::restore`] puts it back there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    prev: usize,
+    next: usize,
+}
+
 /// The free blocks of a pool of `capacity` blocks, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FreeQueue {
@@ -65,8 +73,9 @@ impl FreeQueue {
         self.len += 1;
     }
 
-    /// Removes a block that is in the queue, wherever it is.
-    pub fn remove(&mut self, block: usize) {
+    /// Removes a block that is in the queue, wherever it is; returns
+    /// where it was.
+    pub fn remove(&mut self, block: usize) -> Place {
         debug_assert!(self.queued[block], "block {block} is not free");
         let (prev, next) = (self.prev[block], self.next[block]);
         match prev {
@@ -81,6 +90,36 @@ impl FreeQueue {
         self.next[block] = NONE;
         self.queued[block] = false;
         self.len -= 1;
+        Place { prev, next }
+    }
+
+    /// Undoes the `remove` that returned `place`. Changes are undone last
+    /// first (as dancing links are): the queue is then as it was just after
+    /// that removal, so the block's old neighbours are adjacent again and
+    /// it goes back between them; the links end exactly as before.
+    pub fn restore(&mut self, block: usize, place: Place) {
+        debug_assert!(!self.queued[block], "block {block} is already free");
+        let Place { prev, next } = place;
+        debug_assert_eq!(
+            (
+                prev == NONE || self.next[prev] == next,
+                next == NONE || self.prev[next] == prev
+            ),
+            (true, true),
+            "block {block}'s neighbours moved"
+        );
+        match prev {
+            NONE => self.head = block,
+            p => self.next[p] = block,
+        }
+        match next {
+            NONE => self.tail = block,
+            n => self.prev[n] = block,
+        }
+        self.prev[block] = prev;
+        self.next[block] = next;
+        self.queued[block] = true;
+        self.len += 1;
     }
 
     /// Takes the front block (the least recently freed), if any.
@@ -133,6 +172,32 @@ mod tests {
         assert_eq!(q.pop_front(), Some(3));
         q.push_back(1);
         assert_eq!(order(&q), [0, 4, 1]);
+    }
+
+    #[test]
+    fn removals_undone_last_first_restore_the_queue_exactly() {
+        let mut q = FreeQueue::new(6);
+        q.remove(4);
+        q.push_back(4);
+        let before = q.clone();
+        // Front, middle, back, and a neighbour of one already removed.
+        let places: Vec<_> = [2, 3, 1, 4].iter().map(|&b| (b, q.remove(b))).collect();
+        assert_eq!(order(&q), [0, 5]);
+        for (b, place) in places.into_iter().rev() {
+            q.restore(b, place);
+        }
+        assert_eq!(order(&q), [0, 1, 2, 3, 5, 4]);
+        assert_eq!(q, before, "links, flags and ends as before");
+        // Down to an empty queue and back.
+        let places: Vec<_> = order(&before)
+            .into_iter()
+            .map(|b| (b, q.remove(b)))
+            .collect();
+        assert!(q.is_empty());
+        for (b, place) in places.into_iter().rev() {
+            q.restore(b, place);
+        }
+        assert_eq!(q, before);
     }
 
     #[test]

@@ -7,8 +7,17 @@ use std::collections::BTreeMap;
 
 use super::hash::{chain, BlockHash, CacheIdentity};
 use super::plan::{AppendPlan, BlockCopy, WriteRun};
-use super::pool::BlockPool;
+use super::pool::{BlockPool, Undo};
 use crate::{Error, Result};
+
+/// What [`BlockManager::commit`] replaced: the pool's changes in order,
+/// and the sequence's count of blocks offered to the prefix cache (the
+/// rest of the sequence's old state is in the plan).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Committed {
+    pool: Vec<Undo>,
+    registered: usize,
+}
 
 /// One sequence: its blocks (shared by every layer), each layer's written
 /// length, and the tokens known from position 0 with the chain hashes of
@@ -170,8 +179,29 @@ impl BlockManager {
         n: usize,
         tokens: Option<&[i64]>,
     ) -> Result<AppendPlan> {
+        self.plan_row(id, layer, n, tokens, None)
+    }
+
+    /// [`Self::plan_append`] for row `row` of a batch of appends (then
+    /// errors name `seq_ids[row]` and `tokens[row, i]`).
+    pub fn plan_row(
+        &self,
+        id: i64,
+        layer: usize,
+        n: usize,
+        tokens: Option<&[i64]>,
+        row: Option<usize>,
+    ) -> Result<AppendPlan> {
         let bs = self.block_size();
-        let seq = self.sequence("sid", id)?;
+        let (sid_name, tokens_name) = match row {
+            None => ("sid".to_string(), "tokens".to_string()),
+            Some(r) => (format!("seq_ids[{r}]"), format!("tokens[{r}]")),
+        };
+        let token_name = |i: usize| match row {
+            None => format!("tokens[{i}]"),
+            Some(r) => format!("tokens[{r}, {i}]"),
+        };
+        let seq = self.sequence(&sid_name, id)?;
         let start = seq.lengths[layer];
         let end = start + n;
         // Tokens: the known ones must agree; new ones extend the record
@@ -181,7 +211,7 @@ impl BlockManager {
         if let Some(tokens) = tokens.filter(|t| !t.is_empty()) {
             if start > known {
                 return Err(Error::Value {
-                    argument: "tokens".to_string(),
+                    argument: tokens_name,
                     value: format!("<{} tokens from position {start}>", tokens.len()),
                     reason: format!(
                         "positions {known} to {} of sequence {id} were appended without \
@@ -196,7 +226,7 @@ impl BlockManager {
                 match seq.tokens.get(start + i) {
                     Some(&had) if had != token => {
                         return Err(Error::Value {
-                            argument: format!("tokens[{i}]"),
+                            argument: token_name(i),
                             value: token.to_string(),
                             reason: format!(
                                 "position {} of sequence {id} holds token {had} (given by an \
@@ -255,12 +285,19 @@ impl BlockManager {
             .collect();
         let count = shared.len() + new_indices.len();
         let fresh = self.pool.next_fresh(count, &adopting_free).ok_or_else(|| {
+            let after = match row {
+                Some(r) if r > 0 => format!(
+                    " (seq_ids[{r}], after the blocks the batch's sequences before it took)"
+                ),
+                Some(r) => format!(" (seq_ids[{r}])"),
+                None => String::new(),
+            };
             Error::CacheFull(format!(
                 "the KV cache is full: appending {n} position(s) to layer {layer} of \
-                     sequence {id} needs {} free block(s) ({} new, {} copy-on-write copies of \
-                     shared blocks, {} cached blocks adopted from the free queue) but {} of \
-                     {} are free; nothing was changed (free sequences, or make a cache with \
-                     more blocks)",
+                     sequence {id}{after} needs {} free block(s) ({} new, {} copy-on-write \
+                     copies of shared blocks, {} cached blocks adopted from the free queue) but \
+                     {} of {} are free; nothing was changed (free sequences, or make a cache \
+                     with more blocks)",
                 count + adopting_free.len(),
                 new_indices.len(),
                 shared.len(),
@@ -330,16 +367,17 @@ impl BlockManager {
     }
 
     /// Carries out the bookkeeping of a plan made by [`Self::plan_append`]
-    /// on this state (the storage has done the copies and writes).
-    pub fn commit(&mut self, plan: AppendPlan) {
+    /// on this state. Returns what it replaced, for [`Self::rollback`].
+    pub fn commit(&mut self, plan: &AppendPlan) -> Committed {
+        let mut pool = Vec::with_capacity(plan.blocks_needed() + plan.copies.len());
         for &(block, _) in &plan.adopted {
-            self.pool.share(block);
+            pool.push(self.pool.share(block));
         }
         for &block in &plan.fresh {
-            self.pool.take(block);
+            pool.push(self.pool.take(block));
         }
         for &(_, copy) in &plan.copies {
-            self.pool.release(copy.src);
+            pool.push(self.pool.release(copy.src));
         }
         let bs = self.block_size();
         let seq = self
@@ -349,19 +387,47 @@ impl BlockManager {
         for &(i, copy) in &plan.copies {
             seq.blocks[i] = copy.dst;
         }
-        seq.blocks.extend(plan.new_blocks);
+        seq.blocks.extend_from_slice(&plan.new_blocks);
         seq.lengths[plan.layer] = plan.positions.end;
-        seq.tokens.extend(plan.new_tokens);
-        seq.hashes.extend(plan.new_hashes);
+        seq.tokens.extend_from_slice(&plan.new_tokens);
+        seq.hashes.extend_from_slice(&plan.new_hashes);
         // Blocks full on every layer whose tokens are known join the prefix
         // cache (unless a block with the same prefix is cached already).
         let full = (seq.length() / bs).min(seq.hashes.len());
         for i in seq.registered..full {
-            if self.pool.hash_of(seq.blocks[i]).is_none() {
-                self.pool.register(seq.blocks[i], seq.hashes[i]);
+            let block = seq.blocks[i];
+            if self.pool.hash_of(block).is_none() && self.pool.register(block, seq.hashes[i]) {
+                pool.push(Undo::Register { block });
             }
         }
+        let registered = seq.registered;
         seq.registered = seq.registered.max(full);
+        Committed { pool, registered }
+    }
+
+    /// Undoes [`Self::commit`] of `plan`, which returned `committed`. Commits
+    /// are undone last first: each then finds the state its commit left,
+    /// and the manager ends exactly as before them (counts, the free
+    /// queue's order, cached prefixes, every sequence).
+    pub fn rollback(&mut self, plan: &AppendPlan, committed: Committed) {
+        let seq = self
+            .sequences
+            .get_mut(&plan.sequence)
+            .expect("a committed plan names a live sequence");
+        seq.registered = committed.registered;
+        seq.hashes
+            .truncate(seq.hashes.len() - plan.new_hashes.len());
+        seq.tokens
+            .truncate(seq.tokens.len() - plan.new_tokens.len());
+        seq.lengths[plan.layer] = plan.positions.start;
+        seq.blocks
+            .truncate(seq.blocks.len() - plan.new_blocks.len());
+        for &(i, copy) in &plan.copies {
+            seq.blocks[i] = copy.src;
+        }
+        for undo in committed.pool.into_iter().rev() {
+            self.pool.undo(undo);
+        }
     }
 
     /// After a plan's storage work failed part way: its fresh blocks may
@@ -465,7 +531,7 @@ mod tests {
         tokens: Option<&[i64]>,
     ) -> AppendPlan {
         let plan = m.plan_append(id as i64, layer, n, tokens).unwrap();
-        m.commit(plan.clone());
+        m.commit(&plan);
         m.check_invariants().unwrap();
         plan
     }
@@ -841,7 +907,7 @@ mod tests {
     }
 
     #[test]
-    fn random_operations_keep_the_invariants() {
+    fn random_operations_keep_the_invariants_and_roll_back_exactly() {
         for seed in 0..40 {
             let mut rng = Lcg(seed);
             let (layers, bs) = (1 + rng.below(3), 1 + rng.below(5));
@@ -870,7 +936,15 @@ mod tests {
                         let give = rng.below(3) > 0 && start <= seq.tokens.len();
                         let before = m.clone();
                         match m.plan_append(id as i64, layer, n, give.then_some(&tokens[..])) {
-                            Ok(plan) => m.commit(plan),
+                            Ok(plan) => {
+                                let committed = m.commit(&plan);
+                                if rng.below(4) == 0 {
+                                    // Undone, as a failed batch undoes
+                                    // its rows: exactly as before.
+                                    m.rollback(&plan, committed);
+                                    assert_eq!(m, before);
+                                }
+                            }
                             Err(Error::CacheFull(_)) => assert_eq!(m, before),
                             Err(e) => panic!("{e}"),
                         }

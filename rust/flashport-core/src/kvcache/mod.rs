@@ -80,7 +80,15 @@
 //! that needs more free blocks than there are fails with
 //! [`Error::CacheFull`] and leaves the cache, its counts and every
 //! sequence as they were.
+//!
+//! # Batches
+//!
+//! [`KvCache::append_batch`] appends to several sequences in one call (a
+//! decode step of a batch, one call per layer): the same as separate
+//! appends in the batch's order, in one storage write ([`batch`]). A
+//! failure of any row leaves the whole cache as it was.
 
+pub mod batch;
 pub mod cpu_storage;
 pub mod free_queue;
 pub mod hash;
@@ -100,6 +108,7 @@ use crate::{
     ArrayInfo, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem, Placement,
     Result, VariantArrays,
 };
+use batch::{Batch, Row};
 use cpu_storage::CpuStorage;
 
 /// A KV cache: the bookkeeping and the storage of its blocks.
@@ -200,27 +209,38 @@ impl KvCache {
             .collect()
     }
 
+    /// Checks `k` or `v` (by `argument`): `(heads_kv, n, dim)`, or with
+    /// `batch` rows `(batch, heads_kv, n, dim)`, in the cache's dtype.
+    /// Returns `n`.
     fn check_array(
         &self,
         argument: &str,
         arg: &ArrayArg<'_>,
-        dims: [Option<usize>; 3],
+        batch: Option<usize>,
     ) -> Result<usize> {
-        let dtype = self.shape.dtype.numpy_name();
-        let want = |d: Option<usize>, name: &str| d.map_or(name.to_string(), |d| d.to_string());
-        let expected = format!(
-            "(heads_kv, n, {}) = ({}, n, {})",
-            if argument == "k" {
-                "head_dim"
-            } else {
-                "head_dim_v"
-            },
-            want(dims[0], "heads_kv"),
-            want(dims[2], "d")
-        );
+        let s = self.shape;
+        let dtype = s.dtype.numpy_name();
+        let (dim, dim_name) = if argument == "k" {
+            (s.head_dim, "head_dim")
+        } else {
+            (s.head_dim_v, "head_dim_v")
+        };
+        let (want, expected) = match batch {
+            None => (
+                vec![Some(s.heads_kv), None, Some(dim)],
+                format!("(heads_kv, n, {dim_name}) = ({}, n, {dim})", s.heads_kv),
+            ),
+            Some(b) => (
+                vec![Some(b), Some(s.heads_kv), None, Some(dim)],
+                format!(
+                    "(len(seq_ids), heads_kv, n, {dim_name}) = ({b}, {}, n, {dim})",
+                    s.heads_kv
+                ),
+            ),
+        };
         let shape = arg.info.shape;
-        let fits = shape.len() == 3
-            && dims
+        let fits = shape.len() == want.len()
+            && want
                 .iter()
                 .zip(shape)
                 .all(|(want, &got)| want.is_none_or(|w| w == got));
@@ -238,7 +258,7 @@ impl KvCache {
             });
         }
         let len: usize = shape.iter().product();
-        if arg.data.len() != len || arg.data.dtype() != self.shape.dtype {
+        if arg.data.len() != len || arg.data.dtype() != s.dtype {
             return Err(Error::Shape(format!(
                 "{argument} holds {} {} elements but its shape {} needs {len} {dtype}",
                 arg.data.len(),
@@ -246,7 +266,42 @@ impl KvCache {
                 shape_str(shape)
             )));
         }
-        Ok(shape[1])
+        Ok(shape[shape.len() - 2])
+    }
+
+    /// Checks `k` and `v` (see [`Self::check_array`]) and that they hold
+    /// the same number of positions `n`, which it returns.
+    fn check_kv(&self, k: &ArrayArg<'_>, v: &ArrayArg<'_>, batch: Option<usize>) -> Result<usize> {
+        let n = self.check_array("k", k, batch)?;
+        let nv = self.check_array("v", v, batch)?;
+        if nv != n {
+            return Err(Error::Shape(format!(
+                "k holds {n} positions but v holds {nv}; got k {}, v {}",
+                shape_str(k.info.shape),
+                shape_str(v.info.shape)
+            )));
+        }
+        Ok(n)
+    }
+
+    /// Checks `tokens`: integer token ids of shape `want` (one per
+    /// appended position).
+    fn check_tokens(tokens: &IntArray<'_>, want: &[usize]) -> Result<()> {
+        if !integer_dtype(tokens.dtype) {
+            return Err(Error::DType {
+                argument: "tokens".to_string(),
+                dtype: tokens.dtype.to_string(),
+                reason: "expected integer token ids".to_string(),
+            });
+        }
+        if tokens.shape != want || tokens.values.len() != want.iter().product::<usize>() {
+            return Err(Error::Shape(format!(
+                "tokens has shape {}; expected one token id per appended position, {}",
+                shape_str(tokens.shape),
+                shape_str(want)
+            )));
+        }
+        Ok(())
     }
 
     /// Appends the keys `k` `(heads_kv, n, head_dim)` and values `v`
@@ -264,43 +319,85 @@ impl KvCache {
     ) -> Result<()> {
         self.manager.sequence("sid", sid)?;
         let layer = self.manager.check_layer(layer)?;
-        let s = self.shape;
-        let n = self.check_array("k", &k, [Some(s.heads_kv), None, Some(s.head_dim)])?;
-        let nv = self.check_array("v", &v, [Some(s.heads_kv), None, Some(s.head_dim_v)])?;
-        if nv != n {
-            return Err(Error::Shape(format!(
-                "k holds {n} positions but v holds {nv}; got k {}, v {}",
-                shape_str(k.info.shape),
-                shape_str(v.info.shape)
-            )));
-        }
+        let n = self.check_kv(&k, &v, None)?;
         if let Some(t) = &tokens {
-            if !integer_dtype(t.dtype) {
-                return Err(Error::DType {
-                    argument: "tokens".to_string(),
-                    dtype: t.dtype.to_string(),
-                    reason: "expected integer token ids".to_string(),
+            Self::check_tokens(t, &[n])?;
+        }
+        let row = Row {
+            sid,
+            tokens: tokens.map(|t| t.values),
+        };
+        self.store(layer, n, &[row], false, k.data, v.data)
+    }
+
+    /// Appends `n` new positions to `layer` of each sequence of `seq_ids`
+    /// at once (a decode step of a batch: `n = 1`): `k` is `(len(seq_ids),
+    /// heads_kv, n, head_dim)` and `v` `(len(seq_ids), heads_kv, n,
+    /// head_dim_v)`, row `r` for sequence `seq_ids[r]`, and `tokens`, if
+    /// given, `(len(seq_ids), n)`. The same as [`Self::append`] of each row
+    /// in order, bit for bit and block for block (copy-on-write and prefix
+    /// reuse included), in one storage write. A sequence may appear only
+    /// once. Validates and plans every row first: on any error (including
+    /// [`Error::CacheFull`] for any row) nothing has changed.
+    pub fn append_batch(
+        &mut self,
+        seq_ids: &[i64],
+        layer: i64,
+        k: ArrayArg<'_>,
+        v: ArrayArg<'_>,
+        tokens: Option<IntArray<'_>>,
+    ) -> Result<()> {
+        self.sequences(seq_ids)?;
+        let mut seen = std::collections::HashMap::with_capacity(seq_ids.len());
+        for (r, &sid) in seq_ids.iter().enumerate() {
+            if let Some(first) = seen.insert(sid, r) {
+                return Err(Error::Value {
+                    argument: format!("seq_ids[{r}]"),
+                    value: sid.to_string(),
+                    reason: format!(
+                        "sequence {sid} is also seq_ids[{first}]; a batch appends to each \
+                         sequence once (append all its positions in one row)"
+                    ),
                 });
             }
-            if t.shape != [n] || t.values.len() != n {
-                return Err(Error::Shape(format!(
-                    "tokens has shape {}; expected one token id per appended position, ({n},)",
-                    shape_str(t.shape)
-                )));
-            }
         }
-        let plan = self
-            .manager
-            .plan_append(sid, layer, n, tokens.map(|t| t.values))?;
+        let layer = self.manager.check_layer(layer)?;
+        let batch = seq_ids.len();
+        let n = self.check_kv(&k, &v, Some(batch))?;
+        if let Some(t) = &tokens {
+            Self::check_tokens(t, &[batch, n])?;
+        }
+        let rows: Vec<Row<'_>> = seq_ids
+            .iter()
+            .enumerate()
+            .map(|(r, &sid)| Row {
+                sid,
+                tokens: tokens.map(|t| &t.values[r * n..(r + 1) * n]),
+            })
+            .collect();
+        self.store(layer, n, &rows, true, k.data, v.data)
+    }
+
+    /// Commits the rows' appends (see [`Batch`]), then has the storage copy
+    /// and write them; if the storage fails, the bookkeeping is rolled
+    /// back (and the taken blocks' cached prefixes forgotten).
+    fn store(
+        &mut self,
+        layer: usize,
+        n: usize,
+        rows: &[Row<'_>],
+        named: bool,
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        let batch = Batch::commit(&mut self.manager, layer, n, rows, named)?;
         let stored = self
             .storage
-            .copy_blocks(&plan.block_copies())
-            .and_then(|()| self.storage.write(layer, n, &plan.writes, k.data, v.data));
+            .append(layer, n, &batch.copies(), &batch.writes(), k, v);
         if let Err(e) = stored {
-            self.manager.abandon(&plan);
+            batch.abandon(&mut self.manager);
             return Err(e);
         }
-        self.manager.commit(plan);
         Ok(())
     }
 

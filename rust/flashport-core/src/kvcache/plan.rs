@@ -1,8 +1,10 @@
 //! What an append does, computed in full before anything changes: the
 //! blocks it adopts, takes and copies, and where each new token goes. The
-//! storage carries out the copies and the writes; the manager then commits
-//! the bookkeeping. A plan that cannot be carried out (too few free blocks)
-//! is never made: planning fails with [`crate::Error::CacheFull`] instead.
+//! manager commits the bookkeeping (a commit can be rolled back: a batch
+//! whose later row fails, a storage that refuses), and the storage carries
+//! out the copies and the writes. A plan that cannot be carried out (too
+//! few free blocks) is never made: planning fails with
+//! [`crate::Error::CacheFull`] instead.
 
 use std::ops::Range;
 

@@ -8,11 +8,36 @@
 //! adopted again until the allocator takes it for fresh data, which
 //! evicts the hash. The allocator takes from the front of the queue, so
 //! the cached blocks freed longest ago are evicted first (LRU).
+//!
+//! Each change returns an [`Undo`]: what it replaced. Undone last first
+//! ([`BlockPool::undo`]), they leave the pool exactly as it was, the free
+//! queue's order included; this is how a batch of appends that fails part
+//! way changes nothing.
 
 use std::collections::HashMap;
 
-use super::free_queue::FreeQueue;
+use super::free_queue::{FreeQueue, Place};
 use super::hash::BlockHash;
+
+/// What one change of the pool replaced, for [`BlockPool::undo`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Undo {
+    /// [`BlockPool::take`]: the block left the queue from `place`, and its
+    /// cached prefix `evicted` (if any) with it.
+    Take {
+        block: usize,
+        place: Place,
+        evicted: Option<BlockHash>,
+    },
+    /// [`BlockPool::share`]: count up, out of the queue from `place` if the
+    /// block was free.
+    Share { block: usize, place: Option<Place> },
+    /// [`BlockPool::release`]: count down, into the back of the queue if
+    /// it reached 0.
+    Release { block: usize, queued: bool },
+    /// [`BlockPool::register`] that recorded the block's prefix.
+    Register { block: usize },
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockPool {
@@ -89,29 +114,69 @@ impl BlockPool {
 
     /// Takes a free block for fresh data: out of the queue, its cached
     /// prefix (if any) evicted, count 1.
-    pub fn take(&mut self, block: usize) {
+    pub fn take(&mut self, block: usize) -> Undo {
         debug_assert_eq!(self.counts[block], 0, "block {block} is in use");
-        self.free.remove(block);
+        let place = self.free.remove(block);
+        let evicted = self.hashes[block];
         self.evict(block);
         self.counts[block] = 1;
+        Undo::Take {
+            block,
+            place,
+            evicted,
+        }
     }
 
     /// One more holder of a block: a fork, or the adoption of a cached
     /// block (out of the free queue if it was free; its hash stays).
-    pub fn share(&mut self, block: usize) {
-        if self.counts[block] == 0 {
-            self.free.remove(block);
-        }
+    pub fn share(&mut self, block: usize) -> Undo {
+        let place = (self.counts[block] == 0).then(|| self.free.remove(block));
         self.counts[block] += 1;
+        Undo::Share { block, place }
     }
 
     /// One holder fewer; at 0 the block joins the back of the free queue,
     /// keeping its cached prefix.
-    pub fn release(&mut self, block: usize) {
+    pub fn release(&mut self, block: usize) -> Undo {
         debug_assert!(self.counts[block] > 0, "block {block} is already free");
         self.counts[block] -= 1;
-        if self.counts[block] == 0 {
+        let queued = self.counts[block] == 0;
+        if queued {
             self.free.push_back(block);
+        }
+        Undo::Release { block, queued }
+    }
+
+    /// Undoes one change. Changes must be undone last first: each then
+    /// finds the pool as that change left it.
+    pub fn undo(&mut self, undo: Undo) {
+        match undo {
+            Undo::Take {
+                block,
+                place,
+                evicted,
+            } => {
+                self.counts[block] = 0;
+                if let Some(hash) = evicted {
+                    self.hashes[block] = Some(hash);
+                    self.cached.insert(hash, block);
+                }
+                self.free.restore(block, place);
+            }
+            Undo::Share { block, place } => {
+                self.counts[block] -= 1;
+                if let Some(place) = place {
+                    self.free.restore(block, place);
+                }
+            }
+            Undo::Release { block, queued } => {
+                if queued {
+                    // The back of the queue: no later change is left.
+                    self.free.remove(block);
+                }
+                self.counts[block] += 1;
+            }
+            Undo::Register { block } => self.evict(block),
         }
     }
 
@@ -158,6 +223,34 @@ mod tests {
         assert_eq!(pool.free_order().collect::<Vec<_>>(), [2, 3, 1, 0]);
         assert_eq!(pool.next_fresh(5, &[]), None);
         assert_eq!(pool.next_fresh(3, &[3]), Some(vec![2, 1, 0]));
+    }
+
+    #[test]
+    fn changes_undone_last_first_restore_the_pool_exactly() {
+        let mut pool = BlockPool::new(5);
+        pool.take(3);
+        assert!(pool.register(3, BlockHash(7)));
+        pool.release(3);
+        pool.take(0);
+        pool.take(1);
+        pool.share(1);
+        let before = pool.clone();
+        // Adopt the free cached block 3, take 4 then 2 (evicting nothing),
+        // free 0 (to the back), take it again, register, and take block 3
+        // itself once released (evicting its prefix).
+        let mut undo = vec![pool.share(3), pool.take(4), pool.take(2), pool.release(0)];
+        undo.push(pool.take(0));
+        assert!(pool.register(2, BlockHash(8)));
+        undo.push(Undo::Register { block: 2 });
+        undo.push(pool.release(1));
+        undo.push(pool.release(3));
+        undo.push(pool.take(3));
+        assert_eq!((pool.lookup(BlockHash(7)), pool.num_free()), (None, 0));
+        for u in undo.into_iter().rev() {
+            pool.undo(u);
+        }
+        assert_eq!(pool, before);
+        assert_eq!(pool.free_order().collect::<Vec<_>>(), [2, 4, 3]);
     }
 
     #[test]

@@ -25,18 +25,38 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// `dst` block, in order.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()>;
 
-    /// Writes `n` new tokens of `layer`: `k` is `(heads_kv, n, head_dim)`
-    /// and `v` `(heads_kv, n, head_dim_v)`, row-major in the cache's dtype
-    /// (validated); each run's tokens go to consecutive slots of a block.
-    /// Costs O(the tokens written).
+    /// Writes `n` new tokens per row of `layer`, for `rows.len()` rows
+    /// (sequences): `k` is `(rows.len(), heads_kv, n, head_dim)` and `v`
+    /// `(rows.len(), heads_kv, n, head_dim_v)`, row-major in the cache's
+    /// dtype (validated; one row is a single append's `(heads_kv, n, ...)`).
+    /// The runs of `rows[r]` take their tokens from row `r`; each run's
+    /// tokens go to consecutive slots of a block, and no two runs write the
+    /// same slot. Costs O(the tokens written).
     fn write(
         &mut self,
         layer: usize,
         n: usize,
-        runs: &[WriteRun],
+        rows: &[&[WriteRun]],
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()>;
+
+    /// An append's (or a batch's) storage work: `copies` (see
+    /// [`Self::copy_blocks`]), then the writes (see [`Self::write`]). A
+    /// storage that records both before running either (the GPU, in one
+    /// submission) runs none of it when recording fails.
+    fn append(
+        &mut self,
+        layer: usize,
+        n: usize,
+        copies: &[BlockCopy],
+        rows: &[&[WriteRun]],
+        k: Input<'_>,
+        v: Input<'_>,
+    ) -> Result<()> {
+        self.copy_blocks(copies)?;
+        self.write(layer, n, rows, k, v)
+    }
 
     /// `attention_with_kvcache` of `q` over `layer`'s pools, as the
     /// validated `problem` (paged, with the sequences' block table and

@@ -368,3 +368,396 @@ fn the_device_is_chosen_by_name_and_float64_stays_on_the_cpu() {
     assert_eq!(KvCache::new(&args, Some("auto")).unwrap().device(), "cpu");
     assert!(KvCache::new(&args, Some("tpu")).is_err());
 }
+
+// ---------------------------------------------------------------------------
+// Batches: append_batch against the same appends one sequence at a time.
+
+/// A small deterministic generator for the random scripts below.
+struct Lcg(u64);
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as usize) % n.max(1)
+    }
+}
+
+fn bits(b: &Buffer) -> Vec<u64> {
+    match b {
+        Buffer::F64(x) => x.iter().map(|v| v.to_bits()).collect(),
+        other => panic!("a float64 cache read back as {other:?}"),
+    }
+}
+
+/// Each layer's key and value pools, as bits.
+type PoolBits = Vec<(Vec<u64>, Vec<u64>)>;
+
+/// Everything about a cache: its bookkeeping (counts, free queue order,
+/// cached prefixes, every sequence) and every layer's pools, as bits.
+fn state(c: &KvCache) -> (BlockManager, PoolBits) {
+    let layers = c.shape().layers as i64;
+    let pools = (0..layers)
+        .map(|l| {
+            let (k, v) = c.read_layer(l).unwrap();
+            (bits(&k), bits(&v))
+        })
+        .collect();
+    (c.manager().clone(), pools)
+}
+
+/// `append_batch` with `(rows, 2, n, 3)` keys, `(rows, 2, n, 2)` values.
+fn append_batch(
+    c: &mut KvCache,
+    ids: &[i64],
+    layer: i64,
+    n: usize,
+    k: &[f64],
+    v: &[f64],
+    tokens: Option<&[i64]>,
+) -> Result<()> {
+    let (ks, vs, ts) = ([ids.len(), 2, n, 3], [ids.len(), 2, n, 2], [ids.len(), n]);
+    let t = tokens.map(|t| IntArray {
+        shape: &ts,
+        dtype: "int64",
+        values: t,
+    });
+    c.append_batch(ids, layer, arg(&ks, k), arg(&vs, v), t)
+}
+
+#[test]
+fn a_batch_is_the_appends_in_order_bit_for_bit() {
+    let mut kinds = [0usize; 4];
+    for seed in 0..60 {
+        let mut rng = Lcg(seed);
+        let (layers, bs) = (1 + rng.below(2), 1 + rng.below(4));
+        let num_blocks = 6 + rng.below(10) as i64;
+        let mut batched = cache(layers as i64, bs as i64, num_blocks);
+        let mut single = cache(layers as i64, bs as i64, num_blocks);
+        let mut live: Vec<i64> = Vec::new();
+        for step in 0..120 {
+            match rng.below(8) {
+                0 => {
+                    let id = batched.new_sequence();
+                    assert_eq!(single.new_sequence(), id);
+                    live.push(id as i64);
+                }
+                1 if !live.is_empty() => {
+                    let id = live[rng.below(live.len())];
+                    let child = batched.fork(id).unwrap();
+                    assert_eq!(single.fork(id).unwrap(), child);
+                    live.push(child as i64);
+                }
+                2 if live.len() > 2 => {
+                    let id = live.swap_remove(rng.below(live.len()));
+                    batched.free(id).unwrap();
+                    single.free(id).unwrap();
+                }
+                _ if !live.is_empty() => {
+                    // A batch of distinct live sequences in any order.
+                    let mut pool = live.clone();
+                    let rows = 1 + rng.below(pool.len());
+                    let ids: Vec<i64> = (0..rows)
+                        .map(|_| pool.swap_remove(rng.below(pool.len())))
+                        .collect();
+                    let layer = rng.below(layers);
+                    let n = rng.below(2 * bs + 2);
+                    // Tokens that depend on the position only, so that
+                    // sequences share prefixes and a block one row fills
+                    // can be adopted by a later row; mostly only where
+                    // every row may give them (else the batch is refused).
+                    let known = |id: i64| {
+                        let s = batched.manager().sequence("sid", id).unwrap();
+                        (s.lengths[layer], s.tokens.len())
+                    };
+                    let all_may = ids.iter().all(|&id| {
+                        let (start, known) = known(id);
+                        start <= known
+                    });
+                    let give = rng.below(3) > 0 && (all_may || rng.below(6) == 0);
+                    let tokens: Vec<i64> = ids
+                        .iter()
+                        .flat_map(|&id| {
+                            let start = known(id).0;
+                            (start..start + n).map(|p| (p % 3) as i64)
+                        })
+                        .collect();
+                    let k = values(1000 * seed + step, rows * 2, n, 3);
+                    let v = values(1000 * seed + step + 500, rows * 2, n, 2);
+                    let before = state(&batched);
+                    let got = append_batch(
+                        &mut batched,
+                        &ids,
+                        layer as i64,
+                        n,
+                        &k,
+                        &v,
+                        give.then_some(&tokens[..]),
+                    );
+                    // The reference: one append per row, in order.
+                    let mut reference = single.manager().clone();
+                    let mut failed = None;
+                    for (r, &id) in ids.iter().enumerate() {
+                        let t = give.then(|| &tokens[r * n..(r + 1) * n]);
+                        match reference.plan_append(id, layer, n, t) {
+                            Ok(plan) => {
+                                reference.commit(&plan);
+                            }
+                            Err(e) => {
+                                failed = Some((r, e));
+                                break;
+                            }
+                        }
+                    }
+                    match (got, failed) {
+                        (Ok(()), None) => {
+                            kinds[0] += 1;
+                            for (r, &id) in ids.iter().enumerate() {
+                                let (kr, vr) = (&k[r * 2 * n * 3..], &v[r * 2 * n * 2..]);
+                                let (ks, vs, ts) = ([2, n, 3], [2, n, 2], [n]);
+                                let t = give.then(|| IntArray {
+                                    shape: &ts,
+                                    dtype: "int64",
+                                    values: &tokens[r * n..(r + 1) * n],
+                                });
+                                single
+                                    .append(
+                                        id,
+                                        layer as i64,
+                                        arg(&ks, &kr[..2 * n * 3]),
+                                        arg(&vs, &vr[..2 * n * 2]),
+                                        t,
+                                    )
+                                    .unwrap();
+                            }
+                            assert_eq!(*single.manager(), reference);
+                        }
+                        (Err(e), Some((r, want))) => {
+                            // The row that fails alone fails the batch,
+                            // named as that row; nothing changed.
+                            kinds[match e {
+                                Error::CacheFull(_) => 1,
+                                _ => 2,
+                            }] += 1;
+                            assert_eq!(
+                                std::mem::discriminant(&e),
+                                std::mem::discriminant(&want),
+                                "{e} / {want}"
+                            );
+                            let row = format!("[{r}");
+                            assert!(e.to_string().contains(&row), "{e} (row {r})");
+                            assert!(state(&batched) == before, "seed {seed} step {step}: {e}");
+                        }
+                        (got, failed) => panic!("seed {seed} step {step}: {got:?} vs {failed:?}"),
+                    }
+                    if rows > 1 && n > 0 {
+                        kinds[3] += 1;
+                    }
+                }
+                _ => {}
+            }
+            let (bm, bp) = state(&batched);
+            let (sm, sp) = state(&single);
+            assert!(bm == sm, "seed {seed} step {step}: bookkeeping differs");
+            assert!(bp == sp, "seed {seed} step {step}: pools differ");
+            bm.check_invariants().unwrap();
+        }
+        // Attention over every live sequence and layer: the same bits.
+        for layer in 0..layers as i64 {
+            if live.is_empty() {
+                break;
+            }
+            let q = values(7, live.len() * 4, 1, 3);
+            let qs = [live.len(), 4, 1, 3];
+            let attend = |c: &KvCache| {
+                let (out, _) = c
+                    .attention(
+                        arg(&qs, &q),
+                        &live,
+                        layer,
+                        &KvCacheOptions::default(),
+                        &VariantArrays::default(),
+                        Placement::Host,
+                    )
+                    .unwrap();
+                let Array::Host(out) = out.out else { panic!() };
+                bits(&out)
+            };
+            assert_eq!(attend(&batched), attend(&single));
+        }
+    }
+    // The scripts reach every case: batches that succeed, that are full,
+    // whose tokens are refused, of several rows.
+    assert!(kinds.iter().all(|&k| k > 5), "{kinds:?}");
+}
+
+/// A cache of 1 layer, blocks of 2, with sequence 0 holding token 3 at
+/// position 0, its fork 1 sharing that block, and an empty sequence 2.
+fn forked() -> KvCache {
+    let mut c = cache(1, 2, 8);
+    let a = c.new_sequence();
+    append(&mut c, a, 0, 1, 1, Some(&[3]), &mut Model::new());
+    c.fork(a as i64).unwrap();
+    c.new_sequence();
+    c
+}
+
+#[test]
+fn a_batch_shares_and_copies_as_the_appends_in_order_do() {
+    let (a, f, b) = (0i64, 1i64, 2i64);
+    let (k, v) = (values(2, 3 * 2, 2, 3), values(3, 3 * 2, 2, 2));
+    // a: tokens 4, 5 at positions 1, 2: block 0 is shared with f, so a
+    // copies it (block 1) before writing, and takes block 2; block 1 is
+    // then full, [3, 4], and cached. f: tokens 4, 9 at 1, 2: block 0 is
+    // its own now, written in place (after a's copy read it); block 3 for
+    // position 2; its full block 0 duplicates the prefix a's block 1
+    // cached, so stays uncached. b: tokens 3, 4 at 0, 1: the prefix a's
+    // row cached, adopted in the same call, not written.
+    let tokens = [4, 5, 4, 9, 3, 4];
+    let mut batched = forked();
+    append_batch(&mut batched, &[a, f, b], 0, 2, &k, &v, Some(&tokens)).unwrap();
+    let mut single = forked();
+    for (r, id) in [a, f, b].into_iter().enumerate() {
+        let (ks, vs, ts) = ([2, 2, 3], [2, 2, 2], [2]);
+        let t = IntArray {
+            shape: &ts,
+            dtype: "int64",
+            values: &tokens[2 * r..2 * r + 2],
+        };
+        let (kr, vr) = (&k[r * 12..(r + 1) * 12], &v[r * 8..(r + 1) * 8]);
+        single
+            .append(id, 0, arg(&ks, kr), arg(&vs, vr), Some(t))
+            .unwrap();
+    }
+    let (table, width) = batched.block_table(&[a, f, b]).unwrap();
+    assert_eq!((table, width), (vec![1, 2, 0, 3, 1, -1], 2));
+    let m = batched.manager();
+    assert_eq!(m.pool().ref_counts(), [1, 2, 1, 1, 0, 0, 0, 0]);
+    assert_eq!(m.pool().free_order().collect::<Vec<_>>(), [4, 5, 6, 7]);
+    assert!(m.pool().hash_of(1).is_some() && m.pool().hash_of(0).is_none());
+    assert!(state(&batched) == state(&single));
+    // b reads a's keys for its adopted positions: a's old position 0 (the
+    // copy of block 0) and a's row's first token.
+    let (Buffer::F64(pool), _) = batched.read_layer(0).unwrap() else {
+        panic!()
+    };
+    let slot = |b: usize, h: usize, s: usize| &pool[((b * 2 + h) * 2 + s) * 3..][..3];
+    for h in 0..2 {
+        assert_eq!(slot(1, h, 0), slot(0, h, 0), "the copy");
+        assert_eq!(slot(1, h, 1), &k[h * 2 * 3..][..3], "a's row, token 0");
+        assert_eq!(
+            slot(0, h, 1),
+            &k[(2 + h) * 2 * 3..][..3],
+            "f's row, token 0"
+        );
+    }
+}
+
+#[test]
+fn a_failed_batch_changes_nothing_and_names_the_argument() {
+    let (a, f, b) = (0i64, 1i64, 2i64);
+    let mut c = forked();
+    // b holds 1 position appended without tokens (block 1).
+    append(&mut c, b as u64, 0, 1, 5, None, &mut Model::new());
+    let gone = c.new_sequence() as i64;
+    c.free(gone).unwrap();
+    let before = state(&c);
+    let (k, v) = (values(2, 3 * 2, 4, 3), values(3, 3 * 2, 4, 2));
+    let mut fails = |ids: &[i64],
+                     layer: i64,
+                     (ks, vs): (&[usize], &[usize]),
+                     tokens: Option<(&[usize], &str, &[i64])>| {
+        let t = tokens.map(|(shape, dtype, values)| IntArray {
+            shape,
+            dtype,
+            values,
+        });
+        let (nk, nv) = (ks.iter().product::<usize>(), vs.iter().product::<usize>());
+        let e = c
+            .append_batch(ids, layer, arg(ks, &k[..nk]), arg(vs, &v[..nv]), t)
+            .unwrap_err();
+        assert!(state(&c) == before, "{e}");
+        e
+    };
+    let (ks, vs): (&[usize], &[usize]) = (&[3, 2, 2, 3], &[3, 2, 2, 2]);
+    let e = fails(&[a, f, a], 0, (ks, vs), None);
+    assert_eq!(
+        e.to_string(),
+        "seq_ids[2]=0: sequence 0 is also seq_ids[0]; a batch appends to each sequence once \
+         (append all its positions in one row)"
+    );
+    assert!(matches!(e, Error::Value { .. }));
+    let e = fails(&[a, 9, b], 0, (ks, vs), None);
+    assert!(
+        e.to_string().starts_with("seq_ids[1]=9: no such sequence"),
+        "{e}"
+    );
+    let e = fails(&[a, gone, b], 0, (ks, vs), None);
+    assert_eq!(e.to_string(), "seq_ids[1]=3: that sequence was freed");
+    assert!(matches!(e, Error::UnknownSequence { .. }));
+    let e = fails(&[a, f, b], 1, (ks, vs), None);
+    assert!(
+        e.to_string()
+            .starts_with("layer=1: the cache has 1 layer(s)"),
+        "{e}"
+    );
+    let e = fails(&[a, f, b], 0, (&[2, 2, 3], vs), None);
+    assert_eq!(
+        e.to_string(),
+        "k has shape (2, 2, 3); expected (len(seq_ids), heads_kv, n, head_dim) = (3, 2, n, 3)"
+    );
+    let e = fails(&[a, f], 0, (&[2, 2, 2, 3], vs), None);
+    assert_eq!(
+        e.to_string(),
+        "v has shape (3, 2, 2, 2); expected (len(seq_ids), heads_kv, n, head_dim_v) = (2, 2, n, 2)"
+    );
+    let e = fails(&[a, f, b], 0, (ks, &[3, 2, 1, 2]), None);
+    assert!(
+        e.to_string()
+            .starts_with("k holds 2 positions but v holds 1"),
+        "{e}"
+    );
+    let e = fails(&[a, f, b], 0, (ks, vs), Some((&[6], "int64", &[4; 6])));
+    assert_eq!(
+        e.to_string(),
+        "tokens has shape (6,); expected one token id per appended position, (3, 2)"
+    );
+    assert!(matches!(e, Error::Shape(_)));
+    let e = fails(&[a, f, b], 0, (ks, vs), Some((&[3, 2], "float64", &[])));
+    assert!(e.to_string().starts_with("tokens has dtype float64"), "{e}");
+    // Rows that copy and take blocks, then a row whose tokens are refused
+    // (b's position 0 was appended without tokens), or whose blocks no
+    // longer fit: 6 free blocks, a takes 3 (a copy and 2 new), f 2, b 2.
+    let e = fails(
+        &[a, f, b],
+        0,
+        (ks, vs),
+        Some((&[3, 2], "int64", &[4, 5, 4, 9, 1, 2])),
+    );
+    assert!(
+        e.to_string()
+            .starts_with("tokens[2]=<2 tokens from position 1>: positions 0 to 0 of sequence 2"),
+        "{e}"
+    );
+    let e = fails(&[a, f, b], 0, (&[3, 2, 4, 3], &[3, 2, 4, 2]), None);
+    assert!(matches!(e, Error::CacheFull(_)), "{e}");
+    assert!(
+        e.to_string().contains(
+            "appending 4 position(s) to layer 0 of sequence 2 (seq_ids[2], after the blocks \
+             the batch's sequences before it took) needs 2 free block(s)"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("but 1 of 8 are free; nothing was changed"),
+        "{e}"
+    );
+    // Without the last row it fits, and takes those 5 blocks.
+    let (k2, v2) = (&k[..48], &v[..32]);
+    let (ks2, vs2) = ([2, 2, 4, 3], [2, 2, 4, 2]);
+    c.append_batch(&[a, f], 0, arg(&ks2, k2), arg(&vs2, v2), None)
+        .unwrap();
+    assert_eq!(c.manager().pool().num_free(), 1);
+}

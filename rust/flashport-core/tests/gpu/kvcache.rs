@@ -24,10 +24,14 @@ const GEOMETRIES: [Geometry; 2] = [
 ];
 
 fn cache(g: Geometry, dtype: DType, device: &str) -> KvCache {
+    blocks_cache(g, dtype, device, 9)
+}
+
+fn blocks_cache(g: Geometry, dtype: DType, device: &str, num_blocks: i64) -> KvCache {
     let (_, hkv, bs, d, dv) = g;
     KvCache::new(
         &CacheArgs {
-            num_blocks: 9,
+            num_blocks,
             block_size: bs as i64,
             heads_kv: hkv as i64,
             head_dim: d as i64,
@@ -260,4 +264,160 @@ fn a_write_the_gpu_refuses_changes_nothing() {
     assert_eq!(usage(&gpu), was);
     assert_eq!(attend(&gpu, (g, DType::F32), &ids, 0, 1), before);
     let _: Buffer = gpu.read_layer(1).unwrap().0;
+}
+
+/// A batch of appends, `n` positions on `layer` for each of `ids`, on
+/// `batched` in one call and on `single` one sequence at a time, from the
+/// same keys and values.
+fn step(
+    (batched, single): (&mut KvCache, &mut KvCache),
+    g: Geometry,
+    ids: &[i64],
+    layer: i64,
+    n: usize,
+    seed: u64,
+) -> flashport_core::Result<()> {
+    let (_, hkv, _, d, dv) = g;
+    let dt = batched.dtype();
+    let rows = ids.len();
+    let k = Inputs::new(random(rows * hkv * n * d, seed), dt);
+    let v = Inputs::new(random(rows * hkv * n * dv, seed + 1), dt);
+    let (ks, vs) = ([rows, hkv, n, d], [rows, hkv, n, dv]);
+    let name = dt.numpy_name();
+    batched.append_batch(
+        ids,
+        layer,
+        ArrayArg {
+            info: ArrayInfo::new(&ks, name),
+            data: k.slice(dt).into(),
+        },
+        ArrayArg {
+            info: ArrayInfo::new(&vs, name),
+            data: v.slice(dt).into(),
+        },
+        None,
+    )?;
+    // The same rows' elements, row by row (Inputs rounds each value alone,
+    // so row r of the batch's arrays is the same bits as these).
+    for (r, &sid) in ids.iter().enumerate() {
+        let (kn, vn) = (hkv * n * d, hkv * n * dv);
+        let kr = Inputs::new(k.f64[r * kn..(r + 1) * kn].to_vec(), dt);
+        let vr = Inputs::new(v.f64[r * vn..(r + 1) * vn].to_vec(), dt);
+        single
+            .append(
+                sid,
+                layer,
+                ArrayArg {
+                    info: ArrayInfo::new(&ks[1..], name),
+                    data: kr.slice(dt).into(),
+                },
+                ArrayArg {
+                    info: ArrayInfo::new(&vs[1..], name),
+                    data: vr.slice(dt).into(),
+                },
+                None,
+            )
+            .unwrap();
+    }
+    Ok(())
+}
+
+/// Both layers' pools, as bits (the poison included).
+fn pool_bits(c: &KvCache) -> Vec<Vec<u64>> {
+    (0..2)
+        .flat_map(|l| {
+            let (k, v) = c.read_layer(l).unwrap();
+            [bits(&k), bits(&v)]
+        })
+        .collect()
+}
+
+#[test]
+fn a_batch_on_the_gpu_is_the_appends_in_order_bit_for_bit() {
+    if !gpu_present() {
+        return;
+    }
+    for g in GEOMETRIES {
+        for dtype in [DType::F32, DType::F16] {
+            let what = format!("{g:?} {dtype:?}");
+            let (mut batched, mut single) = (
+                blocks_cache(g, dtype, "gpu", 24),
+                blocks_cache(g, dtype, "gpu", 24),
+            );
+            let ids = script(&mut [&mut batched, &mut single], g, dtype);
+            let (a, c, d) = (ids[0], ids[1], ids[2]);
+            let both = (&mut batched, &mut single);
+            // A decode step of the batch, layer by layer, in another order.
+            for layer in 0..2 {
+                step(
+                    (both.0, both.1),
+                    g,
+                    &[d, a, c],
+                    layer,
+                    1,
+                    300 + layer as u64,
+                )
+                .unwrap();
+            }
+            // A fork and its parent in one batch: the first row copies the
+            // shared last block, the second writes the original in place.
+            let f = both.0.fork(c).unwrap() as i64;
+            assert_eq!(both.1.fork(c).unwrap() as i64, f);
+            for layer in 0..2 {
+                step((both.0, both.1), g, &[f, c], layer, 2, 310 + layer as u64).unwrap();
+            }
+            // Several positions per row, across blocks, rows of all four.
+            for layer in 0..2 {
+                step(
+                    (both.0, both.1),
+                    g,
+                    &[a, f, d, c],
+                    layer,
+                    4,
+                    320 + layer as u64,
+                )
+                .unwrap();
+            }
+            assert!(batched.manager() == single.manager(), "{what}");
+            assert_eq!(pool_bits(&batched), pool_bits(&single), "{what}");
+            let live = [a, c, d, f];
+            for layer in 0..2 {
+                let got = attend(&batched, (g, dtype), &live, layer, 2);
+                let want = attend(&single, (g, dtype), &live, layer, 2);
+                let same =
+                    |x: &[f64], y: &[f64]| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same(&got.0, &want.0) && same(&got.1, &want.1), "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_the_gpu_refuses_changes_nothing() {
+    if !gpu_present() {
+        return;
+    }
+    let g = GEOMETRIES[1];
+    let (mut gpu, mut other) = (cache(g, DType::F16, "gpu"), cache(g, DType::F16, "gpu"));
+    let ids = script(&mut [&mut gpu, &mut other], g, DType::F16);
+    let f = gpu.fork(ids[1]).unwrap() as i64;
+    let (manager, pools) = (gpu.manager().clone(), pool_bits(&gpu));
+    // Rows that copy a shared block and take new ones are committed, then
+    // the upload exceeds the binding limit in force: all rolled back.
+    let e = overrides::with(binding_limit(16), || {
+        step((&mut gpu, &mut other), g, &[f, ids[0], ids[1]], 0, 2, 400).unwrap_err()
+    });
+    assert!(
+        matches!(e, Error::TooLarge(_)) && e.to_string().starts_with("k ("),
+        "{e}"
+    );
+    assert!(*gpu.manager() == manager);
+    assert_eq!(pool_bits(&gpu), pools);
+    // The same batch within the limit goes through.
+    let mut third = cache(g, DType::F16, "gpu");
+    script(&mut [&mut third], g, DType::F16);
+    third.fork(ids[1]).unwrap();
+    step((&mut gpu, &mut third), g, &[f, ids[0], ids[1]], 0, 2, 400).unwrap();
+    assert!(gpu.manager() == third.manager());
+    assert_eq!(pool_bits(&gpu), pool_bits(&third));
 }
