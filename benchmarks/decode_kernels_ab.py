@@ -9,10 +9,19 @@ combine pass), the bandwidth of the K and V bytes over each, and the
 largest difference from the workgroup kernel's output. Needs the
 development build (cargo feature ``testing``: the overrides).
 
-Usage: python benchmarks/decode_kernels_ab.py [--rounds 6] [--calls 15]
-       [--shapes 1x131072,8x32768,32x4096] [--json out.json]
+With ``--paged BLOCK`` the caches are pools of BLOCK-key blocks in a
+random order with their block tables (as a cache manager leaves them);
+with ``--torch`` the same process also times PyTorch's SDPA
+(``enable_gqa=True``) on the contiguous caches and a CUDA device copy of
+2 GiB (read + written), the vendor's bandwidth the fractions are quoted
+against. Two builds (a baseline wheel, a branch) compare by running this
+script in two processes on the same machine, alternately.
 
-BENCHMARKS.md ("The subgroup decode kernel (H100)") quotes a run of it.
+Usage: python benchmarks/decode_kernels_ab.py [--rounds 6] [--calls 15]
+       [--shapes 1x131072,8x32768,32x4096] [--paged 16] [--torch]
+       [--configs subgroup,...] [--json out.json]
+
+BENCHMARKS.md ("The subgroup decode kernel (H100)") quotes runs of it.
 """
 
 from __future__ import annotations
@@ -31,13 +40,21 @@ HEADS_Q, HEADS_KV, D = 32, 8, 128
 # The workgroup kernel's default split counts on a discrete GPU (twice the
 # subgroup kernel's) at the default shapes.
 WORKGROUP_SPLITS = {1: 128, 8: 16, 32: 4}
+FEWER_SPLITS = {1: 32, 8: 4, 32: 1}
+MORE_SPLITS = {1: 256, 8: 32, 32: 8}
 CONFIGS = {
-    "workgroup": ({"no_subgroups": True}, None),
     "subgroup": ({}, None),
+    "workgroup": ({"no_subgroups": True}, None),
     "subgroup-8-keys": ({"decode_keys": 8}, None),
-    "subgroup-16-lanes": ({"decode_lanes": 16}, None),
+    "subgroup-8-keys-prefetch": ({"decode_keys": 8, "decode_prefetch": True}, None),
+    "subgroup-prefetch": ({"decode_prefetch": True}, None),
+    "subgroup-no-prefetch": ({"decode_prefetch": False}, None),
     "subgroup-8-lanes": ({"decode_lanes": 8}, None),
+    "subgroup-256-invocations": ({"decode_workgroup": 256}, None),
+    "subgroup-64-invocations": ({"decode_workgroup": 64}, None),
     "subgroup-workgroup-splits": ({}, WORKGROUP_SPLITS),
+    "subgroup-fewer-splits": ({}, FEWER_SPLITS),
+    "subgroup-more-splits": ({}, MORE_SPLITS),
 }
 
 
@@ -47,6 +64,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--shapes", default="1x131072,8x32768,32x4096")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--paged", type=int, default=0, help="block size (0: contiguous caches)")
+    ap.add_argument("--torch", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -56,14 +75,42 @@ def main() -> None:
     def arr(shape, dtype):
         return np.resize(base, int(np.prod(shape))).reshape(shape).astype(dtype)
 
+    torch = None
+    if args.torch:
+        import torch
+        import torch.nn.functional as F
+
+        x = torch.empty(1 << 29, dtype=torch.float32, device="cuda")
+        y = torch.empty_like(x)
+        copy = torch_medians(torch, lambda: y.copy_(x), 50)
+        copy_bw = 2 * x.numel() * 4 / copy
+        print(
+            f"torch CUDA copy of 2 GiB: {copy * 1e3:.3f} ms, "
+            f"{copy_bw / 1e9:.0f} GB/s (read + written)"
+        )
+        del x, y
     cases = {}
+    torch_ms = {}
     for dtype in ("float32", "float16"):
         for b, n in shapes:
-            q = fp.to_device(arr((b, HEADS_Q, 1, D), dtype) * 0.3)
-            k = fp.to_device(arr((b, HEADS_KV, n, D), dtype))
-            v = fp.to_device(arr((b, HEADS_KV, n, D), dtype))
+            qh = arr((b, HEADS_Q, 1, D), dtype) * 0.3
+            kh = arr((b, HEADS_KV, n, D), dtype)
+            vh = arr((b, HEADS_KV, n, D), dtype)[:, :, ::-1].copy()
             kv_bytes = 2 * b * HEADS_KV * n * D * np.dtype(dtype).itemsize
-            cases[(dtype, b, n)] = (q, k, v, np.full(b, n, np.int32), kv_bytes)
+            if torch is not None:
+                tq, tk, tv = (torch.from_numpy(a).cuda() for a in (qh, kh, vh))
+
+                def sdpa(tq=tq, tk=tk, tv=tv):
+                    return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+                torch_ms[(dtype, b, n)] = torch_medians(torch, sdpa, 100) * 1e3
+                del tq, tk, tv
+            table = None
+            if args.paged:
+                kh, table = paged(kh, args.paged)
+                vh, _ = paged(vh, args.paged)
+            q, k, v = (fp.to_device(a) for a in (qh, kh, vh))
+            cases[(dtype, b, n)] = (q, k, v, np.full(b, n, np.int32), kv_bytes, table)
     splits: dict[int, int] = {}
 
     def use(config):
@@ -73,10 +120,17 @@ def main() -> None:
         splits.update(per_batch or {})
 
     def call(key):
-        q, k, v, lens, _ = cases[key]
+        q, k, v, lens, _, table = cases[key]
         num_splits = splits.get(key[1])
         return fp.attention_with_kvcache(
-            q, k, v, lens, device="gpu", return_lse=True, num_splits=num_splits
+            q,
+            k,
+            v,
+            lens,
+            block_table=table,
+            device="gpu",
+            return_lse=True,
+            num_splits=num_splits,
         )
 
     # Kernel timestamps on (opt-in on main since 94df349): the wall times
@@ -133,18 +187,57 @@ def main() -> None:
                     float(np.abs(lse - ref_lse).max()),
                 ],
             }
+            if key in torch_ms:
+                row["torch_ms"] = torch_ms[key]
+                row["vs_torch"] = torch_ms[key] / row["wall_ms"]
+                row["of_copy"] = row["wall_gbs"] * 1e9 / copy_bw
             results[f"{key[0]} {key[1]}x{key[2]} {c}"] = row
+            extra = ""
+            if key in torch_ms:
+                extra = (
+                    f" | {row['of_copy']:.0%} of copy, torch {torch_ms[key]:.3f} ms, "
+                    f"{row['vs_torch']:.2f}x torch"
+                )
             print(
                 f"{key[0]:8s} {key[1]:2d}x{key[2]:<6d} {c:26s} wall {row['wall_ms']:7.3f} ms "
                 f"{row['wall_gbs']:6.0f} GB/s | decode {row['decode_ms']:6.3f} ms "
                 f"{row['decode_gbs'] or 0:6.0f} GB/s, combine {row['combine_ms']:.3f} ms | "
-                f"vs {names[0]} {row['max_diff'][0]:.1e} {row['max_diff'][1]:.1e}",
+                f"vs {names[0]} {row['max_diff'][0]:.1e} {row['max_diff'][1]:.1e}{extra}",
                 flush=True,
             )
     _core._testing_set_overrides()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def torch_medians(torch, fn, calls: int) -> float:
+    """Median seconds of ``fn`` on the GPU, each call timed by CUDA events
+    after a warm-up of the same length."""
+    for _ in range(calls):
+        fn()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def paged(cache, block: int, seed: int = 1):
+    """``cache`` (batch, heads, n, d) as a pool of blocks in a random order
+    and the block table that gathers it back."""
+    b, h, n, d = cache.shape
+    blocks = n // block
+    rows = cache.reshape(b, h, blocks, block, d).transpose(0, 2, 1, 3, 4)
+    rows = rows.reshape(b * blocks, h, block, d)
+    order = np.random.default_rng(seed).permutation(b * blocks)
+    pool = np.empty(rows.shape, rows.dtype)
+    pool[order] = rows
+    return pool, order.reshape(b, blocks).astype(np.int32)
 
 
 if __name__ == "__main__":

@@ -7,49 +7,69 @@
 // for decode/combine.wgsl), with no workgroup barrier while the keys
 // stream. The host picks it where the adapter has subgroups of a known
 // size (src/gpu/decode/select.rs) and prepends the fragments decode.wgsl
-// takes (lib/input_*.wgsl, lib/tanh.wgsl, decode/load_*.wgsl,
-// decode/shared.wgsl).
+// takes (lib/input_*.wgsl, lib/tanh.wgsl, the cache loads, decode/shared.wgsl)
+// and a quads fragment (decode/quads_vec4.wgsl or quads_elements.wgsl).
 //
 // Walkers: the WG invocations are W = WG / LPK walkers of LPK consecutive
 // invocations, LPK a power of two no larger than the subgroup, so that a
 // walker lies within one subgroup (invocations are numbered subgroup after
-// subgroup). Lane l of a walker owns the vec4 columns l + i * LPK (i <
-// VPL) of d and of d_v. Each walker streams its own keys with its own
-// online softmax (lib/common.wgsl's vocabulary): row_max m{r}, row_sum
-// l{r} and the accumulators acc{r}_{i} of each of its RB rows, every lane
-// holding the same m and l. Per pass, walker w takes the KPI keys from
-// k0 + w * KPI (k0 steps by W * KPI):
+// subgroup). Lane l of a walker owns the quads (vec4 columns) l + n * LPK
+// (n < NO) of d and of d_v, kept as loaded (two words of halves for
+// float16) until used. Each walker streams its
+// own keys with its own online softmax (lib/common.wgsl's vocabulary).
+// Per pass, walker w takes the KPI keys from k0 + w * KPI (k0 steps by
+// W * KPI):
 //
-// 1. every lane issues its loads of the KPI key and value rows;
-// 2. partial dots q_r . k per row and key over the lane's columns, four
-//    keys to a vec4 (s{r}_{quad});
-// 3. the partials summed over the walker's lanes by a butterfly of
-//    subgroupShuffleXor (offsets 1, 2, .., LPK / 2): a fixed order, and
-//    every lane ends with the same bits;
-// 4. the scores: softcap, ALiBi and visibility (NEG_BIG where hidden;
-//    no test where every row sees every key of the pass);
-// 5. each row's online softmax over the KPI keys, and acc += p * v.
+// 1. every lane issues its loads of the KPI key and value rows (with
+//    PREFETCH, those of the next pass, before this pass's arithmetic);
+// 2. partial dots q_r . k_j over the lane's columns: the RB * KPI pairs
+//    (row r, key j), pair i = r * KPI + j, in named registers x0, x1, ..;
+// 3. the pairs summed over the walker's lanes and spread over them at
+//    once (a reduce-scatter): at the butterfly's step of offset o, a lane
+//    keeps the half of its pairs its bit o selects and adds the partner's
+//    copy of that half, sent by subgroupShuffleXor. After SB steps
+//    (SB = log2 min(RB * KPI, LPK)) lane l holds EPL = RB * KPI / 2^SB
+//    whole pairs, from pair slot(l) * EPL on, slot(l) being the low SB
+//    bits of l reversed; the steps past SB sum the one pair left. Each
+//    pair is summed in one fixed order, and each is summed once, where a
+//    butterfly of every pair on every lane (this kernel before) sends
+//    log2(LPK) times as many values;
+// 4. the scores of the lane's pairs: softcap, ALiBi, visibility (NEG_BIG
+//    where hidden), the non-finite rules; a pass's pairs of one row lie
+//    on the lanes that differ in bits RB .. 2^SB / 2 of l, which share
+//    the row's maximum by subgroupShuffleXor; each lane takes exp() of
+//    its own pairs only and keeps its own part of the row's sum;
+// 5. every lane fetches each pair's probability and each row's rescale
+//    from the lane that holds it (subgroupShuffle) and adds p * v to its
+//    columns of the accumulators.
 //
-// At the end the walkers' states are merged in walker order through
+// At the end each row's sum and non-finite code are gathered over the
+// row's lanes, and the walkers' states are merged in walker order through
 // workgroup memory: each row's largest row_max, each walker's weight
 // exp(row_max_w - largest), row_sum = sum of weight * row_sum_w, o = sum
 // of weight * acc_w / row_sum. The registers are named variables
-// (docs/gpu.md#named-register-variables); RB, VPL and KPI switch the unused
-// ones off.
+// (docs/gpu.md#named-register-variables); RB, KPI and NO switch the unused
+// ones off, and the pair layout of each (RB, KPI) has its own block.
 
 override WG: u32 = 128u;
-// Lanes of a walker: a power of two, at most 32 and at most the subgroup.
+// Lanes of a walker: a power of two, 4 to 32, at least RB and at most the
+// subgroup.
 override LPK: u32 = 32u;
-// vec4 columns per lane, 1 to 4: 4 * LPK * VPL >= max(d, d_v).
-override VPL: u32 = 1u;
-// Keys per walker and pass, 4 or 8 (more loads in flight, more registers).
-override KPI: u32 = 8u;
+// Quads per lane, 1 to 4: 4 * LPK * NO >= max(d, d_v).
+override NO: u32 = 1u;
+// Keys per walker and pass, 4 or 8.
+override KPI: u32 = 4u;
 // Rows per workgroup, 1, 2, 4 or 8.
 override RB: u32 = 4u;
+// The reduce-scatter (step 3): SB = log2 min(RB * KPI, LPK) steps spread
+// the pairs, leaving EPL = RB * KPI >> SB of them on each lane.
+override SB: u32 = 4u;
+override EPL: u32 = 1u;
+override SLOTS: u32 = 1u << SB;
 override W: u32 = WG / LPK;
 override STEP: u32 = W * KPI;
-// vec4 columns of a row: LPK * VPL.
-override DP4: u32 = LPK * VPL;
+// vec4 columns of a row held in registers.
+override DP4: u32 = LPK * NO;
 // W * RB * DP4: the walkers' accumulators at the end.
 override PART_VEC4S: u32 = 512u;
 // 3 * W * RB + RB: the walkers' row_max (then their weights) and row_sum,
@@ -59,43 +79,35 @@ override STAT_ELEMS: u32 = 52u;
 override CODES: u32 = 2u * W * RB + RB;
 override SOFTCAP: bool = false;
 override ALIBI: bool = false;
+override PREFETCH: bool = false;
 
 var<workgroup> part: array<vec4<f32>, PART_VEC4S>;
 var<workgroup> stat: array<f32, STAT_ELEMS>;
 
-fn max4(x: vec4<f32>) -> f32 {
-    return max(max(x.x, x.y), max(x.z, x.w));
+// The lane (of its walker) that holds pair slot `s` after the
+// reduce-scatter: the low SB bits of s reversed.
+fn slot_lane(s: u32) -> u32 {
+    return reverseBits(s) >> (32u - SB);
 }
 
-fn sum4(x: vec4<f32>) -> f32 {
-    return (x.x + x.y) + (x.z + x.w);
-}
-
-// The scores of one row and four keys from u = scale * q . k: softcap,
-// then ALiBi (`pos` the row's position). Where a row may not see a key,
-// the caller puts NEG_BIG in its place.
-fn variants4(x: vec4<f32>, keys: vec4<u32>, slope: f32, pos: i32) -> vec4<f32> {
+// A score from u = scale * q . k: softcap, then ALiBi (`pos` the row's
+// position).
+fn variant_score(x: f32, key: u32, slope: f32, pos: i32) -> f32 {
     var s = x;
     if SOFTCAP {
-        let y = x / u.softcap;
-        s = u.softcap * vec4(tanh_f32(y.x), tanh_f32(y.y), tanh_f32(y.z), tanh_f32(y.w));
+        s = u.softcap * tanh_f32(x / u.softcap);
     }
     if ALIBI {
-        s -= slope * vec4<f32>(abs(vec4(pos) - vec4<i32>(keys)));
+        s -= slope * f32(abs(pos - i32(key)));
     }
     return s;
-}
-
-// Probabilities exp(s - m) of four scores, 0 for the hidden ones (by this
-// test, never by exp(NEG_BIG - m)).
-fn probs4(s: vec4<f32>, m: f32) -> vec4<f32> {
-    return select(vec4(0.0), exp(s - m), s != vec4(NEG_BIG));
 }
 
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) t: u32,
+    @builtin(subgroup_invocation_id) sg_lane: u32,
 ) {
     let s = wid.x;
     let rb = wid.y % u.row_blocks;
@@ -105,6 +117,8 @@ fn main(
     let h = seq_head % u.heads_kv;
     let lane = t % LPK;
     let walker = t / LPK;
+    // The subgroup lane of the walker's lane 0.
+    let base = sg_lane - lane;
     let row0 = rb * RB;
     let len = seq_data[u.seqlens_off + b];
     let split = split_keys(keys_read(len), s);
@@ -113,136 +127,26 @@ fn main(
     let key_start = block.x;
     let key_end = block.y;
 
-    // Per row: the keys it sees below key_end, [lo, hi) (none for rows
-    // past the group), its ALiBi slope and its position.
-    var lo0 = 0u; var hi0 = 0u; var slope0 = 0.0; var pos0 = 0;
-    var lo1 = 0u; var hi1 = 0u; var slope1 = 0.0; var pos1 = 0;
-    var lo2 = 0u; var hi2 = 0u; var slope2 = 0.0; var pos2 = 0;
-    var lo3 = 0u; var hi3 = 0u; var slope3 = 0.0; var pos3 = 0;
-    var lo4 = 0u; var hi4 = 0u; var slope4 = 0.0; var pos4 = 0;
-    var lo5 = 0u; var hi5 = 0u; var slope5 = 0.0; var pos5 = 0;
-    var lo6 = 0u; var hi6 = 0u; var slope6 = 0.0; var pos6 = 0;
-    var lo7 = 0u; var hi7 = 0u; var slope7 = 0.0; var pos7 = 0;
-    // The keys all the block's rows see.
-    var full_lo = 0u; var full_hi = key_end;
-    {
-        let gr = row0 + 0u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo0 = seen.x;
-            hi0 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo0);
-            full_hi = min(full_hi, hi0);
-            pos0 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope0 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
-        }
-    }
-    if RB > 1u {
-        let gr = row0 + 1u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo1 = seen.x;
-            hi1 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo1);
-            full_hi = min(full_hi, hi1);
-            pos1 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope1 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
-        }
-    }
-    if RB > 2u {
-        let gr = row0 + 2u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo2 = seen.x;
-            hi2 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo2);
-            full_hi = min(full_hi, hi2);
-            pos2 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope2 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
-        }
-    }
-    if RB > 2u {
-        let gr = row0 + 3u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo3 = seen.x;
-            hi3 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo3);
-            full_hi = min(full_hi, hi3);
-            pos3 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope3 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
-        }
-    }
-    if RB > 4u {
-        let gr = row0 + 4u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo4 = seen.x;
-            hi4 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo4);
-            full_hi = min(full_hi, hi4);
-            pos4 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope4 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
-        }
-    }
-    if RB > 4u {
-        let gr = row0 + 5u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo5 = seen.x;
-            hi5 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo5);
-            full_hi = min(full_hi, hi5);
-            pos5 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope5 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
-        }
-    }
-    if RB > 4u {
-        let gr = row0 + 6u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo6 = seen.x;
-            hi6 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo6);
-            full_hi = min(full_hi, hi6);
-            pos6 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope6 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
-        }
-    }
-    if RB > 4u {
-        let gr = row0 + 7u;
-        if gr < u.rows {
-            let i = gr % u.seq_q;
-            let seen = visible(len, i);
-            lo7 = seen.x;
-            hi7 = min(seen.y, key_end);
-            full_lo = max(full_lo, lo7);
-            full_hi = min(full_hi, hi7);
-            pos7 = i32(len) - i32(u.seq_q) + i32(i);
-            if ALIBI {
-                slope7 = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
-            }
+    // The pairs this lane holds after the reduce-scatter: row my_r, keys
+    // my_j .. my_j + EPL - 1 of each pass. Lanes past SLOTS hold copies.
+    let slot = reverseBits(lane % SLOTS) >> (32u - SB);
+    let my_r = slot * EPL / KPI;
+    let my_j = slot * EPL % KPI;
+    // That row's visible keys below key_end, [lo, hi) (none for rows past
+    // the group), its ALiBi slope and its position.
+    var lo = 0u;
+    var hi = 0u;
+    var slope = 0.0;
+    var pos = 0;
+    let gr = row0 + my_r;
+    if gr < u.rows {
+        let i = gr % u.seq_q;
+        let seen = visible(len, i);
+        lo = seen.x;
+        hi = min(seen.y, key_end);
+        pos = i32(len) - i32(u.seq_q) + i32(i);
+        if ALIBI {
+            slope = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);
         }
     }
 
@@ -258,1931 +162,5680 @@ fn main(
     var q5_0 = vec4(0.0); var q5_1 = vec4(0.0); var q5_2 = vec4(0.0); var q5_3 = vec4(0.0);
     var q6_0 = vec4(0.0); var q6_1 = vec4(0.0); var q6_2 = vec4(0.0); var q6_3 = vec4(0.0);
     var q7_0 = vec4(0.0); var q7_1 = vec4(0.0); var q7_2 = vec4(0.0); var q7_3 = vec4(0.0);
-    q0_0 = load_q(q_first + min(row0 + 0u, last), lane);
-    if VPL > 1u {
-        q0_1 = load_q(q_first + min(row0 + 0u, last), lane + LPK);
-    }
-    if VPL > 2u {
-        q0_2 = load_q(q_first + min(row0 + 0u, last), lane + 2u * LPK);
-    }
-    if VPL > 3u {
-        q0_3 = load_q(q_first + min(row0 + 0u, last), lane + 3u * LPK);
+    {
+        let qr = q_first + min(row0 + 0u, last);
+        q0_0 = load_q(qr, lane);
+        if NO > 1u {
+            q0_1 = load_q(qr, lane + LPK);
+        }
+        if NO > 2u {
+            q0_2 = load_q(qr, lane + 2u * LPK);
+        }
+        if NO > 3u {
+            q0_3 = load_q(qr, lane + 3u * LPK);
+        }
     }
     if RB > 1u {
-        q1_0 = load_q(q_first + min(row0 + 1u, last), lane);
-        if VPL > 1u {
-            q1_1 = load_q(q_first + min(row0 + 1u, last), lane + LPK);
+        let qr = q_first + min(row0 + 1u, last);
+        q1_0 = load_q(qr, lane);
+        if NO > 1u {
+            q1_1 = load_q(qr, lane + LPK);
         }
-        if VPL > 2u {
-            q1_2 = load_q(q_first + min(row0 + 1u, last), lane + 2u * LPK);
+        if NO > 2u {
+            q1_2 = load_q(qr, lane + 2u * LPK);
         }
-        if VPL > 3u {
-            q1_3 = load_q(q_first + min(row0 + 1u, last), lane + 3u * LPK);
-        }
-    }
-    if RB > 2u {
-        q2_0 = load_q(q_first + min(row0 + 2u, last), lane);
-        if VPL > 1u {
-            q2_1 = load_q(q_first + min(row0 + 2u, last), lane + LPK);
-        }
-        if VPL > 2u {
-            q2_2 = load_q(q_first + min(row0 + 2u, last), lane + 2u * LPK);
-        }
-        if VPL > 3u {
-            q2_3 = load_q(q_first + min(row0 + 2u, last), lane + 3u * LPK);
+        if NO > 3u {
+            q1_3 = load_q(qr, lane + 3u * LPK);
         }
     }
     if RB > 2u {
-        q3_0 = load_q(q_first + min(row0 + 3u, last), lane);
-        if VPL > 1u {
-            q3_1 = load_q(q_first + min(row0 + 3u, last), lane + LPK);
+        let qr = q_first + min(row0 + 2u, last);
+        q2_0 = load_q(qr, lane);
+        if NO > 1u {
+            q2_1 = load_q(qr, lane + LPK);
         }
-        if VPL > 2u {
-            q3_2 = load_q(q_first + min(row0 + 3u, last), lane + 2u * LPK);
+        if NO > 2u {
+            q2_2 = load_q(qr, lane + 2u * LPK);
         }
-        if VPL > 3u {
-            q3_3 = load_q(q_first + min(row0 + 3u, last), lane + 3u * LPK);
+        if NO > 3u {
+            q2_3 = load_q(qr, lane + 3u * LPK);
+        }
+    }
+    if RB > 2u {
+        let qr = q_first + min(row0 + 3u, last);
+        q3_0 = load_q(qr, lane);
+        if NO > 1u {
+            q3_1 = load_q(qr, lane + LPK);
+        }
+        if NO > 2u {
+            q3_2 = load_q(qr, lane + 2u * LPK);
+        }
+        if NO > 3u {
+            q3_3 = load_q(qr, lane + 3u * LPK);
         }
     }
     if RB > 4u {
-        q4_0 = load_q(q_first + min(row0 + 4u, last), lane);
-        if VPL > 1u {
-            q4_1 = load_q(q_first + min(row0 + 4u, last), lane + LPK);
+        let qr = q_first + min(row0 + 4u, last);
+        q4_0 = load_q(qr, lane);
+        if NO > 1u {
+            q4_1 = load_q(qr, lane + LPK);
         }
-        if VPL > 2u {
-            q4_2 = load_q(q_first + min(row0 + 4u, last), lane + 2u * LPK);
+        if NO > 2u {
+            q4_2 = load_q(qr, lane + 2u * LPK);
         }
-        if VPL > 3u {
-            q4_3 = load_q(q_first + min(row0 + 4u, last), lane + 3u * LPK);
-        }
-    }
-    if RB > 4u {
-        q5_0 = load_q(q_first + min(row0 + 5u, last), lane);
-        if VPL > 1u {
-            q5_1 = load_q(q_first + min(row0 + 5u, last), lane + LPK);
-        }
-        if VPL > 2u {
-            q5_2 = load_q(q_first + min(row0 + 5u, last), lane + 2u * LPK);
-        }
-        if VPL > 3u {
-            q5_3 = load_q(q_first + min(row0 + 5u, last), lane + 3u * LPK);
+        if NO > 3u {
+            q4_3 = load_q(qr, lane + 3u * LPK);
         }
     }
     if RB > 4u {
-        q6_0 = load_q(q_first + min(row0 + 6u, last), lane);
-        if VPL > 1u {
-            q6_1 = load_q(q_first + min(row0 + 6u, last), lane + LPK);
+        let qr = q_first + min(row0 + 5u, last);
+        q5_0 = load_q(qr, lane);
+        if NO > 1u {
+            q5_1 = load_q(qr, lane + LPK);
         }
-        if VPL > 2u {
-            q6_2 = load_q(q_first + min(row0 + 6u, last), lane + 2u * LPK);
+        if NO > 2u {
+            q5_2 = load_q(qr, lane + 2u * LPK);
         }
-        if VPL > 3u {
-            q6_3 = load_q(q_first + min(row0 + 6u, last), lane + 3u * LPK);
+        if NO > 3u {
+            q5_3 = load_q(qr, lane + 3u * LPK);
         }
     }
     if RB > 4u {
-        q7_0 = load_q(q_first + min(row0 + 7u, last), lane);
-        if VPL > 1u {
-            q7_1 = load_q(q_first + min(row0 + 7u, last), lane + LPK);
+        let qr = q_first + min(row0 + 6u, last);
+        q6_0 = load_q(qr, lane);
+        if NO > 1u {
+            q6_1 = load_q(qr, lane + LPK);
         }
-        if VPL > 2u {
-            q7_2 = load_q(q_first + min(row0 + 7u, last), lane + 2u * LPK);
+        if NO > 2u {
+            q6_2 = load_q(qr, lane + 2u * LPK);
         }
-        if VPL > 3u {
-            q7_3 = load_q(q_first + min(row0 + 7u, last), lane + 3u * LPK);
+        if NO > 3u {
+            q6_3 = load_q(qr, lane + 3u * LPK);
         }
     }
-    var m0 = NEG_BIG; var l0 = 0.0; var c0 = 0.0;
+    if RB > 4u {
+        let qr = q_first + min(row0 + 7u, last);
+        q7_0 = load_q(qr, lane);
+        if NO > 1u {
+            q7_1 = load_q(qr, lane + LPK);
+        }
+        if NO > 2u {
+            q7_2 = load_q(qr, lane + 2u * LPK);
+        }
+        if NO > 3u {
+            q7_3 = load_q(qr, lane + 3u * LPK);
+        }
+    }
+    // The lane's row: its maximum, its part of the row's sum, its code.
+    var m = NEG_BIG;
+    var l = 0.0;
+    var code = 0.0;
     var acc0_0 = vec4(0.0); var acc0_1 = vec4(0.0); var acc0_2 = vec4(0.0); var acc0_3 = vec4(0.0);
-    var m1 = NEG_BIG; var l1 = 0.0; var c1 = 0.0;
     var acc1_0 = vec4(0.0); var acc1_1 = vec4(0.0); var acc1_2 = vec4(0.0); var acc1_3 = vec4(0.0);
-    var m2 = NEG_BIG; var l2 = 0.0; var c2 = 0.0;
     var acc2_0 = vec4(0.0); var acc2_1 = vec4(0.0); var acc2_2 = vec4(0.0); var acc2_3 = vec4(0.0);
-    var m3 = NEG_BIG; var l3 = 0.0; var c3 = 0.0;
     var acc3_0 = vec4(0.0); var acc3_1 = vec4(0.0); var acc3_2 = vec4(0.0); var acc3_3 = vec4(0.0);
-    var m4 = NEG_BIG; var l4 = 0.0; var c4 = 0.0;
     var acc4_0 = vec4(0.0); var acc4_1 = vec4(0.0); var acc4_2 = vec4(0.0); var acc4_3 = vec4(0.0);
-    var m5 = NEG_BIG; var l5 = 0.0; var c5 = 0.0;
     var acc5_0 = vec4(0.0); var acc5_1 = vec4(0.0); var acc5_2 = vec4(0.0); var acc5_3 = vec4(0.0);
-    var m6 = NEG_BIG; var l6 = 0.0; var c6 = 0.0;
     var acc6_0 = vec4(0.0); var acc6_1 = vec4(0.0); var acc6_2 = vec4(0.0); var acc6_3 = vec4(0.0);
-    var m7 = NEG_BIG; var l7 = 0.0; var c7 = 0.0;
     var acc7_0 = vec4(0.0); var acc7_1 = vec4(0.0); var acc7_2 = vec4(0.0); var acc7_3 = vec4(0.0);
 
+    var ok_n = 0u;
+    var kr0_0 = raw_zero(); var vr0_0 = raw_zero(); var kr0_1 = raw_zero(); var vr0_1 = raw_zero(); var kr0_2 = raw_zero(); var vr0_2 = raw_zero(); var kr0_3 = raw_zero(); var vr0_3 = raw_zero();
+    var kr1_0 = raw_zero(); var vr1_0 = raw_zero(); var kr1_1 = raw_zero(); var vr1_1 = raw_zero(); var kr1_2 = raw_zero(); var vr1_2 = raw_zero(); var kr1_3 = raw_zero(); var vr1_3 = raw_zero();
+    var kr2_0 = raw_zero(); var vr2_0 = raw_zero(); var kr2_1 = raw_zero(); var vr2_1 = raw_zero(); var kr2_2 = raw_zero(); var vr2_2 = raw_zero(); var kr2_3 = raw_zero(); var vr2_3 = raw_zero();
+    var kr3_0 = raw_zero(); var vr3_0 = raw_zero(); var kr3_1 = raw_zero(); var vr3_1 = raw_zero(); var kr3_2 = raw_zero(); var vr3_2 = raw_zero(); var kr3_3 = raw_zero(); var vr3_3 = raw_zero();
+    var kr4_0 = raw_zero(); var vr4_0 = raw_zero(); var kr4_1 = raw_zero(); var vr4_1 = raw_zero(); var kr4_2 = raw_zero(); var vr4_2 = raw_zero(); var kr4_3 = raw_zero(); var vr4_3 = raw_zero();
+    var kr5_0 = raw_zero(); var vr5_0 = raw_zero(); var kr5_1 = raw_zero(); var vr5_1 = raw_zero(); var kr5_2 = raw_zero(); var vr5_2 = raw_zero(); var kr5_3 = raw_zero(); var vr5_3 = raw_zero();
+    var kr6_0 = raw_zero(); var vr6_0 = raw_zero(); var kr6_1 = raw_zero(); var vr6_1 = raw_zero(); var kr6_2 = raw_zero(); var vr6_2 = raw_zero(); var kr6_3 = raw_zero(); var vr6_3 = raw_zero();
+    var kr7_0 = raw_zero(); var vr7_0 = raw_zero(); var kr7_1 = raw_zero(); var vr7_1 = raw_zero(); var kr7_2 = raw_zero(); var vr7_2 = raw_zero(); var kr7_3 = raw_zero(); var vr7_3 = raw_zero();
+    // With PREFETCH each pass issues the next pass's loads before its own
+    // arithmetic, so that a walker's loads are in flight while it computes
+    // (WGSL has no asynchronous copy): the registers of one more pass of
+    // loads for bytes in flight, chosen by the host where they fit.
+    if PREFETCH {
+        ok_n = 0u;
+        {
+            let key = key_start + walker * KPI + 0u;
+            kr0_0 = raw_zero();
+            vr0_0 = raw_zero();
+            if NO > 1u {
+                kr0_1 = raw_zero();
+                vr0_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr0_2 = raw_zero();
+                vr0_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr0_3 = raw_zero();
+                vr0_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 1u;
+                let row = cache_row(b, h, key);
+                kr0_0 = load_k_raw(row, lane);
+                vr0_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr0_1 = load_k_raw(row, lane + LPK);
+                    vr0_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr0_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr0_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr0_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr0_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+        {
+            let key = key_start + walker * KPI + 1u;
+            kr1_0 = raw_zero();
+            vr1_0 = raw_zero();
+            if NO > 1u {
+                kr1_1 = raw_zero();
+                vr1_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr1_2 = raw_zero();
+                vr1_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr1_3 = raw_zero();
+                vr1_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 2u;
+                let row = cache_row(b, h, key);
+                kr1_0 = load_k_raw(row, lane);
+                vr1_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr1_1 = load_k_raw(row, lane + LPK);
+                    vr1_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr1_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr1_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr1_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr1_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+        {
+            let key = key_start + walker * KPI + 2u;
+            kr2_0 = raw_zero();
+            vr2_0 = raw_zero();
+            if NO > 1u {
+                kr2_1 = raw_zero();
+                vr2_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr2_2 = raw_zero();
+                vr2_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr2_3 = raw_zero();
+                vr2_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 4u;
+                let row = cache_row(b, h, key);
+                kr2_0 = load_k_raw(row, lane);
+                vr2_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr2_1 = load_k_raw(row, lane + LPK);
+                    vr2_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr2_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr2_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr2_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr2_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+        {
+            let key = key_start + walker * KPI + 3u;
+            kr3_0 = raw_zero();
+            vr3_0 = raw_zero();
+            if NO > 1u {
+                kr3_1 = raw_zero();
+                vr3_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr3_2 = raw_zero();
+                vr3_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr3_3 = raw_zero();
+                vr3_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 8u;
+                let row = cache_row(b, h, key);
+                kr3_0 = load_k_raw(row, lane);
+                vr3_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr3_1 = load_k_raw(row, lane + LPK);
+                    vr3_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr3_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr3_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+        if KPI > 4u {
+            let key = key_start + walker * KPI + 4u;
+            kr4_0 = raw_zero();
+            vr4_0 = raw_zero();
+            if NO > 1u {
+                kr4_1 = raw_zero();
+                vr4_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr4_2 = raw_zero();
+                vr4_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr4_3 = raw_zero();
+                vr4_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 16u;
+                let row = cache_row(b, h, key);
+                kr4_0 = load_k_raw(row, lane);
+                vr4_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr4_1 = load_k_raw(row, lane + LPK);
+                    vr4_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr4_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr4_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+        if KPI > 4u {
+            let key = key_start + walker * KPI + 5u;
+            kr5_0 = raw_zero();
+            vr5_0 = raw_zero();
+            if NO > 1u {
+                kr5_1 = raw_zero();
+                vr5_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr5_2 = raw_zero();
+                vr5_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr5_3 = raw_zero();
+                vr5_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 32u;
+                let row = cache_row(b, h, key);
+                kr5_0 = load_k_raw(row, lane);
+                vr5_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr5_1 = load_k_raw(row, lane + LPK);
+                    vr5_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr5_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr5_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+        if KPI > 4u {
+            let key = key_start + walker * KPI + 6u;
+            kr6_0 = raw_zero();
+            vr6_0 = raw_zero();
+            if NO > 1u {
+                kr6_1 = raw_zero();
+                vr6_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr6_2 = raw_zero();
+                vr6_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr6_3 = raw_zero();
+                vr6_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 64u;
+                let row = cache_row(b, h, key);
+                kr6_0 = load_k_raw(row, lane);
+                vr6_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr6_1 = load_k_raw(row, lane + LPK);
+                    vr6_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr6_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr6_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+        if KPI > 4u {
+            let key = key_start + walker * KPI + 7u;
+            kr7_0 = raw_zero();
+            vr7_0 = raw_zero();
+            if NO > 1u {
+                kr7_1 = raw_zero();
+                vr7_1 = raw_zero();
+            }
+            if NO > 2u {
+                kr7_2 = raw_zero();
+                vr7_2 = raw_zero();
+            }
+            if NO > 3u {
+                kr7_3 = raw_zero();
+                vr7_3 = raw_zero();
+            }
+            if key < key_end && bound(b, key) {
+                ok_n |= 128u;
+                let row = cache_row(b, h, key);
+                kr7_0 = load_k_raw(row, lane);
+                vr7_0 = load_v_raw(row, lane);
+                if NO > 1u {
+                    kr7_1 = load_k_raw(row, lane + LPK);
+                    vr7_1 = load_v_raw(row, lane + LPK);
+                }
+                if NO > 2u {
+                    kr7_2 = load_k_raw(row, lane + 2u * LPK);
+                    vr7_2 = load_v_raw(row, lane + 2u * LPK);
+                }
+                if NO > 3u {
+                    kr7_3 = load_k_raw(row, lane + 3u * LPK);
+                    vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                }
+            }
+        }
+    }
     for (var k0 = key_start; k0 < key_end; k0 += STEP) {
         let kb = k0 + walker * KPI;
-        if kb < key_end {
-            // 1. Loads: zeros past key_end and for blocks not bound.
-            var ok0 = false; var k0_0 = vec4(0.0); var k0_1 = vec4(0.0); var k0_2 = vec4(0.0); var k0_3 = vec4(0.0); var v0_0 = vec4(0.0); var v0_1 = vec4(0.0); var v0_2 = vec4(0.0); var v0_3 = vec4(0.0);
-            var ok1 = false; var k1_0 = vec4(0.0); var k1_1 = vec4(0.0); var k1_2 = vec4(0.0); var k1_3 = vec4(0.0); var v1_0 = vec4(0.0); var v1_1 = vec4(0.0); var v1_2 = vec4(0.0); var v1_3 = vec4(0.0);
-            var ok2 = false; var k2_0 = vec4(0.0); var k2_1 = vec4(0.0); var k2_2 = vec4(0.0); var k2_3 = vec4(0.0); var v2_0 = vec4(0.0); var v2_1 = vec4(0.0); var v2_2 = vec4(0.0); var v2_3 = vec4(0.0);
-            var ok3 = false; var k3_0 = vec4(0.0); var k3_1 = vec4(0.0); var k3_2 = vec4(0.0); var k3_3 = vec4(0.0); var v3_0 = vec4(0.0); var v3_1 = vec4(0.0); var v3_2 = vec4(0.0); var v3_3 = vec4(0.0);
-            var ok4 = false; var k4_0 = vec4(0.0); var k4_1 = vec4(0.0); var k4_2 = vec4(0.0); var k4_3 = vec4(0.0); var v4_0 = vec4(0.0); var v4_1 = vec4(0.0); var v4_2 = vec4(0.0); var v4_3 = vec4(0.0);
-            var ok5 = false; var k5_0 = vec4(0.0); var k5_1 = vec4(0.0); var k5_2 = vec4(0.0); var k5_3 = vec4(0.0); var v5_0 = vec4(0.0); var v5_1 = vec4(0.0); var v5_2 = vec4(0.0); var v5_3 = vec4(0.0);
-            var ok6 = false; var k6_0 = vec4(0.0); var k6_1 = vec4(0.0); var k6_2 = vec4(0.0); var k6_3 = vec4(0.0); var v6_0 = vec4(0.0); var v6_1 = vec4(0.0); var v6_2 = vec4(0.0); var v6_3 = vec4(0.0);
-            var ok7 = false; var k7_0 = vec4(0.0); var k7_1 = vec4(0.0); var k7_2 = vec4(0.0); var k7_3 = vec4(0.0); var v7_0 = vec4(0.0); var v7_1 = vec4(0.0); var v7_2 = vec4(0.0); var v7_3 = vec4(0.0);
+        if !PREFETCH {
+            ok_n = 0u;
             {
                 let key = kb + 0u;
+                kr0_0 = raw_zero();
+                vr0_0 = raw_zero();
+                if NO > 1u {
+                    kr0_1 = raw_zero();
+                    vr0_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr0_2 = raw_zero();
+                    vr0_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr0_3 = raw_zero();
+                    vr0_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok0 = true;
+                    ok_n |= 1u;
                     let row = cache_row(b, h, key);
-                    k0_0 = load_k(row, lane);
-                    v0_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k0_1 = load_k(row, lane + LPK);
-                        v0_1 = load_v(row, lane + LPK);
+                    kr0_0 = load_k_raw(row, lane);
+                    vr0_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr0_1 = load_k_raw(row, lane + LPK);
+                        vr0_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k0_2 = load_k(row, lane + 2u * LPK);
-                        v0_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr0_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr0_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k0_3 = load_k(row, lane + 3u * LPK);
-                        v0_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr0_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr0_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
             {
                 let key = kb + 1u;
+                kr1_0 = raw_zero();
+                vr1_0 = raw_zero();
+                if NO > 1u {
+                    kr1_1 = raw_zero();
+                    vr1_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr1_2 = raw_zero();
+                    vr1_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr1_3 = raw_zero();
+                    vr1_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok1 = true;
+                    ok_n |= 2u;
                     let row = cache_row(b, h, key);
-                    k1_0 = load_k(row, lane);
-                    v1_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k1_1 = load_k(row, lane + LPK);
-                        v1_1 = load_v(row, lane + LPK);
+                    kr1_0 = load_k_raw(row, lane);
+                    vr1_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr1_1 = load_k_raw(row, lane + LPK);
+                        vr1_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k1_2 = load_k(row, lane + 2u * LPK);
-                        v1_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr1_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr1_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k1_3 = load_k(row, lane + 3u * LPK);
-                        v1_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr1_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr1_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
             {
                 let key = kb + 2u;
+                kr2_0 = raw_zero();
+                vr2_0 = raw_zero();
+                if NO > 1u {
+                    kr2_1 = raw_zero();
+                    vr2_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr2_2 = raw_zero();
+                    vr2_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr2_3 = raw_zero();
+                    vr2_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok2 = true;
+                    ok_n |= 4u;
                     let row = cache_row(b, h, key);
-                    k2_0 = load_k(row, lane);
-                    v2_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k2_1 = load_k(row, lane + LPK);
-                        v2_1 = load_v(row, lane + LPK);
+                    kr2_0 = load_k_raw(row, lane);
+                    vr2_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr2_1 = load_k_raw(row, lane + LPK);
+                        vr2_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k2_2 = load_k(row, lane + 2u * LPK);
-                        v2_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr2_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr2_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k2_3 = load_k(row, lane + 3u * LPK);
-                        v2_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr2_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr2_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
             {
                 let key = kb + 3u;
+                kr3_0 = raw_zero();
+                vr3_0 = raw_zero();
+                if NO > 1u {
+                    kr3_1 = raw_zero();
+                    vr3_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr3_2 = raw_zero();
+                    vr3_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr3_3 = raw_zero();
+                    vr3_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok3 = true;
+                    ok_n |= 8u;
                     let row = cache_row(b, h, key);
-                    k3_0 = load_k(row, lane);
-                    v3_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k3_1 = load_k(row, lane + LPK);
-                        v3_1 = load_v(row, lane + LPK);
+                    kr3_0 = load_k_raw(row, lane);
+                    vr3_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr3_1 = load_k_raw(row, lane + LPK);
+                        vr3_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k3_2 = load_k(row, lane + 2u * LPK);
-                        v3_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr3_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr3_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k3_3 = load_k(row, lane + 3u * LPK);
-                        v3_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr3_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr3_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
             if KPI > 4u {
                 let key = kb + 4u;
+                kr4_0 = raw_zero();
+                vr4_0 = raw_zero();
+                if NO > 1u {
+                    kr4_1 = raw_zero();
+                    vr4_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr4_2 = raw_zero();
+                    vr4_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr4_3 = raw_zero();
+                    vr4_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok4 = true;
+                    ok_n |= 16u;
                     let row = cache_row(b, h, key);
-                    k4_0 = load_k(row, lane);
-                    v4_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k4_1 = load_k(row, lane + LPK);
-                        v4_1 = load_v(row, lane + LPK);
+                    kr4_0 = load_k_raw(row, lane);
+                    vr4_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr4_1 = load_k_raw(row, lane + LPK);
+                        vr4_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k4_2 = load_k(row, lane + 2u * LPK);
-                        v4_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr4_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr4_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k4_3 = load_k(row, lane + 3u * LPK);
-                        v4_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr4_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr4_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
             if KPI > 4u {
                 let key = kb + 5u;
+                kr5_0 = raw_zero();
+                vr5_0 = raw_zero();
+                if NO > 1u {
+                    kr5_1 = raw_zero();
+                    vr5_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr5_2 = raw_zero();
+                    vr5_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr5_3 = raw_zero();
+                    vr5_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok5 = true;
+                    ok_n |= 32u;
                     let row = cache_row(b, h, key);
-                    k5_0 = load_k(row, lane);
-                    v5_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k5_1 = load_k(row, lane + LPK);
-                        v5_1 = load_v(row, lane + LPK);
+                    kr5_0 = load_k_raw(row, lane);
+                    vr5_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr5_1 = load_k_raw(row, lane + LPK);
+                        vr5_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k5_2 = load_k(row, lane + 2u * LPK);
-                        v5_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr5_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr5_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k5_3 = load_k(row, lane + 3u * LPK);
-                        v5_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr5_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr5_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
             if KPI > 4u {
                 let key = kb + 6u;
+                kr6_0 = raw_zero();
+                vr6_0 = raw_zero();
+                if NO > 1u {
+                    kr6_1 = raw_zero();
+                    vr6_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr6_2 = raw_zero();
+                    vr6_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr6_3 = raw_zero();
+                    vr6_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok6 = true;
+                    ok_n |= 64u;
                     let row = cache_row(b, h, key);
-                    k6_0 = load_k(row, lane);
-                    v6_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k6_1 = load_k(row, lane + LPK);
-                        v6_1 = load_v(row, lane + LPK);
+                    kr6_0 = load_k_raw(row, lane);
+                    vr6_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr6_1 = load_k_raw(row, lane + LPK);
+                        vr6_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k6_2 = load_k(row, lane + 2u * LPK);
-                        v6_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr6_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr6_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k6_3 = load_k(row, lane + 3u * LPK);
-                        v6_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr6_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr6_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
             if KPI > 4u {
                 let key = kb + 7u;
+                kr7_0 = raw_zero();
+                vr7_0 = raw_zero();
+                if NO > 1u {
+                    kr7_1 = raw_zero();
+                    vr7_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr7_2 = raw_zero();
+                    vr7_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr7_3 = raw_zero();
+                    vr7_3 = raw_zero();
+                }
                 if key < key_end && bound(b, key) {
-                    ok7 = true;
+                    ok_n |= 128u;
                     let row = cache_row(b, h, key);
-                    k7_0 = load_k(row, lane);
-                    v7_0 = load_v(row, lane);
-                    if VPL > 1u {
-                        k7_1 = load_k(row, lane + LPK);
-                        v7_1 = load_v(row, lane + LPK);
+                    kr7_0 = load_k_raw(row, lane);
+                    vr7_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr7_1 = load_k_raw(row, lane + LPK);
+                        vr7_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        k7_2 = load_k(row, lane + 2u * LPK);
-                        v7_2 = load_v(row, lane + 2u * LPK);
+                    if NO > 2u {
+                        kr7_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr7_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        k7_3 = load_k(row, lane + 3u * LPK);
-                        v7_3 = load_v(row, lane + 3u * LPK);
+                    if NO > 3u {
+                        kr7_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr7_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
-            var vbad0 = vec4(false); var vbad1 = vec4(false);
-            let lane_bad = !(all(finite4(v0_0)) && all(finite4(v0_1)) && all(finite4(v0_2)) && all(finite4(v0_3)) && all(finite4(v1_0)) && all(finite4(v1_1)) && all(finite4(v1_2)) && all(finite4(v1_3)) && all(finite4(v2_0)) && all(finite4(v2_1)) && all(finite4(v2_2)) && all(finite4(v2_3)) && all(finite4(v3_0)) && all(finite4(v3_1)) && all(finite4(v3_2)) && all(finite4(v3_3)) && all(finite4(v4_0)) && all(finite4(v4_1)) && all(finite4(v4_2)) && all(finite4(v4_3)) && all(finite4(v5_0)) && all(finite4(v5_1)) && all(finite4(v5_2)) && all(finite4(v5_3)) && all(finite4(v6_0)) && all(finite4(v6_1)) && all(finite4(v6_2)) && all(finite4(v6_3)) && all(finite4(v7_0)) && all(finite4(v7_1)) && all(finite4(v7_2)) && all(finite4(v7_3)));
-            if subgroupAny(lane_bad) {
-                var bad0 = select(1u, 0u, all(finite4(v0_0)) && all(finite4(v0_1)) && all(finite4(v0_2)) && all(finite4(v0_3)));
-                if LPK > 1u {
-                    bad0 = max(bad0, subgroupShuffleXor(bad0, 1u));
+        }
+        let ok = ok_n;
+        let kc0_0 = kr0_0; var vc0_0 = vr0_0; let kc0_1 = kr0_1; var vc0_1 = vr0_1; let kc0_2 = kr0_2; var vc0_2 = vr0_2; let kc0_3 = kr0_3; var vc0_3 = vr0_3;
+        let kc1_0 = kr1_0; var vc1_0 = vr1_0; let kc1_1 = kr1_1; var vc1_1 = vr1_1; let kc1_2 = kr1_2; var vc1_2 = vr1_2; let kc1_3 = kr1_3; var vc1_3 = vr1_3;
+        let kc2_0 = kr2_0; var vc2_0 = vr2_0; let kc2_1 = kr2_1; var vc2_1 = vr2_1; let kc2_2 = kr2_2; var vc2_2 = vr2_2; let kc2_3 = kr2_3; var vc2_3 = vr2_3;
+        let kc3_0 = kr3_0; var vc3_0 = vr3_0; let kc3_1 = kr3_1; var vc3_1 = vr3_1; let kc3_2 = kr3_2; var vc3_2 = vr3_2; let kc3_3 = kr3_3; var vc3_3 = vr3_3;
+        let kc4_0 = kr4_0; var vc4_0 = vr4_0; let kc4_1 = kr4_1; var vc4_1 = vr4_1; let kc4_2 = kr4_2; var vc4_2 = vr4_2; let kc4_3 = kr4_3; var vc4_3 = vr4_3;
+        let kc5_0 = kr5_0; var vc5_0 = vr5_0; let kc5_1 = kr5_1; var vc5_1 = vr5_1; let kc5_2 = kr5_2; var vc5_2 = vr5_2; let kc5_3 = kr5_3; var vc5_3 = vr5_3;
+        let kc6_0 = kr6_0; var vc6_0 = vr6_0; let kc6_1 = kr6_1; var vc6_1 = vr6_1; let kc6_2 = kr6_2; var vc6_2 = vr6_2; let kc6_3 = kr6_3; var vc6_3 = vr6_3;
+        let kc7_0 = kr7_0; var vc7_0 = vr7_0; let kc7_1 = kr7_1; var vc7_1 = vr7_1; let kc7_2 = kr7_2; var vc7_2 = vr7_2; let kc7_3 = kr7_3; var vc7_3 = vr7_3;
+        if PREFETCH {
+            ok_n = 0u;
+            {
+                let key = kb + STEP + 0u;
+                kr0_0 = raw_zero();
+                vr0_0 = raw_zero();
+                if NO > 1u {
+                    kr0_1 = raw_zero();
+                    vr0_1 = raw_zero();
                 }
-                if LPK > 2u {
-                    bad0 = max(bad0, subgroupShuffleXor(bad0, 2u));
+                if NO > 2u {
+                    kr0_2 = raw_zero();
+                    vr0_2 = raw_zero();
                 }
-                if LPK > 4u {
-                    bad0 = max(bad0, subgroupShuffleXor(bad0, 4u));
+                if NO > 3u {
+                    kr0_3 = raw_zero();
+                    vr0_3 = raw_zero();
                 }
-                if LPK > 8u {
-                    bad0 = max(bad0, subgroupShuffleXor(bad0, 8u));
+                if key < key_end && bound(b, key) {
+                    ok_n |= 1u;
+                    let row = cache_row(b, h, key);
+                    kr0_0 = load_k_raw(row, lane);
+                    vr0_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr0_1 = load_k_raw(row, lane + LPK);
+                        vr0_1 = load_v_raw(row, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr0_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr0_2 = load_v_raw(row, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr0_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr0_3 = load_v_raw(row, lane + 3u * LPK);
+                    }
                 }
-                if LPK > 16u {
-                    bad0 = max(bad0, subgroupShuffleXor(bad0, 16u));
-                }
-                v0_0 = clean4(v0_0);
-                v0_1 = clean4(v0_1);
-                v0_2 = clean4(v0_2);
-                v0_3 = clean4(v0_3);
-                var bad1 = select(1u, 0u, all(finite4(v1_0)) && all(finite4(v1_1)) && all(finite4(v1_2)) && all(finite4(v1_3)));
-                if LPK > 1u {
-                    bad1 = max(bad1, subgroupShuffleXor(bad1, 1u));
-                }
-                if LPK > 2u {
-                    bad1 = max(bad1, subgroupShuffleXor(bad1, 2u));
-                }
-                if LPK > 4u {
-                    bad1 = max(bad1, subgroupShuffleXor(bad1, 4u));
-                }
-                if LPK > 8u {
-                    bad1 = max(bad1, subgroupShuffleXor(bad1, 8u));
-                }
-                if LPK > 16u {
-                    bad1 = max(bad1, subgroupShuffleXor(bad1, 16u));
-                }
-                v1_0 = clean4(v1_0);
-                v1_1 = clean4(v1_1);
-                v1_2 = clean4(v1_2);
-                v1_3 = clean4(v1_3);
-                var bad2 = select(1u, 0u, all(finite4(v2_0)) && all(finite4(v2_1)) && all(finite4(v2_2)) && all(finite4(v2_3)));
-                if LPK > 1u {
-                    bad2 = max(bad2, subgroupShuffleXor(bad2, 1u));
-                }
-                if LPK > 2u {
-                    bad2 = max(bad2, subgroupShuffleXor(bad2, 2u));
-                }
-                if LPK > 4u {
-                    bad2 = max(bad2, subgroupShuffleXor(bad2, 4u));
-                }
-                if LPK > 8u {
-                    bad2 = max(bad2, subgroupShuffleXor(bad2, 8u));
-                }
-                if LPK > 16u {
-                    bad2 = max(bad2, subgroupShuffleXor(bad2, 16u));
-                }
-                v2_0 = clean4(v2_0);
-                v2_1 = clean4(v2_1);
-                v2_2 = clean4(v2_2);
-                v2_3 = clean4(v2_3);
-                var bad3 = select(1u, 0u, all(finite4(v3_0)) && all(finite4(v3_1)) && all(finite4(v3_2)) && all(finite4(v3_3)));
-                if LPK > 1u {
-                    bad3 = max(bad3, subgroupShuffleXor(bad3, 1u));
-                }
-                if LPK > 2u {
-                    bad3 = max(bad3, subgroupShuffleXor(bad3, 2u));
-                }
-                if LPK > 4u {
-                    bad3 = max(bad3, subgroupShuffleXor(bad3, 4u));
-                }
-                if LPK > 8u {
-                    bad3 = max(bad3, subgroupShuffleXor(bad3, 8u));
-                }
-                if LPK > 16u {
-                    bad3 = max(bad3, subgroupShuffleXor(bad3, 16u));
-                }
-                v3_0 = clean4(v3_0);
-                v3_1 = clean4(v3_1);
-                v3_2 = clean4(v3_2);
-                v3_3 = clean4(v3_3);
-                var bad4 = select(1u, 0u, all(finite4(v4_0)) && all(finite4(v4_1)) && all(finite4(v4_2)) && all(finite4(v4_3)));
-                if LPK > 1u {
-                    bad4 = max(bad4, subgroupShuffleXor(bad4, 1u));
-                }
-                if LPK > 2u {
-                    bad4 = max(bad4, subgroupShuffleXor(bad4, 2u));
-                }
-                if LPK > 4u {
-                    bad4 = max(bad4, subgroupShuffleXor(bad4, 4u));
-                }
-                if LPK > 8u {
-                    bad4 = max(bad4, subgroupShuffleXor(bad4, 8u));
-                }
-                if LPK > 16u {
-                    bad4 = max(bad4, subgroupShuffleXor(bad4, 16u));
-                }
-                v4_0 = clean4(v4_0);
-                v4_1 = clean4(v4_1);
-                v4_2 = clean4(v4_2);
-                v4_3 = clean4(v4_3);
-                var bad5 = select(1u, 0u, all(finite4(v5_0)) && all(finite4(v5_1)) && all(finite4(v5_2)) && all(finite4(v5_3)));
-                if LPK > 1u {
-                    bad5 = max(bad5, subgroupShuffleXor(bad5, 1u));
-                }
-                if LPK > 2u {
-                    bad5 = max(bad5, subgroupShuffleXor(bad5, 2u));
-                }
-                if LPK > 4u {
-                    bad5 = max(bad5, subgroupShuffleXor(bad5, 4u));
-                }
-                if LPK > 8u {
-                    bad5 = max(bad5, subgroupShuffleXor(bad5, 8u));
-                }
-                if LPK > 16u {
-                    bad5 = max(bad5, subgroupShuffleXor(bad5, 16u));
-                }
-                v5_0 = clean4(v5_0);
-                v5_1 = clean4(v5_1);
-                v5_2 = clean4(v5_2);
-                v5_3 = clean4(v5_3);
-                var bad6 = select(1u, 0u, all(finite4(v6_0)) && all(finite4(v6_1)) && all(finite4(v6_2)) && all(finite4(v6_3)));
-                if LPK > 1u {
-                    bad6 = max(bad6, subgroupShuffleXor(bad6, 1u));
-                }
-                if LPK > 2u {
-                    bad6 = max(bad6, subgroupShuffleXor(bad6, 2u));
-                }
-                if LPK > 4u {
-                    bad6 = max(bad6, subgroupShuffleXor(bad6, 4u));
-                }
-                if LPK > 8u {
-                    bad6 = max(bad6, subgroupShuffleXor(bad6, 8u));
-                }
-                if LPK > 16u {
-                    bad6 = max(bad6, subgroupShuffleXor(bad6, 16u));
-                }
-                v6_0 = clean4(v6_0);
-                v6_1 = clean4(v6_1);
-                v6_2 = clean4(v6_2);
-                v6_3 = clean4(v6_3);
-                var bad7 = select(1u, 0u, all(finite4(v7_0)) && all(finite4(v7_1)) && all(finite4(v7_2)) && all(finite4(v7_3)));
-                if LPK > 1u {
-                    bad7 = max(bad7, subgroupShuffleXor(bad7, 1u));
-                }
-                if LPK > 2u {
-                    bad7 = max(bad7, subgroupShuffleXor(bad7, 2u));
-                }
-                if LPK > 4u {
-                    bad7 = max(bad7, subgroupShuffleXor(bad7, 4u));
-                }
-                if LPK > 8u {
-                    bad7 = max(bad7, subgroupShuffleXor(bad7, 8u));
-                }
-                if LPK > 16u {
-                    bad7 = max(bad7, subgroupShuffleXor(bad7, 16u));
-                }
-                v7_0 = clean4(v7_0);
-                v7_1 = clean4(v7_1);
-                v7_2 = clean4(v7_2);
-                v7_3 = clean4(v7_3);
-                vbad0 = vec4(bad0, bad1, bad2, bad3) > vec4(0u);
-                vbad1 = vec4(bad4, bad5, bad6, bad7) > vec4(0u);
             }
-            // 2. Partial dot products, four keys to a vec4.
-            var s0_0 = vec4(0.0); var s0_1 = vec4(0.0);
-            var s1_0 = vec4(0.0); var s1_1 = vec4(0.0);
-            var s2_0 = vec4(0.0); var s2_1 = vec4(0.0);
-            var s3_0 = vec4(0.0); var s3_1 = vec4(0.0);
-            var s4_0 = vec4(0.0); var s4_1 = vec4(0.0);
-            var s5_0 = vec4(0.0); var s5_1 = vec4(0.0);
-            var s6_0 = vec4(0.0); var s6_1 = vec4(0.0);
-            var s7_0 = vec4(0.0); var s7_1 = vec4(0.0);
-            s0_0 = vec4(dot(q0_0, k0_0), dot(q0_0, k1_0), dot(q0_0, k2_0), dot(q0_0, k3_0));
-            if VPL > 1u {
-                s0_0 += vec4(dot(q0_1, k0_1), dot(q0_1, k1_1), dot(q0_1, k2_1), dot(q0_1, k3_1));
+            {
+                let key = kb + STEP + 1u;
+                kr1_0 = raw_zero();
+                vr1_0 = raw_zero();
+                if NO > 1u {
+                    kr1_1 = raw_zero();
+                    vr1_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr1_2 = raw_zero();
+                    vr1_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr1_3 = raw_zero();
+                    vr1_3 = raw_zero();
+                }
+                if key < key_end && bound(b, key) {
+                    ok_n |= 2u;
+                    let row = cache_row(b, h, key);
+                    kr1_0 = load_k_raw(row, lane);
+                    vr1_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr1_1 = load_k_raw(row, lane + LPK);
+                        vr1_1 = load_v_raw(row, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr1_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr1_2 = load_v_raw(row, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr1_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr1_3 = load_v_raw(row, lane + 3u * LPK);
+                    }
+                }
             }
-            if VPL > 2u {
-                s0_0 += vec4(dot(q0_2, k0_2), dot(q0_2, k1_2), dot(q0_2, k2_2), dot(q0_2, k3_2));
+            {
+                let key = kb + STEP + 2u;
+                kr2_0 = raw_zero();
+                vr2_0 = raw_zero();
+                if NO > 1u {
+                    kr2_1 = raw_zero();
+                    vr2_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr2_2 = raw_zero();
+                    vr2_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr2_3 = raw_zero();
+                    vr2_3 = raw_zero();
+                }
+                if key < key_end && bound(b, key) {
+                    ok_n |= 4u;
+                    let row = cache_row(b, h, key);
+                    kr2_0 = load_k_raw(row, lane);
+                    vr2_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr2_1 = load_k_raw(row, lane + LPK);
+                        vr2_1 = load_v_raw(row, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr2_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr2_2 = load_v_raw(row, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr2_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr2_3 = load_v_raw(row, lane + 3u * LPK);
+                    }
+                }
             }
-            if VPL > 3u {
-                s0_0 += vec4(dot(q0_3, k0_3), dot(q0_3, k1_3), dot(q0_3, k2_3), dot(q0_3, k3_3));
+            {
+                let key = kb + STEP + 3u;
+                kr3_0 = raw_zero();
+                vr3_0 = raw_zero();
+                if NO > 1u {
+                    kr3_1 = raw_zero();
+                    vr3_1 = raw_zero();
+                }
+                if NO > 2u {
+                    kr3_2 = raw_zero();
+                    vr3_2 = raw_zero();
+                }
+                if NO > 3u {
+                    kr3_3 = raw_zero();
+                    vr3_3 = raw_zero();
+                }
+                if key < key_end && bound(b, key) {
+                    ok_n |= 8u;
+                    let row = cache_row(b, h, key);
+                    kr3_0 = load_k_raw(row, lane);
+                    vr3_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr3_1 = load_k_raw(row, lane + LPK);
+                        vr3_1 = load_v_raw(row, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr3_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr3_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                    }
+                }
             }
             if KPI > 4u {
-                s0_1 = vec4(dot(q0_0, k4_0), dot(q0_0, k5_0), dot(q0_0, k6_0), dot(q0_0, k7_0));
-                if VPL > 1u {
-                    s0_1 += vec4(dot(q0_1, k4_1), dot(q0_1, k5_1), dot(q0_1, k6_1), dot(q0_1, k7_1));
+                let key = kb + STEP + 4u;
+                kr4_0 = raw_zero();
+                vr4_0 = raw_zero();
+                if NO > 1u {
+                    kr4_1 = raw_zero();
+                    vr4_1 = raw_zero();
                 }
-                if VPL > 2u {
-                    s0_1 += vec4(dot(q0_2, k4_2), dot(q0_2, k5_2), dot(q0_2, k6_2), dot(q0_2, k7_2));
+                if NO > 2u {
+                    kr4_2 = raw_zero();
+                    vr4_2 = raw_zero();
                 }
-                if VPL > 3u {
-                    s0_1 += vec4(dot(q0_3, k4_3), dot(q0_3, k5_3), dot(q0_3, k6_3), dot(q0_3, k7_3));
+                if NO > 3u {
+                    kr4_3 = raw_zero();
+                    vr4_3 = raw_zero();
                 }
-            }
-            if RB > 1u {
-                s1_0 = vec4(dot(q1_0, k0_0), dot(q1_0, k1_0), dot(q1_0, k2_0), dot(q1_0, k3_0));
-                if VPL > 1u {
-                    s1_0 += vec4(dot(q1_1, k0_1), dot(q1_1, k1_1), dot(q1_1, k2_1), dot(q1_1, k3_1));
-                }
-                if VPL > 2u {
-                    s1_0 += vec4(dot(q1_2, k0_2), dot(q1_2, k1_2), dot(q1_2, k2_2), dot(q1_2, k3_2));
-                }
-                if VPL > 3u {
-                    s1_0 += vec4(dot(q1_3, k0_3), dot(q1_3, k1_3), dot(q1_3, k2_3), dot(q1_3, k3_3));
-                }
-                if KPI > 4u {
-                    s1_1 = vec4(dot(q1_0, k4_0), dot(q1_0, k5_0), dot(q1_0, k6_0), dot(q1_0, k7_0));
-                    if VPL > 1u {
-                        s1_1 += vec4(dot(q1_1, k4_1), dot(q1_1, k5_1), dot(q1_1, k6_1), dot(q1_1, k7_1));
+                if key < key_end && bound(b, key) {
+                    ok_n |= 16u;
+                    let row = cache_row(b, h, key);
+                    kr4_0 = load_k_raw(row, lane);
+                    vr4_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr4_1 = load_k_raw(row, lane + LPK);
+                        vr4_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        s1_1 += vec4(dot(q1_2, k4_2), dot(q1_2, k5_2), dot(q1_2, k6_2), dot(q1_2, k7_2));
+                    if NO > 2u {
+                        kr4_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr4_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        s1_1 += vec4(dot(q1_3, k4_3), dot(q1_3, k5_3), dot(q1_3, k6_3), dot(q1_3, k7_3));
-                    }
-                }
-            }
-            if RB > 2u {
-                s2_0 = vec4(dot(q2_0, k0_0), dot(q2_0, k1_0), dot(q2_0, k2_0), dot(q2_0, k3_0));
-                if VPL > 1u {
-                    s2_0 += vec4(dot(q2_1, k0_1), dot(q2_1, k1_1), dot(q2_1, k2_1), dot(q2_1, k3_1));
-                }
-                if VPL > 2u {
-                    s2_0 += vec4(dot(q2_2, k0_2), dot(q2_2, k1_2), dot(q2_2, k2_2), dot(q2_2, k3_2));
-                }
-                if VPL > 3u {
-                    s2_0 += vec4(dot(q2_3, k0_3), dot(q2_3, k1_3), dot(q2_3, k2_3), dot(q2_3, k3_3));
-                }
-                if KPI > 4u {
-                    s2_1 = vec4(dot(q2_0, k4_0), dot(q2_0, k5_0), dot(q2_0, k6_0), dot(q2_0, k7_0));
-                    if VPL > 1u {
-                        s2_1 += vec4(dot(q2_1, k4_1), dot(q2_1, k5_1), dot(q2_1, k6_1), dot(q2_1, k7_1));
-                    }
-                    if VPL > 2u {
-                        s2_1 += vec4(dot(q2_2, k4_2), dot(q2_2, k5_2), dot(q2_2, k6_2), dot(q2_2, k7_2));
-                    }
-                    if VPL > 3u {
-                        s2_1 += vec4(dot(q2_3, k4_3), dot(q2_3, k5_3), dot(q2_3, k6_3), dot(q2_3, k7_3));
+                    if NO > 3u {
+                        kr4_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr4_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
-            if RB > 2u {
-                s3_0 = vec4(dot(q3_0, k0_0), dot(q3_0, k1_0), dot(q3_0, k2_0), dot(q3_0, k3_0));
-                if VPL > 1u {
-                    s3_0 += vec4(dot(q3_1, k0_1), dot(q3_1, k1_1), dot(q3_1, k2_1), dot(q3_1, k3_1));
+            if KPI > 4u {
+                let key = kb + STEP + 5u;
+                kr5_0 = raw_zero();
+                vr5_0 = raw_zero();
+                if NO > 1u {
+                    kr5_1 = raw_zero();
+                    vr5_1 = raw_zero();
                 }
-                if VPL > 2u {
-                    s3_0 += vec4(dot(q3_2, k0_2), dot(q3_2, k1_2), dot(q3_2, k2_2), dot(q3_2, k3_2));
+                if NO > 2u {
+                    kr5_2 = raw_zero();
+                    vr5_2 = raw_zero();
                 }
-                if VPL > 3u {
-                    s3_0 += vec4(dot(q3_3, k0_3), dot(q3_3, k1_3), dot(q3_3, k2_3), dot(q3_3, k3_3));
+                if NO > 3u {
+                    kr5_3 = raw_zero();
+                    vr5_3 = raw_zero();
                 }
-                if KPI > 4u {
-                    s3_1 = vec4(dot(q3_0, k4_0), dot(q3_0, k5_0), dot(q3_0, k6_0), dot(q3_0, k7_0));
-                    if VPL > 1u {
-                        s3_1 += vec4(dot(q3_1, k4_1), dot(q3_1, k5_1), dot(q3_1, k6_1), dot(q3_1, k7_1));
+                if key < key_end && bound(b, key) {
+                    ok_n |= 32u;
+                    let row = cache_row(b, h, key);
+                    kr5_0 = load_k_raw(row, lane);
+                    vr5_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr5_1 = load_k_raw(row, lane + LPK);
+                        vr5_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        s3_1 += vec4(dot(q3_2, k4_2), dot(q3_2, k5_2), dot(q3_2, k6_2), dot(q3_2, k7_2));
+                    if NO > 2u {
+                        kr5_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr5_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        s3_1 += vec4(dot(q3_3, k4_3), dot(q3_3, k5_3), dot(q3_3, k6_3), dot(q3_3, k7_3));
-                    }
-                }
-            }
-            if RB > 4u {
-                s4_0 = vec4(dot(q4_0, k0_0), dot(q4_0, k1_0), dot(q4_0, k2_0), dot(q4_0, k3_0));
-                if VPL > 1u {
-                    s4_0 += vec4(dot(q4_1, k0_1), dot(q4_1, k1_1), dot(q4_1, k2_1), dot(q4_1, k3_1));
-                }
-                if VPL > 2u {
-                    s4_0 += vec4(dot(q4_2, k0_2), dot(q4_2, k1_2), dot(q4_2, k2_2), dot(q4_2, k3_2));
-                }
-                if VPL > 3u {
-                    s4_0 += vec4(dot(q4_3, k0_3), dot(q4_3, k1_3), dot(q4_3, k2_3), dot(q4_3, k3_3));
-                }
-                if KPI > 4u {
-                    s4_1 = vec4(dot(q4_0, k4_0), dot(q4_0, k5_0), dot(q4_0, k6_0), dot(q4_0, k7_0));
-                    if VPL > 1u {
-                        s4_1 += vec4(dot(q4_1, k4_1), dot(q4_1, k5_1), dot(q4_1, k6_1), dot(q4_1, k7_1));
-                    }
-                    if VPL > 2u {
-                        s4_1 += vec4(dot(q4_2, k4_2), dot(q4_2, k5_2), dot(q4_2, k6_2), dot(q4_2, k7_2));
-                    }
-                    if VPL > 3u {
-                        s4_1 += vec4(dot(q4_3, k4_3), dot(q4_3, k5_3), dot(q4_3, k6_3), dot(q4_3, k7_3));
+                    if NO > 3u {
+                        kr5_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr5_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
-            if RB > 4u {
-                s5_0 = vec4(dot(q5_0, k0_0), dot(q5_0, k1_0), dot(q5_0, k2_0), dot(q5_0, k3_0));
-                if VPL > 1u {
-                    s5_0 += vec4(dot(q5_1, k0_1), dot(q5_1, k1_1), dot(q5_1, k2_1), dot(q5_1, k3_1));
+            if KPI > 4u {
+                let key = kb + STEP + 6u;
+                kr6_0 = raw_zero();
+                vr6_0 = raw_zero();
+                if NO > 1u {
+                    kr6_1 = raw_zero();
+                    vr6_1 = raw_zero();
                 }
-                if VPL > 2u {
-                    s5_0 += vec4(dot(q5_2, k0_2), dot(q5_2, k1_2), dot(q5_2, k2_2), dot(q5_2, k3_2));
+                if NO > 2u {
+                    kr6_2 = raw_zero();
+                    vr6_2 = raw_zero();
                 }
-                if VPL > 3u {
-                    s5_0 += vec4(dot(q5_3, k0_3), dot(q5_3, k1_3), dot(q5_3, k2_3), dot(q5_3, k3_3));
+                if NO > 3u {
+                    kr6_3 = raw_zero();
+                    vr6_3 = raw_zero();
                 }
-                if KPI > 4u {
-                    s5_1 = vec4(dot(q5_0, k4_0), dot(q5_0, k5_0), dot(q5_0, k6_0), dot(q5_0, k7_0));
-                    if VPL > 1u {
-                        s5_1 += vec4(dot(q5_1, k4_1), dot(q5_1, k5_1), dot(q5_1, k6_1), dot(q5_1, k7_1));
+                if key < key_end && bound(b, key) {
+                    ok_n |= 64u;
+                    let row = cache_row(b, h, key);
+                    kr6_0 = load_k_raw(row, lane);
+                    vr6_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr6_1 = load_k_raw(row, lane + LPK);
+                        vr6_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        s5_1 += vec4(dot(q5_2, k4_2), dot(q5_2, k5_2), dot(q5_2, k6_2), dot(q5_2, k7_2));
+                    if NO > 2u {
+                        kr6_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr6_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        s5_1 += vec4(dot(q5_3, k4_3), dot(q5_3, k5_3), dot(q5_3, k6_3), dot(q5_3, k7_3));
-                    }
-                }
-            }
-            if RB > 4u {
-                s6_0 = vec4(dot(q6_0, k0_0), dot(q6_0, k1_0), dot(q6_0, k2_0), dot(q6_0, k3_0));
-                if VPL > 1u {
-                    s6_0 += vec4(dot(q6_1, k0_1), dot(q6_1, k1_1), dot(q6_1, k2_1), dot(q6_1, k3_1));
-                }
-                if VPL > 2u {
-                    s6_0 += vec4(dot(q6_2, k0_2), dot(q6_2, k1_2), dot(q6_2, k2_2), dot(q6_2, k3_2));
-                }
-                if VPL > 3u {
-                    s6_0 += vec4(dot(q6_3, k0_3), dot(q6_3, k1_3), dot(q6_3, k2_3), dot(q6_3, k3_3));
-                }
-                if KPI > 4u {
-                    s6_1 = vec4(dot(q6_0, k4_0), dot(q6_0, k5_0), dot(q6_0, k6_0), dot(q6_0, k7_0));
-                    if VPL > 1u {
-                        s6_1 += vec4(dot(q6_1, k4_1), dot(q6_1, k5_1), dot(q6_1, k6_1), dot(q6_1, k7_1));
-                    }
-                    if VPL > 2u {
-                        s6_1 += vec4(dot(q6_2, k4_2), dot(q6_2, k5_2), dot(q6_2, k6_2), dot(q6_2, k7_2));
-                    }
-                    if VPL > 3u {
-                        s6_1 += vec4(dot(q6_3, k4_3), dot(q6_3, k5_3), dot(q6_3, k6_3), dot(q6_3, k7_3));
+                    if NO > 3u {
+                        kr6_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr6_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
-            if RB > 4u {
-                s7_0 = vec4(dot(q7_0, k0_0), dot(q7_0, k1_0), dot(q7_0, k2_0), dot(q7_0, k3_0));
-                if VPL > 1u {
-                    s7_0 += vec4(dot(q7_1, k0_1), dot(q7_1, k1_1), dot(q7_1, k2_1), dot(q7_1, k3_1));
+            if KPI > 4u {
+                let key = kb + STEP + 7u;
+                kr7_0 = raw_zero();
+                vr7_0 = raw_zero();
+                if NO > 1u {
+                    kr7_1 = raw_zero();
+                    vr7_1 = raw_zero();
                 }
-                if VPL > 2u {
-                    s7_0 += vec4(dot(q7_2, k0_2), dot(q7_2, k1_2), dot(q7_2, k2_2), dot(q7_2, k3_2));
+                if NO > 2u {
+                    kr7_2 = raw_zero();
+                    vr7_2 = raw_zero();
                 }
-                if VPL > 3u {
-                    s7_0 += vec4(dot(q7_3, k0_3), dot(q7_3, k1_3), dot(q7_3, k2_3), dot(q7_3, k3_3));
+                if NO > 3u {
+                    kr7_3 = raw_zero();
+                    vr7_3 = raw_zero();
                 }
-                if KPI > 4u {
-                    s7_1 = vec4(dot(q7_0, k4_0), dot(q7_0, k5_0), dot(q7_0, k6_0), dot(q7_0, k7_0));
-                    if VPL > 1u {
-                        s7_1 += vec4(dot(q7_1, k4_1), dot(q7_1, k5_1), dot(q7_1, k6_1), dot(q7_1, k7_1));
+                if key < key_end && bound(b, key) {
+                    ok_n |= 128u;
+                    let row = cache_row(b, h, key);
+                    kr7_0 = load_k_raw(row, lane);
+                    vr7_0 = load_v_raw(row, lane);
+                    if NO > 1u {
+                        kr7_1 = load_k_raw(row, lane + LPK);
+                        vr7_1 = load_v_raw(row, lane + LPK);
                     }
-                    if VPL > 2u {
-                        s7_1 += vec4(dot(q7_2, k4_2), dot(q7_2, k5_2), dot(q7_2, k6_2), dot(q7_2, k7_2));
+                    if NO > 2u {
+                        kr7_2 = load_k_raw(row, lane + 2u * LPK);
+                        vr7_2 = load_v_raw(row, lane + 2u * LPK);
                     }
-                    if VPL > 3u {
-                        s7_1 += vec4(dot(q7_3, k4_3), dot(q7_3, k5_3), dot(q7_3, k6_3), dot(q7_3, k7_3));
-                    }
-                }
-            }
-            // 3. Summed over the walker's lanes.
-            if LPK > 1u {
-                s0_0 += subgroupShuffleXor(s0_0, 1u);
-                if KPI > 4u {
-                    s0_1 += subgroupShuffleXor(s0_1, 1u);
-                }
-                if RB > 1u {
-                    s1_0 += subgroupShuffleXor(s1_0, 1u);
-                    if KPI > 4u {
-                        s1_1 += subgroupShuffleXor(s1_1, 1u);
-                    }
-                }
-                if RB > 2u {
-                    s2_0 += subgroupShuffleXor(s2_0, 1u);
-                    if KPI > 4u {
-                        s2_1 += subgroupShuffleXor(s2_1, 1u);
-                    }
-                }
-                if RB > 2u {
-                    s3_0 += subgroupShuffleXor(s3_0, 1u);
-                    if KPI > 4u {
-                        s3_1 += subgroupShuffleXor(s3_1, 1u);
-                    }
-                }
-                if RB > 4u {
-                    s4_0 += subgroupShuffleXor(s4_0, 1u);
-                    if KPI > 4u {
-                        s4_1 += subgroupShuffleXor(s4_1, 1u);
-                    }
-                }
-                if RB > 4u {
-                    s5_0 += subgroupShuffleXor(s5_0, 1u);
-                    if KPI > 4u {
-                        s5_1 += subgroupShuffleXor(s5_1, 1u);
-                    }
-                }
-                if RB > 4u {
-                    s6_0 += subgroupShuffleXor(s6_0, 1u);
-                    if KPI > 4u {
-                        s6_1 += subgroupShuffleXor(s6_1, 1u);
-                    }
-                }
-                if RB > 4u {
-                    s7_0 += subgroupShuffleXor(s7_0, 1u);
-                    if KPI > 4u {
-                        s7_1 += subgroupShuffleXor(s7_1, 1u);
+                    if NO > 3u {
+                        kr7_3 = load_k_raw(row, lane + 3u * LPK);
+                        vr7_3 = load_v_raw(row, lane + 3u * LPK);
                     }
                 }
             }
-            if LPK > 2u {
-                s0_0 += subgroupShuffleXor(s0_0, 2u);
-                if KPI > 4u {
-                    s0_1 += subgroupShuffleXor(s0_1, 2u);
+        }
+        if kb < key_end {
+            var vbad = 0u;
+            let lane_bad = !(raw_finite(vc0_0) && raw_finite(vc0_1) && raw_finite(vc0_2) && raw_finite(vc0_3) && raw_finite(vc1_0) && raw_finite(vc1_1) && raw_finite(vc1_2) && raw_finite(vc1_3) && raw_finite(vc2_0) && raw_finite(vc2_1) && raw_finite(vc2_2) && raw_finite(vc2_3) && raw_finite(vc3_0) && raw_finite(vc3_1) && raw_finite(vc3_2) && raw_finite(vc3_3) && raw_finite(vc4_0) && raw_finite(vc4_1) && raw_finite(vc4_2) && raw_finite(vc4_3) && raw_finite(vc5_0) && raw_finite(vc5_1) && raw_finite(vc5_2) && raw_finite(vc5_3) && raw_finite(vc6_0) && raw_finite(vc6_1) && raw_finite(vc6_2) && raw_finite(vc6_3) && raw_finite(vc7_0) && raw_finite(vc7_1) && raw_finite(vc7_2) && raw_finite(vc7_3));
+            if subgroupAny(lane_bad) {
+                if !(raw_finite(vc0_0) && raw_finite(vc0_1) && raw_finite(vc0_2) && raw_finite(vc0_3)) {
+                    vbad |= 1u;
                 }
-                if RB > 1u {
-                    s1_0 += subgroupShuffleXor(s1_0, 2u);
-                    if KPI > 4u {
-                        s1_1 += subgroupShuffleXor(s1_1, 2u);
-                    }
+                vc0_0 = raw_clean(vc0_0);
+                vc0_1 = raw_clean(vc0_1);
+                vc0_2 = raw_clean(vc0_2);
+                vc0_3 = raw_clean(vc0_3);
+                if !(raw_finite(vc1_0) && raw_finite(vc1_1) && raw_finite(vc1_2) && raw_finite(vc1_3)) {
+                    vbad |= 2u;
                 }
-                if RB > 2u {
-                    s2_0 += subgroupShuffleXor(s2_0, 2u);
-                    if KPI > 4u {
-                        s2_1 += subgroupShuffleXor(s2_1, 2u);
-                    }
+                vc1_0 = raw_clean(vc1_0);
+                vc1_1 = raw_clean(vc1_1);
+                vc1_2 = raw_clean(vc1_2);
+                vc1_3 = raw_clean(vc1_3);
+                if !(raw_finite(vc2_0) && raw_finite(vc2_1) && raw_finite(vc2_2) && raw_finite(vc2_3)) {
+                    vbad |= 4u;
                 }
-                if RB > 2u {
-                    s3_0 += subgroupShuffleXor(s3_0, 2u);
-                    if KPI > 4u {
-                        s3_1 += subgroupShuffleXor(s3_1, 2u);
-                    }
+                vc2_0 = raw_clean(vc2_0);
+                vc2_1 = raw_clean(vc2_1);
+                vc2_2 = raw_clean(vc2_2);
+                vc2_3 = raw_clean(vc2_3);
+                if !(raw_finite(vc3_0) && raw_finite(vc3_1) && raw_finite(vc3_2) && raw_finite(vc3_3)) {
+                    vbad |= 8u;
                 }
-                if RB > 4u {
-                    s4_0 += subgroupShuffleXor(s4_0, 2u);
-                    if KPI > 4u {
-                        s4_1 += subgroupShuffleXor(s4_1, 2u);
-                    }
+                vc3_0 = raw_clean(vc3_0);
+                vc3_1 = raw_clean(vc3_1);
+                vc3_2 = raw_clean(vc3_2);
+                vc3_3 = raw_clean(vc3_3);
+                if !(raw_finite(vc4_0) && raw_finite(vc4_1) && raw_finite(vc4_2) && raw_finite(vc4_3)) {
+                    vbad |= 16u;
                 }
-                if RB > 4u {
-                    s5_0 += subgroupShuffleXor(s5_0, 2u);
-                    if KPI > 4u {
-                        s5_1 += subgroupShuffleXor(s5_1, 2u);
-                    }
+                vc4_0 = raw_clean(vc4_0);
+                vc4_1 = raw_clean(vc4_1);
+                vc4_2 = raw_clean(vc4_2);
+                vc4_3 = raw_clean(vc4_3);
+                if !(raw_finite(vc5_0) && raw_finite(vc5_1) && raw_finite(vc5_2) && raw_finite(vc5_3)) {
+                    vbad |= 32u;
                 }
-                if RB > 4u {
-                    s6_0 += subgroupShuffleXor(s6_0, 2u);
-                    if KPI > 4u {
-                        s6_1 += subgroupShuffleXor(s6_1, 2u);
-                    }
+                vc5_0 = raw_clean(vc5_0);
+                vc5_1 = raw_clean(vc5_1);
+                vc5_2 = raw_clean(vc5_2);
+                vc5_3 = raw_clean(vc5_3);
+                if !(raw_finite(vc6_0) && raw_finite(vc6_1) && raw_finite(vc6_2) && raw_finite(vc6_3)) {
+                    vbad |= 64u;
                 }
-                if RB > 4u {
-                    s7_0 += subgroupShuffleXor(s7_0, 2u);
-                    if KPI > 4u {
-                        s7_1 += subgroupShuffleXor(s7_1, 2u);
-                    }
+                vc6_0 = raw_clean(vc6_0);
+                vc6_1 = raw_clean(vc6_1);
+                vc6_2 = raw_clean(vc6_2);
+                vc6_3 = raw_clean(vc6_3);
+                if !(raw_finite(vc7_0) && raw_finite(vc7_1) && raw_finite(vc7_2) && raw_finite(vc7_3)) {
+                    vbad |= 128u;
                 }
-            }
-            if LPK > 4u {
-                s0_0 += subgroupShuffleXor(s0_0, 4u);
-                if KPI > 4u {
-                    s0_1 += subgroupShuffleXor(s0_1, 4u);
+                vc7_0 = raw_clean(vc7_0);
+                vc7_1 = raw_clean(vc7_1);
+                vc7_2 = raw_clean(vc7_2);
+                vc7_3 = raw_clean(vc7_3);
+                if LPK > 1u {
+                    vbad |= subgroupShuffleXor(vbad, 1u);
                 }
-                if RB > 1u {
-                    s1_0 += subgroupShuffleXor(s1_0, 4u);
-                    if KPI > 4u {
-                        s1_1 += subgroupShuffleXor(s1_1, 4u);
-                    }
+                if LPK > 2u {
+                    vbad |= subgroupShuffleXor(vbad, 2u);
                 }
-                if RB > 2u {
-                    s2_0 += subgroupShuffleXor(s2_0, 4u);
-                    if KPI > 4u {
-                        s2_1 += subgroupShuffleXor(s2_1, 4u);
-                    }
+                if LPK > 4u {
+                    vbad |= subgroupShuffleXor(vbad, 4u);
                 }
-                if RB > 2u {
-                    s3_0 += subgroupShuffleXor(s3_0, 4u);
-                    if KPI > 4u {
-                        s3_1 += subgroupShuffleXor(s3_1, 4u);
-                    }
+                if LPK > 8u {
+                    vbad |= subgroupShuffleXor(vbad, 8u);
                 }
-                if RB > 4u {
-                    s4_0 += subgroupShuffleXor(s4_0, 4u);
-                    if KPI > 4u {
-                        s4_1 += subgroupShuffleXor(s4_1, 4u);
-                    }
-                }
-                if RB > 4u {
-                    s5_0 += subgroupShuffleXor(s5_0, 4u);
-                    if KPI > 4u {
-                        s5_1 += subgroupShuffleXor(s5_1, 4u);
-                    }
-                }
-                if RB > 4u {
-                    s6_0 += subgroupShuffleXor(s6_0, 4u);
-                    if KPI > 4u {
-                        s6_1 += subgroupShuffleXor(s6_1, 4u);
-                    }
-                }
-                if RB > 4u {
-                    s7_0 += subgroupShuffleXor(s7_0, 4u);
-                    if KPI > 4u {
-                        s7_1 += subgroupShuffleXor(s7_1, 4u);
-                    }
+                if LPK > 16u {
+                    vbad |= subgroupShuffleXor(vbad, 16u);
                 }
             }
-            if LPK > 8u {
-                s0_0 += subgroupShuffleXor(s0_0, 8u);
-                if KPI > 4u {
-                    s0_1 += subgroupShuffleXor(s0_1, 8u);
-                }
-                if RB > 1u {
-                    s1_0 += subgroupShuffleXor(s1_0, 8u);
-                    if KPI > 4u {
-                        s1_1 += subgroupShuffleXor(s1_1, 8u);
-                    }
-                }
-                if RB > 2u {
-                    s2_0 += subgroupShuffleXor(s2_0, 8u);
-                    if KPI > 4u {
-                        s2_1 += subgroupShuffleXor(s2_1, 8u);
-                    }
-                }
-                if RB > 2u {
-                    s3_0 += subgroupShuffleXor(s3_0, 8u);
-                    if KPI > 4u {
-                        s3_1 += subgroupShuffleXor(s3_1, 8u);
-                    }
-                }
-                if RB > 4u {
-                    s4_0 += subgroupShuffleXor(s4_0, 8u);
-                    if KPI > 4u {
-                        s4_1 += subgroupShuffleXor(s4_1, 8u);
-                    }
-                }
-                if RB > 4u {
-                    s5_0 += subgroupShuffleXor(s5_0, 8u);
-                    if KPI > 4u {
-                        s5_1 += subgroupShuffleXor(s5_1, 8u);
-                    }
-                }
-                if RB > 4u {
-                    s6_0 += subgroupShuffleXor(s6_0, 8u);
-                    if KPI > 4u {
-                        s6_1 += subgroupShuffleXor(s6_1, 8u);
-                    }
-                }
-                if RB > 4u {
-                    s7_0 += subgroupShuffleXor(s7_0, 8u);
-                    if KPI > 4u {
-                        s7_1 += subgroupShuffleXor(s7_1, 8u);
-                    }
-                }
-            }
-            if LPK > 16u {
-                s0_0 += subgroupShuffleXor(s0_0, 16u);
-                if KPI > 4u {
-                    s0_1 += subgroupShuffleXor(s0_1, 16u);
-                }
-                if RB > 1u {
-                    s1_0 += subgroupShuffleXor(s1_0, 16u);
-                    if KPI > 4u {
-                        s1_1 += subgroupShuffleXor(s1_1, 16u);
-                    }
-                }
-                if RB > 2u {
-                    s2_0 += subgroupShuffleXor(s2_0, 16u);
-                    if KPI > 4u {
-                        s2_1 += subgroupShuffleXor(s2_1, 16u);
-                    }
-                }
-                if RB > 2u {
-                    s3_0 += subgroupShuffleXor(s3_0, 16u);
-                    if KPI > 4u {
-                        s3_1 += subgroupShuffleXor(s3_1, 16u);
-                    }
-                }
-                if RB > 4u {
-                    s4_0 += subgroupShuffleXor(s4_0, 16u);
-                    if KPI > 4u {
-                        s4_1 += subgroupShuffleXor(s4_1, 16u);
-                    }
-                }
-                if RB > 4u {
-                    s5_0 += subgroupShuffleXor(s5_0, 16u);
-                    if KPI > 4u {
-                        s5_1 += subgroupShuffleXor(s5_1, 16u);
-                    }
-                }
-                if RB > 4u {
-                    s6_0 += subgroupShuffleXor(s6_0, 16u);
-                    if KPI > 4u {
-                        s6_1 += subgroupShuffleXor(s6_1, 16u);
-                    }
-                }
-                if RB > 4u {
-                    s7_0 += subgroupShuffleXor(s7_0, 16u);
-                    if KPI > 4u {
-                        s7_1 += subgroupShuffleXor(s7_1, 16u);
-                    }
-                }
-            }
-            // 4, 5. Scores, the rows' online softmax, acc += p * v.
-            let kq0 = vec4(kb + 0u) + vec4(0u, 1u, 2u, 3u);
-            let okq0 = vec4(ok0, ok1, ok2, ok3);
-            let kq1 = vec4(kb + 4u) + vec4(0u, 1u, 2u, 3u);
-            let okq1 = vec4(ok4, ok5, ok6, ok7);
-            // Every row sees every key of the pass, all of them loaded: no
-            // test per (row, key).
-            let full = kb >= full_lo && kb + KPI <= full_hi && all(okq0) && (KPI <= 4u || all(okq1));
-            if full {
+            // 2 - 5, in the block of this layout.
+            if RB == 1u && KPI == 4u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0;
                 {
-                    var x0 = variants4(s0_0, kq0, slope0, pos0);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s0_1, kq1, slope0, pos0);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c0 = max(c0, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c0 = max(c0, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m0, max(max4(x0), max4(x1)));
-                    let rescale = exp(m0 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l0 = l0 * rescale + sum4(p0) + sum4(p1);
-                    m0 = m_new;
-                    acc0_0 = acc0_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc0_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc0_1 = acc0_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc0_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc0_2 = acc0_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc0_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc0_3 = acc0_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc0_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
                 }
-                if RB > 1u {
-                    var x0 = variants4(s1_0, kq0, slope1, pos1);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s1_1, kq1, slope1, pos1);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c1 = max(c1, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c1 = max(c1, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m1, max(max4(x0), max4(x1)));
-                    let rescale = exp(m1 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l1 = l1 * rescale + sum4(p0) + sum4(p1);
-                    m1 = m_new;
-                    acc1_0 = acc1_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc1_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc1_1 = acc1_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc1_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc1_2 = acc1_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc1_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc1_3 = acc1_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc1_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
                 }
-                if RB > 2u {
-                    var x0 = variants4(s2_0, kq0, slope2, pos2);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s2_1, kq1, slope2, pos2);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c2 = max(c2, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c2 = max(c2, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m2, max(max4(x0), max4(x1)));
-                    let rescale = exp(m2 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l2 = l2 * rescale + sum4(p0) + sum4(p1);
-                    m2 = m_new;
-                    acc2_0 = acc2_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc2_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc2_1 = acc2_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc2_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc2_2 = acc2_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc2_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc2_3 = acc2_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc2_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
                 }
-                if RB > 2u {
-                    var x0 = variants4(s3_0, kq0, slope3, pos3);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s3_1, kq1, slope3, pos3);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c3 = max(c3, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c3 = max(c3, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m3, max(max4(x0), max4(x1)));
-                    let rescale = exp(m3 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l3 = l3 * rescale + sum4(p0) + sum4(p1);
-                    m3 = m_new;
-                    acc3_0 = acc3_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc3_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc3_1 = acc3_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc3_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc3_2 = acc3_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc3_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc3_3 = acc3_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc3_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
                 }
-                if RB > 4u {
-                    var x0 = variants4(s4_0, kq0, slope4, pos4);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s4_1, kq1, slope4, pos4);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c4 = max(c4, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c4 = max(c4, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m4, max(max4(x0), max4(x1)));
-                    let rescale = exp(m4 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l4 = l4 * rescale + sum4(p0) + sum4(p1);
-                    m4 = m_new;
-                    acc4_0 = acc4_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc4_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc4_1 = acc4_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc4_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc4_2 = acc4_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc4_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc4_3 = acc4_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc4_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
-                }
-                if RB > 4u {
-                    var x0 = variants4(s5_0, kq0, slope5, pos5);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s5_1, kq1, slope5, pos5);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c5 = max(c5, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c5 = max(c5, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m5, max(max4(x0), max4(x1)));
-                    let rescale = exp(m5 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l5 = l5 * rescale + sum4(p0) + sum4(p1);
-                    m5 = m_new;
-                    acc5_0 = acc5_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc5_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc5_1 = acc5_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc5_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc5_2 = acc5_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc5_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc5_3 = acc5_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc5_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
-                }
-                if RB > 4u {
-                    var x0 = variants4(s6_0, kq0, slope6, pos6);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s6_1, kq1, slope6, pos6);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c6 = max(c6, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c6 = max(c6, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m6, max(max4(x0), max4(x1)));
-                    let rescale = exp(m6 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l6 = l6 * rescale + sum4(p0) + sum4(p1);
-                    m6 = m_new;
-                    acc6_0 = acc6_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc6_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc6_1 = acc6_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc6_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc6_2 = acc6_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc6_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc6_3 = acc6_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc6_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
-                }
-                if RB > 4u {
-                    var x0 = variants4(s7_0, kq0, slope7, pos7);
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = variants4(s7_1, kq1, slope7, pos7);
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c7 = max(c7, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
-                    }
-                    // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1));
-                        }
-                        if hit {
-                            c7 = max(c7, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m7, max(max4(x0), max4(x1)));
-                    let rescale = exp(m7 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l7 = l7 * rescale + sum4(p0) + sum4(p1);
-                    m7 = m_new;
-                    acc7_0 = acc7_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc7_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc7_1 = acc7_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc7_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc7_2 = acc7_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc7_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc7_3 = acc7_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc7_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
-                    }
-                }
-            } else {
                 {
-                    var x0 = select(vec4(NEG_BIG), variants4(s0_0, kq0, slope0, pos0), okq0 & (kq0 >= vec4(lo0)) & (kq0 < vec4(hi0)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s0_1, kq1, slope0, pos0), okq1 & (kq1 >= vec4(lo0)) & (kq1 < vec4(hi0)));
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c0 = max(c0, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 1u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x1, up) + subgroupShuffleXor(select(x1, x0, up), 2u);
+                }
+                if LPK > 4u {
+                    x0 += subgroupShuffleXor(x0, 4u);
+                }
+                if LPK > 8u {
+                    x0 += subgroupShuffleXor(x0, 8u);
+                }
+                if LPK > 16u {
+                    x0 += subgroupShuffleXor(x0, 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo0)) & (kq0 < vec4(hi0))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo0)) & (kq1 < vec4(hi0))));
-                        }
-                        if hit {
-                            c0 = max(c0, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m0, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m0 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l0 = l0 * rescale + sum4(p0) + sum4(p1);
-                    m0 = m_new;
-                    acc0_0 = acc0_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc0_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc0_1 = acc0_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc0_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc0_2 = acc0_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc0_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc0_3 = acc0_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc0_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
                     }
                 }
-                if RB > 1u {
-                    var x0 = select(vec4(NEG_BIG), variants4(s1_0, kq0, slope1, pos1), okq0 & (kq0 >= vec4(lo1)) & (kq0 < vec4(hi1)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s1_1, kq1, slope1, pos1), okq1 & (kq1 >= vec4(lo1)) & (kq1 < vec4(hi1)));
-                    }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c1 = max(c1, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                mt = max(mt, sc0);
+                if SLOTS > 1u {
+                    mt = max(mt, subgroupShuffleXor(mt, 1u));
+                }
+                if SLOTS > 2u {
+                    mt = max(mt, subgroupShuffleXor(mt, 2u));
+                }
+                if SLOTS > 4u {
+                    mt = max(mt, subgroupShuffleXor(mt, 4u));
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                l = l * rescale + p0;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0;
+                var rs0 = 0.0;
+                if EPL == 1u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp3 = subgroupShuffle(p0, base + slot_lane(3u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                }
+            }
+            if RB == 1u && KPI == 8u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0; var x4 = 0.0; var x5 = 0.0; var x6 = 0.0; var x7 = 0.0;
+                {
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc4_0);
+                    x4 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc4_1);
+                    x4 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc4_2);
+                    x4 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc4_3);
+                    x4 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc5_0);
+                    x5 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc5_1);
+                    x5 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc5_2);
+                    x5 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc5_3);
+                    x5 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc6_0);
+                    x6 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc6_1);
+                    x6 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc6_2);
+                    x6 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc6_3);
+                    x6 += dot(q0_3, k);
+                }
+                {
+                    let k = widen4(kc7_0);
+                    x7 += dot(q0_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc7_1);
+                    x7 += dot(q0_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc7_2);
+                    x7 += dot(q0_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc7_3);
+                    x7 += dot(q0_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x4, up) + subgroupShuffleXor(select(x4, x0, up), 1u);
+                    x1 = select(x1, x5, up) + subgroupShuffleXor(select(x5, x1, up), 1u);
+                    x2 = select(x2, x6, up) + subgroupShuffleXor(select(x6, x2, up), 1u);
+                    x3 = select(x3, x7, up) + subgroupShuffleXor(select(x7, x3, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 2u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 2u);
+                }
+                if LPK > 4u {
+                    let up = (lane & 4u) != 0u;
+                    x0 = select(x0, x1, up) + subgroupShuffleXor(select(x1, x0, up), 4u);
+                }
+                if LPK > 8u {
+                    x0 += subgroupShuffleXor(x0, 8u);
+                }
+                if LPK > 16u {
+                    x0 += subgroupShuffleXor(x0, 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo1)) & (kq0 < vec4(hi1))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo1)) & (kq1 < vec4(hi1))));
-                        }
-                        if hit {
-                            c1 = max(c1, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m1, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m1 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l1 = l1 * rescale + sum4(p0) + sum4(p1);
-                    m1 = m_new;
-                    acc1_0 = acc1_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc1_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc1_1 = acc1_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc1_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc1_2 = acc1_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc1_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc1_3 = acc1_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc1_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
                     }
                 }
-                if RB > 2u {
-                    var x0 = select(vec4(NEG_BIG), variants4(s2_0, kq0, slope2, pos2), okq0 & (kq0 >= vec4(lo2)) & (kq0 < vec4(hi2)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s2_1, kq1, slope2, pos2), okq1 & (kq1 >= vec4(lo2)) & (kq1 < vec4(hi2)));
+                mt = max(mt, sc0);
+                var sc1 = NEG_BIG;
+                if EPL > 1u {
+                    let j = my_j + 1u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x1, key, slope, pos);
+                        if finite_f32(y) {
+                            sc1 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
                     }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c2 = max(c2, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    mt = max(mt, sc1);
+                }
+                if SLOTS > 1u {
+                    mt = max(mt, subgroupShuffleXor(mt, 1u));
+                }
+                if SLOTS > 2u {
+                    mt = max(mt, subgroupShuffleXor(mt, 2u));
+                }
+                if SLOTS > 4u {
+                    mt = max(mt, subgroupShuffleXor(mt, 4u));
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                var p1 = 0.0;
+                if EPL > 1u {
+                    p1 = select(0.0, exp(sc1 - m_new), sc1 != NEG_BIG);
+                }
+                l = l * rescale + p0 + p1;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0; var pp4 = 0.0; var pp5 = 0.0; var pp6 = 0.0; var pp7 = 0.0;
+                var rs0 = 0.0;
+                if EPL == 1u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp3 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp5 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp7 = subgroupShuffle(p0, base + slot_lane(7u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                }
+                if EPL == 2u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp3 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp7 = subgroupShuffle(p1, base + slot_lane(3u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                }
+                {
+                    let v = widen4(vc4_0);
+                    acc0_0 += pp4 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc4_1);
+                    acc0_1 += pp4 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc4_2);
+                    acc0_2 += pp4 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc4_3);
+                    acc0_3 += pp4 * v;
+                }
+                {
+                    let v = widen4(vc5_0);
+                    acc0_0 += pp5 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc5_1);
+                    acc0_1 += pp5 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc5_2);
+                    acc0_2 += pp5 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc5_3);
+                    acc0_3 += pp5 * v;
+                }
+                {
+                    let v = widen4(vc6_0);
+                    acc0_0 += pp6 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc6_1);
+                    acc0_1 += pp6 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc6_2);
+                    acc0_2 += pp6 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc6_3);
+                    acc0_3 += pp6 * v;
+                }
+                {
+                    let v = widen4(vc7_0);
+                    acc0_0 += pp7 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc7_1);
+                    acc0_1 += pp7 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc7_2);
+                    acc0_2 += pp7 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc7_3);
+                    acc0_3 += pp7 * v;
+                }
+            }
+            if RB == 2u && KPI == 4u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0; var x4 = 0.0; var x5 = 0.0; var x6 = 0.0; var x7 = 0.0;
+                {
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
+                    x4 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
+                    x4 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
+                    x4 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
+                    x4 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                    x5 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                    x5 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                    x5 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                    x5 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                    x6 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                    x6 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                    x6 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                    x6 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                    x7 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                    x7 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                    x7 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                    x7 += dot(q1_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x4, up) + subgroupShuffleXor(select(x4, x0, up), 1u);
+                    x1 = select(x1, x5, up) + subgroupShuffleXor(select(x5, x1, up), 1u);
+                    x2 = select(x2, x6, up) + subgroupShuffleXor(select(x6, x2, up), 1u);
+                    x3 = select(x3, x7, up) + subgroupShuffleXor(select(x7, x3, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 2u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 2u);
+                }
+                if LPK > 4u {
+                    let up = (lane & 4u) != 0u;
+                    x0 = select(x0, x1, up) + subgroupShuffleXor(select(x1, x0, up), 4u);
+                }
+                if LPK > 8u {
+                    x0 += subgroupShuffleXor(x0, 8u);
+                }
+                if LPK > 16u {
+                    x0 += subgroupShuffleXor(x0, 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo2)) & (kq0 < vec4(hi2))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo2)) & (kq1 < vec4(hi2))));
-                        }
-                        if hit {
-                            c2 = max(c2, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m2, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m2 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l2 = l2 * rescale + sum4(p0) + sum4(p1);
-                    m2 = m_new;
-                    acc2_0 = acc2_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc2_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc2_1 = acc2_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc2_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc2_2 = acc2_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc2_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc2_3 = acc2_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc2_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
                     }
                 }
-                if RB > 2u {
-                    var x0 = select(vec4(NEG_BIG), variants4(s3_0, kq0, slope3, pos3), okq0 & (kq0 >= vec4(lo3)) & (kq0 < vec4(hi3)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s3_1, kq1, slope3, pos3), okq1 & (kq1 >= vec4(lo3)) & (kq1 < vec4(hi3)));
+                mt = max(mt, sc0);
+                var sc1 = NEG_BIG;
+                if EPL > 1u {
+                    let j = my_j + 1u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x1, key, slope, pos);
+                        if finite_f32(y) {
+                            sc1 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
                     }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c3 = max(c3, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    mt = max(mt, sc1);
+                }
+                if SLOTS > 2u {
+                    mt = max(mt, subgroupShuffleXor(mt, 2u));
+                }
+                if SLOTS > 4u {
+                    mt = max(mt, subgroupShuffleXor(mt, 4u));
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                var p1 = 0.0;
+                if EPL > 1u {
+                    p1 = select(0.0, exp(sc1 - m_new), sc1 != NEG_BIG);
+                }
+                l = l * rescale + p0 + p1;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0; var pp4 = 0.0; var pp5 = 0.0; var pp6 = 0.0; var pp7 = 0.0;
+                var rs0 = 0.0; var rs1 = 0.0;
+                if EPL == 1u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp3 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp5 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp7 = subgroupShuffle(p0, base + slot_lane(7u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(4u));
+                }
+                if EPL == 2u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp3 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp7 = subgroupShuffle(p1, base + slot_lane(3u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(2u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                    acc1_0 = acc1_0 * rs1 + pp4 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                    acc1_1 = acc1_1 * rs1 + pp4 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                    acc1_2 = acc1_2 * rs1 + pp4 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                    acc1_3 = acc1_3 * rs1 + pp4 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                    acc1_0 += pp5 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                    acc1_1 += pp5 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                    acc1_2 += pp5 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                    acc1_3 += pp5 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                    acc1_0 += pp6 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                    acc1_1 += pp6 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                    acc1_2 += pp6 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                    acc1_3 += pp6 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                    acc1_0 += pp7 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                    acc1_1 += pp7 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                    acc1_2 += pp7 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                    acc1_3 += pp7 * v;
+                }
+            }
+            if RB == 2u && KPI == 8u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0; var x4 = 0.0; var x5 = 0.0; var x6 = 0.0; var x7 = 0.0; var x8 = 0.0; var x9 = 0.0; var x10 = 0.0; var x11 = 0.0; var x12 = 0.0; var x13 = 0.0; var x14 = 0.0; var x15 = 0.0;
+                {
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
+                    x8 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
+                    x8 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
+                    x8 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
+                    x8 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                    x9 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                    x9 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                    x9 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                    x9 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                    x10 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                    x10 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                    x10 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                    x10 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                    x11 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                    x11 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                    x11 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                    x11 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc4_0);
+                    x4 += dot(q0_0, k);
+                    x12 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc4_1);
+                    x4 += dot(q0_1, k);
+                    x12 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc4_2);
+                    x4 += dot(q0_2, k);
+                    x12 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc4_3);
+                    x4 += dot(q0_3, k);
+                    x12 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc5_0);
+                    x5 += dot(q0_0, k);
+                    x13 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc5_1);
+                    x5 += dot(q0_1, k);
+                    x13 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc5_2);
+                    x5 += dot(q0_2, k);
+                    x13 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc5_3);
+                    x5 += dot(q0_3, k);
+                    x13 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc6_0);
+                    x6 += dot(q0_0, k);
+                    x14 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc6_1);
+                    x6 += dot(q0_1, k);
+                    x14 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc6_2);
+                    x6 += dot(q0_2, k);
+                    x14 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc6_3);
+                    x6 += dot(q0_3, k);
+                    x14 += dot(q1_3, k);
+                }
+                {
+                    let k = widen4(kc7_0);
+                    x7 += dot(q0_0, k);
+                    x15 += dot(q1_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc7_1);
+                    x7 += dot(q0_1, k);
+                    x15 += dot(q1_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc7_2);
+                    x7 += dot(q0_2, k);
+                    x15 += dot(q1_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc7_3);
+                    x7 += dot(q0_3, k);
+                    x15 += dot(q1_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x8, up) + subgroupShuffleXor(select(x8, x0, up), 1u);
+                    x1 = select(x1, x9, up) + subgroupShuffleXor(select(x9, x1, up), 1u);
+                    x2 = select(x2, x10, up) + subgroupShuffleXor(select(x10, x2, up), 1u);
+                    x3 = select(x3, x11, up) + subgroupShuffleXor(select(x11, x3, up), 1u);
+                    x4 = select(x4, x12, up) + subgroupShuffleXor(select(x12, x4, up), 1u);
+                    x5 = select(x5, x13, up) + subgroupShuffleXor(select(x13, x5, up), 1u);
+                    x6 = select(x6, x14, up) + subgroupShuffleXor(select(x14, x6, up), 1u);
+                    x7 = select(x7, x15, up) + subgroupShuffleXor(select(x15, x7, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x4, up) + subgroupShuffleXor(select(x4, x0, up), 2u);
+                    x1 = select(x1, x5, up) + subgroupShuffleXor(select(x5, x1, up), 2u);
+                    x2 = select(x2, x6, up) + subgroupShuffleXor(select(x6, x2, up), 2u);
+                    x3 = select(x3, x7, up) + subgroupShuffleXor(select(x7, x3, up), 2u);
+                }
+                if LPK > 4u {
+                    let up = (lane & 4u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 4u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 4u);
+                }
+                if LPK > 8u {
+                    let up = (lane & 8u) != 0u;
+                    x0 = select(x0, x1, up) + subgroupShuffleXor(select(x1, x0, up), 8u);
+                }
+                if LPK > 16u {
+                    x0 += subgroupShuffleXor(x0, 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo3)) & (kq0 < vec4(hi3))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo3)) & (kq1 < vec4(hi3))));
-                        }
-                        if hit {
-                            c3 = max(c3, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m3, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m3 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l3 = l3 * rescale + sum4(p0) + sum4(p1);
-                    m3 = m_new;
-                    acc3_0 = acc3_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc3_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc3_1 = acc3_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc3_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc3_2 = acc3_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc3_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc3_3 = acc3_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc3_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
                     }
                 }
-                if RB > 4u {
-                    var x0 = select(vec4(NEG_BIG), variants4(s4_0, kq0, slope4, pos4), okq0 & (kq0 >= vec4(lo4)) & (kq0 < vec4(hi4)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s4_1, kq1, slope4, pos4), okq1 & (kq1 >= vec4(lo4)) & (kq1 < vec4(hi4)));
+                mt = max(mt, sc0);
+                var sc1 = NEG_BIG;
+                if EPL > 1u {
+                    let j = my_j + 1u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x1, key, slope, pos);
+                        if finite_f32(y) {
+                            sc1 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
                     }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c4 = max(c4, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    mt = max(mt, sc1);
+                }
+                var sc2 = NEG_BIG;
+                if EPL > 2u {
+                    let j = my_j + 2u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x2, key, slope, pos);
+                        if finite_f32(y) {
+                            sc2 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc2);
+                }
+                var sc3 = NEG_BIG;
+                if EPL > 3u {
+                    let j = my_j + 3u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x3, key, slope, pos);
+                        if finite_f32(y) {
+                            sc3 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc3);
+                }
+                if SLOTS > 2u {
+                    mt = max(mt, subgroupShuffleXor(mt, 2u));
+                }
+                if SLOTS > 4u {
+                    mt = max(mt, subgroupShuffleXor(mt, 4u));
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                var p1 = 0.0;
+                if EPL > 1u {
+                    p1 = select(0.0, exp(sc1 - m_new), sc1 != NEG_BIG);
+                }
+                var p2 = 0.0;
+                if EPL > 2u {
+                    p2 = select(0.0, exp(sc2 - m_new), sc2 != NEG_BIG);
+                }
+                var p3 = 0.0;
+                if EPL > 3u {
+                    p3 = select(0.0, exp(sc3 - m_new), sc3 != NEG_BIG);
+                }
+                l = l * rescale + p0 + p1 + p2 + p3;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0; var pp4 = 0.0; var pp5 = 0.0; var pp6 = 0.0; var pp7 = 0.0; var pp8 = 0.0; var pp9 = 0.0; var pp10 = 0.0; var pp11 = 0.0; var pp12 = 0.0; var pp13 = 0.0; var pp14 = 0.0; var pp15 = 0.0;
+                var rs0 = 0.0; var rs1 = 0.0;
+                if EPL == 1u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp3 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp5 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp7 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp9 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp11 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp13 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp15 = subgroupShuffle(p0, base + slot_lane(15u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(8u));
+                }
+                if EPL == 2u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp3 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp7 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp11 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp15 = subgroupShuffle(p1, base + slot_lane(7u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(4u));
+                }
+                if EPL == 4u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p2, base + slot_lane(0u));
+                    pp3 = subgroupShuffle(p3, base + slot_lane(0u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp6 = subgroupShuffle(p2, base + slot_lane(1u));
+                    pp7 = subgroupShuffle(p3, base + slot_lane(1u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp10 = subgroupShuffle(p2, base + slot_lane(2u));
+                    pp11 = subgroupShuffle(p3, base + slot_lane(2u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp14 = subgroupShuffle(p2, base + slot_lane(3u));
+                    pp15 = subgroupShuffle(p3, base + slot_lane(3u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(2u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                    acc1_0 = acc1_0 * rs1 + pp8 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                    acc1_1 = acc1_1 * rs1 + pp8 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                    acc1_2 = acc1_2 * rs1 + pp8 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                    acc1_3 = acc1_3 * rs1 + pp8 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                    acc1_0 += pp9 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                    acc1_1 += pp9 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                    acc1_2 += pp9 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                    acc1_3 += pp9 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                    acc1_0 += pp10 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                    acc1_1 += pp10 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                    acc1_2 += pp10 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                    acc1_3 += pp10 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                    acc1_0 += pp11 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                    acc1_1 += pp11 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                    acc1_2 += pp11 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                    acc1_3 += pp11 * v;
+                }
+                {
+                    let v = widen4(vc4_0);
+                    acc0_0 += pp4 * v;
+                    acc1_0 += pp12 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc4_1);
+                    acc0_1 += pp4 * v;
+                    acc1_1 += pp12 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc4_2);
+                    acc0_2 += pp4 * v;
+                    acc1_2 += pp12 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc4_3);
+                    acc0_3 += pp4 * v;
+                    acc1_3 += pp12 * v;
+                }
+                {
+                    let v = widen4(vc5_0);
+                    acc0_0 += pp5 * v;
+                    acc1_0 += pp13 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc5_1);
+                    acc0_1 += pp5 * v;
+                    acc1_1 += pp13 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc5_2);
+                    acc0_2 += pp5 * v;
+                    acc1_2 += pp13 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc5_3);
+                    acc0_3 += pp5 * v;
+                    acc1_3 += pp13 * v;
+                }
+                {
+                    let v = widen4(vc6_0);
+                    acc0_0 += pp6 * v;
+                    acc1_0 += pp14 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc6_1);
+                    acc0_1 += pp6 * v;
+                    acc1_1 += pp14 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc6_2);
+                    acc0_2 += pp6 * v;
+                    acc1_2 += pp14 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc6_3);
+                    acc0_3 += pp6 * v;
+                    acc1_3 += pp14 * v;
+                }
+                {
+                    let v = widen4(vc7_0);
+                    acc0_0 += pp7 * v;
+                    acc1_0 += pp15 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc7_1);
+                    acc0_1 += pp7 * v;
+                    acc1_1 += pp15 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc7_2);
+                    acc0_2 += pp7 * v;
+                    acc1_2 += pp15 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc7_3);
+                    acc0_3 += pp7 * v;
+                    acc1_3 += pp15 * v;
+                }
+            }
+            if RB == 4u && KPI == 4u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0; var x4 = 0.0; var x5 = 0.0; var x6 = 0.0; var x7 = 0.0; var x8 = 0.0; var x9 = 0.0; var x10 = 0.0; var x11 = 0.0; var x12 = 0.0; var x13 = 0.0; var x14 = 0.0; var x15 = 0.0;
+                {
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
+                    x4 += dot(q1_0, k);
+                    x8 += dot(q2_0, k);
+                    x12 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
+                    x4 += dot(q1_1, k);
+                    x8 += dot(q2_1, k);
+                    x12 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
+                    x4 += dot(q1_2, k);
+                    x8 += dot(q2_2, k);
+                    x12 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
+                    x4 += dot(q1_3, k);
+                    x8 += dot(q2_3, k);
+                    x12 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                    x5 += dot(q1_0, k);
+                    x9 += dot(q2_0, k);
+                    x13 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                    x5 += dot(q1_1, k);
+                    x9 += dot(q2_1, k);
+                    x13 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                    x5 += dot(q1_2, k);
+                    x9 += dot(q2_2, k);
+                    x13 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                    x5 += dot(q1_3, k);
+                    x9 += dot(q2_3, k);
+                    x13 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                    x6 += dot(q1_0, k);
+                    x10 += dot(q2_0, k);
+                    x14 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                    x6 += dot(q1_1, k);
+                    x10 += dot(q2_1, k);
+                    x14 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                    x6 += dot(q1_2, k);
+                    x10 += dot(q2_2, k);
+                    x14 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                    x6 += dot(q1_3, k);
+                    x10 += dot(q2_3, k);
+                    x14 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                    x7 += dot(q1_0, k);
+                    x11 += dot(q2_0, k);
+                    x15 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                    x7 += dot(q1_1, k);
+                    x11 += dot(q2_1, k);
+                    x15 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                    x7 += dot(q1_2, k);
+                    x11 += dot(q2_2, k);
+                    x15 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                    x7 += dot(q1_3, k);
+                    x11 += dot(q2_3, k);
+                    x15 += dot(q3_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x8, up) + subgroupShuffleXor(select(x8, x0, up), 1u);
+                    x1 = select(x1, x9, up) + subgroupShuffleXor(select(x9, x1, up), 1u);
+                    x2 = select(x2, x10, up) + subgroupShuffleXor(select(x10, x2, up), 1u);
+                    x3 = select(x3, x11, up) + subgroupShuffleXor(select(x11, x3, up), 1u);
+                    x4 = select(x4, x12, up) + subgroupShuffleXor(select(x12, x4, up), 1u);
+                    x5 = select(x5, x13, up) + subgroupShuffleXor(select(x13, x5, up), 1u);
+                    x6 = select(x6, x14, up) + subgroupShuffleXor(select(x14, x6, up), 1u);
+                    x7 = select(x7, x15, up) + subgroupShuffleXor(select(x15, x7, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x4, up) + subgroupShuffleXor(select(x4, x0, up), 2u);
+                    x1 = select(x1, x5, up) + subgroupShuffleXor(select(x5, x1, up), 2u);
+                    x2 = select(x2, x6, up) + subgroupShuffleXor(select(x6, x2, up), 2u);
+                    x3 = select(x3, x7, up) + subgroupShuffleXor(select(x7, x3, up), 2u);
+                }
+                if LPK > 4u {
+                    let up = (lane & 4u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 4u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 4u);
+                }
+                if LPK > 8u {
+                    let up = (lane & 8u) != 0u;
+                    x0 = select(x0, x1, up) + subgroupShuffleXor(select(x1, x0, up), 8u);
+                }
+                if LPK > 16u {
+                    x0 += subgroupShuffleXor(x0, 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo4)) & (kq0 < vec4(hi4))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo4)) & (kq1 < vec4(hi4))));
-                        }
-                        if hit {
-                            c4 = max(c4, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m4, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m4 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l4 = l4 * rescale + sum4(p0) + sum4(p1);
-                    m4 = m_new;
-                    acc4_0 = acc4_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc4_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc4_1 = acc4_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc4_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc4_2 = acc4_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc4_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc4_3 = acc4_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc4_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
                     }
                 }
-                if RB > 4u {
-                    var x0 = select(vec4(NEG_BIG), variants4(s5_0, kq0, slope5, pos5), okq0 & (kq0 >= vec4(lo5)) & (kq0 < vec4(hi5)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s5_1, kq1, slope5, pos5), okq1 & (kq1 >= vec4(lo5)) & (kq1 < vec4(hi5)));
+                mt = max(mt, sc0);
+                var sc1 = NEG_BIG;
+                if EPL > 1u {
+                    let j = my_j + 1u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x1, key, slope, pos);
+                        if finite_f32(y) {
+                            sc1 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
                     }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c5 = max(c5, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    mt = max(mt, sc1);
+                }
+                var sc2 = NEG_BIG;
+                if EPL > 2u {
+                    let j = my_j + 2u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x2, key, slope, pos);
+                        if finite_f32(y) {
+                            sc2 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc2);
+                }
+                var sc3 = NEG_BIG;
+                if EPL > 3u {
+                    let j = my_j + 3u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x3, key, slope, pos);
+                        if finite_f32(y) {
+                            sc3 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc3);
+                }
+                if SLOTS > 4u {
+                    mt = max(mt, subgroupShuffleXor(mt, 4u));
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                var p1 = 0.0;
+                if EPL > 1u {
+                    p1 = select(0.0, exp(sc1 - m_new), sc1 != NEG_BIG);
+                }
+                var p2 = 0.0;
+                if EPL > 2u {
+                    p2 = select(0.0, exp(sc2 - m_new), sc2 != NEG_BIG);
+                }
+                var p3 = 0.0;
+                if EPL > 3u {
+                    p3 = select(0.0, exp(sc3 - m_new), sc3 != NEG_BIG);
+                }
+                l = l * rescale + p0 + p1 + p2 + p3;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0; var pp4 = 0.0; var pp5 = 0.0; var pp6 = 0.0; var pp7 = 0.0; var pp8 = 0.0; var pp9 = 0.0; var pp10 = 0.0; var pp11 = 0.0; var pp12 = 0.0; var pp13 = 0.0; var pp14 = 0.0; var pp15 = 0.0;
+                var rs0 = 0.0; var rs1 = 0.0; var rs2 = 0.0; var rs3 = 0.0;
+                if EPL == 1u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp3 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp5 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp7 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp9 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp11 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp13 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp15 = subgroupShuffle(p0, base + slot_lane(15u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(8u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(12u));
+                }
+                if EPL == 2u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp3 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp7 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp11 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp15 = subgroupShuffle(p1, base + slot_lane(7u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(6u));
+                }
+                if EPL == 4u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p2, base + slot_lane(0u));
+                    pp3 = subgroupShuffle(p3, base + slot_lane(0u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp6 = subgroupShuffle(p2, base + slot_lane(1u));
+                    pp7 = subgroupShuffle(p3, base + slot_lane(1u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp10 = subgroupShuffle(p2, base + slot_lane(2u));
+                    pp11 = subgroupShuffle(p3, base + slot_lane(2u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp14 = subgroupShuffle(p2, base + slot_lane(3u));
+                    pp15 = subgroupShuffle(p3, base + slot_lane(3u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(1u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(3u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                    acc1_0 = acc1_0 * rs1 + pp4 * v;
+                    acc2_0 = acc2_0 * rs2 + pp8 * v;
+                    acc3_0 = acc3_0 * rs3 + pp12 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                    acc1_1 = acc1_1 * rs1 + pp4 * v;
+                    acc2_1 = acc2_1 * rs2 + pp8 * v;
+                    acc3_1 = acc3_1 * rs3 + pp12 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                    acc1_2 = acc1_2 * rs1 + pp4 * v;
+                    acc2_2 = acc2_2 * rs2 + pp8 * v;
+                    acc3_2 = acc3_2 * rs3 + pp12 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                    acc1_3 = acc1_3 * rs1 + pp4 * v;
+                    acc2_3 = acc2_3 * rs2 + pp8 * v;
+                    acc3_3 = acc3_3 * rs3 + pp12 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                    acc1_0 += pp5 * v;
+                    acc2_0 += pp9 * v;
+                    acc3_0 += pp13 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                    acc1_1 += pp5 * v;
+                    acc2_1 += pp9 * v;
+                    acc3_1 += pp13 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                    acc1_2 += pp5 * v;
+                    acc2_2 += pp9 * v;
+                    acc3_2 += pp13 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                    acc1_3 += pp5 * v;
+                    acc2_3 += pp9 * v;
+                    acc3_3 += pp13 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                    acc1_0 += pp6 * v;
+                    acc2_0 += pp10 * v;
+                    acc3_0 += pp14 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                    acc1_1 += pp6 * v;
+                    acc2_1 += pp10 * v;
+                    acc3_1 += pp14 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                    acc1_2 += pp6 * v;
+                    acc2_2 += pp10 * v;
+                    acc3_2 += pp14 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                    acc1_3 += pp6 * v;
+                    acc2_3 += pp10 * v;
+                    acc3_3 += pp14 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                    acc1_0 += pp7 * v;
+                    acc2_0 += pp11 * v;
+                    acc3_0 += pp15 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                    acc1_1 += pp7 * v;
+                    acc2_1 += pp11 * v;
+                    acc3_1 += pp15 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                    acc1_2 += pp7 * v;
+                    acc2_2 += pp11 * v;
+                    acc3_2 += pp15 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                    acc1_3 += pp7 * v;
+                    acc2_3 += pp11 * v;
+                    acc3_3 += pp15 * v;
+                }
+            }
+            if RB == 4u && KPI == 8u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0; var x4 = 0.0; var x5 = 0.0; var x6 = 0.0; var x7 = 0.0; var x8 = 0.0; var x9 = 0.0; var x10 = 0.0; var x11 = 0.0; var x12 = 0.0; var x13 = 0.0; var x14 = 0.0; var x15 = 0.0; var x16 = 0.0; var x17 = 0.0; var x18 = 0.0; var x19 = 0.0; var x20 = 0.0; var x21 = 0.0; var x22 = 0.0; var x23 = 0.0; var x24 = 0.0; var x25 = 0.0; var x26 = 0.0; var x27 = 0.0; var x28 = 0.0; var x29 = 0.0; var x30 = 0.0; var x31 = 0.0;
+                {
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
+                    x8 += dot(q1_0, k);
+                    x16 += dot(q2_0, k);
+                    x24 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
+                    x8 += dot(q1_1, k);
+                    x16 += dot(q2_1, k);
+                    x24 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
+                    x8 += dot(q1_2, k);
+                    x16 += dot(q2_2, k);
+                    x24 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
+                    x8 += dot(q1_3, k);
+                    x16 += dot(q2_3, k);
+                    x24 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                    x9 += dot(q1_0, k);
+                    x17 += dot(q2_0, k);
+                    x25 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                    x9 += dot(q1_1, k);
+                    x17 += dot(q2_1, k);
+                    x25 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                    x9 += dot(q1_2, k);
+                    x17 += dot(q2_2, k);
+                    x25 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                    x9 += dot(q1_3, k);
+                    x17 += dot(q2_3, k);
+                    x25 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                    x10 += dot(q1_0, k);
+                    x18 += dot(q2_0, k);
+                    x26 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                    x10 += dot(q1_1, k);
+                    x18 += dot(q2_1, k);
+                    x26 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                    x10 += dot(q1_2, k);
+                    x18 += dot(q2_2, k);
+                    x26 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                    x10 += dot(q1_3, k);
+                    x18 += dot(q2_3, k);
+                    x26 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                    x11 += dot(q1_0, k);
+                    x19 += dot(q2_0, k);
+                    x27 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                    x11 += dot(q1_1, k);
+                    x19 += dot(q2_1, k);
+                    x27 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                    x11 += dot(q1_2, k);
+                    x19 += dot(q2_2, k);
+                    x27 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                    x11 += dot(q1_3, k);
+                    x19 += dot(q2_3, k);
+                    x27 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc4_0);
+                    x4 += dot(q0_0, k);
+                    x12 += dot(q1_0, k);
+                    x20 += dot(q2_0, k);
+                    x28 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc4_1);
+                    x4 += dot(q0_1, k);
+                    x12 += dot(q1_1, k);
+                    x20 += dot(q2_1, k);
+                    x28 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc4_2);
+                    x4 += dot(q0_2, k);
+                    x12 += dot(q1_2, k);
+                    x20 += dot(q2_2, k);
+                    x28 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc4_3);
+                    x4 += dot(q0_3, k);
+                    x12 += dot(q1_3, k);
+                    x20 += dot(q2_3, k);
+                    x28 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc5_0);
+                    x5 += dot(q0_0, k);
+                    x13 += dot(q1_0, k);
+                    x21 += dot(q2_0, k);
+                    x29 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc5_1);
+                    x5 += dot(q0_1, k);
+                    x13 += dot(q1_1, k);
+                    x21 += dot(q2_1, k);
+                    x29 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc5_2);
+                    x5 += dot(q0_2, k);
+                    x13 += dot(q1_2, k);
+                    x21 += dot(q2_2, k);
+                    x29 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc5_3);
+                    x5 += dot(q0_3, k);
+                    x13 += dot(q1_3, k);
+                    x21 += dot(q2_3, k);
+                    x29 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc6_0);
+                    x6 += dot(q0_0, k);
+                    x14 += dot(q1_0, k);
+                    x22 += dot(q2_0, k);
+                    x30 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc6_1);
+                    x6 += dot(q0_1, k);
+                    x14 += dot(q1_1, k);
+                    x22 += dot(q2_1, k);
+                    x30 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc6_2);
+                    x6 += dot(q0_2, k);
+                    x14 += dot(q1_2, k);
+                    x22 += dot(q2_2, k);
+                    x30 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc6_3);
+                    x6 += dot(q0_3, k);
+                    x14 += dot(q1_3, k);
+                    x22 += dot(q2_3, k);
+                    x30 += dot(q3_3, k);
+                }
+                {
+                    let k = widen4(kc7_0);
+                    x7 += dot(q0_0, k);
+                    x15 += dot(q1_0, k);
+                    x23 += dot(q2_0, k);
+                    x31 += dot(q3_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc7_1);
+                    x7 += dot(q0_1, k);
+                    x15 += dot(q1_1, k);
+                    x23 += dot(q2_1, k);
+                    x31 += dot(q3_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc7_2);
+                    x7 += dot(q0_2, k);
+                    x15 += dot(q1_2, k);
+                    x23 += dot(q2_2, k);
+                    x31 += dot(q3_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc7_3);
+                    x7 += dot(q0_3, k);
+                    x15 += dot(q1_3, k);
+                    x23 += dot(q2_3, k);
+                    x31 += dot(q3_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x16, up) + subgroupShuffleXor(select(x16, x0, up), 1u);
+                    x1 = select(x1, x17, up) + subgroupShuffleXor(select(x17, x1, up), 1u);
+                    x2 = select(x2, x18, up) + subgroupShuffleXor(select(x18, x2, up), 1u);
+                    x3 = select(x3, x19, up) + subgroupShuffleXor(select(x19, x3, up), 1u);
+                    x4 = select(x4, x20, up) + subgroupShuffleXor(select(x20, x4, up), 1u);
+                    x5 = select(x5, x21, up) + subgroupShuffleXor(select(x21, x5, up), 1u);
+                    x6 = select(x6, x22, up) + subgroupShuffleXor(select(x22, x6, up), 1u);
+                    x7 = select(x7, x23, up) + subgroupShuffleXor(select(x23, x7, up), 1u);
+                    x8 = select(x8, x24, up) + subgroupShuffleXor(select(x24, x8, up), 1u);
+                    x9 = select(x9, x25, up) + subgroupShuffleXor(select(x25, x9, up), 1u);
+                    x10 = select(x10, x26, up) + subgroupShuffleXor(select(x26, x10, up), 1u);
+                    x11 = select(x11, x27, up) + subgroupShuffleXor(select(x27, x11, up), 1u);
+                    x12 = select(x12, x28, up) + subgroupShuffleXor(select(x28, x12, up), 1u);
+                    x13 = select(x13, x29, up) + subgroupShuffleXor(select(x29, x13, up), 1u);
+                    x14 = select(x14, x30, up) + subgroupShuffleXor(select(x30, x14, up), 1u);
+                    x15 = select(x15, x31, up) + subgroupShuffleXor(select(x31, x15, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x8, up) + subgroupShuffleXor(select(x8, x0, up), 2u);
+                    x1 = select(x1, x9, up) + subgroupShuffleXor(select(x9, x1, up), 2u);
+                    x2 = select(x2, x10, up) + subgroupShuffleXor(select(x10, x2, up), 2u);
+                    x3 = select(x3, x11, up) + subgroupShuffleXor(select(x11, x3, up), 2u);
+                    x4 = select(x4, x12, up) + subgroupShuffleXor(select(x12, x4, up), 2u);
+                    x5 = select(x5, x13, up) + subgroupShuffleXor(select(x13, x5, up), 2u);
+                    x6 = select(x6, x14, up) + subgroupShuffleXor(select(x14, x6, up), 2u);
+                    x7 = select(x7, x15, up) + subgroupShuffleXor(select(x15, x7, up), 2u);
+                }
+                if LPK > 4u {
+                    let up = (lane & 4u) != 0u;
+                    x0 = select(x0, x4, up) + subgroupShuffleXor(select(x4, x0, up), 4u);
+                    x1 = select(x1, x5, up) + subgroupShuffleXor(select(x5, x1, up), 4u);
+                    x2 = select(x2, x6, up) + subgroupShuffleXor(select(x6, x2, up), 4u);
+                    x3 = select(x3, x7, up) + subgroupShuffleXor(select(x7, x3, up), 4u);
+                }
+                if LPK > 8u {
+                    let up = (lane & 8u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 8u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 8u);
+                }
+                if LPK > 16u {
+                    let up = (lane & 16u) != 0u;
+                    x0 = select(x0, x1, up) + subgroupShuffleXor(select(x1, x0, up), 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo5)) & (kq0 < vec4(hi5))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo5)) & (kq1 < vec4(hi5))));
-                        }
-                        if hit {
-                            c5 = max(c5, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m5, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m5 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l5 = l5 * rescale + sum4(p0) + sum4(p1);
-                    m5 = m_new;
-                    acc5_0 = acc5_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc5_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc5_1 = acc5_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc5_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc5_2 = acc5_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc5_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc5_3 = acc5_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc5_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
                     }
                 }
-                if RB > 4u {
-                    var x0 = select(vec4(NEG_BIG), variants4(s6_0, kq0, slope6, pos6), okq0 & (kq0 >= vec4(lo6)) & (kq0 < vec4(hi6)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s6_1, kq1, slope6, pos6), okq1 & (kq1 >= vec4(lo6)) & (kq1 < vec4(hi6)));
+                mt = max(mt, sc0);
+                var sc1 = NEG_BIG;
+                if EPL > 1u {
+                    let j = my_j + 1u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x1, key, slope, pos);
+                        if finite_f32(y) {
+                            sc1 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
                     }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c6 = max(c6, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    mt = max(mt, sc1);
+                }
+                var sc2 = NEG_BIG;
+                if EPL > 2u {
+                    let j = my_j + 2u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x2, key, slope, pos);
+                        if finite_f32(y) {
+                            sc2 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc2);
+                }
+                var sc3 = NEG_BIG;
+                if EPL > 3u {
+                    let j = my_j + 3u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x3, key, slope, pos);
+                        if finite_f32(y) {
+                            sc3 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc3);
+                }
+                var sc4 = NEG_BIG;
+                if EPL > 4u {
+                    let j = my_j + 4u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x4, key, slope, pos);
+                        if finite_f32(y) {
+                            sc4 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc4);
+                }
+                var sc5 = NEG_BIG;
+                if EPL > 5u {
+                    let j = my_j + 5u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x5, key, slope, pos);
+                        if finite_f32(y) {
+                            sc5 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc5);
+                }
+                var sc6 = NEG_BIG;
+                if EPL > 6u {
+                    let j = my_j + 6u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x6, key, slope, pos);
+                        if finite_f32(y) {
+                            sc6 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc6);
+                }
+                var sc7 = NEG_BIG;
+                if EPL > 7u {
+                    let j = my_j + 7u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x7, key, slope, pos);
+                        if finite_f32(y) {
+                            sc7 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc7);
+                }
+                if SLOTS > 4u {
+                    mt = max(mt, subgroupShuffleXor(mt, 4u));
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                var p1 = 0.0;
+                if EPL > 1u {
+                    p1 = select(0.0, exp(sc1 - m_new), sc1 != NEG_BIG);
+                }
+                var p2 = 0.0;
+                if EPL > 2u {
+                    p2 = select(0.0, exp(sc2 - m_new), sc2 != NEG_BIG);
+                }
+                var p3 = 0.0;
+                if EPL > 3u {
+                    p3 = select(0.0, exp(sc3 - m_new), sc3 != NEG_BIG);
+                }
+                var p4 = 0.0;
+                if EPL > 4u {
+                    p4 = select(0.0, exp(sc4 - m_new), sc4 != NEG_BIG);
+                }
+                var p5 = 0.0;
+                if EPL > 5u {
+                    p5 = select(0.0, exp(sc5 - m_new), sc5 != NEG_BIG);
+                }
+                var p6 = 0.0;
+                if EPL > 6u {
+                    p6 = select(0.0, exp(sc6 - m_new), sc6 != NEG_BIG);
+                }
+                var p7 = 0.0;
+                if EPL > 7u {
+                    p7 = select(0.0, exp(sc7 - m_new), sc7 != NEG_BIG);
+                }
+                l = l * rescale + p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0; var pp4 = 0.0; var pp5 = 0.0; var pp6 = 0.0; var pp7 = 0.0; var pp8 = 0.0; var pp9 = 0.0; var pp10 = 0.0; var pp11 = 0.0; var pp12 = 0.0; var pp13 = 0.0; var pp14 = 0.0; var pp15 = 0.0; var pp16 = 0.0; var pp17 = 0.0; var pp18 = 0.0; var pp19 = 0.0; var pp20 = 0.0; var pp21 = 0.0; var pp22 = 0.0; var pp23 = 0.0; var pp24 = 0.0; var pp25 = 0.0; var pp26 = 0.0; var pp27 = 0.0; var pp28 = 0.0; var pp29 = 0.0; var pp30 = 0.0; var pp31 = 0.0;
+                var rs0 = 0.0; var rs1 = 0.0; var rs2 = 0.0; var rs3 = 0.0;
+                if EPL == 1u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp3 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp5 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp7 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp9 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp11 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp13 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp15 = subgroupShuffle(p0, base + slot_lane(15u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(16u));
+                    pp17 = subgroupShuffle(p0, base + slot_lane(17u));
+                    pp18 = subgroupShuffle(p0, base + slot_lane(18u));
+                    pp19 = subgroupShuffle(p0, base + slot_lane(19u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(20u));
+                    pp21 = subgroupShuffle(p0, base + slot_lane(21u));
+                    pp22 = subgroupShuffle(p0, base + slot_lane(22u));
+                    pp23 = subgroupShuffle(p0, base + slot_lane(23u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(24u));
+                    pp25 = subgroupShuffle(p0, base + slot_lane(25u));
+                    pp26 = subgroupShuffle(p0, base + slot_lane(26u));
+                    pp27 = subgroupShuffle(p0, base + slot_lane(27u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(28u));
+                    pp29 = subgroupShuffle(p0, base + slot_lane(29u));
+                    pp30 = subgroupShuffle(p0, base + slot_lane(30u));
+                    pp31 = subgroupShuffle(p0, base + slot_lane(31u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(8u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(16u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(24u));
+                }
+                if EPL == 2u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp3 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp7 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp11 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp15 = subgroupShuffle(p1, base + slot_lane(7u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(8u));
+                    pp18 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp19 = subgroupShuffle(p1, base + slot_lane(9u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp21 = subgroupShuffle(p1, base + slot_lane(10u));
+                    pp22 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp23 = subgroupShuffle(p1, base + slot_lane(11u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(12u));
+                    pp26 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp27 = subgroupShuffle(p1, base + slot_lane(13u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp29 = subgroupShuffle(p1, base + slot_lane(14u));
+                    pp30 = subgroupShuffle(p0, base + slot_lane(15u));
+                    pp31 = subgroupShuffle(p1, base + slot_lane(15u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(8u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(12u));
+                }
+                if EPL == 4u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p2, base + slot_lane(0u));
+                    pp3 = subgroupShuffle(p3, base + slot_lane(0u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp6 = subgroupShuffle(p2, base + slot_lane(1u));
+                    pp7 = subgroupShuffle(p3, base + slot_lane(1u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp10 = subgroupShuffle(p2, base + slot_lane(2u));
+                    pp11 = subgroupShuffle(p3, base + slot_lane(2u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp14 = subgroupShuffle(p2, base + slot_lane(3u));
+                    pp15 = subgroupShuffle(p3, base + slot_lane(3u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp18 = subgroupShuffle(p2, base + slot_lane(4u));
+                    pp19 = subgroupShuffle(p3, base + slot_lane(4u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp21 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp22 = subgroupShuffle(p2, base + slot_lane(5u));
+                    pp23 = subgroupShuffle(p3, base + slot_lane(5u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp26 = subgroupShuffle(p2, base + slot_lane(6u));
+                    pp27 = subgroupShuffle(p3, base + slot_lane(6u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp29 = subgroupShuffle(p1, base + slot_lane(7u));
+                    pp30 = subgroupShuffle(p2, base + slot_lane(7u));
+                    pp31 = subgroupShuffle(p3, base + slot_lane(7u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(6u));
+                }
+                if EPL == 8u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p2, base + slot_lane(0u));
+                    pp3 = subgroupShuffle(p3, base + slot_lane(0u));
+                    pp4 = subgroupShuffle(p4, base + slot_lane(0u));
+                    pp5 = subgroupShuffle(p5, base + slot_lane(0u));
+                    pp6 = subgroupShuffle(p6, base + slot_lane(0u));
+                    pp7 = subgroupShuffle(p7, base + slot_lane(0u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp10 = subgroupShuffle(p2, base + slot_lane(1u));
+                    pp11 = subgroupShuffle(p3, base + slot_lane(1u));
+                    pp12 = subgroupShuffle(p4, base + slot_lane(1u));
+                    pp13 = subgroupShuffle(p5, base + slot_lane(1u));
+                    pp14 = subgroupShuffle(p6, base + slot_lane(1u));
+                    pp15 = subgroupShuffle(p7, base + slot_lane(1u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp18 = subgroupShuffle(p2, base + slot_lane(2u));
+                    pp19 = subgroupShuffle(p3, base + slot_lane(2u));
+                    pp20 = subgroupShuffle(p4, base + slot_lane(2u));
+                    pp21 = subgroupShuffle(p5, base + slot_lane(2u));
+                    pp22 = subgroupShuffle(p6, base + slot_lane(2u));
+                    pp23 = subgroupShuffle(p7, base + slot_lane(2u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp26 = subgroupShuffle(p2, base + slot_lane(3u));
+                    pp27 = subgroupShuffle(p3, base + slot_lane(3u));
+                    pp28 = subgroupShuffle(p4, base + slot_lane(3u));
+                    pp29 = subgroupShuffle(p5, base + slot_lane(3u));
+                    pp30 = subgroupShuffle(p6, base + slot_lane(3u));
+                    pp31 = subgroupShuffle(p7, base + slot_lane(3u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(1u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(3u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                    acc1_0 = acc1_0 * rs1 + pp8 * v;
+                    acc2_0 = acc2_0 * rs2 + pp16 * v;
+                    acc3_0 = acc3_0 * rs3 + pp24 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                    acc1_1 = acc1_1 * rs1 + pp8 * v;
+                    acc2_1 = acc2_1 * rs2 + pp16 * v;
+                    acc3_1 = acc3_1 * rs3 + pp24 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                    acc1_2 = acc1_2 * rs1 + pp8 * v;
+                    acc2_2 = acc2_2 * rs2 + pp16 * v;
+                    acc3_2 = acc3_2 * rs3 + pp24 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                    acc1_3 = acc1_3 * rs1 + pp8 * v;
+                    acc2_3 = acc2_3 * rs2 + pp16 * v;
+                    acc3_3 = acc3_3 * rs3 + pp24 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                    acc1_0 += pp9 * v;
+                    acc2_0 += pp17 * v;
+                    acc3_0 += pp25 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                    acc1_1 += pp9 * v;
+                    acc2_1 += pp17 * v;
+                    acc3_1 += pp25 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                    acc1_2 += pp9 * v;
+                    acc2_2 += pp17 * v;
+                    acc3_2 += pp25 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                    acc1_3 += pp9 * v;
+                    acc2_3 += pp17 * v;
+                    acc3_3 += pp25 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                    acc1_0 += pp10 * v;
+                    acc2_0 += pp18 * v;
+                    acc3_0 += pp26 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                    acc1_1 += pp10 * v;
+                    acc2_1 += pp18 * v;
+                    acc3_1 += pp26 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                    acc1_2 += pp10 * v;
+                    acc2_2 += pp18 * v;
+                    acc3_2 += pp26 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                    acc1_3 += pp10 * v;
+                    acc2_3 += pp18 * v;
+                    acc3_3 += pp26 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                    acc1_0 += pp11 * v;
+                    acc2_0 += pp19 * v;
+                    acc3_0 += pp27 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                    acc1_1 += pp11 * v;
+                    acc2_1 += pp19 * v;
+                    acc3_1 += pp27 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                    acc1_2 += pp11 * v;
+                    acc2_2 += pp19 * v;
+                    acc3_2 += pp27 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                    acc1_3 += pp11 * v;
+                    acc2_3 += pp19 * v;
+                    acc3_3 += pp27 * v;
+                }
+                {
+                    let v = widen4(vc4_0);
+                    acc0_0 += pp4 * v;
+                    acc1_0 += pp12 * v;
+                    acc2_0 += pp20 * v;
+                    acc3_0 += pp28 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc4_1);
+                    acc0_1 += pp4 * v;
+                    acc1_1 += pp12 * v;
+                    acc2_1 += pp20 * v;
+                    acc3_1 += pp28 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc4_2);
+                    acc0_2 += pp4 * v;
+                    acc1_2 += pp12 * v;
+                    acc2_2 += pp20 * v;
+                    acc3_2 += pp28 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc4_3);
+                    acc0_3 += pp4 * v;
+                    acc1_3 += pp12 * v;
+                    acc2_3 += pp20 * v;
+                    acc3_3 += pp28 * v;
+                }
+                {
+                    let v = widen4(vc5_0);
+                    acc0_0 += pp5 * v;
+                    acc1_0 += pp13 * v;
+                    acc2_0 += pp21 * v;
+                    acc3_0 += pp29 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc5_1);
+                    acc0_1 += pp5 * v;
+                    acc1_1 += pp13 * v;
+                    acc2_1 += pp21 * v;
+                    acc3_1 += pp29 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc5_2);
+                    acc0_2 += pp5 * v;
+                    acc1_2 += pp13 * v;
+                    acc2_2 += pp21 * v;
+                    acc3_2 += pp29 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc5_3);
+                    acc0_3 += pp5 * v;
+                    acc1_3 += pp13 * v;
+                    acc2_3 += pp21 * v;
+                    acc3_3 += pp29 * v;
+                }
+                {
+                    let v = widen4(vc6_0);
+                    acc0_0 += pp6 * v;
+                    acc1_0 += pp14 * v;
+                    acc2_0 += pp22 * v;
+                    acc3_0 += pp30 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc6_1);
+                    acc0_1 += pp6 * v;
+                    acc1_1 += pp14 * v;
+                    acc2_1 += pp22 * v;
+                    acc3_1 += pp30 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc6_2);
+                    acc0_2 += pp6 * v;
+                    acc1_2 += pp14 * v;
+                    acc2_2 += pp22 * v;
+                    acc3_2 += pp30 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc6_3);
+                    acc0_3 += pp6 * v;
+                    acc1_3 += pp14 * v;
+                    acc2_3 += pp22 * v;
+                    acc3_3 += pp30 * v;
+                }
+                {
+                    let v = widen4(vc7_0);
+                    acc0_0 += pp7 * v;
+                    acc1_0 += pp15 * v;
+                    acc2_0 += pp23 * v;
+                    acc3_0 += pp31 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc7_1);
+                    acc0_1 += pp7 * v;
+                    acc1_1 += pp15 * v;
+                    acc2_1 += pp23 * v;
+                    acc3_1 += pp31 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc7_2);
+                    acc0_2 += pp7 * v;
+                    acc1_2 += pp15 * v;
+                    acc2_2 += pp23 * v;
+                    acc3_2 += pp31 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc7_3);
+                    acc0_3 += pp7 * v;
+                    acc1_3 += pp15 * v;
+                    acc2_3 += pp23 * v;
+                    acc3_3 += pp31 * v;
+                }
+            }
+            if RB == 8u && KPI == 4u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0; var x4 = 0.0; var x5 = 0.0; var x6 = 0.0; var x7 = 0.0; var x8 = 0.0; var x9 = 0.0; var x10 = 0.0; var x11 = 0.0; var x12 = 0.0; var x13 = 0.0; var x14 = 0.0; var x15 = 0.0; var x16 = 0.0; var x17 = 0.0; var x18 = 0.0; var x19 = 0.0; var x20 = 0.0; var x21 = 0.0; var x22 = 0.0; var x23 = 0.0; var x24 = 0.0; var x25 = 0.0; var x26 = 0.0; var x27 = 0.0; var x28 = 0.0; var x29 = 0.0; var x30 = 0.0; var x31 = 0.0;
+                {
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
+                    x4 += dot(q1_0, k);
+                    x8 += dot(q2_0, k);
+                    x12 += dot(q3_0, k);
+                    x16 += dot(q4_0, k);
+                    x20 += dot(q5_0, k);
+                    x24 += dot(q6_0, k);
+                    x28 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
+                    x4 += dot(q1_1, k);
+                    x8 += dot(q2_1, k);
+                    x12 += dot(q3_1, k);
+                    x16 += dot(q4_1, k);
+                    x20 += dot(q5_1, k);
+                    x24 += dot(q6_1, k);
+                    x28 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
+                    x4 += dot(q1_2, k);
+                    x8 += dot(q2_2, k);
+                    x12 += dot(q3_2, k);
+                    x16 += dot(q4_2, k);
+                    x20 += dot(q5_2, k);
+                    x24 += dot(q6_2, k);
+                    x28 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
+                    x4 += dot(q1_3, k);
+                    x8 += dot(q2_3, k);
+                    x12 += dot(q3_3, k);
+                    x16 += dot(q4_3, k);
+                    x20 += dot(q5_3, k);
+                    x24 += dot(q6_3, k);
+                    x28 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                    x5 += dot(q1_0, k);
+                    x9 += dot(q2_0, k);
+                    x13 += dot(q3_0, k);
+                    x17 += dot(q4_0, k);
+                    x21 += dot(q5_0, k);
+                    x25 += dot(q6_0, k);
+                    x29 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                    x5 += dot(q1_1, k);
+                    x9 += dot(q2_1, k);
+                    x13 += dot(q3_1, k);
+                    x17 += dot(q4_1, k);
+                    x21 += dot(q5_1, k);
+                    x25 += dot(q6_1, k);
+                    x29 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                    x5 += dot(q1_2, k);
+                    x9 += dot(q2_2, k);
+                    x13 += dot(q3_2, k);
+                    x17 += dot(q4_2, k);
+                    x21 += dot(q5_2, k);
+                    x25 += dot(q6_2, k);
+                    x29 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                    x5 += dot(q1_3, k);
+                    x9 += dot(q2_3, k);
+                    x13 += dot(q3_3, k);
+                    x17 += dot(q4_3, k);
+                    x21 += dot(q5_3, k);
+                    x25 += dot(q6_3, k);
+                    x29 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                    x6 += dot(q1_0, k);
+                    x10 += dot(q2_0, k);
+                    x14 += dot(q3_0, k);
+                    x18 += dot(q4_0, k);
+                    x22 += dot(q5_0, k);
+                    x26 += dot(q6_0, k);
+                    x30 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                    x6 += dot(q1_1, k);
+                    x10 += dot(q2_1, k);
+                    x14 += dot(q3_1, k);
+                    x18 += dot(q4_1, k);
+                    x22 += dot(q5_1, k);
+                    x26 += dot(q6_1, k);
+                    x30 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                    x6 += dot(q1_2, k);
+                    x10 += dot(q2_2, k);
+                    x14 += dot(q3_2, k);
+                    x18 += dot(q4_2, k);
+                    x22 += dot(q5_2, k);
+                    x26 += dot(q6_2, k);
+                    x30 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                    x6 += dot(q1_3, k);
+                    x10 += dot(q2_3, k);
+                    x14 += dot(q3_3, k);
+                    x18 += dot(q4_3, k);
+                    x22 += dot(q5_3, k);
+                    x26 += dot(q6_3, k);
+                    x30 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                    x7 += dot(q1_0, k);
+                    x11 += dot(q2_0, k);
+                    x15 += dot(q3_0, k);
+                    x19 += dot(q4_0, k);
+                    x23 += dot(q5_0, k);
+                    x27 += dot(q6_0, k);
+                    x31 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                    x7 += dot(q1_1, k);
+                    x11 += dot(q2_1, k);
+                    x15 += dot(q3_1, k);
+                    x19 += dot(q4_1, k);
+                    x23 += dot(q5_1, k);
+                    x27 += dot(q6_1, k);
+                    x31 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                    x7 += dot(q1_2, k);
+                    x11 += dot(q2_2, k);
+                    x15 += dot(q3_2, k);
+                    x19 += dot(q4_2, k);
+                    x23 += dot(q5_2, k);
+                    x27 += dot(q6_2, k);
+                    x31 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                    x7 += dot(q1_3, k);
+                    x11 += dot(q2_3, k);
+                    x15 += dot(q3_3, k);
+                    x19 += dot(q4_3, k);
+                    x23 += dot(q5_3, k);
+                    x27 += dot(q6_3, k);
+                    x31 += dot(q7_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x16, up) + subgroupShuffleXor(select(x16, x0, up), 1u);
+                    x1 = select(x1, x17, up) + subgroupShuffleXor(select(x17, x1, up), 1u);
+                    x2 = select(x2, x18, up) + subgroupShuffleXor(select(x18, x2, up), 1u);
+                    x3 = select(x3, x19, up) + subgroupShuffleXor(select(x19, x3, up), 1u);
+                    x4 = select(x4, x20, up) + subgroupShuffleXor(select(x20, x4, up), 1u);
+                    x5 = select(x5, x21, up) + subgroupShuffleXor(select(x21, x5, up), 1u);
+                    x6 = select(x6, x22, up) + subgroupShuffleXor(select(x22, x6, up), 1u);
+                    x7 = select(x7, x23, up) + subgroupShuffleXor(select(x23, x7, up), 1u);
+                    x8 = select(x8, x24, up) + subgroupShuffleXor(select(x24, x8, up), 1u);
+                    x9 = select(x9, x25, up) + subgroupShuffleXor(select(x25, x9, up), 1u);
+                    x10 = select(x10, x26, up) + subgroupShuffleXor(select(x26, x10, up), 1u);
+                    x11 = select(x11, x27, up) + subgroupShuffleXor(select(x27, x11, up), 1u);
+                    x12 = select(x12, x28, up) + subgroupShuffleXor(select(x28, x12, up), 1u);
+                    x13 = select(x13, x29, up) + subgroupShuffleXor(select(x29, x13, up), 1u);
+                    x14 = select(x14, x30, up) + subgroupShuffleXor(select(x30, x14, up), 1u);
+                    x15 = select(x15, x31, up) + subgroupShuffleXor(select(x31, x15, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x8, up) + subgroupShuffleXor(select(x8, x0, up), 2u);
+                    x1 = select(x1, x9, up) + subgroupShuffleXor(select(x9, x1, up), 2u);
+                    x2 = select(x2, x10, up) + subgroupShuffleXor(select(x10, x2, up), 2u);
+                    x3 = select(x3, x11, up) + subgroupShuffleXor(select(x11, x3, up), 2u);
+                    x4 = select(x4, x12, up) + subgroupShuffleXor(select(x12, x4, up), 2u);
+                    x5 = select(x5, x13, up) + subgroupShuffleXor(select(x13, x5, up), 2u);
+                    x6 = select(x6, x14, up) + subgroupShuffleXor(select(x14, x6, up), 2u);
+                    x7 = select(x7, x15, up) + subgroupShuffleXor(select(x15, x7, up), 2u);
+                }
+                if LPK > 4u {
+                    let up = (lane & 4u) != 0u;
+                    x0 = select(x0, x4, up) + subgroupShuffleXor(select(x4, x0, up), 4u);
+                    x1 = select(x1, x5, up) + subgroupShuffleXor(select(x5, x1, up), 4u);
+                    x2 = select(x2, x6, up) + subgroupShuffleXor(select(x6, x2, up), 4u);
+                    x3 = select(x3, x7, up) + subgroupShuffleXor(select(x7, x3, up), 4u);
+                }
+                if LPK > 8u {
+                    let up = (lane & 8u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 8u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 8u);
+                }
+                if LPK > 16u {
+                    let up = (lane & 16u) != 0u;
+                    x0 = select(x0, x1, up) + subgroupShuffleXor(select(x1, x0, up), 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo6)) & (kq0 < vec4(hi6))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo6)) & (kq1 < vec4(hi6))));
-                        }
-                        if hit {
-                            c6 = max(c6, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m6, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m6 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l6 = l6 * rescale + sum4(p0) + sum4(p1);
-                    m6 = m_new;
-                    acc6_0 = acc6_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc6_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc6_1 = acc6_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc6_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
-                        }
-                    }
-                    if VPL > 2u {
-                        acc6_2 = acc6_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc6_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
-                        }
-                    }
-                    if VPL > 3u {
-                        acc6_3 = acc6_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc6_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
-                        }
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
                     }
                 }
-                if RB > 4u {
-                    var x0 = select(vec4(NEG_BIG), variants4(s7_0, kq0, slope7, pos7), okq0 & (kq0 >= vec4(lo7)) & (kq0 < vec4(hi7)));
-                    var x1 = vec4(NEG_BIG);
-                    if KPI > 4u {
-                        x1 = select(vec4(NEG_BIG), variants4(s7_1, kq1, slope7, pos7), okq1 & (kq1 >= vec4(lo7)) & (kq1 < vec4(hi7)));
+                mt = max(mt, sc0);
+                var sc1 = NEG_BIG;
+                if EPL > 1u {
+                    let j = my_j + 1u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x1, key, slope, pos);
+                        if finite_f32(y) {
+                            sc1 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
                     }
-                    // NaN and infinite scores weigh 0; the row's code keeps them.
-                    if !(all(finite4(x0)) && all(finite4(x1))) {
-                        c7 = max(c7, max(nonfinite_code4(x0), nonfinite_code4(x1)));
-                        x0 = select(vec4(NEG_BIG), x0, finite4(x0));
-                        x1 = select(vec4(NEG_BIG), x1, finite4(x1));
+                    mt = max(mt, sc1);
+                }
+                var sc2 = NEG_BIG;
+                if EPL > 2u {
+                    let j = my_j + 2u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x2, key, slope, pos);
+                        if finite_f32(y) {
+                            sc2 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc2);
+                }
+                var sc3 = NEG_BIG;
+                if EPL > 3u {
+                    let j = my_j + 3u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x3, key, slope, pos);
+                        if finite_f32(y) {
+                            sc3 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc3);
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                var p1 = 0.0;
+                if EPL > 1u {
+                    p1 = select(0.0, exp(sc1 - m_new), sc1 != NEG_BIG);
+                }
+                var p2 = 0.0;
+                if EPL > 2u {
+                    p2 = select(0.0, exp(sc2 - m_new), sc2 != NEG_BIG);
+                }
+                var p3 = 0.0;
+                if EPL > 3u {
+                    p3 = select(0.0, exp(sc3 - m_new), sc3 != NEG_BIG);
+                }
+                l = l * rescale + p0 + p1 + p2 + p3;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0; var pp4 = 0.0; var pp5 = 0.0; var pp6 = 0.0; var pp7 = 0.0; var pp8 = 0.0; var pp9 = 0.0; var pp10 = 0.0; var pp11 = 0.0; var pp12 = 0.0; var pp13 = 0.0; var pp14 = 0.0; var pp15 = 0.0; var pp16 = 0.0; var pp17 = 0.0; var pp18 = 0.0; var pp19 = 0.0; var pp20 = 0.0; var pp21 = 0.0; var pp22 = 0.0; var pp23 = 0.0; var pp24 = 0.0; var pp25 = 0.0; var pp26 = 0.0; var pp27 = 0.0; var pp28 = 0.0; var pp29 = 0.0; var pp30 = 0.0; var pp31 = 0.0;
+                var rs0 = 0.0; var rs1 = 0.0; var rs2 = 0.0; var rs3 = 0.0; var rs4 = 0.0; var rs5 = 0.0; var rs6 = 0.0; var rs7 = 0.0;
+                if EPL == 1u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp3 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp5 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp7 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp9 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp11 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp13 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp15 = subgroupShuffle(p0, base + slot_lane(15u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(16u));
+                    pp17 = subgroupShuffle(p0, base + slot_lane(17u));
+                    pp18 = subgroupShuffle(p0, base + slot_lane(18u));
+                    pp19 = subgroupShuffle(p0, base + slot_lane(19u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(20u));
+                    pp21 = subgroupShuffle(p0, base + slot_lane(21u));
+                    pp22 = subgroupShuffle(p0, base + slot_lane(22u));
+                    pp23 = subgroupShuffle(p0, base + slot_lane(23u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(24u));
+                    pp25 = subgroupShuffle(p0, base + slot_lane(25u));
+                    pp26 = subgroupShuffle(p0, base + slot_lane(26u));
+                    pp27 = subgroupShuffle(p0, base + slot_lane(27u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(28u));
+                    pp29 = subgroupShuffle(p0, base + slot_lane(29u));
+                    pp30 = subgroupShuffle(p0, base + slot_lane(30u));
+                    pp31 = subgroupShuffle(p0, base + slot_lane(31u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(8u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(12u));
+                    rs4 = subgroupShuffle(rescale, base + slot_lane(16u));
+                    rs5 = subgroupShuffle(rescale, base + slot_lane(20u));
+                    rs6 = subgroupShuffle(rescale, base + slot_lane(24u));
+                    rs7 = subgroupShuffle(rescale, base + slot_lane(28u));
+                }
+                if EPL == 2u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp3 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp7 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp11 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp15 = subgroupShuffle(p1, base + slot_lane(7u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(8u));
+                    pp18 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp19 = subgroupShuffle(p1, base + slot_lane(9u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp21 = subgroupShuffle(p1, base + slot_lane(10u));
+                    pp22 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp23 = subgroupShuffle(p1, base + slot_lane(11u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(12u));
+                    pp26 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp27 = subgroupShuffle(p1, base + slot_lane(13u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp29 = subgroupShuffle(p1, base + slot_lane(14u));
+                    pp30 = subgroupShuffle(p0, base + slot_lane(15u));
+                    pp31 = subgroupShuffle(p1, base + slot_lane(15u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(6u));
+                    rs4 = subgroupShuffle(rescale, base + slot_lane(8u));
+                    rs5 = subgroupShuffle(rescale, base + slot_lane(10u));
+                    rs6 = subgroupShuffle(rescale, base + slot_lane(12u));
+                    rs7 = subgroupShuffle(rescale, base + slot_lane(14u));
+                }
+                if EPL == 4u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p2, base + slot_lane(0u));
+                    pp3 = subgroupShuffle(p3, base + slot_lane(0u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp6 = subgroupShuffle(p2, base + slot_lane(1u));
+                    pp7 = subgroupShuffle(p3, base + slot_lane(1u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp10 = subgroupShuffle(p2, base + slot_lane(2u));
+                    pp11 = subgroupShuffle(p3, base + slot_lane(2u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp14 = subgroupShuffle(p2, base + slot_lane(3u));
+                    pp15 = subgroupShuffle(p3, base + slot_lane(3u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp18 = subgroupShuffle(p2, base + slot_lane(4u));
+                    pp19 = subgroupShuffle(p3, base + slot_lane(4u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp21 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp22 = subgroupShuffle(p2, base + slot_lane(5u));
+                    pp23 = subgroupShuffle(p3, base + slot_lane(5u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp26 = subgroupShuffle(p2, base + slot_lane(6u));
+                    pp27 = subgroupShuffle(p3, base + slot_lane(6u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp29 = subgroupShuffle(p1, base + slot_lane(7u));
+                    pp30 = subgroupShuffle(p2, base + slot_lane(7u));
+                    pp31 = subgroupShuffle(p3, base + slot_lane(7u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(1u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(3u));
+                    rs4 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs5 = subgroupShuffle(rescale, base + slot_lane(5u));
+                    rs6 = subgroupShuffle(rescale, base + slot_lane(6u));
+                    rs7 = subgroupShuffle(rescale, base + slot_lane(7u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                    acc1_0 = acc1_0 * rs1 + pp4 * v;
+                    acc2_0 = acc2_0 * rs2 + pp8 * v;
+                    acc3_0 = acc3_0 * rs3 + pp12 * v;
+                    acc4_0 = acc4_0 * rs4 + pp16 * v;
+                    acc5_0 = acc5_0 * rs5 + pp20 * v;
+                    acc6_0 = acc6_0 * rs6 + pp24 * v;
+                    acc7_0 = acc7_0 * rs7 + pp28 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                    acc1_1 = acc1_1 * rs1 + pp4 * v;
+                    acc2_1 = acc2_1 * rs2 + pp8 * v;
+                    acc3_1 = acc3_1 * rs3 + pp12 * v;
+                    acc4_1 = acc4_1 * rs4 + pp16 * v;
+                    acc5_1 = acc5_1 * rs5 + pp20 * v;
+                    acc6_1 = acc6_1 * rs6 + pp24 * v;
+                    acc7_1 = acc7_1 * rs7 + pp28 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                    acc1_2 = acc1_2 * rs1 + pp4 * v;
+                    acc2_2 = acc2_2 * rs2 + pp8 * v;
+                    acc3_2 = acc3_2 * rs3 + pp12 * v;
+                    acc4_2 = acc4_2 * rs4 + pp16 * v;
+                    acc5_2 = acc5_2 * rs5 + pp20 * v;
+                    acc6_2 = acc6_2 * rs6 + pp24 * v;
+                    acc7_2 = acc7_2 * rs7 + pp28 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                    acc1_3 = acc1_3 * rs1 + pp4 * v;
+                    acc2_3 = acc2_3 * rs2 + pp8 * v;
+                    acc3_3 = acc3_3 * rs3 + pp12 * v;
+                    acc4_3 = acc4_3 * rs4 + pp16 * v;
+                    acc5_3 = acc5_3 * rs5 + pp20 * v;
+                    acc6_3 = acc6_3 * rs6 + pp24 * v;
+                    acc7_3 = acc7_3 * rs7 + pp28 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                    acc1_0 += pp5 * v;
+                    acc2_0 += pp9 * v;
+                    acc3_0 += pp13 * v;
+                    acc4_0 += pp17 * v;
+                    acc5_0 += pp21 * v;
+                    acc6_0 += pp25 * v;
+                    acc7_0 += pp29 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                    acc1_1 += pp5 * v;
+                    acc2_1 += pp9 * v;
+                    acc3_1 += pp13 * v;
+                    acc4_1 += pp17 * v;
+                    acc5_1 += pp21 * v;
+                    acc6_1 += pp25 * v;
+                    acc7_1 += pp29 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                    acc1_2 += pp5 * v;
+                    acc2_2 += pp9 * v;
+                    acc3_2 += pp13 * v;
+                    acc4_2 += pp17 * v;
+                    acc5_2 += pp21 * v;
+                    acc6_2 += pp25 * v;
+                    acc7_2 += pp29 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                    acc1_3 += pp5 * v;
+                    acc2_3 += pp9 * v;
+                    acc3_3 += pp13 * v;
+                    acc4_3 += pp17 * v;
+                    acc5_3 += pp21 * v;
+                    acc6_3 += pp25 * v;
+                    acc7_3 += pp29 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                    acc1_0 += pp6 * v;
+                    acc2_0 += pp10 * v;
+                    acc3_0 += pp14 * v;
+                    acc4_0 += pp18 * v;
+                    acc5_0 += pp22 * v;
+                    acc6_0 += pp26 * v;
+                    acc7_0 += pp30 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                    acc1_1 += pp6 * v;
+                    acc2_1 += pp10 * v;
+                    acc3_1 += pp14 * v;
+                    acc4_1 += pp18 * v;
+                    acc5_1 += pp22 * v;
+                    acc6_1 += pp26 * v;
+                    acc7_1 += pp30 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                    acc1_2 += pp6 * v;
+                    acc2_2 += pp10 * v;
+                    acc3_2 += pp14 * v;
+                    acc4_2 += pp18 * v;
+                    acc5_2 += pp22 * v;
+                    acc6_2 += pp26 * v;
+                    acc7_2 += pp30 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                    acc1_3 += pp6 * v;
+                    acc2_3 += pp10 * v;
+                    acc3_3 += pp14 * v;
+                    acc4_3 += pp18 * v;
+                    acc5_3 += pp22 * v;
+                    acc6_3 += pp26 * v;
+                    acc7_3 += pp30 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                    acc1_0 += pp7 * v;
+                    acc2_0 += pp11 * v;
+                    acc3_0 += pp15 * v;
+                    acc4_0 += pp19 * v;
+                    acc5_0 += pp23 * v;
+                    acc6_0 += pp27 * v;
+                    acc7_0 += pp31 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                    acc1_1 += pp7 * v;
+                    acc2_1 += pp11 * v;
+                    acc3_1 += pp15 * v;
+                    acc4_1 += pp19 * v;
+                    acc5_1 += pp23 * v;
+                    acc6_1 += pp27 * v;
+                    acc7_1 += pp31 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                    acc1_2 += pp7 * v;
+                    acc2_2 += pp11 * v;
+                    acc3_2 += pp15 * v;
+                    acc4_2 += pp19 * v;
+                    acc5_2 += pp23 * v;
+                    acc6_2 += pp27 * v;
+                    acc7_2 += pp31 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                    acc1_3 += pp7 * v;
+                    acc2_3 += pp11 * v;
+                    acc3_3 += pp15 * v;
+                    acc4_3 += pp19 * v;
+                    acc5_3 += pp23 * v;
+                    acc6_3 += pp27 * v;
+                    acc7_3 += pp31 * v;
+                }
+            }
+            if RB == 8u && KPI == 8u {
+                // 2. Partial dot products of pair i = r * KPI + j, key by key.
+                var x0 = 0.0; var x1 = 0.0; var x2 = 0.0; var x3 = 0.0; var x4 = 0.0; var x5 = 0.0; var x6 = 0.0; var x7 = 0.0; var x8 = 0.0; var x9 = 0.0; var x10 = 0.0; var x11 = 0.0; var x12 = 0.0; var x13 = 0.0; var x14 = 0.0; var x15 = 0.0; var x16 = 0.0; var x17 = 0.0; var x18 = 0.0; var x19 = 0.0; var x20 = 0.0; var x21 = 0.0; var x22 = 0.0; var x23 = 0.0; var x24 = 0.0; var x25 = 0.0; var x26 = 0.0; var x27 = 0.0; var x28 = 0.0; var x29 = 0.0; var x30 = 0.0; var x31 = 0.0; var x32 = 0.0; var x33 = 0.0; var x34 = 0.0; var x35 = 0.0; var x36 = 0.0; var x37 = 0.0; var x38 = 0.0; var x39 = 0.0; var x40 = 0.0; var x41 = 0.0; var x42 = 0.0; var x43 = 0.0; var x44 = 0.0; var x45 = 0.0; var x46 = 0.0; var x47 = 0.0; var x48 = 0.0; var x49 = 0.0; var x50 = 0.0; var x51 = 0.0; var x52 = 0.0; var x53 = 0.0; var x54 = 0.0; var x55 = 0.0; var x56 = 0.0; var x57 = 0.0; var x58 = 0.0; var x59 = 0.0; var x60 = 0.0; var x61 = 0.0; var x62 = 0.0; var x63 = 0.0;
+                {
+                    let k = widen4(kc0_0);
+                    x0 += dot(q0_0, k);
+                    x8 += dot(q1_0, k);
+                    x16 += dot(q2_0, k);
+                    x24 += dot(q3_0, k);
+                    x32 += dot(q4_0, k);
+                    x40 += dot(q5_0, k);
+                    x48 += dot(q6_0, k);
+                    x56 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc0_1);
+                    x0 += dot(q0_1, k);
+                    x8 += dot(q1_1, k);
+                    x16 += dot(q2_1, k);
+                    x24 += dot(q3_1, k);
+                    x32 += dot(q4_1, k);
+                    x40 += dot(q5_1, k);
+                    x48 += dot(q6_1, k);
+                    x56 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc0_2);
+                    x0 += dot(q0_2, k);
+                    x8 += dot(q1_2, k);
+                    x16 += dot(q2_2, k);
+                    x24 += dot(q3_2, k);
+                    x32 += dot(q4_2, k);
+                    x40 += dot(q5_2, k);
+                    x48 += dot(q6_2, k);
+                    x56 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc0_3);
+                    x0 += dot(q0_3, k);
+                    x8 += dot(q1_3, k);
+                    x16 += dot(q2_3, k);
+                    x24 += dot(q3_3, k);
+                    x32 += dot(q4_3, k);
+                    x40 += dot(q5_3, k);
+                    x48 += dot(q6_3, k);
+                    x56 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc1_0);
+                    x1 += dot(q0_0, k);
+                    x9 += dot(q1_0, k);
+                    x17 += dot(q2_0, k);
+                    x25 += dot(q3_0, k);
+                    x33 += dot(q4_0, k);
+                    x41 += dot(q5_0, k);
+                    x49 += dot(q6_0, k);
+                    x57 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc1_1);
+                    x1 += dot(q0_1, k);
+                    x9 += dot(q1_1, k);
+                    x17 += dot(q2_1, k);
+                    x25 += dot(q3_1, k);
+                    x33 += dot(q4_1, k);
+                    x41 += dot(q5_1, k);
+                    x49 += dot(q6_1, k);
+                    x57 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc1_2);
+                    x1 += dot(q0_2, k);
+                    x9 += dot(q1_2, k);
+                    x17 += dot(q2_2, k);
+                    x25 += dot(q3_2, k);
+                    x33 += dot(q4_2, k);
+                    x41 += dot(q5_2, k);
+                    x49 += dot(q6_2, k);
+                    x57 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc1_3);
+                    x1 += dot(q0_3, k);
+                    x9 += dot(q1_3, k);
+                    x17 += dot(q2_3, k);
+                    x25 += dot(q3_3, k);
+                    x33 += dot(q4_3, k);
+                    x41 += dot(q5_3, k);
+                    x49 += dot(q6_3, k);
+                    x57 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc2_0);
+                    x2 += dot(q0_0, k);
+                    x10 += dot(q1_0, k);
+                    x18 += dot(q2_0, k);
+                    x26 += dot(q3_0, k);
+                    x34 += dot(q4_0, k);
+                    x42 += dot(q5_0, k);
+                    x50 += dot(q6_0, k);
+                    x58 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc2_1);
+                    x2 += dot(q0_1, k);
+                    x10 += dot(q1_1, k);
+                    x18 += dot(q2_1, k);
+                    x26 += dot(q3_1, k);
+                    x34 += dot(q4_1, k);
+                    x42 += dot(q5_1, k);
+                    x50 += dot(q6_1, k);
+                    x58 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc2_2);
+                    x2 += dot(q0_2, k);
+                    x10 += dot(q1_2, k);
+                    x18 += dot(q2_2, k);
+                    x26 += dot(q3_2, k);
+                    x34 += dot(q4_2, k);
+                    x42 += dot(q5_2, k);
+                    x50 += dot(q6_2, k);
+                    x58 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc2_3);
+                    x2 += dot(q0_3, k);
+                    x10 += dot(q1_3, k);
+                    x18 += dot(q2_3, k);
+                    x26 += dot(q3_3, k);
+                    x34 += dot(q4_3, k);
+                    x42 += dot(q5_3, k);
+                    x50 += dot(q6_3, k);
+                    x58 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc3_0);
+                    x3 += dot(q0_0, k);
+                    x11 += dot(q1_0, k);
+                    x19 += dot(q2_0, k);
+                    x27 += dot(q3_0, k);
+                    x35 += dot(q4_0, k);
+                    x43 += dot(q5_0, k);
+                    x51 += dot(q6_0, k);
+                    x59 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc3_1);
+                    x3 += dot(q0_1, k);
+                    x11 += dot(q1_1, k);
+                    x19 += dot(q2_1, k);
+                    x27 += dot(q3_1, k);
+                    x35 += dot(q4_1, k);
+                    x43 += dot(q5_1, k);
+                    x51 += dot(q6_1, k);
+                    x59 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc3_2);
+                    x3 += dot(q0_2, k);
+                    x11 += dot(q1_2, k);
+                    x19 += dot(q2_2, k);
+                    x27 += dot(q3_2, k);
+                    x35 += dot(q4_2, k);
+                    x43 += dot(q5_2, k);
+                    x51 += dot(q6_2, k);
+                    x59 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc3_3);
+                    x3 += dot(q0_3, k);
+                    x11 += dot(q1_3, k);
+                    x19 += dot(q2_3, k);
+                    x27 += dot(q3_3, k);
+                    x35 += dot(q4_3, k);
+                    x43 += dot(q5_3, k);
+                    x51 += dot(q6_3, k);
+                    x59 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc4_0);
+                    x4 += dot(q0_0, k);
+                    x12 += dot(q1_0, k);
+                    x20 += dot(q2_0, k);
+                    x28 += dot(q3_0, k);
+                    x36 += dot(q4_0, k);
+                    x44 += dot(q5_0, k);
+                    x52 += dot(q6_0, k);
+                    x60 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc4_1);
+                    x4 += dot(q0_1, k);
+                    x12 += dot(q1_1, k);
+                    x20 += dot(q2_1, k);
+                    x28 += dot(q3_1, k);
+                    x36 += dot(q4_1, k);
+                    x44 += dot(q5_1, k);
+                    x52 += dot(q6_1, k);
+                    x60 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc4_2);
+                    x4 += dot(q0_2, k);
+                    x12 += dot(q1_2, k);
+                    x20 += dot(q2_2, k);
+                    x28 += dot(q3_2, k);
+                    x36 += dot(q4_2, k);
+                    x44 += dot(q5_2, k);
+                    x52 += dot(q6_2, k);
+                    x60 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc4_3);
+                    x4 += dot(q0_3, k);
+                    x12 += dot(q1_3, k);
+                    x20 += dot(q2_3, k);
+                    x28 += dot(q3_3, k);
+                    x36 += dot(q4_3, k);
+                    x44 += dot(q5_3, k);
+                    x52 += dot(q6_3, k);
+                    x60 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc5_0);
+                    x5 += dot(q0_0, k);
+                    x13 += dot(q1_0, k);
+                    x21 += dot(q2_0, k);
+                    x29 += dot(q3_0, k);
+                    x37 += dot(q4_0, k);
+                    x45 += dot(q5_0, k);
+                    x53 += dot(q6_0, k);
+                    x61 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc5_1);
+                    x5 += dot(q0_1, k);
+                    x13 += dot(q1_1, k);
+                    x21 += dot(q2_1, k);
+                    x29 += dot(q3_1, k);
+                    x37 += dot(q4_1, k);
+                    x45 += dot(q5_1, k);
+                    x53 += dot(q6_1, k);
+                    x61 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc5_2);
+                    x5 += dot(q0_2, k);
+                    x13 += dot(q1_2, k);
+                    x21 += dot(q2_2, k);
+                    x29 += dot(q3_2, k);
+                    x37 += dot(q4_2, k);
+                    x45 += dot(q5_2, k);
+                    x53 += dot(q6_2, k);
+                    x61 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc5_3);
+                    x5 += dot(q0_3, k);
+                    x13 += dot(q1_3, k);
+                    x21 += dot(q2_3, k);
+                    x29 += dot(q3_3, k);
+                    x37 += dot(q4_3, k);
+                    x45 += dot(q5_3, k);
+                    x53 += dot(q6_3, k);
+                    x61 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc6_0);
+                    x6 += dot(q0_0, k);
+                    x14 += dot(q1_0, k);
+                    x22 += dot(q2_0, k);
+                    x30 += dot(q3_0, k);
+                    x38 += dot(q4_0, k);
+                    x46 += dot(q5_0, k);
+                    x54 += dot(q6_0, k);
+                    x62 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc6_1);
+                    x6 += dot(q0_1, k);
+                    x14 += dot(q1_1, k);
+                    x22 += dot(q2_1, k);
+                    x30 += dot(q3_1, k);
+                    x38 += dot(q4_1, k);
+                    x46 += dot(q5_1, k);
+                    x54 += dot(q6_1, k);
+                    x62 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc6_2);
+                    x6 += dot(q0_2, k);
+                    x14 += dot(q1_2, k);
+                    x22 += dot(q2_2, k);
+                    x30 += dot(q3_2, k);
+                    x38 += dot(q4_2, k);
+                    x46 += dot(q5_2, k);
+                    x54 += dot(q6_2, k);
+                    x62 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc6_3);
+                    x6 += dot(q0_3, k);
+                    x14 += dot(q1_3, k);
+                    x22 += dot(q2_3, k);
+                    x30 += dot(q3_3, k);
+                    x38 += dot(q4_3, k);
+                    x46 += dot(q5_3, k);
+                    x54 += dot(q6_3, k);
+                    x62 += dot(q7_3, k);
+                }
+                {
+                    let k = widen4(kc7_0);
+                    x7 += dot(q0_0, k);
+                    x15 += dot(q1_0, k);
+                    x23 += dot(q2_0, k);
+                    x31 += dot(q3_0, k);
+                    x39 += dot(q4_0, k);
+                    x47 += dot(q5_0, k);
+                    x55 += dot(q6_0, k);
+                    x63 += dot(q7_0, k);
+                }
+                if NO > 1u {
+                    let k = widen4(kc7_1);
+                    x7 += dot(q0_1, k);
+                    x15 += dot(q1_1, k);
+                    x23 += dot(q2_1, k);
+                    x31 += dot(q3_1, k);
+                    x39 += dot(q4_1, k);
+                    x47 += dot(q5_1, k);
+                    x55 += dot(q6_1, k);
+                    x63 += dot(q7_1, k);
+                }
+                if NO > 2u {
+                    let k = widen4(kc7_2);
+                    x7 += dot(q0_2, k);
+                    x15 += dot(q1_2, k);
+                    x23 += dot(q2_2, k);
+                    x31 += dot(q3_2, k);
+                    x39 += dot(q4_2, k);
+                    x47 += dot(q5_2, k);
+                    x55 += dot(q6_2, k);
+                    x63 += dot(q7_2, k);
+                }
+                if NO > 3u {
+                    let k = widen4(kc7_3);
+                    x7 += dot(q0_3, k);
+                    x15 += dot(q1_3, k);
+                    x23 += dot(q2_3, k);
+                    x31 += dot(q3_3, k);
+                    x39 += dot(q4_3, k);
+                    x47 += dot(q5_3, k);
+                    x55 += dot(q6_3, k);
+                    x63 += dot(q7_3, k);
+                }
+                // 3. The reduce-scatter over the walker's lanes.
+                if LPK > 1u {
+                    let up = (lane & 1u) != 0u;
+                    x0 = select(x0, x32, up) + subgroupShuffleXor(select(x32, x0, up), 1u);
+                    x1 = select(x1, x33, up) + subgroupShuffleXor(select(x33, x1, up), 1u);
+                    x2 = select(x2, x34, up) + subgroupShuffleXor(select(x34, x2, up), 1u);
+                    x3 = select(x3, x35, up) + subgroupShuffleXor(select(x35, x3, up), 1u);
+                    x4 = select(x4, x36, up) + subgroupShuffleXor(select(x36, x4, up), 1u);
+                    x5 = select(x5, x37, up) + subgroupShuffleXor(select(x37, x5, up), 1u);
+                    x6 = select(x6, x38, up) + subgroupShuffleXor(select(x38, x6, up), 1u);
+                    x7 = select(x7, x39, up) + subgroupShuffleXor(select(x39, x7, up), 1u);
+                    x8 = select(x8, x40, up) + subgroupShuffleXor(select(x40, x8, up), 1u);
+                    x9 = select(x9, x41, up) + subgroupShuffleXor(select(x41, x9, up), 1u);
+                    x10 = select(x10, x42, up) + subgroupShuffleXor(select(x42, x10, up), 1u);
+                    x11 = select(x11, x43, up) + subgroupShuffleXor(select(x43, x11, up), 1u);
+                    x12 = select(x12, x44, up) + subgroupShuffleXor(select(x44, x12, up), 1u);
+                    x13 = select(x13, x45, up) + subgroupShuffleXor(select(x45, x13, up), 1u);
+                    x14 = select(x14, x46, up) + subgroupShuffleXor(select(x46, x14, up), 1u);
+                    x15 = select(x15, x47, up) + subgroupShuffleXor(select(x47, x15, up), 1u);
+                    x16 = select(x16, x48, up) + subgroupShuffleXor(select(x48, x16, up), 1u);
+                    x17 = select(x17, x49, up) + subgroupShuffleXor(select(x49, x17, up), 1u);
+                    x18 = select(x18, x50, up) + subgroupShuffleXor(select(x50, x18, up), 1u);
+                    x19 = select(x19, x51, up) + subgroupShuffleXor(select(x51, x19, up), 1u);
+                    x20 = select(x20, x52, up) + subgroupShuffleXor(select(x52, x20, up), 1u);
+                    x21 = select(x21, x53, up) + subgroupShuffleXor(select(x53, x21, up), 1u);
+                    x22 = select(x22, x54, up) + subgroupShuffleXor(select(x54, x22, up), 1u);
+                    x23 = select(x23, x55, up) + subgroupShuffleXor(select(x55, x23, up), 1u);
+                    x24 = select(x24, x56, up) + subgroupShuffleXor(select(x56, x24, up), 1u);
+                    x25 = select(x25, x57, up) + subgroupShuffleXor(select(x57, x25, up), 1u);
+                    x26 = select(x26, x58, up) + subgroupShuffleXor(select(x58, x26, up), 1u);
+                    x27 = select(x27, x59, up) + subgroupShuffleXor(select(x59, x27, up), 1u);
+                    x28 = select(x28, x60, up) + subgroupShuffleXor(select(x60, x28, up), 1u);
+                    x29 = select(x29, x61, up) + subgroupShuffleXor(select(x61, x29, up), 1u);
+                    x30 = select(x30, x62, up) + subgroupShuffleXor(select(x62, x30, up), 1u);
+                    x31 = select(x31, x63, up) + subgroupShuffleXor(select(x63, x31, up), 1u);
+                }
+                if LPK > 2u {
+                    let up = (lane & 2u) != 0u;
+                    x0 = select(x0, x16, up) + subgroupShuffleXor(select(x16, x0, up), 2u);
+                    x1 = select(x1, x17, up) + subgroupShuffleXor(select(x17, x1, up), 2u);
+                    x2 = select(x2, x18, up) + subgroupShuffleXor(select(x18, x2, up), 2u);
+                    x3 = select(x3, x19, up) + subgroupShuffleXor(select(x19, x3, up), 2u);
+                    x4 = select(x4, x20, up) + subgroupShuffleXor(select(x20, x4, up), 2u);
+                    x5 = select(x5, x21, up) + subgroupShuffleXor(select(x21, x5, up), 2u);
+                    x6 = select(x6, x22, up) + subgroupShuffleXor(select(x22, x6, up), 2u);
+                    x7 = select(x7, x23, up) + subgroupShuffleXor(select(x23, x7, up), 2u);
+                    x8 = select(x8, x24, up) + subgroupShuffleXor(select(x24, x8, up), 2u);
+                    x9 = select(x9, x25, up) + subgroupShuffleXor(select(x25, x9, up), 2u);
+                    x10 = select(x10, x26, up) + subgroupShuffleXor(select(x26, x10, up), 2u);
+                    x11 = select(x11, x27, up) + subgroupShuffleXor(select(x27, x11, up), 2u);
+                    x12 = select(x12, x28, up) + subgroupShuffleXor(select(x28, x12, up), 2u);
+                    x13 = select(x13, x29, up) + subgroupShuffleXor(select(x29, x13, up), 2u);
+                    x14 = select(x14, x30, up) + subgroupShuffleXor(select(x30, x14, up), 2u);
+                    x15 = select(x15, x31, up) + subgroupShuffleXor(select(x31, x15, up), 2u);
+                }
+                if LPK > 4u {
+                    let up = (lane & 4u) != 0u;
+                    x0 = select(x0, x8, up) + subgroupShuffleXor(select(x8, x0, up), 4u);
+                    x1 = select(x1, x9, up) + subgroupShuffleXor(select(x9, x1, up), 4u);
+                    x2 = select(x2, x10, up) + subgroupShuffleXor(select(x10, x2, up), 4u);
+                    x3 = select(x3, x11, up) + subgroupShuffleXor(select(x11, x3, up), 4u);
+                    x4 = select(x4, x12, up) + subgroupShuffleXor(select(x12, x4, up), 4u);
+                    x5 = select(x5, x13, up) + subgroupShuffleXor(select(x13, x5, up), 4u);
+                    x6 = select(x6, x14, up) + subgroupShuffleXor(select(x14, x6, up), 4u);
+                    x7 = select(x7, x15, up) + subgroupShuffleXor(select(x15, x7, up), 4u);
+                }
+                if LPK > 8u {
+                    let up = (lane & 8u) != 0u;
+                    x0 = select(x0, x4, up) + subgroupShuffleXor(select(x4, x0, up), 8u);
+                    x1 = select(x1, x5, up) + subgroupShuffleXor(select(x5, x1, up), 8u);
+                    x2 = select(x2, x6, up) + subgroupShuffleXor(select(x6, x2, up), 8u);
+                    x3 = select(x3, x7, up) + subgroupShuffleXor(select(x7, x3, up), 8u);
+                }
+                if LPK > 16u {
+                    let up = (lane & 16u) != 0u;
+                    x0 = select(x0, x2, up) + subgroupShuffleXor(select(x2, x0, up), 16u);
+                    x1 = select(x1, x3, up) + subgroupShuffleXor(select(x3, x1, up), 16u);
+                }
+                // 4. The scores of the lane's pairs and the row's maximum.
+                var mt = NEG_BIG;
+                var sc0 = NEG_BIG;
+                let j = my_j + 0u;
+                let key = kb + j;
+                if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                    let y = variant_score(x0, key, slope, pos);
+                    if finite_f32(y) {
+                        sc0 = y;
+                    } else {
+                        code = max(code, nonfinite_code(y));
                     }
                     // A key the row sees whose value was not finite: o = NaN.
-                    if any(vbad0) || any(vbad1) {
-                        var hit = any(vbad0 & (okq0 & (kq0 >= vec4(lo7)) & (kq0 < vec4(hi7))));
-                        if KPI > 4u {
-                            hit = hit || any(vbad1 & (okq1 & (kq1 >= vec4(lo7)) & (kq1 < vec4(hi7))));
+                    if ((vbad >> j) & 1u) != 0u {
+                        code = max(code, CODE_VALUE);
+                    }
+                }
+                mt = max(mt, sc0);
+                var sc1 = NEG_BIG;
+                if EPL > 1u {
+                    let j = my_j + 1u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x1, key, slope, pos);
+                        if finite_f32(y) {
+                            sc1 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
                         }
-                        if hit {
-                            c7 = max(c7, CODE_VALUE);
-                        }
-                    }
-                    let m_new = max(m7, max(max4(x0), max4(x1)));
-                    // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
-                    // first visible key.
-                    let rescale = exp(m7 - m_new);
-                    let p0 = probs4(x0, m_new);
-                    var p1 = vec4(0.0);
-                    if KPI > 4u {
-                        p1 = probs4(x1, m_new);
-                    }
-                    l7 = l7 * rescale + sum4(p0) + sum4(p1);
-                    m7 = m_new;
-                    acc7_0 = acc7_0 * rescale + p0.x * v0_0 + p0.y * v1_0 + p0.z * v2_0 + p0.w * v3_0;
-                    if KPI > 4u {
-                        acc7_0 += p1.x * v4_0 + p1.y * v5_0 + p1.z * v6_0 + p1.w * v7_0;
-                    }
-                    if VPL > 1u {
-                        acc7_1 = acc7_1 * rescale + p0.x * v0_1 + p0.y * v1_1 + p0.z * v2_1 + p0.w * v3_1;
-                        if KPI > 4u {
-                            acc7_1 += p1.x * v4_1 + p1.y * v5_1 + p1.z * v6_1 + p1.w * v7_1;
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
                         }
                     }
-                    if VPL > 2u {
-                        acc7_2 = acc7_2 * rescale + p0.x * v0_2 + p0.y * v1_2 + p0.z * v2_2 + p0.w * v3_2;
-                        if KPI > 4u {
-                            acc7_2 += p1.x * v4_2 + p1.y * v5_2 + p1.z * v6_2 + p1.w * v7_2;
+                    mt = max(mt, sc1);
+                }
+                var sc2 = NEG_BIG;
+                if EPL > 2u {
+                    let j = my_j + 2u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x2, key, slope, pos);
+                        if finite_f32(y) {
+                            sc2 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
                         }
                     }
-                    if VPL > 3u {
-                        acc7_3 = acc7_3 * rescale + p0.x * v0_3 + p0.y * v1_3 + p0.z * v2_3 + p0.w * v3_3;
-                        if KPI > 4u {
-                            acc7_3 += p1.x * v4_3 + p1.y * v5_3 + p1.z * v6_3 + p1.w * v7_3;
+                    mt = max(mt, sc2);
+                }
+                var sc3 = NEG_BIG;
+                if EPL > 3u {
+                    let j = my_j + 3u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x3, key, slope, pos);
+                        if finite_f32(y) {
+                            sc3 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
                         }
                     }
+                    mt = max(mt, sc3);
+                }
+                var sc4 = NEG_BIG;
+                if EPL > 4u {
+                    let j = my_j + 4u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x4, key, slope, pos);
+                        if finite_f32(y) {
+                            sc4 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc4);
+                }
+                var sc5 = NEG_BIG;
+                if EPL > 5u {
+                    let j = my_j + 5u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x5, key, slope, pos);
+                        if finite_f32(y) {
+                            sc5 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc5);
+                }
+                var sc6 = NEG_BIG;
+                if EPL > 6u {
+                    let j = my_j + 6u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x6, key, slope, pos);
+                        if finite_f32(y) {
+                            sc6 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc6);
+                }
+                var sc7 = NEG_BIG;
+                if EPL > 7u {
+                    let j = my_j + 7u;
+                    let key = kb + j;
+                    if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
+                        let y = variant_score(x7, key, slope, pos);
+                        if finite_f32(y) {
+                            sc7 = y;
+                        } else {
+                            code = max(code, nonfinite_code(y));
+                        }
+                        // A key the row sees whose value was not finite: o = NaN.
+                        if ((vbad >> j) & 1u) != 0u {
+                            code = max(code, CODE_VALUE);
+                        }
+                    }
+                    mt = max(mt, sc7);
+                }
+                if SLOTS > 8u {
+                    mt = max(mt, subgroupShuffleXor(mt, 8u));
+                }
+                if SLOTS > 16u {
+                    mt = max(mt, subgroupShuffleXor(mt, 16u));
+                }
+                let m_new = max(m, mt);
+                // 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its
+                // first visible key.
+                let rescale = exp(m - m_new);
+                // Hidden keys get 0 by this test, never by exp(NEG_BIG - m).
+                var p0 = 0.0;
+                p0 = select(0.0, exp(sc0 - m_new), sc0 != NEG_BIG);
+                var p1 = 0.0;
+                if EPL > 1u {
+                    p1 = select(0.0, exp(sc1 - m_new), sc1 != NEG_BIG);
+                }
+                var p2 = 0.0;
+                if EPL > 2u {
+                    p2 = select(0.0, exp(sc2 - m_new), sc2 != NEG_BIG);
+                }
+                var p3 = 0.0;
+                if EPL > 3u {
+                    p3 = select(0.0, exp(sc3 - m_new), sc3 != NEG_BIG);
+                }
+                var p4 = 0.0;
+                if EPL > 4u {
+                    p4 = select(0.0, exp(sc4 - m_new), sc4 != NEG_BIG);
+                }
+                var p5 = 0.0;
+                if EPL > 5u {
+                    p5 = select(0.0, exp(sc5 - m_new), sc5 != NEG_BIG);
+                }
+                var p6 = 0.0;
+                if EPL > 6u {
+                    p6 = select(0.0, exp(sc6 - m_new), sc6 != NEG_BIG);
+                }
+                var p7 = 0.0;
+                if EPL > 7u {
+                    p7 = select(0.0, exp(sc7 - m_new), sc7 != NEG_BIG);
+                }
+                l = l * rescale + p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7;
+                m = m_new;
+                // 5. Each pair's probability and each row's rescale, from the
+                // lanes that hold them; acc = acc * rescale + p * v.
+                var pp0 = 0.0; var pp1 = 0.0; var pp2 = 0.0; var pp3 = 0.0; var pp4 = 0.0; var pp5 = 0.0; var pp6 = 0.0; var pp7 = 0.0; var pp8 = 0.0; var pp9 = 0.0; var pp10 = 0.0; var pp11 = 0.0; var pp12 = 0.0; var pp13 = 0.0; var pp14 = 0.0; var pp15 = 0.0; var pp16 = 0.0; var pp17 = 0.0; var pp18 = 0.0; var pp19 = 0.0; var pp20 = 0.0; var pp21 = 0.0; var pp22 = 0.0; var pp23 = 0.0; var pp24 = 0.0; var pp25 = 0.0; var pp26 = 0.0; var pp27 = 0.0; var pp28 = 0.0; var pp29 = 0.0; var pp30 = 0.0; var pp31 = 0.0; var pp32 = 0.0; var pp33 = 0.0; var pp34 = 0.0; var pp35 = 0.0; var pp36 = 0.0; var pp37 = 0.0; var pp38 = 0.0; var pp39 = 0.0; var pp40 = 0.0; var pp41 = 0.0; var pp42 = 0.0; var pp43 = 0.0; var pp44 = 0.0; var pp45 = 0.0; var pp46 = 0.0; var pp47 = 0.0; var pp48 = 0.0; var pp49 = 0.0; var pp50 = 0.0; var pp51 = 0.0; var pp52 = 0.0; var pp53 = 0.0; var pp54 = 0.0; var pp55 = 0.0; var pp56 = 0.0; var pp57 = 0.0; var pp58 = 0.0; var pp59 = 0.0; var pp60 = 0.0; var pp61 = 0.0; var pp62 = 0.0; var pp63 = 0.0;
+                var rs0 = 0.0; var rs1 = 0.0; var rs2 = 0.0; var rs3 = 0.0; var rs4 = 0.0; var rs5 = 0.0; var rs6 = 0.0; var rs7 = 0.0;
+                if EPL == 2u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp3 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp6 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp7 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp10 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp11 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp14 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp15 = subgroupShuffle(p1, base + slot_lane(7u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(8u));
+                    pp18 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp19 = subgroupShuffle(p1, base + slot_lane(9u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp21 = subgroupShuffle(p1, base + slot_lane(10u));
+                    pp22 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp23 = subgroupShuffle(p1, base + slot_lane(11u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(12u));
+                    pp26 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp27 = subgroupShuffle(p1, base + slot_lane(13u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp29 = subgroupShuffle(p1, base + slot_lane(14u));
+                    pp30 = subgroupShuffle(p0, base + slot_lane(15u));
+                    pp31 = subgroupShuffle(p1, base + slot_lane(15u));
+                    pp32 = subgroupShuffle(p0, base + slot_lane(16u));
+                    pp33 = subgroupShuffle(p1, base + slot_lane(16u));
+                    pp34 = subgroupShuffle(p0, base + slot_lane(17u));
+                    pp35 = subgroupShuffle(p1, base + slot_lane(17u));
+                    pp36 = subgroupShuffle(p0, base + slot_lane(18u));
+                    pp37 = subgroupShuffle(p1, base + slot_lane(18u));
+                    pp38 = subgroupShuffle(p0, base + slot_lane(19u));
+                    pp39 = subgroupShuffle(p1, base + slot_lane(19u));
+                    pp40 = subgroupShuffle(p0, base + slot_lane(20u));
+                    pp41 = subgroupShuffle(p1, base + slot_lane(20u));
+                    pp42 = subgroupShuffle(p0, base + slot_lane(21u));
+                    pp43 = subgroupShuffle(p1, base + slot_lane(21u));
+                    pp44 = subgroupShuffle(p0, base + slot_lane(22u));
+                    pp45 = subgroupShuffle(p1, base + slot_lane(22u));
+                    pp46 = subgroupShuffle(p0, base + slot_lane(23u));
+                    pp47 = subgroupShuffle(p1, base + slot_lane(23u));
+                    pp48 = subgroupShuffle(p0, base + slot_lane(24u));
+                    pp49 = subgroupShuffle(p1, base + slot_lane(24u));
+                    pp50 = subgroupShuffle(p0, base + slot_lane(25u));
+                    pp51 = subgroupShuffle(p1, base + slot_lane(25u));
+                    pp52 = subgroupShuffle(p0, base + slot_lane(26u));
+                    pp53 = subgroupShuffle(p1, base + slot_lane(26u));
+                    pp54 = subgroupShuffle(p0, base + slot_lane(27u));
+                    pp55 = subgroupShuffle(p1, base + slot_lane(27u));
+                    pp56 = subgroupShuffle(p0, base + slot_lane(28u));
+                    pp57 = subgroupShuffle(p1, base + slot_lane(28u));
+                    pp58 = subgroupShuffle(p0, base + slot_lane(29u));
+                    pp59 = subgroupShuffle(p1, base + slot_lane(29u));
+                    pp60 = subgroupShuffle(p0, base + slot_lane(30u));
+                    pp61 = subgroupShuffle(p1, base + slot_lane(30u));
+                    pp62 = subgroupShuffle(p0, base + slot_lane(31u));
+                    pp63 = subgroupShuffle(p1, base + slot_lane(31u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(8u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(12u));
+                    rs4 = subgroupShuffle(rescale, base + slot_lane(16u));
+                    rs5 = subgroupShuffle(rescale, base + slot_lane(20u));
+                    rs6 = subgroupShuffle(rescale, base + slot_lane(24u));
+                    rs7 = subgroupShuffle(rescale, base + slot_lane(28u));
+                }
+                if EPL == 4u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p2, base + slot_lane(0u));
+                    pp3 = subgroupShuffle(p3, base + slot_lane(0u));
+                    pp4 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp5 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp6 = subgroupShuffle(p2, base + slot_lane(1u));
+                    pp7 = subgroupShuffle(p3, base + slot_lane(1u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp10 = subgroupShuffle(p2, base + slot_lane(2u));
+                    pp11 = subgroupShuffle(p3, base + slot_lane(2u));
+                    pp12 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp13 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp14 = subgroupShuffle(p2, base + slot_lane(3u));
+                    pp15 = subgroupShuffle(p3, base + slot_lane(3u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp18 = subgroupShuffle(p2, base + slot_lane(4u));
+                    pp19 = subgroupShuffle(p3, base + slot_lane(4u));
+                    pp20 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp21 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp22 = subgroupShuffle(p2, base + slot_lane(5u));
+                    pp23 = subgroupShuffle(p3, base + slot_lane(5u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp26 = subgroupShuffle(p2, base + slot_lane(6u));
+                    pp27 = subgroupShuffle(p3, base + slot_lane(6u));
+                    pp28 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp29 = subgroupShuffle(p1, base + slot_lane(7u));
+                    pp30 = subgroupShuffle(p2, base + slot_lane(7u));
+                    pp31 = subgroupShuffle(p3, base + slot_lane(7u));
+                    pp32 = subgroupShuffle(p0, base + slot_lane(8u));
+                    pp33 = subgroupShuffle(p1, base + slot_lane(8u));
+                    pp34 = subgroupShuffle(p2, base + slot_lane(8u));
+                    pp35 = subgroupShuffle(p3, base + slot_lane(8u));
+                    pp36 = subgroupShuffle(p0, base + slot_lane(9u));
+                    pp37 = subgroupShuffle(p1, base + slot_lane(9u));
+                    pp38 = subgroupShuffle(p2, base + slot_lane(9u));
+                    pp39 = subgroupShuffle(p3, base + slot_lane(9u));
+                    pp40 = subgroupShuffle(p0, base + slot_lane(10u));
+                    pp41 = subgroupShuffle(p1, base + slot_lane(10u));
+                    pp42 = subgroupShuffle(p2, base + slot_lane(10u));
+                    pp43 = subgroupShuffle(p3, base + slot_lane(10u));
+                    pp44 = subgroupShuffle(p0, base + slot_lane(11u));
+                    pp45 = subgroupShuffle(p1, base + slot_lane(11u));
+                    pp46 = subgroupShuffle(p2, base + slot_lane(11u));
+                    pp47 = subgroupShuffle(p3, base + slot_lane(11u));
+                    pp48 = subgroupShuffle(p0, base + slot_lane(12u));
+                    pp49 = subgroupShuffle(p1, base + slot_lane(12u));
+                    pp50 = subgroupShuffle(p2, base + slot_lane(12u));
+                    pp51 = subgroupShuffle(p3, base + slot_lane(12u));
+                    pp52 = subgroupShuffle(p0, base + slot_lane(13u));
+                    pp53 = subgroupShuffle(p1, base + slot_lane(13u));
+                    pp54 = subgroupShuffle(p2, base + slot_lane(13u));
+                    pp55 = subgroupShuffle(p3, base + slot_lane(13u));
+                    pp56 = subgroupShuffle(p0, base + slot_lane(14u));
+                    pp57 = subgroupShuffle(p1, base + slot_lane(14u));
+                    pp58 = subgroupShuffle(p2, base + slot_lane(14u));
+                    pp59 = subgroupShuffle(p3, base + slot_lane(14u));
+                    pp60 = subgroupShuffle(p0, base + slot_lane(15u));
+                    pp61 = subgroupShuffle(p1, base + slot_lane(15u));
+                    pp62 = subgroupShuffle(p2, base + slot_lane(15u));
+                    pp63 = subgroupShuffle(p3, base + slot_lane(15u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(6u));
+                    rs4 = subgroupShuffle(rescale, base + slot_lane(8u));
+                    rs5 = subgroupShuffle(rescale, base + slot_lane(10u));
+                    rs6 = subgroupShuffle(rescale, base + slot_lane(12u));
+                    rs7 = subgroupShuffle(rescale, base + slot_lane(14u));
+                }
+                if EPL == 8u {
+                    pp0 = subgroupShuffle(p0, base + slot_lane(0u));
+                    pp1 = subgroupShuffle(p1, base + slot_lane(0u));
+                    pp2 = subgroupShuffle(p2, base + slot_lane(0u));
+                    pp3 = subgroupShuffle(p3, base + slot_lane(0u));
+                    pp4 = subgroupShuffle(p4, base + slot_lane(0u));
+                    pp5 = subgroupShuffle(p5, base + slot_lane(0u));
+                    pp6 = subgroupShuffle(p6, base + slot_lane(0u));
+                    pp7 = subgroupShuffle(p7, base + slot_lane(0u));
+                    pp8 = subgroupShuffle(p0, base + slot_lane(1u));
+                    pp9 = subgroupShuffle(p1, base + slot_lane(1u));
+                    pp10 = subgroupShuffle(p2, base + slot_lane(1u));
+                    pp11 = subgroupShuffle(p3, base + slot_lane(1u));
+                    pp12 = subgroupShuffle(p4, base + slot_lane(1u));
+                    pp13 = subgroupShuffle(p5, base + slot_lane(1u));
+                    pp14 = subgroupShuffle(p6, base + slot_lane(1u));
+                    pp15 = subgroupShuffle(p7, base + slot_lane(1u));
+                    pp16 = subgroupShuffle(p0, base + slot_lane(2u));
+                    pp17 = subgroupShuffle(p1, base + slot_lane(2u));
+                    pp18 = subgroupShuffle(p2, base + slot_lane(2u));
+                    pp19 = subgroupShuffle(p3, base + slot_lane(2u));
+                    pp20 = subgroupShuffle(p4, base + slot_lane(2u));
+                    pp21 = subgroupShuffle(p5, base + slot_lane(2u));
+                    pp22 = subgroupShuffle(p6, base + slot_lane(2u));
+                    pp23 = subgroupShuffle(p7, base + slot_lane(2u));
+                    pp24 = subgroupShuffle(p0, base + slot_lane(3u));
+                    pp25 = subgroupShuffle(p1, base + slot_lane(3u));
+                    pp26 = subgroupShuffle(p2, base + slot_lane(3u));
+                    pp27 = subgroupShuffle(p3, base + slot_lane(3u));
+                    pp28 = subgroupShuffle(p4, base + slot_lane(3u));
+                    pp29 = subgroupShuffle(p5, base + slot_lane(3u));
+                    pp30 = subgroupShuffle(p6, base + slot_lane(3u));
+                    pp31 = subgroupShuffle(p7, base + slot_lane(3u));
+                    pp32 = subgroupShuffle(p0, base + slot_lane(4u));
+                    pp33 = subgroupShuffle(p1, base + slot_lane(4u));
+                    pp34 = subgroupShuffle(p2, base + slot_lane(4u));
+                    pp35 = subgroupShuffle(p3, base + slot_lane(4u));
+                    pp36 = subgroupShuffle(p4, base + slot_lane(4u));
+                    pp37 = subgroupShuffle(p5, base + slot_lane(4u));
+                    pp38 = subgroupShuffle(p6, base + slot_lane(4u));
+                    pp39 = subgroupShuffle(p7, base + slot_lane(4u));
+                    pp40 = subgroupShuffle(p0, base + slot_lane(5u));
+                    pp41 = subgroupShuffle(p1, base + slot_lane(5u));
+                    pp42 = subgroupShuffle(p2, base + slot_lane(5u));
+                    pp43 = subgroupShuffle(p3, base + slot_lane(5u));
+                    pp44 = subgroupShuffle(p4, base + slot_lane(5u));
+                    pp45 = subgroupShuffle(p5, base + slot_lane(5u));
+                    pp46 = subgroupShuffle(p6, base + slot_lane(5u));
+                    pp47 = subgroupShuffle(p7, base + slot_lane(5u));
+                    pp48 = subgroupShuffle(p0, base + slot_lane(6u));
+                    pp49 = subgroupShuffle(p1, base + slot_lane(6u));
+                    pp50 = subgroupShuffle(p2, base + slot_lane(6u));
+                    pp51 = subgroupShuffle(p3, base + slot_lane(6u));
+                    pp52 = subgroupShuffle(p4, base + slot_lane(6u));
+                    pp53 = subgroupShuffle(p5, base + slot_lane(6u));
+                    pp54 = subgroupShuffle(p6, base + slot_lane(6u));
+                    pp55 = subgroupShuffle(p7, base + slot_lane(6u));
+                    pp56 = subgroupShuffle(p0, base + slot_lane(7u));
+                    pp57 = subgroupShuffle(p1, base + slot_lane(7u));
+                    pp58 = subgroupShuffle(p2, base + slot_lane(7u));
+                    pp59 = subgroupShuffle(p3, base + slot_lane(7u));
+                    pp60 = subgroupShuffle(p4, base + slot_lane(7u));
+                    pp61 = subgroupShuffle(p5, base + slot_lane(7u));
+                    pp62 = subgroupShuffle(p6, base + slot_lane(7u));
+                    pp63 = subgroupShuffle(p7, base + slot_lane(7u));
+                    rs0 = subgroupShuffle(rescale, base + slot_lane(0u));
+                    rs1 = subgroupShuffle(rescale, base + slot_lane(1u));
+                    rs2 = subgroupShuffle(rescale, base + slot_lane(2u));
+                    rs3 = subgroupShuffle(rescale, base + slot_lane(3u));
+                    rs4 = subgroupShuffle(rescale, base + slot_lane(4u));
+                    rs5 = subgroupShuffle(rescale, base + slot_lane(5u));
+                    rs6 = subgroupShuffle(rescale, base + slot_lane(6u));
+                    rs7 = subgroupShuffle(rescale, base + slot_lane(7u));
+                }
+                {
+                    let v = widen4(vc0_0);
+                    acc0_0 = acc0_0 * rs0 + pp0 * v;
+                    acc1_0 = acc1_0 * rs1 + pp8 * v;
+                    acc2_0 = acc2_0 * rs2 + pp16 * v;
+                    acc3_0 = acc3_0 * rs3 + pp24 * v;
+                    acc4_0 = acc4_0 * rs4 + pp32 * v;
+                    acc5_0 = acc5_0 * rs5 + pp40 * v;
+                    acc6_0 = acc6_0 * rs6 + pp48 * v;
+                    acc7_0 = acc7_0 * rs7 + pp56 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc0_1);
+                    acc0_1 = acc0_1 * rs0 + pp0 * v;
+                    acc1_1 = acc1_1 * rs1 + pp8 * v;
+                    acc2_1 = acc2_1 * rs2 + pp16 * v;
+                    acc3_1 = acc3_1 * rs3 + pp24 * v;
+                    acc4_1 = acc4_1 * rs4 + pp32 * v;
+                    acc5_1 = acc5_1 * rs5 + pp40 * v;
+                    acc6_1 = acc6_1 * rs6 + pp48 * v;
+                    acc7_1 = acc7_1 * rs7 + pp56 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc0_2);
+                    acc0_2 = acc0_2 * rs0 + pp0 * v;
+                    acc1_2 = acc1_2 * rs1 + pp8 * v;
+                    acc2_2 = acc2_2 * rs2 + pp16 * v;
+                    acc3_2 = acc3_2 * rs3 + pp24 * v;
+                    acc4_2 = acc4_2 * rs4 + pp32 * v;
+                    acc5_2 = acc5_2 * rs5 + pp40 * v;
+                    acc6_2 = acc6_2 * rs6 + pp48 * v;
+                    acc7_2 = acc7_2 * rs7 + pp56 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc0_3);
+                    acc0_3 = acc0_3 * rs0 + pp0 * v;
+                    acc1_3 = acc1_3 * rs1 + pp8 * v;
+                    acc2_3 = acc2_3 * rs2 + pp16 * v;
+                    acc3_3 = acc3_3 * rs3 + pp24 * v;
+                    acc4_3 = acc4_3 * rs4 + pp32 * v;
+                    acc5_3 = acc5_3 * rs5 + pp40 * v;
+                    acc6_3 = acc6_3 * rs6 + pp48 * v;
+                    acc7_3 = acc7_3 * rs7 + pp56 * v;
+                }
+                {
+                    let v = widen4(vc1_0);
+                    acc0_0 += pp1 * v;
+                    acc1_0 += pp9 * v;
+                    acc2_0 += pp17 * v;
+                    acc3_0 += pp25 * v;
+                    acc4_0 += pp33 * v;
+                    acc5_0 += pp41 * v;
+                    acc6_0 += pp49 * v;
+                    acc7_0 += pp57 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc1_1);
+                    acc0_1 += pp1 * v;
+                    acc1_1 += pp9 * v;
+                    acc2_1 += pp17 * v;
+                    acc3_1 += pp25 * v;
+                    acc4_1 += pp33 * v;
+                    acc5_1 += pp41 * v;
+                    acc6_1 += pp49 * v;
+                    acc7_1 += pp57 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc1_2);
+                    acc0_2 += pp1 * v;
+                    acc1_2 += pp9 * v;
+                    acc2_2 += pp17 * v;
+                    acc3_2 += pp25 * v;
+                    acc4_2 += pp33 * v;
+                    acc5_2 += pp41 * v;
+                    acc6_2 += pp49 * v;
+                    acc7_2 += pp57 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc1_3);
+                    acc0_3 += pp1 * v;
+                    acc1_3 += pp9 * v;
+                    acc2_3 += pp17 * v;
+                    acc3_3 += pp25 * v;
+                    acc4_3 += pp33 * v;
+                    acc5_3 += pp41 * v;
+                    acc6_3 += pp49 * v;
+                    acc7_3 += pp57 * v;
+                }
+                {
+                    let v = widen4(vc2_0);
+                    acc0_0 += pp2 * v;
+                    acc1_0 += pp10 * v;
+                    acc2_0 += pp18 * v;
+                    acc3_0 += pp26 * v;
+                    acc4_0 += pp34 * v;
+                    acc5_0 += pp42 * v;
+                    acc6_0 += pp50 * v;
+                    acc7_0 += pp58 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc2_1);
+                    acc0_1 += pp2 * v;
+                    acc1_1 += pp10 * v;
+                    acc2_1 += pp18 * v;
+                    acc3_1 += pp26 * v;
+                    acc4_1 += pp34 * v;
+                    acc5_1 += pp42 * v;
+                    acc6_1 += pp50 * v;
+                    acc7_1 += pp58 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc2_2);
+                    acc0_2 += pp2 * v;
+                    acc1_2 += pp10 * v;
+                    acc2_2 += pp18 * v;
+                    acc3_2 += pp26 * v;
+                    acc4_2 += pp34 * v;
+                    acc5_2 += pp42 * v;
+                    acc6_2 += pp50 * v;
+                    acc7_2 += pp58 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc2_3);
+                    acc0_3 += pp2 * v;
+                    acc1_3 += pp10 * v;
+                    acc2_3 += pp18 * v;
+                    acc3_3 += pp26 * v;
+                    acc4_3 += pp34 * v;
+                    acc5_3 += pp42 * v;
+                    acc6_3 += pp50 * v;
+                    acc7_3 += pp58 * v;
+                }
+                {
+                    let v = widen4(vc3_0);
+                    acc0_0 += pp3 * v;
+                    acc1_0 += pp11 * v;
+                    acc2_0 += pp19 * v;
+                    acc3_0 += pp27 * v;
+                    acc4_0 += pp35 * v;
+                    acc5_0 += pp43 * v;
+                    acc6_0 += pp51 * v;
+                    acc7_0 += pp59 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc3_1);
+                    acc0_1 += pp3 * v;
+                    acc1_1 += pp11 * v;
+                    acc2_1 += pp19 * v;
+                    acc3_1 += pp27 * v;
+                    acc4_1 += pp35 * v;
+                    acc5_1 += pp43 * v;
+                    acc6_1 += pp51 * v;
+                    acc7_1 += pp59 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc3_2);
+                    acc0_2 += pp3 * v;
+                    acc1_2 += pp11 * v;
+                    acc2_2 += pp19 * v;
+                    acc3_2 += pp27 * v;
+                    acc4_2 += pp35 * v;
+                    acc5_2 += pp43 * v;
+                    acc6_2 += pp51 * v;
+                    acc7_2 += pp59 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc3_3);
+                    acc0_3 += pp3 * v;
+                    acc1_3 += pp11 * v;
+                    acc2_3 += pp19 * v;
+                    acc3_3 += pp27 * v;
+                    acc4_3 += pp35 * v;
+                    acc5_3 += pp43 * v;
+                    acc6_3 += pp51 * v;
+                    acc7_3 += pp59 * v;
+                }
+                {
+                    let v = widen4(vc4_0);
+                    acc0_0 += pp4 * v;
+                    acc1_0 += pp12 * v;
+                    acc2_0 += pp20 * v;
+                    acc3_0 += pp28 * v;
+                    acc4_0 += pp36 * v;
+                    acc5_0 += pp44 * v;
+                    acc6_0 += pp52 * v;
+                    acc7_0 += pp60 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc4_1);
+                    acc0_1 += pp4 * v;
+                    acc1_1 += pp12 * v;
+                    acc2_1 += pp20 * v;
+                    acc3_1 += pp28 * v;
+                    acc4_1 += pp36 * v;
+                    acc5_1 += pp44 * v;
+                    acc6_1 += pp52 * v;
+                    acc7_1 += pp60 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc4_2);
+                    acc0_2 += pp4 * v;
+                    acc1_2 += pp12 * v;
+                    acc2_2 += pp20 * v;
+                    acc3_2 += pp28 * v;
+                    acc4_2 += pp36 * v;
+                    acc5_2 += pp44 * v;
+                    acc6_2 += pp52 * v;
+                    acc7_2 += pp60 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc4_3);
+                    acc0_3 += pp4 * v;
+                    acc1_3 += pp12 * v;
+                    acc2_3 += pp20 * v;
+                    acc3_3 += pp28 * v;
+                    acc4_3 += pp36 * v;
+                    acc5_3 += pp44 * v;
+                    acc6_3 += pp52 * v;
+                    acc7_3 += pp60 * v;
+                }
+                {
+                    let v = widen4(vc5_0);
+                    acc0_0 += pp5 * v;
+                    acc1_0 += pp13 * v;
+                    acc2_0 += pp21 * v;
+                    acc3_0 += pp29 * v;
+                    acc4_0 += pp37 * v;
+                    acc5_0 += pp45 * v;
+                    acc6_0 += pp53 * v;
+                    acc7_0 += pp61 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc5_1);
+                    acc0_1 += pp5 * v;
+                    acc1_1 += pp13 * v;
+                    acc2_1 += pp21 * v;
+                    acc3_1 += pp29 * v;
+                    acc4_1 += pp37 * v;
+                    acc5_1 += pp45 * v;
+                    acc6_1 += pp53 * v;
+                    acc7_1 += pp61 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc5_2);
+                    acc0_2 += pp5 * v;
+                    acc1_2 += pp13 * v;
+                    acc2_2 += pp21 * v;
+                    acc3_2 += pp29 * v;
+                    acc4_2 += pp37 * v;
+                    acc5_2 += pp45 * v;
+                    acc6_2 += pp53 * v;
+                    acc7_2 += pp61 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc5_3);
+                    acc0_3 += pp5 * v;
+                    acc1_3 += pp13 * v;
+                    acc2_3 += pp21 * v;
+                    acc3_3 += pp29 * v;
+                    acc4_3 += pp37 * v;
+                    acc5_3 += pp45 * v;
+                    acc6_3 += pp53 * v;
+                    acc7_3 += pp61 * v;
+                }
+                {
+                    let v = widen4(vc6_0);
+                    acc0_0 += pp6 * v;
+                    acc1_0 += pp14 * v;
+                    acc2_0 += pp22 * v;
+                    acc3_0 += pp30 * v;
+                    acc4_0 += pp38 * v;
+                    acc5_0 += pp46 * v;
+                    acc6_0 += pp54 * v;
+                    acc7_0 += pp62 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc6_1);
+                    acc0_1 += pp6 * v;
+                    acc1_1 += pp14 * v;
+                    acc2_1 += pp22 * v;
+                    acc3_1 += pp30 * v;
+                    acc4_1 += pp38 * v;
+                    acc5_1 += pp46 * v;
+                    acc6_1 += pp54 * v;
+                    acc7_1 += pp62 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc6_2);
+                    acc0_2 += pp6 * v;
+                    acc1_2 += pp14 * v;
+                    acc2_2 += pp22 * v;
+                    acc3_2 += pp30 * v;
+                    acc4_2 += pp38 * v;
+                    acc5_2 += pp46 * v;
+                    acc6_2 += pp54 * v;
+                    acc7_2 += pp62 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc6_3);
+                    acc0_3 += pp6 * v;
+                    acc1_3 += pp14 * v;
+                    acc2_3 += pp22 * v;
+                    acc3_3 += pp30 * v;
+                    acc4_3 += pp38 * v;
+                    acc5_3 += pp46 * v;
+                    acc6_3 += pp54 * v;
+                    acc7_3 += pp62 * v;
+                }
+                {
+                    let v = widen4(vc7_0);
+                    acc0_0 += pp7 * v;
+                    acc1_0 += pp15 * v;
+                    acc2_0 += pp23 * v;
+                    acc3_0 += pp31 * v;
+                    acc4_0 += pp39 * v;
+                    acc5_0 += pp47 * v;
+                    acc6_0 += pp55 * v;
+                    acc7_0 += pp63 * v;
+                }
+                if NO > 1u {
+                    let v = widen4(vc7_1);
+                    acc0_1 += pp7 * v;
+                    acc1_1 += pp15 * v;
+                    acc2_1 += pp23 * v;
+                    acc3_1 += pp31 * v;
+                    acc4_1 += pp39 * v;
+                    acc5_1 += pp47 * v;
+                    acc6_1 += pp55 * v;
+                    acc7_1 += pp63 * v;
+                }
+                if NO > 2u {
+                    let v = widen4(vc7_2);
+                    acc0_2 += pp7 * v;
+                    acc1_2 += pp15 * v;
+                    acc2_2 += pp23 * v;
+                    acc3_2 += pp31 * v;
+                    acc4_2 += pp39 * v;
+                    acc5_2 += pp47 * v;
+                    acc6_2 += pp55 * v;
+                    acc7_2 += pp63 * v;
+                }
+                if NO > 3u {
+                    let v = widen4(vc7_3);
+                    acc0_3 += pp7 * v;
+                    acc1_3 += pp15 * v;
+                    acc2_3 += pp23 * v;
+                    acc3_3 += pp31 * v;
+                    acc4_3 += pp39 * v;
+                    acc5_3 += pp47 * v;
+                    acc6_3 += pp55 * v;
+                    acc7_3 += pp63 * v;
                 }
             }
         }
     }
 
-    // The walkers' states: row_max and row_sum by lane 0, the
-    // accumulators by every lane.
+    // The row's sum and code over its lanes.
+    if RB <= 1u && SLOTS > 1u {
+        l += subgroupShuffleXor(l, 1u);
+        code = max(code, subgroupShuffleXor(code, 1u));
+    }
+    if RB <= 2u && SLOTS > 2u {
+        l += subgroupShuffleXor(l, 2u);
+        code = max(code, subgroupShuffleXor(code, 2u));
+    }
+    if RB <= 4u && SLOTS > 4u {
+        l += subgroupShuffleXor(l, 4u);
+        code = max(code, subgroupShuffleXor(code, 4u));
+    }
+    if RB <= 8u && SLOTS > 8u {
+        l += subgroupShuffleXor(l, 8u);
+        code = max(code, subgroupShuffleXor(code, 8u));
+    }
+    if RB <= 16u && SLOTS > 16u {
+        l += subgroupShuffleXor(l, 16u);
+        code = max(code, subgroupShuffleXor(code, 16u));
+    }
+    // The walkers' states: row_max, row_sum and code by the first lane of
+    // each row, the accumulators by every lane.
     let at = walker * RB;
-    if lane == 0u {
-        stat[at + 0u] = m0;
-        stat[W * RB + at + 0u] = l0;
-        stat[CODES + at + 0u] = c0;
+    if lane < SLOTS && my_j == 0u {
+        stat[at + my_r] = m;
+        stat[W * RB + at + my_r] = l;
+        stat[CODES + at + my_r] = code;
     }
     part[(at + 0u) * DP4 + lane] = acc0_0;
-    if VPL > 1u {
+    if NO > 1u {
         part[(at + 0u) * DP4 + lane + LPK] = acc0_1;
     }
-    if VPL > 2u {
+    if NO > 2u {
         part[(at + 0u) * DP4 + lane + 2u * LPK] = acc0_2;
     }
-    if VPL > 3u {
+    if NO > 3u {
         part[(at + 0u) * DP4 + lane + 3u * LPK] = acc0_3;
     }
     if RB > 1u {
-        if lane == 0u {
-            stat[at + 1u] = m1;
-            stat[W * RB + at + 1u] = l1;
-            stat[CODES + at + 1u] = c1;
-        }
         part[(at + 1u) * DP4 + lane] = acc1_0;
-        if VPL > 1u {
+        if NO > 1u {
             part[(at + 1u) * DP4 + lane + LPK] = acc1_1;
         }
-        if VPL > 2u {
+        if NO > 2u {
             part[(at + 1u) * DP4 + lane + 2u * LPK] = acc1_2;
         }
-        if VPL > 3u {
+        if NO > 3u {
             part[(at + 1u) * DP4 + lane + 3u * LPK] = acc1_3;
         }
     }
     if RB > 2u {
-        if lane == 0u {
-            stat[at + 2u] = m2;
-            stat[W * RB + at + 2u] = l2;
-            stat[CODES + at + 2u] = c2;
-        }
         part[(at + 2u) * DP4 + lane] = acc2_0;
-        if VPL > 1u {
+        if NO > 1u {
             part[(at + 2u) * DP4 + lane + LPK] = acc2_1;
         }
-        if VPL > 2u {
+        if NO > 2u {
             part[(at + 2u) * DP4 + lane + 2u * LPK] = acc2_2;
         }
-        if VPL > 3u {
+        if NO > 3u {
             part[(at + 2u) * DP4 + lane + 3u * LPK] = acc2_3;
         }
     }
     if RB > 2u {
-        if lane == 0u {
-            stat[at + 3u] = m3;
-            stat[W * RB + at + 3u] = l3;
-            stat[CODES + at + 3u] = c3;
-        }
         part[(at + 3u) * DP4 + lane] = acc3_0;
-        if VPL > 1u {
+        if NO > 1u {
             part[(at + 3u) * DP4 + lane + LPK] = acc3_1;
         }
-        if VPL > 2u {
+        if NO > 2u {
             part[(at + 3u) * DP4 + lane + 2u * LPK] = acc3_2;
         }
-        if VPL > 3u {
+        if NO > 3u {
             part[(at + 3u) * DP4 + lane + 3u * LPK] = acc3_3;
         }
     }
     if RB > 4u {
-        if lane == 0u {
-            stat[at + 4u] = m4;
-            stat[W * RB + at + 4u] = l4;
-            stat[CODES + at + 4u] = c4;
-        }
         part[(at + 4u) * DP4 + lane] = acc4_0;
-        if VPL > 1u {
+        if NO > 1u {
             part[(at + 4u) * DP4 + lane + LPK] = acc4_1;
         }
-        if VPL > 2u {
+        if NO > 2u {
             part[(at + 4u) * DP4 + lane + 2u * LPK] = acc4_2;
         }
-        if VPL > 3u {
+        if NO > 3u {
             part[(at + 4u) * DP4 + lane + 3u * LPK] = acc4_3;
         }
     }
     if RB > 4u {
-        if lane == 0u {
-            stat[at + 5u] = m5;
-            stat[W * RB + at + 5u] = l5;
-            stat[CODES + at + 5u] = c5;
-        }
         part[(at + 5u) * DP4 + lane] = acc5_0;
-        if VPL > 1u {
+        if NO > 1u {
             part[(at + 5u) * DP4 + lane + LPK] = acc5_1;
         }
-        if VPL > 2u {
+        if NO > 2u {
             part[(at + 5u) * DP4 + lane + 2u * LPK] = acc5_2;
         }
-        if VPL > 3u {
+        if NO > 3u {
             part[(at + 5u) * DP4 + lane + 3u * LPK] = acc5_3;
         }
     }
     if RB > 4u {
-        if lane == 0u {
-            stat[at + 6u] = m6;
-            stat[W * RB + at + 6u] = l6;
-            stat[CODES + at + 6u] = c6;
-        }
         part[(at + 6u) * DP4 + lane] = acc6_0;
-        if VPL > 1u {
+        if NO > 1u {
             part[(at + 6u) * DP4 + lane + LPK] = acc6_1;
         }
-        if VPL > 2u {
+        if NO > 2u {
             part[(at + 6u) * DP4 + lane + 2u * LPK] = acc6_2;
         }
-        if VPL > 3u {
+        if NO > 3u {
             part[(at + 6u) * DP4 + lane + 3u * LPK] = acc6_3;
         }
     }
     if RB > 4u {
-        if lane == 0u {
-            stat[at + 7u] = m7;
-            stat[W * RB + at + 7u] = l7;
-            stat[CODES + at + 7u] = c7;
-        }
         part[(at + 7u) * DP4 + lane] = acc7_0;
-        if VPL > 1u {
+        if NO > 1u {
             part[(at + 7u) * DP4 + lane + LPK] = acc7_1;
         }
-        if VPL > 2u {
+        if NO > 2u {
             part[(at + 7u) * DP4 + lane + 2u * LPK] = acc7_2;
         }
-        if VPL > 3u {
+        if NO > 3u {
             part[(at + 7u) * DP4 + lane + 3u * LPK] = acc7_3;
         }
     }
@@ -2191,12 +5844,12 @@ fn main(
     // their row_max) and the merged row_sum, in walker order.
     if t < RB {
         var top = NEG_BIG;
-        var code = 0.0;
+        var c = 0.0;
         for (var w = 0u; w < W; w++) {
             top = max(top, stat[w * RB + t]);
-            code = max(code, stat[CODES + w * RB + t]);
+            c = max(c, stat[CODES + w * RB + t]);
         }
-        stat[CODES + t] = code;
+        stat[CODES + t] = c;
         var sum = 0.0;
         for (var w = 0u; w < W; w++) {
             let sum_w = stat[(W + w) * RB + t];
@@ -2214,7 +5867,7 @@ fn main(
             if sum > 0.0 {
                 lse = top + log(sum);
             }
-            part_lse[(u.split_base + s) * u.out_rows + seq_head * u.rows + r] = bitcast<u32>(code_lse(code, lse));
+            part_lse[(u.split_base + s) * u.out_rows + seq_head * u.rows + r] = bitcast<u32>(code_lse(c, lse));
         }
     }
     workgroupBarrier();
@@ -2231,8 +5884,8 @@ fn main(
             // A row that saw no key keeps o = 0; one with a code gets NaN
             // (unless its lse is -inf: no code above 0.5, and no key).
             var o = select(0.0, x / sum, sum > 0.0);
-            let code = stat[CODES + r];
-            if code > 0.75 || (code > 0.0 && sum > 0.0) {
+            let c = stat[CODES + r];
+            if c > 0.75 || (c > 0.0 && sum > 0.0) {
                 o = nan_f32();
             }
             part_o[((u.split_base + s) * u.out_rows + seq_head * u.rows + row0 + r) * u.dv + col] = o;

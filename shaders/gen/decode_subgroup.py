@@ -3,22 +3,24 @@
 decode_subgroup.wgsl.in (see _template.py).
 
 Its registers are named variables, one statement each, unrolled here (see
-forward_tiled.py for why): the rows' q, accumulators and scores, and the
-keys' and values' loads, each guarded by the override that switches it
-off (RB rows, KPI keys, VPL columns per lane). Run:
-python3 shaders/gen/decode_subgroup.py
+forward_tiled.py for why): the rows' q and accumulators, the keys' and
+values' loads, and the pairs (row, key) of a pass, each guarded by the
+override that switches it off (RB rows, KPI keys, NO quads per lane).
+The pair layout of a pass depends on RB and KPI, so each (RB, KPI) gets
+a block of its own; the driver keeps the one the overrides pick.
+Run: python3 shaders/gen/decode_subgroup.py
 """
 
 from _template import fill, write
 
-ROWS = range(8)
-# Keys per pass (KPI), in quads of four: one vec4 of scores per row and quad.
-KEYS = range(8)
-QUADS = range(2)
-# vec4 columns per lane (VPL).
-COLS = range(4)
+ROWS = (1, 2, 4, 8)
+KEYS = (4, 8)
+# Quads (vec4 registers) per lane and row: four at most.
+UNITS = range(4)
 # The butterfly's offsets: walkers of up to 32 lanes.
 OFFSETS = (1, 2, 4, 8, 16)
+# Walkers have 4 to 32 lanes, and at least RB.
+LANES = (4, 8, 16, 32)
 
 
 def row_guard(r):
@@ -29,12 +31,8 @@ def key_guard(j):
     return [] if j < 4 else ["KPI > 4u"]
 
 
-def quad_guard(q):
-    return [] if q == 0 else ["KPI > 4u"]
-
-
-def col_guard(i):
-    return [] if i == 0 else [f"VPL > {i}u"]
+def unit_guard(n):
+    return [] if n == 0 else [f"NO > {n}u"]
 
 
 def guarded(pad, conds, body):
@@ -54,244 +52,231 @@ def block(pad, conds, body):
     return [pad + "{"] + [pad + "    " + line for line in body] + [pad + "}"]
 
 
-def col(i):
-    return "lane" if i == 0 else ("lane + LPK" if i == 1 else f"lane + {i}u * LPK")
-
-
-def rows():
-    out = []
-    pad = "    "
-    for r in ROWS:
-        out.append(pad + f"var lo{r} = 0u; var hi{r} = 0u; var slope{r} = 0.0; var pos{r} = 0;")
-    out.append(pad + "// The keys all the block's rows see.")
-    out.append(pad + "var full_lo = 0u; var full_hi = key_end;")
-    for r in ROWS:
-        body = [
-            f"let gr = row0 + {r}u;",
-            "if gr < u.rows {",
-            "    let i = gr % u.seq_q;",
-            "    let seen = visible(len, i);",
-            f"    lo{r} = seen.x;",
-            f"    hi{r} = min(seen.y, key_end);",
-            f"    full_lo = max(full_lo, lo{r});",
-            f"    full_hi = min(full_hi, hi{r});",
-            f"    pos{r} = i32(len) - i32(u.seq_q) + i32(i);",
-            "    if ALIBI {",
-            f"        slope{r} = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + h * u.group + gr / u.seq_q]);",
-            "    }",
-            "}",
-        ]
-        out += block(pad, row_guard(r), body)
-    return "\n".join(out)
+def unit_of(n):
+    """The index (vec4 column of the row) of the lane's quad n."""
+    return "lane" if n == 0 else ("lane + LPK" if n == 1 else f"lane + {n}u * LPK")
 
 
 def q_regs():
     out = []
     pad = "    "
-    for r in ROWS:
-        out.append(pad + " ".join(f"var q{r}_{i} = vec4(0.0);" for i in COLS))
-    for r in ROWS:
-        body = []
-        for i in COLS:
-            body += guarded(
-                "",
-                col_guard(i),
-                [f"q{r}_{i} = load_q(q_first + min(row0 + {r}u, last), {col(i)});"],
-            )
-        out += guarded(pad, row_guard(r), body)
+    for r in range(8):
+        out.append(pad + " ".join(f"var q{r}_{n} = vec4(0.0);" for n in UNITS))
+    for r in range(8):
+        lines = [f"let qr = q_first + min(row0 + {r}u, last);"]
+        for n in UNITS:
+            lines += guarded("", unit_guard(n), [f"q{r}_{n} = load_q(qr, {unit_of(n)});"])
+        out += block(pad, row_guard(r), lines)
     return "\n".join(out)
 
 
-def state():
+def acc_regs():
     pad = "    "
-    out = []
-    for r in ROWS:
-        out.append(pad + f"var m{r} = NEG_BIG; var l{r} = 0.0; var c{r} = 0.0;")
-        out.append(pad + " ".join(f"var acc{r}_{i} = vec4(0.0);" for i in COLS))
-    return "\n".join(out)
+    return "\n".join(
+        pad + " ".join(f"var acc{r}_{n} = vec4(0.0);" for n in UNITS) for r in range(8)
+    )
 
 
-def loads():
-    pad = " " * 12
-    out = []
-    for j in KEYS:
+def raw_regs():
+    """The loads of a pass as they arrive (Raw8: packed halves for the
+    16-byte float16 loads), and which keys were loaded (bit j of ok_n)."""
+    pad = "    "
+    out = [pad + "var ok_n = 0u;"]
+    for j in range(8):
         out.append(
             pad
-            + f"var ok{j} = false; "
-            + " ".join(f"var k{j}_{i} = vec4(0.0);" for i in COLS)
-            + " "
-            + " ".join(f"var v{j}_{i} = vec4(0.0);" for i in COLS)
+            + " ".join(f"var kr{j}_{n} = raw_zero(); var vr{j}_{n} = raw_zero();" for n in UNITS)
         )
-    for j in KEYS:
-        inner = [f"ok{j} = true;", "let row = cache_row(b, h, key);"]
-        for i in COLS:
+    return "\n".join(out)
+
+
+def fetch(pad, kb):
+    """The loads of the pass whose walker starts at key `kb`: zeros past
+    key_end and for blocks not bound."""
+    out = [pad + "ok_n = 0u;"]
+    for j in range(8):
+        inner = [f"ok_n |= {1 << j}u;", "let row = cache_row(b, h, key);"]
+        zero = []
+        for n in UNITS:
+            zero += guarded(
+                "", unit_guard(n), [f"kr{j}_{n} = raw_zero();", f"vr{j}_{n} = raw_zero();"]
+            )
             inner += guarded(
                 "",
-                col_guard(i),
-                [f"k{j}_{i} = load_k(row, {col(i)});", f"v{j}_{i} = load_v(row, {col(i)});"],
+                unit_guard(n),
+                [
+                    f"kr{j}_{n} = load_k_raw(row, {unit_of(n)});",
+                    f"vr{j}_{n} = load_v_raw(row, {unit_of(n)});",
+                ],
             )
-        body = [f"let key = kb + {j}u;", "if key < key_end && bound(b, key) {"]
+        body = [f"let key = {kb} + {j}u;", *zero, "if key < key_end && bound(b, key) {"]
         body += ["    " + x for x in inner] + ["}"]
         out += block(pad, key_guard(j), body)
-    # docs/design.md#non-finite-inputs: a value row holding a NaN or an
-    # infinity is used as 0 and flagged for the walker (vbad), tested only
-    # where some lane of the subgroup loaded one.
-    values = [f"v{j}_{i}" for j in KEYS for i in COLS]
-    out.append(pad + "var vbad0 = vec4(false); var vbad1 = vec4(false);")
-    out.append(pad + "let lane_bad = !(" + " && ".join(f"all(finite4({v}))" for v in values) + ");")
+    return "\n".join(out)
+
+
+def take():
+    """This pass's loads, out of the registers the next pass loads into."""
+    pad = " " * 8
+    out = [pad + "let ok = ok_n;"]
+    for j in range(8):
+        out.append(
+            pad + " ".join(f"let kc{j}_{n} = kr{j}_{n}; var vc{j}_{n} = vr{j}_{n};" for n in UNITS)
+        )
+    return "\n".join(out)
+
+
+def values():
+    """docs/design.md#non-finite-inputs: a value row holding a NaN or an
+    infinity is used as 0 and flagged for the walker (bit j of vbad),
+    tested only where some lane of the subgroup loaded one."""
+    pad = " " * 12
+    raws = [f"vc{j}_{n}" for j in range(8) for n in UNITS]
+    out = [pad + "var vbad = 0u;"]
+    out.append(pad + "let lane_bad = !(" + " && ".join(f"raw_finite({v})" for v in raws) + ");")
     slow = []
-    for j in KEYS:
-        row = " && ".join(f"all(finite4(v{j}_{i}))" for i in COLS)
-        slow.append(f"var bad{j} = select(1u, 0u, {row});")
-        for off in OFFSETS:
-            slow += guarded(
-                "",
-                [f"LPK > {off}u"],
-                [f"bad{j} = max(bad{j}, subgroupShuffleXor(bad{j}, {off}u));"],
-            )
-        slow += [f"v{j}_{i} = clean4(v{j}_{i});" for i in COLS]
-    slow.append("vbad0 = vec4(bad0, bad1, bad2, bad3) > vec4(0u);")
-    slow.append("vbad1 = vec4(bad4, bad5, bad6, bad7) > vec4(0u);")
+    for j in range(8):
+        row = " && ".join(f"raw_finite(vc{j}_{n})" for n in UNITS)
+        slow.append(f"if !({row}) {{")
+        slow.append(f"    vbad |= {1 << j}u;")
+        slow.append("}")
+        slow += [f"vc{j}_{n} = raw_clean(vc{j}_{n});" for n in UNITS]
+    for off in OFFSETS:
+        slow += guarded("", [f"LPK > {off}u"], [f"vbad |= subgroupShuffleXor(vbad, {off}u);"])
     out += guarded(pad, ["subgroupAny(lane_bad)"], slow)
     return "\n".join(out)
 
 
-def dots():
+def pass_block(rb, kpi):
+    """Steps 2 to 5 of a pass for RB = rb rows and KPI = kpi keys."""
+    pairs = rb * kpi
+    out = ["// 2. Partial dot products of pair i = r * KPI + j, key by key."]
+    out.append(" ".join(f"var x{i} = 0.0;" for i in range(pairs)))
+    for j in range(kpi):
+        for n in UNITS:
+            unit = [f"let k = widen4(kc{j}_{n});"]
+            unit += [f"x{r * kpi + j} += dot(q{r}_{n}, k);" for r in range(rb)]
+            out += block("", unit_guard(n), unit)
+    out.append("// 3. The reduce-scatter over the walker's lanes.")
+    for s, off in enumerate(OFFSETS):
+        count = pairs >> s
+        if count >= 2:
+            half = count // 2
+            body = [f"let up = (lane & {off}u) != 0u;"]
+            for i in range(half):
+                body.append(
+                    f"x{i} = select(x{i}, x{i + half}, up) + subgroupShuffleXor(select(x{i + half}, x{i}, up), {off}u);"
+                )
+        else:
+            body = [f"x0 += subgroupShuffleXor(x0, {off}u);"]
+        out += guarded("", [f"LPK > {off}u"], body)
+    # The lane's pairs: at most KPI (LPK >= RB).
+    most = min(kpi, pairs // 4)
+    out.append("// 4. The scores of the lane's pairs and the row's maximum.")
+    out.append("var mt = NEG_BIG;")
+    for e in range(most):
+        body = [
+            f"let j = my_j + {e}u;",
+            "let key = kb + j;",
+            "if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {",
+            f"    let y = variant_score(x{e}, key, slope, pos);",
+            "    if finite_f32(y) {",
+            f"        sc{e} = y;",
+            "    } else {",
+            "        code = max(code, nonfinite_code(y));",
+            "    }",
+            "    // A key the row sees whose value was not finite: o = NaN.",
+            "    if ((vbad >> j) & 1u) != 0u {",
+            "        code = max(code, CODE_VALUE);",
+            "    }",
+            "}",
+            f"mt = max(mt, sc{e});",
+        ]
+        out.append(f"var sc{e} = NEG_BIG;")
+        out += guarded("", [] if e == 0 else [f"EPL > {e}u"], body)
+    for off in OFFSETS:
+        if off >= rb:
+            out += guarded(
+                "", [f"SLOTS > {off}u"], [f"mt = max(mt, subgroupShuffleXor(mt, {off}u));"]
+            )
+    out += [
+        "let m_new = max(m, mt);",
+        "// 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its",
+        "// first visible key.",
+        "let rescale = exp(m - m_new);",
+        "// Hidden keys get 0 by this test, never by exp(NEG_BIG - m).",
+    ]
+    total = []
+    for e in range(most):
+        out.append(f"var p{e} = 0.0;")
+        out += guarded(
+            "",
+            [] if e == 0 else [f"EPL > {e}u"],
+            [f"p{e} = select(0.0, exp(sc{e} - m_new), sc{e} != NEG_BIG);"],
+        )
+        total.append(f"p{e}")
+    out += [f"l = l * rescale + {' + '.join(total)};", "m = m_new;"]
+    out.append("// 5. Each pair's probability and each row's rescale, from the")
+    out.append("// lanes that hold them; acc = acc * rescale + p * v.")
+    out.append(" ".join(f"var pp{i} = 0.0;" for i in range(pairs)))
+    out.append(" ".join(f"var rs{r} = 0.0;" for r in range(rb)))
+    for epl in sorted({max(1, pairs // min(pairs, lanes)) for lanes in LANES if lanes >= rb}):
+        body = [
+            f"pp{i} = subgroupShuffle(p{i % epl}, base + slot_lane({i // epl}u));"
+            for i in range(pairs)
+        ]
+        body += [
+            f"rs{r} = subgroupShuffle(rescale, base + slot_lane({r * kpi // epl}u));"
+            for r in range(rb)
+        ]
+        out += guarded("", [f"EPL == {epl}u"], body)
+    for j in range(kpi):
+        for n in UNITS:
+            unit = [f"let v = widen4(vc{j}_{n});"]
+            for r in range(rb):
+                p = f"pp{r * kpi + j}"
+                if j == 0:
+                    unit.append(f"acc{r}_{n} = acc{r}_{n} * rs{r} + {p} * v;")
+                else:
+                    unit.append(f"acc{r}_{n} += {p} * v;")
+            out += block("", unit_guard(n), unit)
+    return out
+
+
+def passes():
     pad = " " * 12
     out = []
-    for r in ROWS:
-        out.append(pad + " ".join(f"var s{r}_{q} = vec4(0.0);" for q in QUADS))
-    for r in ROWS:
-        body = []
-        for q in QUADS:
-            per_quad = []
-            for i in COLS:
-                terms = ", ".join(f"dot(q{r}_{i}, k{4 * q + n}_{i})" for n in range(4))
-                op = "=" if i == 0 else "+="
-                per_quad += guarded("", col_guard(i), [f"s{r}_{q} {op} vec4({terms});"])
-            body += guarded("", quad_guard(q), per_quad)
-        out += guarded(pad, row_guard(r), body)
+    for rb in ROWS:
+        for kpi in KEYS:
+            out += guarded(pad, [f"RB == {rb}u", f"KPI == {kpi}u"], pass_block(rb, kpi))
     return "\n".join(out)
 
 
-def reduce():
-    pad = " " * 12
+def gather():
+    pad = "    "
     out = []
     for off in OFFSETS:
-        body = []
-        for r in ROWS:
-            per_row = []
-            for q in QUADS:
-                per_row += guarded(
-                    "", quad_guard(q), [f"s{r}_{q} += subgroupShuffleXor(s{r}_{q}, {off}u);"]
-                )
-            body += guarded("", row_guard(r), per_row)
-        out += guarded(pad, [f"LPK > {off}u"], body)
-    return "\n".join(out)
-
-
-def softmax():
-    pad = " " * 12
-    out = []
-    for q in QUADS:
-        keys = ", ".join(f"ok{4 * q + n}" for n in range(4))
-        out.append(pad + f"let kq{q} = vec4(kb + {4 * q}u) + vec4(0u, 1u, 2u, 3u);")
-        out.append(pad + f"let okq{q} = vec4({keys});")
-    out.append(pad + "// Every row sees every key of the pass, all of them loaded: no")
-    out.append(pad + "// test per (row, key).")
-    out.append(
-        pad
-        + "let full = kb >= full_lo && kb + KPI <= full_hi && all(okq0) && (KPI <= 4u || all(okq1));"
-    )
-    for full in (True, False):
-        rows_out = []
-        for r in ROWS:
-
-            def seen(q, r=r, full=full):
-                if full:
-                    return f"okq{q}"
-                return f"okq{q} & (kq{q} >= vec4(lo{r})) & (kq{q} < vec4(hi{r}))"
-
-            def scores(q, r=r, full=full):
-                if full:
-                    return f"variants4(s{r}_{q}, kq{q}, slope{r}, pos{r})"
-                return f"select(vec4(NEG_BIG), variants4(s{r}_{q}, kq{q}, slope{r}, pos{r}), {seen(q)})"
-
-            # Hidden keys are NEG_BIG by now, and weigh 0 by probs4's test
-            # (so do the non-finite scores set to NEG_BIG below).
-            probs = "probs4(x{q}, m_new)"
-            body = [
-                f"var x0 = {scores(0)};",
-                "var x1 = vec4(NEG_BIG);",
-                *guarded("", quad_guard(1), [f"x1 = {scores(1)};"]),
-                "// NaN and infinite scores weigh 0; the row's code keeps them.",
-                "if !(all(finite4(x0)) && all(finite4(x1))) {",
-                f"    c{r} = max(c{r}, max(nonfinite_code4(x0), nonfinite_code4(x1)));",
-                "    x0 = select(vec4(NEG_BIG), x0, finite4(x0));",
-                "    x1 = select(vec4(NEG_BIG), x1, finite4(x1));",
-                "}",
-                "// A key the row sees whose value was not finite: o = NaN.",
-                "if any(vbad0) || any(vbad1) {",
-                f"    var hit = any(vbad0 & ({seen(0)}));",
-                *guarded("    ", quad_guard(1), [f"hit = hit || any(vbad1 & ({seen(1)}));"]),
-                "    if hit {",
-                f"        c{r} = max(c{r}, CODE_VALUE);",
-                "    }",
-                "}",
-                f"let m_new = max(m{r}, max(max4(x0), max4(x1)));",
-            ]
-            if not full:
-                body += [
-                    "// 1 while the row has seen nothing (NEG_BIG - NEG_BIG), 0 at its",
-                    "// first visible key.",
-                ]
-            body += [
-                f"let rescale = exp(m{r} - m_new);",
-                f"let p0 = {probs.format(q=0)};",
-                "var p1 = vec4(0.0);",
-                *guarded("", quad_guard(1), [f"p1 = {probs.format(q=1)};"]),
-                f"l{r} = l{r} * rescale + sum4(p0) + sum4(p1);",
-                f"m{r} = m_new;",
-            ]
-            for i in COLS:
-                body += guarded(
-                    "",
-                    col_guard(i),
-                    [
-                        f"acc{r}_{i} = acc{r}_{i} * rescale + p0.x * v0_{i} + p0.y * v1_{i} + p0.z * v2_{i} + p0.w * v3_{i};",
-                        *guarded(
-                            "",
-                            quad_guard(1),
-                            [
-                                f"acc{r}_{i} += p1.x * v4_{i} + p1.y * v5_{i} + p1.z * v6_{i} + p1.w * v7_{i};"
-                            ],
-                        ),
-                    ],
-                )
-            rows_out += block("    ", row_guard(r), body)
-        if full:
-            out.append(pad + "if full {")
-        else:
-            out.append(pad + "} else {")
-        out += [pad + line for line in rows_out]
-    out.append(pad + "}")
+        out += guarded(
+            pad,
+            [f"RB <= {off}u", f"SLOTS > {off}u"],
+            [
+                f"l += subgroupShuffleXor(l, {off}u);",
+                f"code = max(code, subgroupShuffleXor(code, {off}u));",
+            ],
+        )
     return "\n".join(out)
 
 
 def spill():
     pad = "    "
     out = []
-    for r in ROWS:
-        body = [
-            "if lane == 0u {",
-            f"    stat[at + {r}u] = m{r};",
-            f"    stat[W * RB + at + {r}u] = l{r};",
-            f"    stat[CODES + at + {r}u] = c{r};",
-            "}",
-        ]
-        for i in COLS:
-            body += guarded("", col_guard(i), [f"part[(at + {r}u) * DP4 + {col(i)}] = acc{r}_{i};"])
-        out += guarded(pad, row_guard(r), body)
+    for r in range(8):
+        stores = []
+        for n in UNITS:
+            stores += guarded(
+                "", unit_guard(n), [f"part[(at + {r}u) * DP4 + {unit_of(n)}] = acc{r}_{n};"]
+            )
+        out += guarded(pad, row_guard(r), stores)
     return "\n".join(out)
 
 
@@ -300,13 +285,16 @@ write(
     fill(
         "decode_subgroup.wgsl.in",
         {
-            "ROWS": rows(),
             "Q": q_regs(),
-            "STATE": state(),
-            "LOADS": loads(),
-            "DOTS": dots(),
-            "REDUCE": reduce(),
-            "SOFTMAX": softmax(),
+            "ACC": acc_regs(),
+            "RAW": raw_regs(),
+            "FETCH_FIRST": fetch(" " * 8, "key_start + walker * KPI"),
+            "FETCH_NOW": fetch(" " * 12, "kb"),
+            "TAKE": take(),
+            "FETCH_NEXT": fetch(" " * 12, "kb + STEP"),
+            "VALUES": values(),
+            "PASS": passes(),
+            "GATHER": gather(),
             "SPILL": spill(),
         },
     ),

@@ -19,3 +19,11 @@ fn in_elem(w: u32, i: u32) -> f32 {
     let h = unpack2x16float(w);
     return select(h.x, h.y, (i & 1u) == 1u);
 }
+
+// x with every NaN and infinity (a half whose exponent bits are all ones)
+// replaced by +0.
+fn clean_in4(x: In4) -> In4 {
+    var y = select(x, x & vec2(0xffff0000u), (x & vec2(0x7c00u)) == vec2(0x7c00u));
+    y = select(y, y & vec2(0x0000ffffu), (y & vec2(0x7c000000u)) == vec2(0x7c000000u));
+    return y;
+}

@@ -21,3 +21,9 @@ fn in_word(i: u32) -> u32 {
 fn in_elem(w: u32, i: u32) -> f32 {
     return bitcast<f32>(w);
 }
+
+// x with every NaN and infinity replaced by 0, tested on the bits as
+// lib/nonfinite.wgsl's clean4 does (which not every kernel includes).
+fn clean_in4(x: In4) -> In4 {
+    return select(vec4(0.0), x, (bitcast<vec4<u32>>(x) & vec4(0x7f800000u)) != vec4(0x7f800000u));
+}

@@ -36,6 +36,10 @@ pub struct Overrides {
     pub decode_keys: Option<u32>,
     /// Decoding's subgroup kernel with walkers of at most this many lanes.
     pub decode_lanes: Option<u32>,
+    /// Decoding's subgroup kernel prefetching the next pass's loads, or
+    /// not, whatever the registers they take.
+    pub decode_prefetch: Option<bool>,
+
     /// The cooperative forward with these tiles where they fit (one of
     /// `tiles::coop_forward_candidates`; else the next tier runs).
     pub coop_forward: Option<Tiles>,
@@ -56,6 +60,7 @@ impl Overrides {
         decode_workgroup: None,
         decode_keys: None,
         decode_lanes: None,
+        decode_prefetch: None,
         coop_forward: None,
         spin: None,
     };

@@ -860,14 +860,24 @@ fn decode_subgroup_kernel_validates_and_specialises() {
                 (512, 12, 64),
                 (16, 16, 2),
                 (2, 2, 8),
+                (8, 8, 8),
+                (24, 40, 2),
+                (96, 72, 4),
             ] {
-                for (keys, lanes) in [(4, None), (8, None), (4, Some(8)), (8, Some(16))] {
+                for (keys, lanes, prefetch) in [
+                    (4, None, None),
+                    (8, None, Some(true)),
+                    (4, Some(8), Some(false)),
+                    (8, Some(16), None),
+                    (4, None, Some(true)),
+                ] {
                     let knobs = SubgroupKnobs {
                         keys: Some(keys),
                         lanes,
+                        prefetch,
                         ..SubgroupKnobs::default()
                     };
-                    let Some(t) = subgroup_tiles(d, dv, rows, caps, knobs) else {
+                    let Some(t) = subgroup_tiles(d, dv, rows, f16, caps, knobs) else {
                         continue;
                     };
                     if t.vec4 != vec4 {

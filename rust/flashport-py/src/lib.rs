@@ -1268,7 +1268,7 @@ mod testing {
     #[pyo3(signature = (*, max_tier=None, workgroup_bytes=None, no_subgroups=false,
                         binding_limit=None, naga_spirv=false, portable_cpu=false,
                         decode_workgroup=None, decode_keys=None, decode_lanes=None,
-                        coop_forward=None, spin_us=None))]
+                        decode_prefetch=None, coop_forward=None, spin_us=None))]
     #[allow(clippy::too_many_arguments)]
     pub fn _testing_set_overrides(
         max_tier: Option<&str>,
@@ -1280,6 +1280,7 @@ mod testing {
         decode_workgroup: Option<u32>,
         decode_keys: Option<u32>,
         decode_lanes: Option<u32>,
+        decode_prefetch: Option<bool>,
         coop_forward: Option<(u32, u32)>,
         spin_us: Option<u64>,
     ) -> PyResult<()> {
@@ -1304,6 +1305,7 @@ mod testing {
             decode_workgroup,
             decode_keys,
             decode_lanes,
+            decode_prefetch,
             // (subgroups, key rows)
             coop_forward: coop_forward.map(|(w, bk)| Tiles {
                 q_rows: 16 * w,

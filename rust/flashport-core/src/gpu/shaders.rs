@@ -77,6 +77,8 @@ const DECODE_SUBGROUP: &str = shader!("decode/subgroup.wgsl");
 const DECODE_SHARED: &str = shader!("decode/shared.wgsl");
 const DECODE_LOAD_VEC4: &str = shader!("decode/load_vec4.wgsl");
 const DECODE_LOAD_ELEMENTS: &str = shader!("decode/load_elements.wgsl");
+const DECODE_QUADS_VEC4: &str = shader!("decode/quads_vec4.wgsl");
+const DECODE_QUADS_ELEMENTS: &str = shader!("decode/quads_elements.wgsl");
 /// The split states' merge of decoding (a module of its own).
 pub const DECODE_COMBINE: &str = concat!(
     grid!(),
@@ -97,9 +99,15 @@ pub fn decode_source(f16_inputs: bool, vec4: bool) -> String {
 
 /// The WGSL of decoding's subgroup kernel (decode/subgroup.wgsl, which
 /// names subgroup operations: only for devices with them), assembled as
-/// [`decode_source`] is.
+/// [`decode_source`] is, with the quads its loads give
+/// (decode/quads_vec4.wgsl or quads_elements.wgsl).
 pub fn decode_subgroup_source(f16_inputs: bool, vec4: bool) -> String {
-    decode_kernel_source(f16_inputs, vec4, DECODE_SUBGROUP)
+    let quads = if vec4 {
+        DECODE_QUADS_VEC4
+    } else {
+        DECODE_QUADS_ELEMENTS
+    };
+    decode_kernel_source(f16_inputs, vec4, &[quads, DECODE_SUBGROUP].join("\n"))
 }
 
 fn decode_kernel_source(f16_inputs: bool, vec4: bool, kernel: &str) -> String {

@@ -129,8 +129,8 @@ fn errors(c: &Paged) -> (f64, f64) {
 /// The decode kernels this adapter runs, as the overrides that pick each:
 /// the default (the subgroup kernel where the adapter's subgroups have a
 /// known size), the subgroup kernel with 8 keys per pass in a workgroup of
-/// one subgroup and with walkers of half a subgroup, and the workgroup
-/// kernel (no subgroups).
+/// one subgroup, with walkers of half a subgroup, with and without the
+/// next pass's loads prefetched, and the workgroup kernel (no subgroups).
 fn kernels() -> Vec<(&'static str, Overrides)> {
     let base = overrides::current();
     let mut all = vec![("default", base)];
@@ -150,6 +150,18 @@ fn kernels() -> Vec<(&'static str, Overrides)> {
                 ..base
             },
         ));
+        for (name, prefetch) in [
+            ("subgroup, prefetching", true),
+            ("subgroup, no prefetch", false),
+        ] {
+            all.push((
+                name,
+                Overrides {
+                    decode_prefetch: Some(prefetch),
+                    ..base
+                },
+            ));
+        }
     }
     all.push((
         "workgroup",

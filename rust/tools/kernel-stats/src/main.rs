@@ -17,10 +17,13 @@
 //! any) are written to DIR, one file per kernel and representation.
 
 use ash::vk;
+use flashport_core::gpu::decode::select::{
+    decode_tiles, subgroup_tiles, AdapterKind, DecodeCaps, SubgroupKnobs,
+};
 use flashport_core::gpu::select::{
     select_backward, select_forward, AdapterCaps, Overrides, PipelineKey,
 };
-use flashport_core::gpu::shaders::{overrides, source};
+use flashport_core::gpu::shaders::{decode_source, decode_subgroup_source, overrides, source};
 use flashport_core::gpu::spirv;
 use flashport_core::gpu::tiles::coop_forward_candidates;
 use flashport_core::{validate_forward, ArrayInfo, Options};
@@ -159,6 +162,7 @@ unsafe fn with_device(
     args: &Args,
 ) -> Result<(), Error> {
     let stats = ash::khr::pipeline_executable_properties::Device::new(instance, device);
+    decode_kernels(device, &stats, caps, args)?;
     for &d in &args.dims {
         for dtype in ["float32", "float16"] {
             let shape = [1, 1, 64, d as usize];
@@ -183,6 +187,65 @@ unsafe fn with_device(
                 let label = format!("{}-{dtype}-d{d}", key.kernel.name());
                 let lines = pipeline_statistics(device, &stats, &compile(&key)?, &label, args)?;
                 for line in lines {
+                    println!("  {line}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decoding's kernels as the backend picks them on this adapter, for 32
+/// query heads over 8 key/value heads (4 rows per group) and a paged
+/// cache: the subgroup kernel and the workgroup kernel, float32 and
+/// float16.
+unsafe fn decode_kernels(
+    device: &ash::Device,
+    stats: &ash::khr::pipeline_executable_properties::Device,
+    caps: AdapterCaps,
+    args: &Args,
+) -> Result<(), Error> {
+    let decode_caps = DecodeCaps {
+        kind: AdapterKind::Discrete,
+        workgroup_storage_bytes: caps.workgroup_storage_bytes,
+        max_invocations: caps.max_invocations,
+        loop_limit: None,
+        subgroup_size: caps.subgroups.then_some(32),
+    };
+    for &d in &args.dims {
+        let d = d as usize;
+        for f16 in [false, true] {
+            let dtype = if f16 { "float16" } else { "float32" };
+            let mut kernels = Vec::new();
+            // The default layout, then with and without the prefetch.
+            for prefetch in [None, Some(true), Some(false)] {
+                let knobs = SubgroupKnobs {
+                    prefetch,
+                    ..SubgroupKnobs::default()
+                };
+                if let Some(t) = subgroup_tiles(d, d, 4, f16, decode_caps, knobs) {
+                    let source = decode_subgroup_source(f16, t.vec4);
+                    let constants = t.overrides(true, false, false);
+                    kernels.push((format!("decode_subgroup {t:?}"), source, constants));
+                }
+            }
+            if let Some(t) = decode_tiles(d, d, 4, decode_caps) {
+                let source = decode_source(f16, t.vec4);
+                kernels.push((
+                    format!("decode {t:?}"),
+                    source,
+                    t.overrides(true, false, false),
+                ));
+            }
+            for (name, source, mut constants) in kernels {
+                constants.push(("SKIPS", 0.0));
+                println!("\n{name} {dtype} d={d}");
+                let label = format!(
+                    "{}-{dtype}-d{d}",
+                    name.split(' ').next().unwrap_or("decode")
+                );
+                let compiled = spirv::compile(&source, &constants, false, false)?;
+                for line in pipeline_statistics(device, stats, &compiled, &label, args)? {
                     println!("  {line}");
                 }
             }

@@ -244,8 +244,10 @@ pub(crate) fn choose(
         workgroup: overrides.decode_workgroup,
         keys: overrides.decode_keys,
         lanes: overrides.decode_lanes,
+        prefetch: overrides.decode_prefetch,
     };
-    let kernel = decode_kernel(d, dv, p.group_rows(), caps, knobs).ok_or_else(|| {
+    let f16 = p.dtype() == DType::F16;
+    let kernel = decode_kernel(d, dv, p.group_rows(), f16, caps, knobs).ok_or_else(|| {
         Error::BackendUnavailable(format!(
             "the GPU decodes head dimensions up to {} (here d={d}, d_v={dv}) with this \
              adapter's workgroup memory; use device=\"cpu\"",

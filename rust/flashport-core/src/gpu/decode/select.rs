@@ -178,16 +178,19 @@ pub fn decode_tiles(
 /// The layout of decoding's subgroup kernel (overrides of
 /// shaders/decode/subgroup.wgsl): walkers of `lanes` lanes within one
 /// subgroup, each streaming its own keys with its own online softmax, the
-/// dot products summed across a walker's lanes by subgroup shuffles.
+/// dot products of a pass summed and spread over a walker's lanes by a
+/// reduce-scatter of subgroup shuffles; each lane holds quads (four
+/// elements) of d and of d_v.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SubgroupTiles {
     /// Invocations per workgroup: whole subgroups.
     pub workgroup: u32,
     /// Lanes of a walker, which read one cache row together: a power of
-    /// two, at most [`SUBGROUP_MAX_LANES`] and at most the subgroup.
+    /// two from 4 to [`SUBGROUP_MAX_LANES`], at least `rows` and at most
+    /// the subgroup.
     pub lanes: u32,
-    /// vec4 columns of d and of d_v per lane (1 to [`SUBGROUP_MAX_VEC4S`]).
-    pub vec4s: u32,
+    /// Quads of d and of d_v per lane, 1 to [`SUBGROUP_MAX_QUADS`].
+    pub quads: u32,
     /// Keys a walker loads per pass, 4 or 8.
     pub keys: u32,
     /// Query rows per workgroup (of the group's heads × seq_q).
@@ -195,12 +198,17 @@ pub struct SubgroupTiles {
     /// The caches are read four elements at a time (d and d_v multiples
     /// of 4), else element by element.
     pub vec4: bool,
+    /// The caches are float16 (a quad of halves is two words as loaded).
+    pub f16: bool,
+    /// Each pass issues the next pass's loads before its own arithmetic
+    /// (registers for one more pass of loads, for bytes in flight).
+    pub prefetch: bool,
 }
 
 /// The widest walker the kernel's butterfly spans (offsets up to 16).
 pub const SUBGROUP_MAX_LANES: u32 = 32;
-/// The most vec4 columns a lane holds of each row (named registers).
-pub const SUBGROUP_MAX_VEC4S: u32 = 4;
+/// The most quads a lane holds of each row (named registers).
+pub const SUBGROUP_MAX_QUADS: u32 = 4;
 
 impl SubgroupTiles {
     pub fn walkers(&self) -> u32 {
@@ -210,9 +218,33 @@ impl SubgroupTiles {
     pub fn step_keys(&self) -> u32 {
         self.walkers() * self.keys
     }
+    /// The (row, key) pairs of a walker's pass.
+    pub fn pairs(&self) -> u32 {
+        self.rows * self.keys
+    }
+    /// The reduce-scatter's steps: log2 of the lanes the pairs spread
+    /// over.
+    pub fn scatter_bits(&self) -> u32 {
+        self.pairs().min(self.lanes).ilog2()
+    }
+    /// Pairs each lane holds after the reduce-scatter.
+    pub fn pairs_per_lane(&self) -> u32 {
+        self.pairs() >> self.scatter_bits()
+    }
+    /// Registers (32-bit words) per lane of one pass's loads of keys and
+    /// values: a quad of halves read four at a time is two words as
+    /// loaded, any other quad four floats.
+    pub fn pass_load_words(&self) -> u32 {
+        let per_quad = if self.vec4 && self.f16 { 2 } else { 4 };
+        2 * self.keys * self.quads * per_quad
+    }
+    /// vec4 columns of a row in the kernel's registers.
+    pub fn row_vec4s(&self) -> u32 {
+        self.lanes * self.quads
+    }
     /// vec4s of the kernel's `part` array: the walkers' accumulators.
     pub fn part_vec4s(&self) -> u32 {
-        self.walkers() * self.rows * self.lanes * self.vec4s
+        self.walkers() * self.rows * self.row_vec4s()
     }
     /// Elements of the kernel's `stat` array: the walkers' row_max and
     /// row_sum, the merged row_sum, and the walkers' non-finite codes.
@@ -230,21 +262,33 @@ impl SubgroupTiles {
         vec![
             ("WG", self.workgroup as f64),
             ("LPK", self.lanes as f64),
-            ("VPL", self.vec4s as f64),
+            ("NO", self.quads as f64),
             ("KPI", self.keys as f64),
             ("RB", self.rows as f64),
+            ("SB", self.scatter_bits() as f64),
+            ("EPL", self.pairs_per_lane() as f64),
             ("PART_VEC4S", self.part_vec4s() as f64),
             ("STAT_ELEMS", self.stat_elems() as f64),
             ("PAGED", flag(paged)),
             ("SOFTCAP", flag(softcap)),
             ("ALIBI", flag(alibi)),
+            ("PREFETCH", flag(self.prefetch)),
         ]
     }
 }
 
+/// The most registers per lane the next pass's loads may take for the
+/// subgroup kernel to prefetch them. Measured on an H200 (32 query / 8 KV
+/// heads, d = 128, paged block 16, decode kernel timestamps): float16
+/// quads (16 words) prefetched took 0.343 ms against 0.384 at 1 x 131072,
+/// 0.665 against 0.750 at 8 x 32768; float32 quads (32 words) 0.623
+/// against 0.401 and 1.217 against 0.783 (148 registers a lane against
+/// fewer: half the workgroups an SM holds).
+pub const PREFETCH_WORDS: u32 = 16;
+
 /// Choices the subgroup kernel's layout otherwise makes itself (the test
 /// and benchmark overrides `decode_workgroup`, `decode_keys`,
-/// `decode_lanes`).
+/// `decode_lanes`, `decode_prefetch`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SubgroupKnobs {
     /// Invocations per workgroup.
@@ -253,60 +297,75 @@ pub struct SubgroupKnobs {
     pub keys: Option<u32>,
     /// The most lanes per walker.
     pub lanes: Option<u32>,
+    /// Prefetch the next pass's loads, or not.
+    pub prefetch: Option<bool>,
 }
 
-/// Keys a walker loads per pass by default: 4 ran faster than 8 on an
-/// H100 at every decode shape of BENCHMARKS.md (8 holds twice the loads
-/// in registers).
+/// Keys a walker loads per pass by default.
 pub const SUBGROUP_KEYS: u32 = 4;
 
 /// The subgroup kernel's layout for head dimensions `d`, `d_v` and
-/// `group_rows` query rows per (sequence, key/value head), on an adapter
-/// whose subgroups have a known size: walkers of as many lanes as the
-/// wider head dimension has vec4s (a power of two, at most the subgroup,
-/// [`SUBGROUP_MAX_LANES`] and `knobs.lanes`), each lane holding the rest
-/// of a row in up to [`SUBGROUP_MAX_VEC4S`] vec4s; [`SUBGROUP_KEYS`] keys
-/// per pass; then, best first, the most rows per workgroup (as
-/// [`decode_tiles`]) and the largest workgroup of whole subgroups up to
-/// 128 invocations whose walkers' states fit the workgroup memory. `None`
-/// without subgroups of a known size, past the widest row the named
+/// `group_rows` query rows per (sequence, key/value head), float16 caches
+/// or not, on an adapter whose subgroups have a known size: best first,
+/// the most rows per workgroup (as [`decode_tiles`]); walkers of as many
+/// lanes as the wider head dimension has quads (a power of two, at least
+/// the rows and 4, at most the subgroup, [`SUBGROUP_MAX_LANES`] and
+/// `knobs.lanes`), each lane holding the rest of a row in up to
+/// [`SUBGROUP_MAX_QUADS`] quads; [`SUBGROUP_KEYS`] keys per pass, the next
+/// pass's loads prefetched where they take at most [`PREFETCH_WORDS`]
+/// registers; the
+/// largest workgroup of whole subgroups up to 128 invocations whose
+/// walkers' states fit the workgroup memory. `None` without subgroups of
+/// a known size (of 4 lanes or more), past the widest row the named
 /// registers hold, or when nothing fits (with the knobs given): the host
 /// runs [`decode_tiles`]'s kernel then.
 pub fn subgroup_tiles(
     d: usize,
     dv: usize,
     group_rows: usize,
+    f16: bool,
     caps: DecodeCaps,
     knobs: SubgroupKnobs,
 ) -> Option<SubgroupTiles> {
-    let subgroup = caps.subgroup_size.filter(|s| s.is_power_of_two())?;
-    let vec4s_of_row = d.max(dv).max(1).div_ceil(4);
-    let lanes = (vec4s_of_row.next_power_of_two() as u32)
-        .min(subgroup)
+    let subgroup = caps
+        .subgroup_size
+        .filter(|s| s.is_power_of_two() && *s >= 4)?;
+    let vec4 = d % 4 == 0 && dv % 4 == 0;
+    let quads_of_row = d.max(dv).max(1).div_ceil(4);
+    let widest = subgroup
         .min(SUBGROUP_MAX_LANES)
         .min(knobs.lanes.map_or(u32::MAX, |l| 1 << l.max(1).ilog2()));
-    let vec4s = vec4s_of_row.div_ceil(lanes as usize) as u32;
-    if vec4s > SUBGROUP_MAX_VEC4S {
-        return None;
-    }
     let keys = knobs.keys.unwrap_or(SUBGROUP_KEYS);
     if keys != 4 && keys != 8 {
         return None;
     }
     let most_rows = group_rows.clamp(1, 8).next_power_of_two() as u32;
-    let vec4 = d % 4 == 0 && dv % 4 == 0;
     let (workgroup, largest) = (knobs.workgroup, knobs.workgroup.unwrap_or(128));
     for rows in [8u32, 4, 2, 1].into_iter().filter(|&r| r <= most_rows) {
+        let least = rows.max(4);
+        if widest < least {
+            continue;
+        }
+        let lanes = (quads_of_row.next_power_of_two() as u32).clamp(least, widest);
+        let quads = quads_of_row.div_ceil(lanes as usize) as u32;
+        if quads > SUBGROUP_MAX_QUADS {
+            continue;
+        }
         let mut wg = largest;
         while wg >= lanes.max(subgroup) {
-            let t = SubgroupTiles {
+            let mut t = SubgroupTiles {
                 workgroup: wg,
                 lanes,
-                vec4s,
+                quads,
                 keys,
                 rows,
                 vec4,
+                f16,
+                prefetch: false,
             };
+            t.prefetch = knobs
+                .prefetch
+                .unwrap_or(t.pass_load_words() <= PREFETCH_WORDS);
             if wg % subgroup == 0
                 && wg <= caps.max_invocations
                 && t.workgroup_bytes() + SPARE_BYTES <= caps.workgroup_storage_bytes as u64
@@ -392,10 +451,11 @@ pub fn decode_kernel(
     d: usize,
     dv: usize,
     group_rows: usize,
+    f16: bool,
     caps: DecodeCaps,
     knobs: SubgroupKnobs,
 ) -> Option<DecodeKernel> {
-    subgroup_tiles(d, dv, group_rows, caps, knobs)
+    subgroup_tiles(d, dv, group_rows, f16, caps, knobs)
         .map(DecodeKernel::Subgroup)
         .or_else(|| decode_tiles(d, dv, group_rows, caps).map(DecodeKernel::Workgroup))
 }
@@ -674,7 +734,7 @@ mod tests {
     }
 
     fn subgroup(d: usize, dv: usize, rows: usize, caps: DecodeCaps) -> Option<SubgroupTiles> {
-        subgroup_tiles(d, dv, rows, caps, SubgroupKnobs::default())
+        subgroup_tiles(d, dv, rows, false, caps, SubgroupKnobs::default())
     }
 
     /// Subgroups of 64 lanes (AMD's wave64) on a large adapter.
@@ -689,42 +749,96 @@ mod tests {
     #[test]
     fn the_subgroup_kernel_runs_where_subgroups_have_a_known_size() {
         // Llama-style GQA decode at d = 128 on an H100: walkers of one
-        // warp, a vec4 per lane, 4 keys per pass, four walkers.
+        // warp, a quad per lane, 4 keys per pass, four walkers; the 16
+        // pairs (row, key) of a pass one per lane after the reduce-scatter
+        // (the upper 16 lanes hold copies); no prefetch (the next pass's
+        // loads would take 32 words of floats a lane).
         let t = subgroup(128, 128, 4, H100).unwrap();
         assert_eq!(
-            (t.workgroup, t.lanes, t.vec4s, t.keys, t.rows),
+            (t.workgroup, t.lanes, t.quads, t.keys, t.rows),
             (128, 32, 1, 4, 4)
         );
         assert_eq!((t.walkers(), t.step_keys()), (4, 16));
-        // lavapipe's 8-lane subgroups: four vec4s per lane, 4 keys per
+        assert_eq!((t.scatter_bits(), t.pairs_per_lane()), (4, 1));
+        assert_eq!((t.vec4, t.pass_load_words(), t.prefetch), (true, 32, false));
+        // float16: the same layout, quads of halves (16 words a lane), the
+        // next pass's loads in flight during this one.
+        let half = subgroup_tiles(128, 128, 4, true, H100, SubgroupKnobs::default()).unwrap();
+        assert_eq!(
+            half,
+            SubgroupTiles {
+                f16: true,
+                prefetch: true,
+                ..t
+            }
+        );
+        assert_eq!(half.pass_load_words(), 16);
+        // Rows of a multiple of 4 elements, read element by element
+        // otherwise: widened as they load, four words a quad.
+        let odd = subgroup_tiles(66, 66, 4, true, H100, SubgroupKnobs::default()).unwrap();
+        assert_eq!(
+            (odd.vec4, odd.pass_load_words(), odd.prefetch),
+            (false, 32, false)
+        );
+        // Prefetching, or not, where forced.
+        let on = SubgroupKnobs {
+            prefetch: Some(true),
+            ..SubgroupKnobs::default()
+        };
+        assert!(
+            subgroup_tiles(128, 128, 4, false, H100, on)
+                .unwrap()
+                .prefetch
+        );
+        let off = SubgroupKnobs {
+            prefetch: Some(false),
+            ..SubgroupKnobs::default()
+        };
+        assert!(
+            !subgroup_tiles(128, 128, 4, true, H100, off)
+                .unwrap()
+                .prefetch
+        );
+        assert!(!subgroup(512, 512, 1, H100).unwrap().prefetch);
+        // lavapipe's 8-lane subgroups: four quads per lane, 4 keys per
         // pass, and the workgroup halved until the walkers' states fit.
         let t = subgroup(128, 128, 4, LAVAPIPE).unwrap();
         assert_eq!(
-            (t.workgroup, t.lanes, t.vec4s, t.keys, t.rows),
+            (t.workgroup, t.lanes, t.quads, t.keys, t.rows),
             (64, 8, 4, 4, 4)
         );
+        assert_eq!((t.scatter_bits(), t.pairs_per_lane()), (3, 2));
         assert_eq!(subgroup(128, 128, 8, LAVAPIPE).unwrap().workgroup, 32);
-        // Narrow heads: walkers narrower than a subgroup.
+        // Narrow heads: walkers narrower than a subgroup, of 4 lanes at
+        // least, and of a lane per row at least.
         assert_eq!(subgroup(16, 16, 1, H100).unwrap().lanes, 4);
-        assert_eq!(subgroup(3, 1, 1, LAVAPIPE).unwrap().lanes, 1);
-        // The widest rows: four vec4s per lane of a 32-lane walker, none
-        // in 8 lanes (sixteen would be needed).
-        assert_eq!(subgroup(512, 512, 1, H100).unwrap().vec4s, 4);
+        assert_eq!(subgroup(3, 1, 1, LAVAPIPE).unwrap().lanes, 4);
+        let t = subgroup(16, 16, 8, H100).unwrap();
+        assert_eq!((t.lanes, t.rows, t.pairs_per_lane()), (8, 8, 4));
+        // The widest rows: four quads per lane of a 32-lane walker, none in
+        // 8 lanes (sixteen would be needed).
+        assert_eq!(subgroup(512, 512, 1, H100).unwrap().quads, 4);
         assert_eq!(subgroup(512, 64, 4, LAVAPIPE), None);
         // Walkers stop at 32 lanes on wider subgroups; the workgroup is
         // whole subgroups.
         let t = subgroup(256, 256, 4, WAVE64).unwrap();
-        assert_eq!((t.lanes, t.vec4s, t.workgroup % 64), (32, 2, 0));
-        // No subgroups, or no known size: the workgroup kernel.
+        assert_eq!((t.lanes, t.quads, t.workgroup % 64), (32, 2, 0));
+        // No subgroups, no known size, or subgroups of fewer than 4 lanes:
+        // the workgroup kernel.
         assert_eq!(subgroup(128, 128, 4, WEBGPU), None);
-        let kernel = decode_kernel(128, 128, 4, WEBGPU, SubgroupKnobs::default()).unwrap();
+        let two = DecodeCaps {
+            subgroup_size: Some(2),
+            ..LAVAPIPE
+        };
+        assert_eq!(subgroup(8, 8, 1, two), None);
+        let kernel = decode_kernel(128, 128, 4, false, WEBGPU, SubgroupKnobs::default()).unwrap();
         assert_eq!(
             kernel,
             DecodeKernel::Workgroup(decode_tiles(128, 128, 4, WEBGPU).unwrap())
         );
-        let kernel = decode_kernel(512, 64, 4, LAVAPIPE, SubgroupKnobs::default()).unwrap();
+        let kernel = decode_kernel(512, 64, 4, false, LAVAPIPE, SubgroupKnobs::default()).unwrap();
         assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
-        let kernel = decode_kernel(128, 128, 4, H100, SubgroupKnobs::default()).unwrap();
+        let kernel = decode_kernel(128, 128, 4, false, H100, SubgroupKnobs::default()).unwrap();
         assert!(matches!(kernel, DecodeKernel::Subgroup(_)), "{kernel:?}");
         assert_eq!(kernel.row_blocks(4), 1);
         assert_eq!(kernel.rows(), 4);
@@ -734,7 +848,7 @@ mod tests {
     /// measured best on the H100.
     #[test]
     fn the_subgroup_kernel_splits_half_as_much() {
-        let kernel = decode_kernel(128, 128, 4, H100, SubgroupKnobs::default()).unwrap();
+        let kernel = decode_kernel(128, 128, 4, true, H100, SubgroupKnobs::default()).unwrap();
         let at = |b, n| gpu_splits(&problem(b, 8, 1, n, None), kernel, H100).unwrap();
         assert_eq!((at(1, 131072), at(8, 32768), at(32, 4096)), (64, 8, 2));
         assert_eq!(at(1, 100), 1);
@@ -748,23 +862,24 @@ mod tests {
             workgroup,
             keys,
             lanes,
+            ..SubgroupKnobs::default()
         };
-        let with = |k| subgroup_tiles(128, 128, 4, H100, k);
+        let with = |k| subgroup_tiles(128, 128, 4, true, H100, k);
         let t = with(knobs(Some(256), Some(8), None)).unwrap();
         assert_eq!((t.workgroup, t.keys), (256, 8));
         let t = with(knobs(Some(32), None, None)).unwrap();
         assert_eq!((t.workgroup, t.walkers()), (32, 1));
         // Narrower walkers hold more of a row per lane.
         let t = with(knobs(None, None, Some(16))).unwrap();
-        assert_eq!((t.lanes, t.vec4s, t.walkers()), (16, 2, 8));
+        assert_eq!((t.lanes, t.quads, t.walkers()), (16, 2, 8));
         let t = with(knobs(None, None, Some(8))).unwrap();
-        assert_eq!((t.lanes, t.vec4s, t.walkers()), (8, 4, 16));
+        assert_eq!((t.lanes, t.quads, t.walkers()), (8, 4, 16));
         assert_eq!(with(knobs(None, None, Some(4))), None);
         // A workgroup smaller than a subgroup, or a key count the kernel
         // has no registers for: the workgroup kernel.
         assert_eq!(with(knobs(Some(16), None, None)), None);
         assert_eq!(with(knobs(None, Some(5), None)), None);
-        let kernel = decode_kernel(128, 128, 4, H100, knobs(None, Some(2), None)).unwrap();
+        let kernel = decode_kernel(128, 128, 4, true, H100, knobs(None, Some(2), None)).unwrap();
         assert!(matches!(kernel, DecodeKernel::Workgroup(_)), "{kernel:?}");
     }
 
@@ -784,12 +899,16 @@ mod tests {
                         );
                         assert!(t.workgroup <= caps.max_invocations && t.workgroup % sg == 0);
                         assert!(t.lanes.is_power_of_two() && t.lanes <= sg.min(32));
-                        assert!(4 * (t.lanes * t.vec4s) as usize >= d.max(dv), "{t:?}");
-                        assert!(t.vec4s <= SUBGROUP_MAX_VEC4S && t.walkers() >= 1);
+                        assert!(t.lanes >= 4 && t.lanes >= t.rows, "{t:?}");
+                        assert!(4 * (t.lanes * t.quads) as usize >= d.max(dv), "{t:?}");
+                        assert!(t.quads <= SUBGROUP_MAX_QUADS && t.walkers() >= 1);
                         assert!(t.rows.is_power_of_two() && t.rows <= 8);
                         assert_eq!(t.vec4, d % 4 == 0 && dv % 4 == 0);
+                        // Every lane's pairs lie in one row.
+                        assert!(t.pairs_per_lane() <= t.keys, "{t:?}");
+                        assert_eq!(t.pairs_per_lane() << t.scatter_bits(), t.pairs());
                         let w = t.workgroup / t.lanes;
-                        assert_eq!(t.part_vec4s(), w * t.rows * t.lanes * t.vec4s);
+                        assert_eq!(t.part_vec4s(), w * t.rows * t.lanes * t.quads);
                     }
                 }
             }
@@ -802,7 +921,7 @@ mod tests {
     #[test]
     fn the_subgroup_kernel_needs_fewer_splits_under_a_loop_limit() {
         let p = problem(1, 1, 1, 131072, None);
-        let sub = decode_kernel(128, 128, 4, LAVAPIPE_22, SubgroupKnobs::default()).unwrap();
+        let sub = decode_kernel(128, 128, 4, false, LAVAPIPE_22, SubgroupKnobs::default()).unwrap();
         let DecodeKernel::Subgroup(t) = sub else {
             panic!("{sub:?}")
         };
@@ -821,7 +940,7 @@ mod tests {
         let k = DecodeKernel::Subgroup(t);
         let step = t.step_keys() as u64;
         let per_pass = k.loop_passes(2 * step) - k.loop_passes(step);
-        assert_eq!(per_pass, 1 + 2 * t.keys as u64 * t.vec4s as u64 * 5);
+        assert_eq!(per_pass, 1 + 2 * t.keys as u64 * t.quads as u64 * 5);
         assert_eq!(k.loop_passes(1), k.loop_passes(step));
     }
 }

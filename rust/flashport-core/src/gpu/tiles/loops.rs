@@ -329,7 +329,9 @@ pub fn decode_iterations(t: &DecodeTiles, keys: u64) -> u64 {
 /// of the key loop (its bounds are the workgroup's).
 pub fn subgroup_decode_iterations(t: &SubgroupTiles, keys: u64) -> u64 {
     let wg = t.workgroup.max(1) as u64;
-    let (rows, vec4s, walkers) = (t.rows as u64, t.vec4s as u64, t.walkers() as u64);
+    // vec4s of a row per lane.
+    let vec4s = t.quads as u64;
+    let (rows, walkers) = (t.rows as u64, t.walkers() as u64);
     let per = |n: u64| n.div_ceil(wg);
     // Each vec4 of q scaled in a loop of its four elements.
     let prologue = rows * vec4s * flat(4);
@@ -349,7 +351,7 @@ pub fn subgroup_decode_iterations(t: &SubgroupTiles, keys: u64) -> u64 {
     );
     // The rows' largest row_max and their weights over the walkers, then
     // each output element summed over them.
-    let width = 4 * t.lanes as u64 * vec4s;
+    let width = 4 * t.row_vec4s() as u64;
     let epilogue = 2 * flat(walkers) + lp(per(rows * width), flat(walkers), 1);
     prologue + passes + epilogue
 }
