@@ -6,23 +6,29 @@
 //!
 //! The caches are bound as windows of their buffers: a dispatch covers a
 //! run of sequences and binds the blocks they use (the sequences' own
-//! rows when contiguous), so a cache larger than one storage binding is
-//! still decoded as long as one sequence's blocks fit one. Host caches
-//! upload just those windows; device arrays are bound where they are.
-//! Everything is checked on the host before any dispatch (lengths and
-//! table entries by validation, windows here), and naga's bounds checks
-//! stay on in the kernel, so no read leaves its binding.
+//! rows when contiguous). Host caches upload just those windows; device
+//! arrays are bound where they are. Everything is checked on the host
+//! before any dispatch (lengths and table entries by validation, windows
+//! here), and naga's bounds checks stay on in the kernel, so no read
+//! leaves its binding.
 //!
-//! A KV cache's pools (`super::kv_pool`) are bound where they are, whole:
-//! a pool larger than one binding is several buffers of whole blocks, and
-//! then each dispatch runs once per buffer its sequences read, the table
-//! entries of the other buffers' blocks marked as not bound (`SKIPS`):
-//! each run's splits see only the keys of its buffer, and the combine
-//! pass merges every run's splits as one set. Attention over a set of
-//! keys is the merge of attention over its parts, so a sequence's blocks
-//! may lie anywhere in the pool. A paged cache given as two arrays whose
-//! blocks one sequence reads span more than a binding is decoded the same
-//! way, its arrays bound as consecutive windows of whole blocks.
+//! Caches larger than that are read in runs, one per window of whole
+//! blocks: a KV cache's pools (`super::kv_pool`), several buffers of
+//! whole blocks each bound whole; paged arrays whose blocks one sequence
+//! reads span more than a binding, bound as consecutive windows of whole
+//! blocks; and a contiguous cache whose one sequence's rows exceed a
+//! binding, read as a paged problem of one key/value head per sequence
+//! whose blocks are windows of rows (`HeadRows`). Each dispatch then runs
+//! once per window its sequences read, the table entries of the other
+//! windows' blocks marked as not bound (`SKIPS`): each run's splits see
+//! only the keys of its window (a run that sees none of a row's keys
+//! leaves that row's states empty, lse -inf, which merge as nothing), and
+//! the combine pass merges every run's splits as one set. Attention over
+//! a set of keys is the merge of attention over its parts, so a
+//! sequence's blocks may lie anywhere. What no window mends is refused by
+//! name: a paged block larger than a binding, or split states of every
+//! window a sequence reads that do not fit one binding (the combine pass
+//! binds them together).
 
 pub mod select;
 
