@@ -494,7 +494,12 @@ fn plan(
     for b in 0..p.batch() {
         let (own, own_windows) = match bind {
             Bind::Blocks => (blocks_of(p, b), Vec::new()),
-            Bind::Runs { per, .. } => (None, used_blocks(p, b).iter().map(|&x| x / per).collect()),
+            Bind::Runs { per, .. } => {
+                let mut w: Vec<usize> = used_blocks(p, b).iter().map(|&x| x / per).collect();
+                w.sort_unstable();
+                w.dedup();
+                (None, w)
+            }
         };
         let grown = current.as_ref().and_then(|c| {
             if matches!(bind, Bind::Runs { heads: Some(_), .. }) {
@@ -509,13 +514,7 @@ fn plan(
                 },
                 origin: c.origin,
             };
-            let runs = windows.len()
-                + own_windows
-                    .iter()
-                    .collect::<std::collections::BTreeSet<_>>()
-                    .into_iter()
-                    .filter(|w| !windows.contains(*w))
-                    .count();
+            let runs = windows.len() + own_windows.iter().filter(|w| !windows.contains(*w)).count();
             fits(&g, runs.max(1)).then_some(g)
         });
         match grown {
