@@ -428,6 +428,115 @@ def test_paged_blocks_spread_past_a_binding_are_decoded_as_windows(gpu):
         np.testing.assert_allclose(out, whole[0], rtol=1e-6, atol=1e-6)
 
 
+# Each sequence's blocks span several bindings: a block of the float32
+# case is 2 heads x 16 keys x 32 x 4 bytes = 4 KiB, a binding two of them
+# (less the window's alignment slack), a contiguous sequence's rows 52 KiB.
+PAST_A_BINDING = _decode_case(
+    heads_kv=2, group=3, seq_q=2, d=32, dv=8, block_size=16, lens=(45, 0, 31, 200), shared=0
+)
+PAST_A_BINDING_LIMIT = 2 * 4096 + 64
+
+
+def _past_a_binding_variants(name: str) -> dict:
+    case, rng = PAST_A_BINDING, np.random.default_rng(11)
+    return {
+        "none": {},
+        # Shared slopes: each key/value head's dispatch takes its group's.
+        "window_alibi_sinks": {
+            "window": (70, 1),
+            "alibi_slopes": rng.uniform(0.0, 1.0, case.heads_q),
+            "sinks": rng.standard_normal(case.heads_q) * 2.0,
+        },
+        "softcap_alibi_per_sequence_sinks": {
+            "softcap": 30.0,
+            "alibi_slopes": rng.uniform(0.0, 1.0, (case.batch, case.heads_q)),
+            "sinks": rng.standard_normal(case.heads_q) * 2.0,
+        },
+    }[name]
+
+
+@pytest.mark.parametrize(
+    "variants", ["none", "window_alibi_sinks", "softcap_alibi_per_sequence_sinks"]
+)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_caches_past_a_binding_match_the_reference(gpu, dtype, paged, variants):
+    """Paged pools and contiguous caches each of whose sequences spans
+    several (lowered) bindings: the pool bound as windows of whole blocks,
+    the contiguous cache per key/value head as windows of rows, each
+    window one run of the kernel, merged by lse. GQA, seq_q 2, lengths
+    0 to 200, NaN wherever nothing may be read; host and device caches
+    give the same bits and match the oracle (with the tolerances of
+    _check); a contiguous sequence's rows were refused before."""
+    case, kw = PAST_A_BINDING, _past_a_binding_variants(variants)
+    q, (pool_k, pool_v, table), (k, v), lens = case.arrays(dtype)
+    eb = np.dtype(dtype).itemsize
+    per_sequence = (k[0].nbytes, pool_k[0].nbytes * -(-max(case.lens) // case.block_size))
+    assert min(per_sequence) > 2 * PAST_A_BINDING_LIMIT, "the case must span bindings"
+    assert pool_k[0].nbytes * 4 // eb < PAST_A_BINDING_LIMIT, "a float32 block fits one"
+    args = (q, pool_k, pool_v) if paged else (q, k, v)
+    common = {
+        "block_table": table if paged else None,
+        "causal": case.causal,
+        "scale": case.scale,
+        "num_splits": 1,
+        "return_lse": True,
+        "device": gpu,
+        **kw,
+    }
+    results = []
+    for device_arrays in [False, True]:
+        inputs = [flashport.to_device(x) for x in args] if device_arrays else list(args)
+        with overrides(binding_limit=PAST_A_BINDING_LIMIT):
+            out, lse = flashport.attention_with_kvcache(*inputs, lens, **common)
+        results.append((np.asarray(out), np.asarray(lse)))
+    (out, lse), (dev_out, dev_lse) = results
+    assert out.tobytes() == dev_out.tobytes() and lse.tobytes() == dev_lse.tobytes()
+    oracle = (q, k, v, lens, None, case.causal, case.scale, True)
+    want_out, want_lse = reference._attention_with_kvcache(*oracle, oracle_dtype(dtype), **kw)
+    base_out, base_lse = reference._attention_with_kvcache(*oracle, dtype, **kw)
+    scores, terms = _magnitudes(case, q, (k, v), lens, kw)
+    assert_close("o", out, want_out, base_out, dtype, scores, terms)
+    assert_close("lse", lse, want_lse, base_lse, dtype, scores, scores)
+    if "sinks" not in kw:
+        assert np.all(lse[1] == -np.inf) and np.all(out[1] == 0), "the empty sequence"
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_states_of_every_window_are_merged(gpu, splits):
+    """Several splits in each window's run of a contiguous cache cut per
+    key/value head: every run's splits reach the combine pass."""
+    case = _decode_case(heads_kv=2, group=2, d=32, dv=8, block_size=16, lens=(200, 77), shared=0)
+    q, _, (k, v), lens = case.arrays(np.float32)
+    # Windows of 31 rows of 128 bytes: seven runs for the 200 keys.
+    with overrides(binding_limit=4096):
+        out, lse = flashport.attention_with_kvcache(
+            q, k, v, lens, num_splits=splits, return_lse=True, device=gpu
+        )
+    want_out, want_lse = reference.attention_with_kvcache(
+        *(x.astype(np.float64) for x in (q, k, v)), lens, return_lse=True
+    )
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_caches_no_window_holds_are_refused_by_name(gpu):
+    """What windows do not mend is refused, naming the sizes and the limit:
+    a paged block larger than a binding, and split states of every window
+    a sequence reads that do not fit one."""
+    case = _decode_case(heads_kv=2, group=3, d=32, dv=8, block_size=16, lens=(200,), shared=0)
+    q, (pool_k, pool_v, table), (k, v), lens = case.arrays(np.float32)
+    with overrides(binding_limit=4096), pytest.raises(ProblemTooLargeError) as e:
+        flashport.attention_with_kvcache(q, pool_k, pool_v, lens, block_table=table, device=gpu)
+    for fragment in ["one block of k_cache / v_cache", "= 4096 bytes", "(4096 bytes, less"]:
+        assert fragment in str(e.value)
+    with overrides(binding_limit=1024), pytest.raises(ProblemTooLargeError) as e:
+        flashport.attention_with_kvcache(q, k, v, lens, num_splits=8, device=gpu)
+    message = str(e.value)
+    assert "sequence 0 (key/value head 0)" in message and "(1024 bytes)" in message, message
+    assert "8 split state(s) for each of the" in message, message
+
+
 def test_float64_is_refused_on_the_gpu(gpu):
     case = _decode_case()
     q, _, (k, v), lens = case.arrays(np.float64)

@@ -176,10 +176,14 @@ def attention_with_kvcache(
         cache (num_blocks = 64) ...``), a bad ``num_splits``, ``scale`` or
         variant keyword. Nothing is read before all of these are checked.
     BackendUnavailableError, ProblemTooLargeError, GpuError
-        As for :func:`attention`; on the GPU, a cache whose blocks for one
-        sequence span more than one storage binding of the adapter, or (on
-        Mesa's llvmpipe before 25.0, whose loops end silently after 65535
-        passes) a ``num_splits`` that leaves a chunk too long for it.
+        As for :func:`attention`. On the GPU, caches of any size are read
+        window by window (a window of whole blocks, or of a contiguous
+        sequence's rows of one key/value head, per storage binding of the
+        adapter); ProblemTooLargeError when one paged block does not fit a
+        binding, when the split states of every window one sequence reads
+        do not fit one, or (on Mesa's llvmpipe before 25.0, whose loops end
+        silently after 65535 passes) a ``num_splits`` that leaves a chunk
+        too long for it.
     """
     out, lse = _core.attention_with_kvcache(
         _main_array(q),

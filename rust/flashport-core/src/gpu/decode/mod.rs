@@ -6,23 +6,29 @@
 //!
 //! The caches are bound as windows of their buffers: a dispatch covers a
 //! run of sequences and binds the blocks they use (the sequences' own
-//! rows when contiguous), so a cache larger than one storage binding is
-//! still decoded as long as one sequence's blocks fit one. Host caches
-//! upload just those windows; device arrays are bound where they are.
-//! Everything is checked on the host before any dispatch (lengths and
-//! table entries by validation, windows here), and naga's bounds checks
-//! stay on in the kernel, so no read leaves its binding.
+//! rows when contiguous). Host caches upload just those windows; device
+//! arrays are bound where they are. Everything is checked on the host
+//! before any dispatch (lengths and table entries by validation, windows
+//! here), and naga's bounds checks stay on in the kernel, so no read
+//! leaves its binding.
 //!
-//! A KV cache's pools (`super::kv_pool`) are bound where they are, whole:
-//! a pool larger than one binding is several buffers of whole blocks, and
-//! then each dispatch runs once per buffer its sequences read, the table
-//! entries of the other buffers' blocks marked as not bound (`SKIPS`):
-//! each run's splits see only the keys of its buffer, and the combine
-//! pass merges every run's splits as one set. Attention over a set of
-//! keys is the merge of attention over its parts, so a sequence's blocks
-//! may lie anywhere in the pool. A paged cache given as two arrays whose
-//! blocks one sequence reads span more than a binding is decoded the same
-//! way, its arrays bound as consecutive windows of whole blocks.
+//! Caches larger than that are read in runs, one per window of whole
+//! blocks: a KV cache's pools (`super::kv_pool`), several buffers of
+//! whole blocks each bound whole; paged arrays whose blocks one sequence
+//! reads span more than a binding, bound as consecutive windows of whole
+//! blocks; and a contiguous cache whose one sequence's rows exceed a
+//! binding, read as a paged problem of one key/value head per sequence
+//! whose blocks are windows of rows (`HeadRows`). Each dispatch then runs
+//! once per window its sequences read, the table entries of the other
+//! windows' blocks marked as not bound (`SKIPS`): each run's splits see
+//! only the keys of its window (a run that sees none of a row's keys
+//! leaves that row's states empty, lse -inf, which merge as nothing), and
+//! the combine pass merges every run's splits as one set. Attention over
+//! a set of keys is the merge of attention over its parts, so a
+//! sequence's blocks may lie anywhere. What no window mends is refused by
+//! name: a paged block larger than a binding, or split states of every
+//! window a sequence reads that do not fit one binding (the combine pass
+//! binds them together).
 
 pub mod select;
 
@@ -259,11 +265,15 @@ pub(crate) fn choose(
 }
 
 /// A run of sequences decoded by one dispatch, and the cache blocks it
-/// binds.
+/// binds (bound as one window: `Bind::Blocks`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Dispatch {
     sequences: std::ops::Range<usize>,
     blocks: std::ops::Range<usize>,
+    /// Cache rows before the dispatch's block 0: 0, but for a contiguous
+    /// cache read per key/value head (`HeadRows`), where each sequence's
+    /// blocks are counted from its own first row.
+    origin: usize,
 }
 
 /// The limits one dispatch must keep.
@@ -273,16 +283,123 @@ struct Limits {
     align: u64,
 }
 
+/// How a dispatch binds the caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bind {
+    /// One window of the blocks its sequences read.
+    Blocks,
+    /// One run per window of `per` whole blocks its sequences read, each
+    /// bound alone (a pool's buffers, windows of paged arrays); with
+    /// `heads`, one sequence per dispatch (`HeadRows`: the blocks of
+    /// different sequences are not counted from one origin, and each
+    /// sequence has its own sinks).
+    Runs { per: usize, heads: Option<Heads> },
+}
+
+/// `HeadRows`' original contiguous cache: its sequence `b` is key/value
+/// head `b % heads_kv` of sequence `b / heads_kv`, at row `b * capacity`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Heads {
+    heads_kv: usize,
+    capacity: usize,
+}
+
 /// Whole blocks of a paged cache that one binding of a window holds (with
 /// the slack `window` adds for the offset's alignment), or `None` when
 /// not one does.
 fn window_blocks(p: &KvCacheProblem, eb: u64, limits: &Limits) -> Option<usize> {
+    let blocks = window_room(limits) / block_bytes(p, eb).max(1);
+    (blocks > 0).then_some(blocks as usize)
+}
+
+/// Bytes of one block of the wider cache (a contiguous cache's block is a
+/// sequence).
+fn block_bytes(p: &KvCacheProblem, eb: u64) -> u64 {
     let a = &p.attention;
     let row = a.head_dim.max(a.value_dim).max(1) as u64;
-    let block_bytes = (p.heads_kv() * p.block_size()) as u64 * row * eb;
-    let room = limits.binding.checked_sub(limits.align + 16)?;
-    let blocks = room / block_bytes.max(1);
-    (blocks > 0).then_some(blocks as usize)
+    (p.heads_kv() * p.block_size()) as u64 * row * eb
+}
+
+/// Bytes of a binding a window's blocks may fill: `window` starts a window
+/// up to an alignment early and rounds its end up to 16 bytes.
+fn window_room(limits: &Limits) -> u64 {
+    limits.binding.saturating_sub(limits.align + 16)
+}
+
+/// A contiguous cache one of whose sequences' rows exceed a binding, read
+/// as a paged problem over the same memory: `(batch, heads_kv, capacity,
+/// d)` is `(batch * heads_kv, 1, capacity, d)`, and q, o and lse, laid out
+/// `(batch, heads_q, ...)`, are the same arrays with `batch * heads_kv`
+/// sequences of the GQA group's `heads_q / heads_kv` heads. Each such
+/// sequence's rows are cut into blocks of as many rows as a window holds
+/// (the last one short), counted from the sequence's own first row
+/// (`Dispatch::origin`) through an identity table, so each dispatch
+/// decodes one sequence of one key/value head and binds its rows window
+/// by window: one run each, merged by the combine pass like a pool's.
+struct HeadRows {
+    problem: KvCacheProblem,
+    /// The ALiBi slopes per (sequence, key/value head, group head): the
+    /// problem's per-sequence layout.
+    slopes: Option<Vec<f64>>,
+}
+
+impl HeadRows {
+    /// `None` when not one cache row fits a window.
+    fn new(
+        p: &KvCacheProblem,
+        variants: &VariantArrays<'_>,
+        eb: u64,
+        limits: &Limits,
+    ) -> Option<HeadRows> {
+        let CacheLayout::Contiguous { capacity } = p.layout else {
+            return None;
+        };
+        let a = &p.attention;
+        let row = a.head_dim.max(a.value_dim).max(1) as u64;
+        let rows = (window_room(limits) / (row * eb)).min(capacity.max(1) as u64) as usize;
+        if rows == 0 {
+            return None;
+        }
+        let (hkv, group) = (p.heads_kv(), p.group_size());
+        let sequences = p.batch() * hkv;
+        let max_blocks = capacity.div_ceil(rows).max(1);
+        let mut problem = p.clone();
+        problem.attention.batch = sequences;
+        problem.attention.heads_q = group;
+        problem.attention.heads_kv = 1;
+        problem.attention.alibi_per_batch = a.alibi_per_batch.map(|_| true);
+        problem.seqlens = p.seqlens.iter().flat_map(|&n| [n].repeat(hkv)).collect();
+        problem.layout = CacheLayout::Paged {
+            num_blocks: max_blocks,
+            block_size: rows,
+            max_blocks,
+            table: (0..sequences).flat_map(|_| 0..max_blocks).collect(),
+        };
+        let slopes = variants.alibi_slopes.map(|s| match a.alibi_per_batch {
+            // (batch, heads_q) is already (batch * heads_kv, group).
+            Some(true) => s.to_vec(),
+            _ => s.repeat(p.batch()),
+        });
+        Some(HeadRows { problem, slopes })
+    }
+
+    /// The variants of dispatch `d` (one sequence, key/value head
+    /// `b % heads_kv` of the original problem): its slopes, and the sinks
+    /// of its group's heads, which the combine pass reads per head.
+    fn variants<'a>(
+        &'a self,
+        d: &Dispatch,
+        variants: &VariantArrays<'a>,
+        heads_kv: usize,
+    ) -> VariantArrays<'a> {
+        let group = self.problem.heads_q();
+        let h = d.sequences.start % heads_kv;
+        VariantArrays {
+            alibi_slopes: self.slopes.as_deref(),
+            sinks: variants.sinks.map(|s| &s[h * group..(h + 1) * group]),
+            ..*variants
+        }
+    }
 }
 
 /// The blocks sequence `b` reads: its own when contiguous, else the range
@@ -290,13 +407,8 @@ fn window_blocks(p: &KvCacheProblem, eb: u64, limits: &Limits) -> Option<usize> 
 fn blocks_of(p: &KvCacheProblem, b: usize) -> Option<std::ops::Range<usize>> {
     match &p.layout {
         CacheLayout::Contiguous { .. } => Some(b..b + 1),
-        CacheLayout::Paged {
-            block_size,
-            max_blocks,
-            table,
-            ..
-        } => {
-            let used = &table[b * max_blocks..][..p.seqlens[b].div_ceil(*block_size)];
+        CacheLayout::Paged { .. } => {
+            let used = used_blocks(p, b);
             // One pass that vectorises (min() and max() over an iterator
             // took 0.4 ms for a table of 256k entries on the 2-core VM).
             let (lo, hi) = used
@@ -304,6 +416,20 @@ fn blocks_of(p: &KvCacheProblem, b: usize) -> Option<std::ops::Range<usize>> {
                 .fold((usize::MAX, 0), |(lo, hi), &x| (lo.min(x), hi.max(x)));
             (!used.is_empty()).then_some(lo..hi + 1)
         }
+    }
+}
+
+/// The table entries of a paged cache's sequence `b` that its length
+/// reaches (none when contiguous).
+fn used_blocks(p: &KvCacheProblem, b: usize) -> &[usize] {
+    match &p.layout {
+        CacheLayout::Contiguous { .. } => &[],
+        CacheLayout::Paged {
+            block_size,
+            max_blocks,
+            table,
+            ..
+        } => &table[b * max_blocks..][..p.seqlens[b].div_ceil(*block_size)],
     }
 }
 
@@ -341,45 +467,78 @@ fn seq_data_words(p: &KvCacheProblem, sequences: usize) -> usize {
 
 /// Runs of sequences, each as long as its bindings and grid allow; an
 /// error naming what does not fit when one sequence alone does not.
-/// `windows`: the caches are bound as windows of the dispatch's blocks
-/// (else as whole pool buffers, each within a binding already).
+/// With `Bind::Runs` a dispatch has `splits` splits per window it reads.
 fn plan(
     p: &KvCacheProblem,
     kernel: DecodeKernel,
     splits: usize,
     eb: u64,
     limits: &Limits,
-    windows: bool,
+    bind: Bind,
 ) -> Result<Vec<Dispatch>> {
     let row_blocks = kernel.row_blocks(p.group_rows()) as u64;
-    let fits = |d: &Dispatch| {
-        dispatch_bytes(p, splits, d, eb, limits.align)
+    let fits = |d: &Dispatch, runs: usize| {
+        dispatch_bytes(p, splits * runs, d, eb, limits.align)
             .iter()
             .all(|&bytes| bytes <= limits.binding)
             && d.sequences.len() as u64 * p.heads_kv() as u64 * row_blocks <= limits.grid
             && (d.blocks.len() * p.heads_kv() * p.block_size()) as u64 <= u32::MAX as u64
     };
+    let origin = |b: usize| match bind {
+        Bind::Runs { heads: Some(h), .. } => b * h.capacity,
+        _ => 0,
+    };
+    // The windows the current dispatch reads (`Bind::Runs`), one run each
+    // (one at least: the outputs come from a run).
+    let mut windows = std::collections::BTreeSet::new();
     let mut plan: Vec<Dispatch> = Vec::new();
     let mut current: Option<Dispatch> = None;
     for b in 0..p.batch() {
-        let own = if windows { blocks_of(p, b) } else { None };
-        let grown = current.as_ref().map(|c| Dispatch {
-            sequences: c.sequences.start..b + 1,
-            blocks: match &own {
-                None => c.blocks.clone(),
-                Some(r) if c.blocks.is_empty() => r.clone(),
-                Some(r) => c.blocks.start.min(r.start)..c.blocks.end.max(r.end),
-            },
+        let (own, own_windows) = match bind {
+            Bind::Blocks => (blocks_of(p, b), Vec::new()),
+            Bind::Runs { per, .. } => {
+                let mut w: Vec<usize> = used_blocks(p, b).iter().map(|&x| x / per).collect();
+                w.sort_unstable();
+                w.dedup();
+                (None, w)
+            }
+        };
+        let grown = current.as_ref().and_then(|c| {
+            if matches!(bind, Bind::Runs { heads: Some(_), .. }) {
+                return None;
+            }
+            let g = Dispatch {
+                sequences: c.sequences.start..b + 1,
+                blocks: match &own {
+                    None => c.blocks.clone(),
+                    Some(r) if c.blocks.is_empty() => r.clone(),
+                    Some(r) => c.blocks.start.min(r.start)..c.blocks.end.max(r.end),
+                },
+                origin: c.origin,
+            };
+            let runs = windows.len() + own_windows.iter().filter(|w| !windows.contains(*w)).count();
+            fits(&g, runs.max(1)).then_some(g)
         });
         match grown {
-            Some(g) if fits(&g) => current = Some(g),
-            _ => {
+            Some(g) => {
+                current = Some(g);
+                windows.extend(own_windows);
+            }
+            None => {
                 let alone = Dispatch {
                     sequences: b..b + 1,
                     blocks: own.unwrap_or(0..0),
+                    origin: origin(b),
                 };
-                if !fits(&alone) {
-                    return Err(too_large(p, splits, &alone, eb, limits));
+                windows.clear();
+                windows.extend(own_windows);
+                let runs = windows.len().max(1);
+                if !fits(&alone, runs) {
+                    let heads = match bind {
+                        Bind::Runs { heads, .. } => heads,
+                        Bind::Blocks => None,
+                    };
+                    return Err(too_large(p, splits, (runs, heads), &alone, eb, limits));
                 }
                 plan.extend(current.replace(alone));
             }
@@ -389,13 +548,29 @@ fn plan(
     Ok(plan)
 }
 
-fn too_large(p: &KvCacheProblem, splits: usize, d: &Dispatch, eb: u64, limits: &Limits) -> Error {
+fn too_large(
+    p: &KvCacheProblem,
+    splits: usize,
+    (runs, heads): (usize, Option<Heads>),
+    d: &Dispatch,
+    eb: u64,
+    limits: &Limits,
+) -> Error {
     let b = d.sequences.start;
-    let bytes = dispatch_bytes(p, splits, d, eb, limits.align);
+    let (b, head) = match heads {
+        Some(Heads { heads_kv: h, .. }) => (b / h, format!(" (key/value head {})", b % h)),
+        None => (b, String::new()),
+    };
+    let bytes = dispatch_bytes(p, splits * runs, d, eb, limits.align);
     let what = match bytes.iter().position(|&x| x > limits.binding) {
         Some(0) | Some(1) => format!(
             "the cache blocks sequence {b} reads span {} bytes of k_cache / v_cache",
             bytes[0].max(bytes[1])
+        ),
+        Some(2) if runs > 1 => format!(
+            "its {splits} split state(s) for each of the {runs} cache windows it reads \
+             take {} bytes",
+            bytes[2]
         ),
         Some(2) => format!("its {splits} split states take {} bytes", bytes[2]),
         Some(_) => format!(
@@ -405,10 +580,36 @@ fn too_large(p: &KvCacheProblem, splits: usize, d: &Dispatch, eb: u64, limits: &
         None => "its workgroups exceed the grid".to_string(),
     };
     Error::TooLarge(format!(
-        "decoding sequence {b} on the GPU needs more than one storage binding of this \
+        "decoding sequence {b}{head} on the GPU needs more than one storage binding of this \
          adapter ({} bytes): {what}; use fewer splits, blocks closer together, or \
          device=\"cpu\"",
         limits.binding
+    ))
+}
+
+/// Not one block (a contiguous cache: not one row) of the caches fits a
+/// window of a binding.
+fn block_too_large(p: &KvCacheProblem, eb: u64, limits: &Limits) -> Error {
+    let a = &p.attention;
+    let row = a.head_dim.max(a.value_dim).max(1);
+    let what = match p.layout {
+        CacheLayout::Paged { block_size, .. } => format!(
+            "one block of k_cache / v_cache ({} key/value heads x {block_size} keys x {row} \
+             elements x {eb} bytes = {} bytes)",
+            p.heads_kv(),
+            block_bytes(p, eb)
+        ),
+        CacheLayout::Contiguous { .. } => format!(
+            "one row of k_cache / v_cache ({row} elements x {eb} bytes = {} bytes)",
+            row as u64 * eb
+        ),
+    };
+    Error::TooLarge(format!(
+        "decoding on the GPU binds the caches a whole block at a time, and {what} does not fit \
+         one storage binding of this adapter ({} bytes, less {} for the window's alignment); \
+         use smaller blocks or device=\"cpu\"",
+        limits.binding,
+        limits.align + 16
     ))
 }
 
@@ -432,23 +633,29 @@ impl CacheWindow {
 }
 
 /// Blocks `blocks` of a cache (`row` elements of `eb` bytes per cache
-/// row): uploaded alone from the host, or a window of the device array's
-/// buffer at an aligned offset.
+/// row) counted from cache row `origin`: uploaded alone from the host, or
+/// a window of the device array's buffer at an aligned offset. The range
+/// ends at the cache's end (a `HeadRows` sequence's last block is short).
 #[allow(clippy::too_many_arguments)]
 fn window(
     sub: &mut Submission<'_>,
     name: &str,
     cache: Source<'_>,
     p: &KvCacheProblem,
-    blocks: &std::ops::Range<usize>,
+    (origin, blocks): (usize, &std::ops::Range<usize>),
     row: usize,
     eb: u64,
     align: u64,
 ) -> Result<CacheWindow> {
     let block_bytes = (p.heads_kv() * p.block_size() * row) as u64 * eb;
+    let cache_bytes = match cache {
+        Source::Host(bytes) => bytes.len() as u64,
+        Source::Device(t) => t.len() as u64 * eb,
+    };
+    let base = (origin * row) as u64 * eb;
     let (start, end) = (
-        blocks.start as u64 * block_bytes,
-        blocks.end as u64 * block_bytes,
+        (base + blocks.start as u64 * block_bytes).min(cache_bytes),
+        (base + blocks.end as u64 * block_bytes).min(cache_bytes),
     );
     if end == start {
         // No row at all: a zeroed stand-in of the smallest binding the
@@ -489,36 +696,50 @@ fn window(
     }
 }
 
-/// The pool buffers a dispatch's sequences read, in order (buffer 0 when
-/// they read none: a run is still needed for the outputs).
-fn buffers_read(p: &KvCacheProblem, d: &Dispatch, per_buffer: usize) -> Vec<usize> {
-    let mut read = std::collections::BTreeSet::new();
-    if let CacheLayout::Paged {
-        block_size,
-        max_blocks,
-        table,
-        ..
-    } = &p.layout
-    {
-        for b in d.sequences.clone() {
-            let used = &table[b * max_blocks..][..p.seqlens[b].div_ceil(*block_size)];
-            read.extend(used.iter().map(|&x| x / per_buffer));
+/// The runs of a dispatch over windows of `per` blocks (a pool's buffers
+/// or `Caches::Windows`): for each window its sequences read, in order,
+/// its index and the blocks bound, all of the window's with `whole` (a
+/// pool buffer, bound whole), else those from the first to the last one
+/// read (uploaded alone from the host). One run of no blocks when they
+/// read none: a run is still needed for the outputs.
+fn runs_of(
+    p: &KvCacheProblem,
+    d: &Dispatch,
+    per: usize,
+    whole: bool,
+) -> Vec<(usize, std::ops::Range<usize>)> {
+    let mut read = std::collections::BTreeMap::<usize, (usize, usize)>::new();
+    for b in d.sequences.clone() {
+        for &x in used_blocks(p, b) {
+            let e = read.entry(x / per).or_insert((x, x));
+            *e = (e.0.min(x), e.1.max(x));
         }
     }
     if read.is_empty() {
-        read.insert(0);
+        return vec![(0, if whole { 0..per } else { 0..0 })];
     }
-    read.into_iter().collect()
+    read.into_iter()
+        .map(|(i, (lo, hi))| {
+            (
+                i,
+                if whole {
+                    i * per..(i + 1) * per
+                } else {
+                    lo..hi + 1
+                },
+            )
+        })
+        .collect()
 }
 
 /// The words of a dispatch's `seq_data` and the uniform's offsets into it.
-/// `buffer`: the pool buffer bound (index, blocks per buffer), whose
-/// blocks the table counts from its first, the others' marked NONE.
+/// `run`: the blocks bound (a run over windows), which the table counts
+/// from their first, the others' marked NONE; else the dispatch's blocks.
 fn seq_data_of(
     p: &KvCacheProblem,
     d: &Dispatch,
     variants: &VariantArrays<'_>,
-    buffer: Option<(usize, usize)>,
+    run: Option<&std::ops::Range<usize>>,
 ) -> (Vec<u32>, [u32; 4]) {
     let mut words: Vec<u32> = d.sequences.clone().map(|b| p.seqlens[b] as u32).collect();
     let table_off = words.len() as u32;
@@ -530,11 +751,15 @@ fn seq_data_of(
             // Blocks counted from the first one bound; entries past the
             // length are 0 (never read).
             let row = table[b * max_blocks..(b + 1) * max_blocks].iter();
-            match buffer {
+            match run {
                 None => words.extend(row.map(|&x| x.saturating_sub(d.blocks.start) as u32)),
-                Some((i, per)) => {
-                    words.extend(row.map(|&x| if x / per == i { (x % per) as u32 } else { NONE }))
-                }
+                Some(r) => words.extend(row.map(|&x| {
+                    if r.contains(&x) {
+                        (x - r.start) as u32
+                    } else {
+                        NONE
+                    }
+                })),
             }
         }
     }
@@ -613,29 +838,47 @@ fn decode_on(
         grid: ctx.limits.max_compute_workgroups_per_dimension as u64,
         align: ctx.limits.min_storage_buffer_offset_alignment.max(16) as u64,
     };
-    // A dispatch over pools runs once per buffer, each run's splits apart.
-    let paged = matches!(p.layout, CacheLayout::Paged { .. });
+    // Caches larger than a binding are bound window by window, one run of
+    // the kernel per window, each run's splits apart (so are a pool's
+    // buffers); the combine pass merges every run's splits.
+    let mut head_rows = None;
     let (caches, dispatches) = match caches {
-        Caches::Arrays(k, v) => match plan(p, kernel, splits, eb, &limits, true) {
+        Caches::Arrays(k, v) => match plan(p, kernel, splits, eb, &limits, Bind::Blocks) {
             Ok(dispatches) => (caches, dispatches),
-            Err(e) => {
-                // A sequence's blocks span more than a binding (or something
-                // else does not fit, which more runs do not mend).
-                let per = window_blocks(p, eb, &limits)
-                    .filter(|_| paged)
-                    .ok_or(e.clone())?;
-                let runs = p.cache_blocks().div_ceil(per);
-                let dispatches =
-                    plan(p, kernel, splits * runs, eb, &limits, false).map_err(|_| e)?;
+            // A sequence's blocks span more than a binding, or something
+            // else does not fit (the windows' plan then names it).
+            Err(_) => {
+                let paged = matches!(p.layout, CacheLayout::Paged { .. });
+                let rows = (!paged)
+                    .then(|| HeadRows::new(p, variants, eb, &limits))
+                    .flatten();
+                let view = rows.as_ref().map_or(p, |r| &r.problem);
+                let per = window_blocks(view, eb, &limits)
+                    .ok_or_else(|| block_too_large(p, eb, &limits))?;
+                let heads = rows.as_ref().map(|_| Heads {
+                    heads_kv: p.heads_kv(),
+                    capacity: p.block_size(),
+                });
+                let bind = Bind::Runs { per, heads };
+                let dispatches = plan(view, kernel, splits, eb, &limits, bind)?;
+                head_rows = rows;
                 (Caches::Windows(k, v, per), dispatches)
             }
         },
-        Caches::Pools { keys, .. } => (
-            caches,
-            plan(p, kernel, splits * keys.len(), eb, &limits, false)?,
-        ),
+        Caches::Pools { per_buffer, .. } => {
+            let bind = Bind::Runs {
+                per: per_buffer,
+                heads: None,
+            };
+            (caches, plan(p, kernel, splits, eb, &limits, bind)?)
+        }
         Caches::Windows(..) => unreachable!("made here"),
     };
+    // The problem the kernel sees: `p`, or its sequences' key/value heads
+    // apart (`HeadRows`; the same q, o and lse).
+    let view = head_rows.as_ref().map_or(p, |r| &r.problem);
+    let va = &view.attention;
+    let paged = matches!(view.layout, CacheLayout::Paged { .. });
     let skips = !matches!(caches, Caches::Arrays(..));
     let mut constants = kernel.overrides(paged, a.softcap.is_some(), a.alibi_per_batch.is_some());
     constants.push(("SKIPS", if skips { 1.0 } else { 0.0 }));
@@ -661,8 +904,8 @@ fn decode_on(
         }
     };
     let combine = ctx.array_pipeline("decode_combine", DECODE_COMBINE)?;
-    let row_blocks = kernel.row_blocks(p.group_rows());
-    let per_sequence = a.heads_q * a.seq_q;
+    let row_blocks = kernel.row_blocks(view.group_rows());
+    let per_sequence = va.heads_q * va.seq_q;
     let side = |x: Option<usize>| x.map_or(NONE, |x| x.min(POSITION_LIMIT) as u32);
     let mut out = Sink::new(outputs, p.out_len(), 0.0);
     let mut lse = Sink::new(outputs, p.lse_len(), f32::NEG_INFINITY);
@@ -672,66 +915,61 @@ fn decode_on(
         let last = i + 1 == dispatches.len();
         let reads = ctx.scoped("decoding over a KV cache", || {
             let mut sub = Submission::new(ctx);
-            let buffers: Vec<Option<(usize, usize)>> = match caches {
+            let runs: Vec<Option<(usize, std::ops::Range<usize>)>> = match caches {
                 Caches::Arrays(..) => vec![None],
-                Caches::Pools {
-                    per_buffer: per, ..
-                }
-                | Caches::Windows(_, _, per) => buffers_read(p, dispatch, per)
+                Caches::Pools { per_buffer, .. } => runs_of(view, dispatch, per_buffer, true)
                     .into_iter()
-                    .map(|i| Some((i, per)))
+                    .map(Some)
+                    .collect(),
+                Caches::Windows(_, _, per) => runs_of(view, dispatch, per, false)
+                    .into_iter()
+                    .map(Some)
                     .collect(),
             };
-            let all_splits = splits * buffers.len();
+            let variants = match &head_rows {
+                Some(r) => r.variants(dispatch, variants, p.heads_kv()),
+                None => *variants,
+            };
+            let all_splits = splits * runs.len();
             let part_o = sub.output(all_splits * out_rows * dv);
             let part_lse = sub.output(all_splits * out_rows);
             let qb = chunk_input(&mut sub, "q", q, (per_sequence * d, eb as usize), (b0, n))?;
             let mut seq_data = None;
             let mut sinks_offset = 0;
-            for (run, &buffer) in buffers.iter().enumerate() {
+            for (i, run) in runs.iter().enumerate() {
+                let bound = run.as_ref().map(|(_, blocks)| blocks);
                 let (words, [seqlens_off, table_off, slopes_off, sinks_off]) =
-                    seq_data_of(p, dispatch, variants, buffer);
+                    seq_data_of(view, dispatch, &variants, bound);
                 let data = sub.data(&words)?;
-                let blocks = &dispatch.blocks;
-                let (kw, vw) = match caches {
-                    Caches::Pools { keys, values, .. } => {
-                        let i = buffer.map_or(0, |(i, _)| i);
-                        (whole(&keys[i], &mut sub), whole(&values[i], &mut sub))
-                    }
-                    Caches::Windows(k_cache, v_cache, per) => {
-                        let i = buffer.map_or(0, |(i, _)| i);
-                        let blocks = i * per..((i + 1) * per).min(p.cache_blocks());
-                        let (k, v) = ("k_cache", "v_cache");
+                let (kw, vw) = match (caches, run) {
+                    (Caches::Pools { keys, values, .. }, Some((buffer, _))) => (
+                        whole(&keys[*buffer], &mut sub),
+                        whole(&values[*buffer], &mut sub),
+                    ),
+                    (
+                        Caches::Arrays(k_cache, v_cache) | Caches::Windows(k_cache, v_cache, _),
+                        _,
+                    ) => {
+                        let blocks = (dispatch.origin, bound.unwrap_or(&dispatch.blocks));
+                        let (k, v, align) = ("k_cache", "v_cache", limits.align);
                         (
-                            window(&mut sub, k, k_cache, p, &blocks, d, eb, limits.align)?,
-                            window(&mut sub, v, v_cache, p, &blocks, dv, eb, limits.align)?,
+                            window(&mut sub, k, k_cache, view, blocks, d, eb, align)?,
+                            window(&mut sub, v, v_cache, view, blocks, dv, eb, align)?,
                         )
                     }
-                    Caches::Arrays(k_cache, v_cache) => (
-                        window(&mut sub, "k_cache", k_cache, p, blocks, d, eb, limits.align)?,
-                        window(
-                            &mut sub,
-                            "v_cache",
-                            v_cache,
-                            p,
-                            blocks,
-                            dv,
-                            eb,
-                            limits.align,
-                        )?,
-                    ),
+                    (Caches::Pools { .. }, None) => unreachable!("a pool's runs are buffers"),
                 };
                 let uniform = sub.uniform(&Uniform {
-                    heads_q: a.heads_q as u32,
-                    heads_kv: a.heads_kv as u32,
-                    group: a.group_size() as u32,
+                    heads_q: va.heads_q as u32,
+                    heads_kv: va.heads_kv as u32,
+                    group: va.group_size() as u32,
                     seq_q: a.seq_q as u32,
-                    rows: p.group_rows() as u32,
+                    rows: view.group_rows() as u32,
                     row_blocks: row_blocks as u32,
                     d: d as u32,
                     dv: dv as u32,
-                    block_size: p.block_size() as u32,
-                    max_blocks: match &p.layout {
+                    block_size: view.block_size() as u32,
+                    max_blocks: match &view.layout {
                         CacheLayout::Paged { max_blocks, .. } => *max_blocks as u32,
                         CacheLayout::Contiguous { .. } => 1,
                     },
@@ -744,7 +982,7 @@ fn decode_on(
                     seqlens_off,
                     table_off,
                     slopes_off,
-                    split_base: (run * splits) as u32,
+                    split_base: (i * splits) as u32,
                     k_delta: kw.delta,
                     v_delta: vw.delta,
                     out_rows: out_rows as u32,
@@ -763,7 +1001,7 @@ fn decode_on(
                         entry(6, part_lse.binding()),
                     ],
                 });
-                let y = (n * a.heads_kv * row_blocks) as u32;
+                let y = (n * va.heads_kv * row_blocks) as u32;
                 let name = match kernel {
                     DecodeKernel::Workgroup(_) => "decode",
                     DecodeKernel::Subgroup(_) => "decode_subgroup",
@@ -778,7 +1016,7 @@ fn decode_on(
                 rows: out_rows as u32,
                 dv: dv as u32,
                 splits: all_splits as u32,
-                heads_q: a.heads_q as u32,
+                heads_q: va.heads_q as u32,
                 seq_q: a.seq_q as u32,
                 sinks: u32::from(a.sinks),
                 sinks_off: sinks_offset,
