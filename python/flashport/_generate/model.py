@@ -4,8 +4,9 @@ a SwiGLU MLP, a final norm and an LM head) with random weights, run two
 ways:
 
 * :meth:`Model.forward_cached`, in float32 through a :class:`flashport.KVCache`:
-  each layer appends the new positions' keys and values and attends over
-  the cache with one batched ``cache.attention`` call for all sequences;
+  each layer appends the new positions' keys and values of all sequences
+  with one ``cache.append_batch`` call and attends over the cache with one
+  batched ``cache.attention`` call;
 * :meth:`Model.forward_full`, the whole sequence at once without a cache,
   in float64 with plain NumPy attention: the oracle every cached step is
   checked against.
@@ -149,8 +150,9 @@ class Model:
         h = self.embed[tokens]
         for layer, w in enumerate(self.layers):
             q, k, v = self._qkv(h, w, positions)
-            for b, sid in enumerate(seq_ids):
-                cache.append(sid, k[b], v[b], layer=layer, tokens=tokens[b] if layer == 0 else None)
+            # One call for the batch: the same as appending to each sequence
+            # in order (distinct sequences, the same n for all).
+            cache.append_batch(seq_ids, k, v, layer=layer, tokens=tokens if layer == 0 else None)
             o = cache.attention(q, seq_ids, layer=layer)
             h = h + self._out(o, w)
             h = h + self._mlp(h, w)
