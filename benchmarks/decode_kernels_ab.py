@@ -34,6 +34,7 @@ import time
 import flashport as fp
 import numpy as np
 from flashport import _core
+from flashport._bench_decode import paged_cache
 
 HEADS_Q, HEADS_KV, D = 32, 8, 128
 # Configurations: (test overrides, num_splits per batch size or None).
@@ -107,8 +108,8 @@ def main() -> None:
                 del tq, tk, tv
             table = None
             if args.paged:
-                kh, table = paged(kh, args.paged)
-                vh, _ = paged(vh, args.paged)
+                kh, table = paged_cache(kh, args.paged)
+                vh, _ = paged_cache(vh, args.paged)
             q, k, v = (fp.to_device(a) for a in (qh, kh, vh))
             cases[(dtype, b, n)] = (q, k, v, np.full(b, n, np.int32), kv_bytes, table)
     splits: dict[int, int] = {}
@@ -225,19 +226,6 @@ def torch_medians(torch, fn, calls: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
-
-
-def paged(cache, block: int, seed: int = 1):
-    """``cache`` (batch, heads, n, d) as a pool of blocks in a random order
-    and the block table that gathers it back."""
-    b, h, n, d = cache.shape
-    blocks = n // block
-    rows = cache.reshape(b, h, blocks, block, d).transpose(0, 2, 1, 3, 4)
-    rows = rows.reshape(b * blocks, h, block, d)
-    order = np.random.default_rng(seed).permutation(b * blocks)
-    pool = np.empty(rows.shape, rows.dtype)
-    pool[order] = rows
-    return pool, order.reshape(b, blocks).astype(np.int32)
 
 
 if __name__ == "__main__":
