@@ -49,8 +49,6 @@ override PS: u32 = LANES + 1u;
 // accumulators at the end.
 override PART_ELEMS: u32 = 4224u;
 override SCORE_ELEMS: u32 = 64u;
-override SOFTCAP: bool = false;
-override ALIBI: bool = false;
 
 var<workgroup> part: array<f32, PART_ELEMS>;
 var<workgroup> scores: array<f32, SCORE_ELEMS>;

@@ -77,8 +77,6 @@ override PART_VEC4S: u32 = 512u;
 // 0's slot ends with the row's).
 override STAT_ELEMS: u32 = 52u;
 override CODES: u32 = 2u * W * RB + RB;
-override SOFTCAP: bool = false;
-override ALIBI: bool = false;
 override PREFETCH: bool = false;
 
 var<workgroup> part: array<vec4<f32>, PART_VEC4S>;
