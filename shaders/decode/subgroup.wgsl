@@ -15,8 +15,8 @@
 // walker lies within one subgroup (invocations are numbered subgroup after
 // subgroup). Lane l of a walker owns the quads (vec4 columns) l + n * LPK
 // (n < NO) of d and of d_v, kept as loaded (two words of halves for
-// float16) until used. Each walker streams its
-// own keys with its own online softmax (lib/common.wgsl's vocabulary).
+// float16) until used. Each walker streams its own keys with its own
+// online softmax (lib/common.wgsl's vocabulary).
 // Per pass, walker w takes the KPI keys from k0 + w * KPI (k0 steps by
 // W * KPI):
 //

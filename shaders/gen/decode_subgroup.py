@@ -78,8 +78,9 @@ def acc_regs():
 
 
 def raw_regs():
-    """The loads of a pass as they arrive (Raw8: packed halves for the
-    16-byte float16 loads), and which keys were loaded (bit j of ok_n)."""
+    """The loads of a pass as they arrive (Raw4: two words a quad of
+    halves, four floats otherwise), and which keys were loaded (bit j of
+    ok_n)."""
     pad = "    "
     out = [pad + "var ok_n = 0u;"]
     for j in range(8):
