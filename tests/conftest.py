@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import flashport
+import numpy as np
 import pytest
 from flashport import _core
 from hypothesis import HealthCheck, settings
@@ -98,3 +99,20 @@ def gpu() -> str:
             pytest.fail("FLASHPORT_REQUIRE_GPU=1 but flashport.devices() lists no GPU adapter")
         pytest.skip("no GPU adapter (install lavapipe)")
     return "gpu"
+
+
+def cache_state(cache: flashport.KVCache) -> dict:
+    """Everything observable about a KV cache, its pools as their bytes (so
+    that a pool poisoned with NaN compares by its bits)."""
+    ids = cache.sequences
+    return {
+        "ids": ids,
+        "table": cache.block_table(ids).tolist(),
+        "counts": cache.ref_counts().tolist(),
+        "usage": (cache.num_free_blocks, cache.num_used_blocks, cache.num_cached_blocks),
+        "lengths": [[cache.length(s, layer=layer) for layer in range(cache.layers)] for s in ids],
+        "pools": [
+            [p.view(np.uint8).tobytes() for p in cache.read_layer(layer)]
+            for layer in range(cache.layers)
+        ],
+    }

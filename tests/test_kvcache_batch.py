@@ -12,7 +12,7 @@ from __future__ import annotations
 import flashport
 import numpy as np
 import pytest
-from conftest import overrides
+from conftest import cache_state, overrides
 from flashport import (
     CacheFullError,
     DTypeError,
@@ -29,25 +29,6 @@ def _cache(device: str, num_blocks: int = 24, block_size: int = 3) -> flashport.
     return flashport.KVCache(
         num_blocks, block_size, HEADS_KV, D, head_dim_v=DV, layers=2, device=device
     )
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint32)
-
-
-def _state(cache: flashport.KVCache) -> dict:
-    """Everything observable, the pools as bits."""
-    ids = cache.sequences
-    return {
-        "ids": ids,
-        "table": cache.block_table(ids).tolist(),
-        "counts": cache.ref_counts().tolist(),
-        "usage": (cache.num_free_blocks, cache.num_used_blocks, cache.num_cached_blocks),
-        "lengths": [[cache.length(s, layer=layer) for layer in range(cache.layers)] for s in ids],
-        "pools": [
-            [_bits(p).tobytes() for p in cache.read_layer(layer)] for layer in range(cache.layers)
-        ],
-    }
 
 
 class Pair:
@@ -83,14 +64,14 @@ class Pair:
         self.check()
 
     def check(self) -> None:
-        assert _state(self.batched) == _state(self.single)
+        assert cache_state(self.batched) == cache_state(self.single)
         ids = self.batched.sequences
         q = self.rng.standard_normal((len(ids), HEADS_Q, 2, D), dtype=np.float32)
         for layer in range(2):
             got, got_lse = self.batched.attention(q, ids, layer=layer, return_lse=True)
             want, want_lse = self.single.attention(q, ids, layer=layer, return_lse=True)
-            assert np.array_equal(_bits(got), _bits(want))
-            assert np.array_equal(_bits(got_lse), _bits(want_lse))
+            assert got.tobytes() == want.tobytes()
+            assert got_lse.tobytes() == want_lse.tobytes()
 
 
 def test_a_batch_is_the_appends_in_order(backend):
@@ -153,7 +134,7 @@ def test_a_refused_batch_changes_nothing(backend):
     cache.append(b, k1[:, :1], v1[:, :1])  # without tokens
     gone = cache.new_sequence()
     cache.free(gone)
-    before = _state(cache)
+    before = cache_state(cache)
     k = rng.standard_normal((3, HEADS_KV, 2, D), dtype=np.float32)
     v = rng.standard_normal((3, HEADS_KV, 2, DV), dtype=np.float32)
     k_was, v_was = k.copy(), v.copy()
@@ -204,7 +185,7 @@ def test_a_refused_batch_changes_nothing(backend):
             cache.append_batch(
                 args["seq_ids"], args["k"], args["v"], layer=args["layer"], tokens=args["tokens"]
             )
-        assert _state(cache) == before, change
+        assert cache_state(cache) == before, change
     assert np.array_equal(k, k_was) and np.array_equal(v, v_was), "inputs unchanged"
     # The cache is full for the last row only, after the rows before it
     # took the 5 free blocks (a: a copy of the shared block 1 and 2 new, f:
@@ -215,7 +196,7 @@ def test_a_refused_batch_changes_nothing(backend):
         CacheFullError, match=r"sequence 2 \(seq_ids\[2\], after the blocks.* 0 of 8 are free"
     ):
         cache.append_batch([a, f, b], k4, v4)
-    assert _state(cache) == before
+    assert cache_state(cache) == before
     # Each row alone fits; the first two together too.
     cache.append_batch([a, f], k4[:2], v4[:2])
     assert cache.num_free_blocks == 0
@@ -236,7 +217,7 @@ def test_the_gpu_takes_device_arrays_and_refuses_whole_batches(gpu):
     # its rows were planned (a fork's copy among them): nothing changed,
     # not even the copy's target block.
     f = pair.fork(ids[0])
-    before = _state(pair.batched)
+    before = cache_state(pair.batched)
     with overrides(binding_limit=64), pytest.raises(ProblemTooLargeError, match="k \\("):
         pair.batched.append_batch([f, *ids], np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]))
-    assert _state(pair.batched) == before
+    assert cache_state(pair.batched) == before
