@@ -50,6 +50,7 @@ CONFIGS = {
     "subgroup-8-keys-prefetch": ({"decode_keys": 8, "decode_prefetch": True}, None),
     "subgroup-prefetch": ({"decode_prefetch": True}, None),
     "subgroup-no-prefetch": ({"decode_prefetch": False}, None),
+    "subgroup-checked": ({"decode_checked": True}, None),
     "subgroup-8-lanes": ({"decode_lanes": 8}, None),
     "subgroup-256-invocations": ({"decode_workgroup": 256}, None),
     "subgroup-64-invocations": ({"decode_workgroup": 64}, None),

@@ -2,7 +2,8 @@
 (which the GPU runs where its subgroups have one known size, lavapipe's and
 NVIDIA's among them) in its layouts (the default; 8 keys per pass in a
 workgroup of 32 invocations; walkers of at most 4 and 16 lanes, where the
-subgroup is wider), and the workgroup kernel (which runs elsewhere), each
+subgroup is wider; with naga's index clamps, which a release build drops),
+and the workgroup kernel (which runs elsewhere), each
 forced by the test overrides on the cases and variants of test_kvcache's
 property test, with head dimensions up to 128 as well."""
 
@@ -22,6 +23,7 @@ KERNELS = {
     "subgroup-8-keys-32-invocations": {"decode_keys": 8, "decode_workgroup": 32},
     "subgroup-4-lanes": {"decode_lanes": 4},
     "subgroup-16-lanes": {"decode_lanes": 16},
+    "subgroup-checked": {"decode_checked": True},
     "workgroup": {"no_subgroups": True},
 }
 

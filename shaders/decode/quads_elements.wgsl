@@ -16,6 +16,11 @@ fn raw_finite(x: Raw4) -> bool {
     return all(finite4(x));
 }
 
+// Its non-finite flags (lib/nonfinite.wgsl, NONFINITE_FLAGS).
+fn raw_flags(x: Raw4) -> u32 {
+    return flags_f32(x);
+}
+
 fn raw_clean(x: Raw4) -> Raw4 {
     return clean4(x);
 }

@@ -21,6 +21,11 @@ fn raw_finite(x: Raw4) -> bool {
     return all(finite4(widen(x)));
 }
 
+// Its non-finite flags (lib/nonfinite.wgsl, NONFINITE_FLAGS).
+fn raw_flags(x: Raw4) -> u32 {
+    return flags_in4(x);
+}
+
 // The quad with every NaN and infinity replaced by 0.
 fn raw_clean(x: Raw4) -> Raw4 {
     return clean_in4(x);

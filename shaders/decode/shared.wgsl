@@ -80,6 +80,18 @@ fn cache_row(b: u32, h: u32, key: u32) -> u32 {
     return (block * u.heads_kv + h) * u.block_size + offset;
 }
 
+// The cache row of key `key` when keys key .. key + count - 1 are all in
+// one block and key < end, so that a pass finds its keys' rows with one
+// table lookup (rows key - key0 further on); NONE otherwise, where the
+// pass looks each key up (a pass that starts near a block's end, or one
+// past the split's keys, whose table entry may not exist).
+fn run_row(b: u32, h: u32, key: u32, end: u32, count: u32) -> u32 {
+    if key >= end || (PAGED && key % u.block_size + count > u.block_size) {
+        return NONE;
+    }
+    return cache_row(b, h, key);
+}
+
 // Whether key `key` of the dispatch's sequence `b` is in a block bound
 // here.
 fn bound(b: u32, key: u32) -> bool {

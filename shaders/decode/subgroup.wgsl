@@ -293,292 +293,9 @@ fn main(
     if PREFETCH {
         ok_n = 0u;
         {
-            let key = key_start + walker * KPI + 0u;
-            kr0_0 = raw_zero();
-            vr0_0 = raw_zero();
-            if NO > 1u {
-                kr0_1 = raw_zero();
-                vr0_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr0_2 = raw_zero();
-                vr0_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr0_3 = raw_zero();
-                vr0_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 1u;
-                let row = cache_row(b, h, key);
-                kr0_0 = load_k_raw(row, lane);
-                vr0_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr0_1 = load_k_raw(row, lane + LPK);
-                    vr0_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr0_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr0_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr0_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr0_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-        {
-            let key = key_start + walker * KPI + 1u;
-            kr1_0 = raw_zero();
-            vr1_0 = raw_zero();
-            if NO > 1u {
-                kr1_1 = raw_zero();
-                vr1_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr1_2 = raw_zero();
-                vr1_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr1_3 = raw_zero();
-                vr1_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 2u;
-                let row = cache_row(b, h, key);
-                kr1_0 = load_k_raw(row, lane);
-                vr1_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr1_1 = load_k_raw(row, lane + LPK);
-                    vr1_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr1_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr1_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr1_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr1_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-        {
-            let key = key_start + walker * KPI + 2u;
-            kr2_0 = raw_zero();
-            vr2_0 = raw_zero();
-            if NO > 1u {
-                kr2_1 = raw_zero();
-                vr2_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr2_2 = raw_zero();
-                vr2_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr2_3 = raw_zero();
-                vr2_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 4u;
-                let row = cache_row(b, h, key);
-                kr2_0 = load_k_raw(row, lane);
-                vr2_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr2_1 = load_k_raw(row, lane + LPK);
-                    vr2_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr2_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr2_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr2_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr2_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-        {
-            let key = key_start + walker * KPI + 3u;
-            kr3_0 = raw_zero();
-            vr3_0 = raw_zero();
-            if NO > 1u {
-                kr3_1 = raw_zero();
-                vr3_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr3_2 = raw_zero();
-                vr3_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr3_3 = raw_zero();
-                vr3_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 8u;
-                let row = cache_row(b, h, key);
-                kr3_0 = load_k_raw(row, lane);
-                vr3_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr3_1 = load_k_raw(row, lane + LPK);
-                    vr3_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr3_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr3_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr3_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr3_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-        if KPI > 4u {
-            let key = key_start + walker * KPI + 4u;
-            kr4_0 = raw_zero();
-            vr4_0 = raw_zero();
-            if NO > 1u {
-                kr4_1 = raw_zero();
-                vr4_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr4_2 = raw_zero();
-                vr4_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr4_3 = raw_zero();
-                vr4_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 16u;
-                let row = cache_row(b, h, key);
-                kr4_0 = load_k_raw(row, lane);
-                vr4_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr4_1 = load_k_raw(row, lane + LPK);
-                    vr4_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr4_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr4_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr4_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr4_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-        if KPI > 4u {
-            let key = key_start + walker * KPI + 5u;
-            kr5_0 = raw_zero();
-            vr5_0 = raw_zero();
-            if NO > 1u {
-                kr5_1 = raw_zero();
-                vr5_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr5_2 = raw_zero();
-                vr5_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr5_3 = raw_zero();
-                vr5_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 32u;
-                let row = cache_row(b, h, key);
-                kr5_0 = load_k_raw(row, lane);
-                vr5_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr5_1 = load_k_raw(row, lane + LPK);
-                    vr5_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr5_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr5_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr5_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr5_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-        if KPI > 4u {
-            let key = key_start + walker * KPI + 6u;
-            kr6_0 = raw_zero();
-            vr6_0 = raw_zero();
-            if NO > 1u {
-                kr6_1 = raw_zero();
-                vr6_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr6_2 = raw_zero();
-                vr6_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr6_3 = raw_zero();
-                vr6_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 64u;
-                let row = cache_row(b, h, key);
-                kr6_0 = load_k_raw(row, lane);
-                vr6_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr6_1 = load_k_raw(row, lane + LPK);
-                    vr6_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr6_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr6_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr6_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr6_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-        if KPI > 4u {
-            let key = key_start + walker * KPI + 7u;
-            kr7_0 = raw_zero();
-            vr7_0 = raw_zero();
-            if NO > 1u {
-                kr7_1 = raw_zero();
-                vr7_1 = raw_zero();
-            }
-            if NO > 2u {
-                kr7_2 = raw_zero();
-                vr7_2 = raw_zero();
-            }
-            if NO > 3u {
-                kr7_3 = raw_zero();
-                vr7_3 = raw_zero();
-            }
-            if key < key_end && bound(b, key) {
-                ok_n |= 128u;
-                let row = cache_row(b, h, key);
-                kr7_0 = load_k_raw(row, lane);
-                vr7_0 = load_v_raw(row, lane);
-                if NO > 1u {
-                    kr7_1 = load_k_raw(row, lane + LPK);
-                    vr7_1 = load_v_raw(row, lane + LPK);
-                }
-                if NO > 2u {
-                    kr7_2 = load_k_raw(row, lane + 2u * LPK);
-                    vr7_2 = load_v_raw(row, lane + 2u * LPK);
-                }
-                if NO > 3u {
-                    kr7_3 = load_k_raw(row, lane + 3u * LPK);
-                    vr7_3 = load_v_raw(row, lane + 3u * LPK);
-                }
-            }
-        }
-    }
-    for (var k0 = key_start; k0 < key_end; k0 += STEP) {
-        let kb = k0 + walker * KPI;
-        if !PREFETCH {
-            ok_n = 0u;
+            let run = run_row(b, h, key_start + walker * KPI, key_end, KPI);
             {
-                let key = kb + 0u;
+                let key = key_start + walker * KPI + 0u;
                 kr0_0 = raw_zero();
                 vr0_0 = raw_zero();
                 if NO > 1u {
@@ -595,7 +312,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 1u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 0u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr0_0 = load_k_raw(row, lane);
                     vr0_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -613,7 +333,7 @@ fn main(
                 }
             }
             {
-                let key = kb + 1u;
+                let key = key_start + walker * KPI + 1u;
                 kr1_0 = raw_zero();
                 vr1_0 = raw_zero();
                 if NO > 1u {
@@ -630,7 +350,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 2u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 1u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr1_0 = load_k_raw(row, lane);
                     vr1_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -648,7 +371,7 @@ fn main(
                 }
             }
             {
-                let key = kb + 2u;
+                let key = key_start + walker * KPI + 2u;
                 kr2_0 = raw_zero();
                 vr2_0 = raw_zero();
                 if NO > 1u {
@@ -665,7 +388,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 4u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 2u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr2_0 = load_k_raw(row, lane);
                     vr2_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -683,7 +409,7 @@ fn main(
                 }
             }
             {
-                let key = kb + 3u;
+                let key = key_start + walker * KPI + 3u;
                 kr3_0 = raw_zero();
                 vr3_0 = raw_zero();
                 if NO > 1u {
@@ -700,7 +426,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 8u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 3u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr3_0 = load_k_raw(row, lane);
                     vr3_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -718,7 +447,7 @@ fn main(
                 }
             }
             if KPI > 4u {
-                let key = kb + 4u;
+                let key = key_start + walker * KPI + 4u;
                 kr4_0 = raw_zero();
                 vr4_0 = raw_zero();
                 if NO > 1u {
@@ -735,7 +464,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 16u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 4u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr4_0 = load_k_raw(row, lane);
                     vr4_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -753,7 +485,7 @@ fn main(
                 }
             }
             if KPI > 4u {
-                let key = kb + 5u;
+                let key = key_start + walker * KPI + 5u;
                 kr5_0 = raw_zero();
                 vr5_0 = raw_zero();
                 if NO > 1u {
@@ -770,7 +502,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 32u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 5u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr5_0 = load_k_raw(row, lane);
                     vr5_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -788,7 +523,7 @@ fn main(
                 }
             }
             if KPI > 4u {
-                let key = kb + 6u;
+                let key = key_start + walker * KPI + 6u;
                 kr6_0 = raw_zero();
                 vr6_0 = raw_zero();
                 if NO > 1u {
@@ -805,7 +540,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 64u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 6u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr6_0 = load_k_raw(row, lane);
                     vr6_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -823,7 +561,7 @@ fn main(
                 }
             }
             if KPI > 4u {
-                let key = kb + 7u;
+                let key = key_start + walker * KPI + 7u;
                 kr7_0 = raw_zero();
                 vr7_0 = raw_zero();
                 if NO > 1u {
@@ -840,7 +578,10 @@ fn main(
                 }
                 if key < key_end && bound(b, key) {
                     ok_n |= 128u;
-                    let row = cache_row(b, h, key);
+                    var row = run + 7u;
+                    if run == NONE {
+                        row = cache_row(b, h, key);
+                    }
                     kr7_0 = load_k_raw(row, lane);
                     vr7_0 = load_v_raw(row, lane);
                     if NO > 1u {
@@ -854,6 +595,319 @@ fn main(
                     if NO > 3u {
                         kr7_3 = load_k_raw(row, lane + 3u * LPK);
                         vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                    }
+                }
+            }
+        }
+    }
+    for (var k0 = key_start; k0 < key_end; k0 += STEP) {
+        let kb = k0 + walker * KPI;
+        if !PREFETCH {
+            ok_n = 0u;
+            {
+                let run = run_row(b, h, kb, key_end, KPI);
+                {
+                    let key = kb + 0u;
+                    kr0_0 = raw_zero();
+                    vr0_0 = raw_zero();
+                    if NO > 1u {
+                        kr0_1 = raw_zero();
+                        vr0_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr0_2 = raw_zero();
+                        vr0_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr0_3 = raw_zero();
+                        vr0_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 1u;
+                        var row = run + 0u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr0_0 = load_k_raw(row, lane);
+                        vr0_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr0_1 = load_k_raw(row, lane + LPK);
+                            vr0_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr0_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr0_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr0_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr0_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+                {
+                    let key = kb + 1u;
+                    kr1_0 = raw_zero();
+                    vr1_0 = raw_zero();
+                    if NO > 1u {
+                        kr1_1 = raw_zero();
+                        vr1_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr1_2 = raw_zero();
+                        vr1_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr1_3 = raw_zero();
+                        vr1_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 2u;
+                        var row = run + 1u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr1_0 = load_k_raw(row, lane);
+                        vr1_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr1_1 = load_k_raw(row, lane + LPK);
+                            vr1_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr1_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr1_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr1_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr1_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+                {
+                    let key = kb + 2u;
+                    kr2_0 = raw_zero();
+                    vr2_0 = raw_zero();
+                    if NO > 1u {
+                        kr2_1 = raw_zero();
+                        vr2_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr2_2 = raw_zero();
+                        vr2_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr2_3 = raw_zero();
+                        vr2_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 4u;
+                        var row = run + 2u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr2_0 = load_k_raw(row, lane);
+                        vr2_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr2_1 = load_k_raw(row, lane + LPK);
+                            vr2_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr2_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr2_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr2_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr2_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+                {
+                    let key = kb + 3u;
+                    kr3_0 = raw_zero();
+                    vr3_0 = raw_zero();
+                    if NO > 1u {
+                        kr3_1 = raw_zero();
+                        vr3_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr3_2 = raw_zero();
+                        vr3_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr3_3 = raw_zero();
+                        vr3_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 8u;
+                        var row = run + 3u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr3_0 = load_k_raw(row, lane);
+                        vr3_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr3_1 = load_k_raw(row, lane + LPK);
+                            vr3_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr3_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr3_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+                if KPI > 4u {
+                    let key = kb + 4u;
+                    kr4_0 = raw_zero();
+                    vr4_0 = raw_zero();
+                    if NO > 1u {
+                        kr4_1 = raw_zero();
+                        vr4_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr4_2 = raw_zero();
+                        vr4_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr4_3 = raw_zero();
+                        vr4_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 16u;
+                        var row = run + 4u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr4_0 = load_k_raw(row, lane);
+                        vr4_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr4_1 = load_k_raw(row, lane + LPK);
+                            vr4_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr4_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr4_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+                if KPI > 4u {
+                    let key = kb + 5u;
+                    kr5_0 = raw_zero();
+                    vr5_0 = raw_zero();
+                    if NO > 1u {
+                        kr5_1 = raw_zero();
+                        vr5_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr5_2 = raw_zero();
+                        vr5_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr5_3 = raw_zero();
+                        vr5_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 32u;
+                        var row = run + 5u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr5_0 = load_k_raw(row, lane);
+                        vr5_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr5_1 = load_k_raw(row, lane + LPK);
+                            vr5_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr5_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr5_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+                if KPI > 4u {
+                    let key = kb + 6u;
+                    kr6_0 = raw_zero();
+                    vr6_0 = raw_zero();
+                    if NO > 1u {
+                        kr6_1 = raw_zero();
+                        vr6_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr6_2 = raw_zero();
+                        vr6_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr6_3 = raw_zero();
+                        vr6_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 64u;
+                        var row = run + 6u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr6_0 = load_k_raw(row, lane);
+                        vr6_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr6_1 = load_k_raw(row, lane + LPK);
+                            vr6_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr6_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr6_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+                if KPI > 4u {
+                    let key = kb + 7u;
+                    kr7_0 = raw_zero();
+                    vr7_0 = raw_zero();
+                    if NO > 1u {
+                        kr7_1 = raw_zero();
+                        vr7_1 = raw_zero();
+                    }
+                    if NO > 2u {
+                        kr7_2 = raw_zero();
+                        vr7_2 = raw_zero();
+                    }
+                    if NO > 3u {
+                        kr7_3 = raw_zero();
+                        vr7_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 128u;
+                        var row = run + 7u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr7_0 = load_k_raw(row, lane);
+                        vr7_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr7_1 = load_k_raw(row, lane + LPK);
+                            vr7_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr7_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr7_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr7_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
             }
@@ -870,289 +924,317 @@ fn main(
         if PREFETCH {
             ok_n = 0u;
             {
-                let key = kb + STEP + 0u;
-                kr0_0 = raw_zero();
-                vr0_0 = raw_zero();
-                if NO > 1u {
-                    kr0_1 = raw_zero();
-                    vr0_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr0_2 = raw_zero();
-                    vr0_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr0_3 = raw_zero();
-                    vr0_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 1u;
-                    let row = cache_row(b, h, key);
-                    kr0_0 = load_k_raw(row, lane);
-                    vr0_0 = load_v_raw(row, lane);
+                let run = run_row(b, h, kb + STEP, key_end, KPI);
+                {
+                    let key = kb + STEP + 0u;
+                    kr0_0 = raw_zero();
+                    vr0_0 = raw_zero();
                     if NO > 1u {
-                        kr0_1 = load_k_raw(row, lane + LPK);
-                        vr0_1 = load_v_raw(row, lane + LPK);
+                        kr0_1 = raw_zero();
+                        vr0_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr0_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr0_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr0_2 = raw_zero();
+                        vr0_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr0_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr0_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr0_3 = raw_zero();
+                        vr0_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 1u;
+                        var row = run + 0u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr0_0 = load_k_raw(row, lane);
+                        vr0_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr0_1 = load_k_raw(row, lane + LPK);
+                            vr0_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr0_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr0_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr0_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr0_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
-            }
-            {
-                let key = kb + STEP + 1u;
-                kr1_0 = raw_zero();
-                vr1_0 = raw_zero();
-                if NO > 1u {
-                    kr1_1 = raw_zero();
-                    vr1_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr1_2 = raw_zero();
-                    vr1_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr1_3 = raw_zero();
-                    vr1_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 2u;
-                    let row = cache_row(b, h, key);
-                    kr1_0 = load_k_raw(row, lane);
-                    vr1_0 = load_v_raw(row, lane);
+                {
+                    let key = kb + STEP + 1u;
+                    kr1_0 = raw_zero();
+                    vr1_0 = raw_zero();
                     if NO > 1u {
-                        kr1_1 = load_k_raw(row, lane + LPK);
-                        vr1_1 = load_v_raw(row, lane + LPK);
+                        kr1_1 = raw_zero();
+                        vr1_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr1_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr1_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr1_2 = raw_zero();
+                        vr1_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr1_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr1_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr1_3 = raw_zero();
+                        vr1_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 2u;
+                        var row = run + 1u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr1_0 = load_k_raw(row, lane);
+                        vr1_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr1_1 = load_k_raw(row, lane + LPK);
+                            vr1_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr1_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr1_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr1_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr1_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
-            }
-            {
-                let key = kb + STEP + 2u;
-                kr2_0 = raw_zero();
-                vr2_0 = raw_zero();
-                if NO > 1u {
-                    kr2_1 = raw_zero();
-                    vr2_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr2_2 = raw_zero();
-                    vr2_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr2_3 = raw_zero();
-                    vr2_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 4u;
-                    let row = cache_row(b, h, key);
-                    kr2_0 = load_k_raw(row, lane);
-                    vr2_0 = load_v_raw(row, lane);
+                {
+                    let key = kb + STEP + 2u;
+                    kr2_0 = raw_zero();
+                    vr2_0 = raw_zero();
                     if NO > 1u {
-                        kr2_1 = load_k_raw(row, lane + LPK);
-                        vr2_1 = load_v_raw(row, lane + LPK);
+                        kr2_1 = raw_zero();
+                        vr2_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr2_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr2_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr2_2 = raw_zero();
+                        vr2_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr2_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr2_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr2_3 = raw_zero();
+                        vr2_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 4u;
+                        var row = run + 2u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr2_0 = load_k_raw(row, lane);
+                        vr2_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr2_1 = load_k_raw(row, lane + LPK);
+                            vr2_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr2_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr2_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr2_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr2_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
-            }
-            {
-                let key = kb + STEP + 3u;
-                kr3_0 = raw_zero();
-                vr3_0 = raw_zero();
-                if NO > 1u {
-                    kr3_1 = raw_zero();
-                    vr3_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr3_2 = raw_zero();
-                    vr3_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr3_3 = raw_zero();
-                    vr3_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 8u;
-                    let row = cache_row(b, h, key);
-                    kr3_0 = load_k_raw(row, lane);
-                    vr3_0 = load_v_raw(row, lane);
+                {
+                    let key = kb + STEP + 3u;
+                    kr3_0 = raw_zero();
+                    vr3_0 = raw_zero();
                     if NO > 1u {
-                        kr3_1 = load_k_raw(row, lane + LPK);
-                        vr3_1 = load_v_raw(row, lane + LPK);
+                        kr3_1 = raw_zero();
+                        vr3_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr3_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr3_2 = raw_zero();
+                        vr3_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr3_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr3_3 = raw_zero();
+                        vr3_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 8u;
+                        var row = run + 3u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr3_0 = load_k_raw(row, lane);
+                        vr3_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr3_1 = load_k_raw(row, lane + LPK);
+                            vr3_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr3_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr3_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = kb + STEP + 4u;
-                kr4_0 = raw_zero();
-                vr4_0 = raw_zero();
-                if NO > 1u {
-                    kr4_1 = raw_zero();
-                    vr4_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr4_2 = raw_zero();
-                    vr4_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr4_3 = raw_zero();
-                    vr4_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 16u;
-                    let row = cache_row(b, h, key);
-                    kr4_0 = load_k_raw(row, lane);
-                    vr4_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    let key = kb + STEP + 4u;
+                    kr4_0 = raw_zero();
+                    vr4_0 = raw_zero();
                     if NO > 1u {
-                        kr4_1 = load_k_raw(row, lane + LPK);
-                        vr4_1 = load_v_raw(row, lane + LPK);
+                        kr4_1 = raw_zero();
+                        vr4_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr4_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr4_2 = raw_zero();
+                        vr4_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr4_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr4_3 = raw_zero();
+                        vr4_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 16u;
+                        var row = run + 4u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr4_0 = load_k_raw(row, lane);
+                        vr4_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr4_1 = load_k_raw(row, lane + LPK);
+                            vr4_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr4_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr4_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = kb + STEP + 5u;
-                kr5_0 = raw_zero();
-                vr5_0 = raw_zero();
-                if NO > 1u {
-                    kr5_1 = raw_zero();
-                    vr5_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr5_2 = raw_zero();
-                    vr5_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr5_3 = raw_zero();
-                    vr5_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 32u;
-                    let row = cache_row(b, h, key);
-                    kr5_0 = load_k_raw(row, lane);
-                    vr5_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    let key = kb + STEP + 5u;
+                    kr5_0 = raw_zero();
+                    vr5_0 = raw_zero();
                     if NO > 1u {
-                        kr5_1 = load_k_raw(row, lane + LPK);
-                        vr5_1 = load_v_raw(row, lane + LPK);
+                        kr5_1 = raw_zero();
+                        vr5_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr5_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr5_2 = raw_zero();
+                        vr5_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr5_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr5_3 = raw_zero();
+                        vr5_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 32u;
+                        var row = run + 5u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr5_0 = load_k_raw(row, lane);
+                        vr5_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr5_1 = load_k_raw(row, lane + LPK);
+                            vr5_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr5_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr5_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = kb + STEP + 6u;
-                kr6_0 = raw_zero();
-                vr6_0 = raw_zero();
-                if NO > 1u {
-                    kr6_1 = raw_zero();
-                    vr6_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr6_2 = raw_zero();
-                    vr6_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr6_3 = raw_zero();
-                    vr6_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 64u;
-                    let row = cache_row(b, h, key);
-                    kr6_0 = load_k_raw(row, lane);
-                    vr6_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    let key = kb + STEP + 6u;
+                    kr6_0 = raw_zero();
+                    vr6_0 = raw_zero();
                     if NO > 1u {
-                        kr6_1 = load_k_raw(row, lane + LPK);
-                        vr6_1 = load_v_raw(row, lane + LPK);
+                        kr6_1 = raw_zero();
+                        vr6_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr6_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr6_2 = raw_zero();
+                        vr6_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr6_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr6_3 = raw_zero();
+                        vr6_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 64u;
+                        var row = run + 6u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr6_0 = load_k_raw(row, lane);
+                        vr6_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr6_1 = load_k_raw(row, lane + LPK);
+                            vr6_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr6_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr6_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = kb + STEP + 7u;
-                kr7_0 = raw_zero();
-                vr7_0 = raw_zero();
-                if NO > 1u {
-                    kr7_1 = raw_zero();
-                    vr7_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr7_2 = raw_zero();
-                    vr7_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr7_3 = raw_zero();
-                    vr7_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 128u;
-                    let row = cache_row(b, h, key);
-                    kr7_0 = load_k_raw(row, lane);
-                    vr7_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    let key = kb + STEP + 7u;
+                    kr7_0 = raw_zero();
+                    vr7_0 = raw_zero();
                     if NO > 1u {
-                        kr7_1 = load_k_raw(row, lane + LPK);
-                        vr7_1 = load_v_raw(row, lane + LPK);
+                        kr7_1 = raw_zero();
+                        vr7_1 = raw_zero();
                     }
                     if NO > 2u {
-                        kr7_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr7_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr7_2 = raw_zero();
+                        vr7_2 = raw_zero();
                     }
                     if NO > 3u {
-                        kr7_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr7_3 = raw_zero();
+                        vr7_3 = raw_zero();
+                    }
+                    if key < key_end && bound(b, key) {
+                        ok_n |= 128u;
+                        var row = run + 7u;
+                        if run == NONE {
+                            row = cache_row(b, h, key);
+                        }
+                        kr7_0 = load_k_raw(row, lane);
+                        vr7_0 = load_v_raw(row, lane);
+                        if NO > 1u {
+                            kr7_1 = load_k_raw(row, lane + LPK);
+                            vr7_1 = load_v_raw(row, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr7_2 = load_k_raw(row, lane + 2u * LPK);
+                            vr7_2 = load_v_raw(row, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr7_3 = load_k_raw(row, lane + 3u * LPK);
+                            vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
                     }
                 }
             }
         }
         if kb < key_end {
             var vbad = 0u;
-            let lane_bad = !(raw_finite(vc0_0) && raw_finite(vc0_1) && raw_finite(vc0_2) && raw_finite(vc0_3) && raw_finite(vc1_0) && raw_finite(vc1_1) && raw_finite(vc1_2) && raw_finite(vc1_3) && raw_finite(vc2_0) && raw_finite(vc2_1) && raw_finite(vc2_2) && raw_finite(vc2_3) && raw_finite(vc3_0) && raw_finite(vc3_1) && raw_finite(vc3_2) && raw_finite(vc3_3) && raw_finite(vc4_0) && raw_finite(vc4_1) && raw_finite(vc4_2) && raw_finite(vc4_3) && raw_finite(vc5_0) && raw_finite(vc5_1) && raw_finite(vc5_2) && raw_finite(vc5_3) && raw_finite(vc6_0) && raw_finite(vc6_1) && raw_finite(vc6_2) && raw_finite(vc6_3) && raw_finite(vc7_0) && raw_finite(vc7_1) && raw_finite(vc7_2) && raw_finite(vc7_3));
+            let flags = raw_flags(vc0_0) | raw_flags(vc0_1) | raw_flags(vc0_2) | raw_flags(vc0_3) | raw_flags(vc1_0) | raw_flags(vc1_1) | raw_flags(vc1_2) | raw_flags(vc1_3) | raw_flags(vc2_0) | raw_flags(vc2_1) | raw_flags(vc2_2) | raw_flags(vc2_3) | raw_flags(vc3_0) | raw_flags(vc3_1) | raw_flags(vc3_2) | raw_flags(vc3_3) | raw_flags(vc4_0) | raw_flags(vc4_1) | raw_flags(vc4_2) | raw_flags(vc4_3) | raw_flags(vc5_0) | raw_flags(vc5_1) | raw_flags(vc5_2) | raw_flags(vc5_3) | raw_flags(vc6_0) | raw_flags(vc6_1) | raw_flags(vc6_2) | raw_flags(vc6_3) | raw_flags(vc7_0) | raw_flags(vc7_1) | raw_flags(vc7_2) | raw_flags(vc7_3);
+            let lane_bad = (flags & NONFINITE_FLAGS) != 0u;
             if subgroupAny(lane_bad) {
                 if !(raw_finite(vc0_0) && raw_finite(vc0_1) && raw_finite(vc0_2) && raw_finite(vc0_3)) {
                     vbad |= 1u;

@@ -94,9 +94,17 @@ def raw_regs():
 def fetch(pad, kb):
     """The loads of the pass whose walker starts at key `kb`: zeros past
     key_end and for blocks not bound."""
-    out = [pad + "ok_n = 0u;"]
+    out = [pad + "ok_n = 0u;", pad + "{"]
+    pad += "    "
+    out.append(pad + f"let run = run_row(b, h, {kb}, key_end, KPI);")
     for j in range(8):
-        inner = [f"ok_n |= {1 << j}u;", "let row = cache_row(b, h, key);"]
+        inner = [
+            f"ok_n |= {1 << j}u;",
+            f"var row = run + {j}u;",
+            "if run == NONE {",
+            "    row = cache_row(b, h, key);",
+            "}",
+        ]
         zero = []
         for n in UNITS:
             zero += guarded(
@@ -113,6 +121,7 @@ def fetch(pad, kb):
         body = [f"let key = {kb} + {j}u;", *zero, "if key < key_end && bound(b, key) {"]
         body += ["    " + x for x in inner] + ["}"]
         out += block(pad, key_guard(j), body)
+    out.append(pad[:-4] + "}")
     return "\n".join(out)
 
 
@@ -134,7 +143,8 @@ def values():
     pad = " " * 12
     raws = [f"vc{j}_{n}" for j in range(8) for n in UNITS]
     out = [pad + "var vbad = 0u;"]
-    out.append(pad + "let lane_bad = !(" + " && ".join(f"raw_finite({v})" for v in raws) + ");")
+    out.append(pad + "let flags = " + " | ".join(f"raw_flags({v})" for v in raws) + ";")
+    out.append(pad + "let lane_bad = (flags & NONFINITE_FLAGS) != 0u;")
     slow = []
     for j in range(8):
         row = " && ".join(f"raw_finite(vc{j}_{n})" for n in UNITS)

@@ -27,3 +27,10 @@ fn clean_in4(x: In4) -> In4 {
     y = select(y, y & vec2(0x0000ffffu), (y & vec2(0x7c000000u)) == vec2(0x7c000000u));
     return y;
 }
+
+// The element flags of lib/nonfinite.wgsl (NONFINITE_FLAGS), two halves a
+// word: exponent fields at bits 10-14 and 26-30.
+fn flags_in4(x: In4) -> u32 {
+    let f = (x & vec2(0x7c007c00u)) + vec2(0x04000400u);
+    return f.x | f.y;
+}

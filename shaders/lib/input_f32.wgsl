@@ -27,3 +27,9 @@ fn in_elem(w: u32, i: u32) -> f32 {
 fn clean_in4(x: In4) -> In4 {
     return select(vec4(0.0), x, (bitcast<vec4<u32>>(x) & vec4(0x7f800000u)) != vec4(0x7f800000u));
 }
+
+// The element flags of lib/nonfinite.wgsl (NONFINITE_FLAGS).
+fn flags_in4(x: In4) -> u32 {
+    let f = (bitcast<vec4<u32>>(x) & vec4(0x7f800000u)) + vec4(0x00800000u);
+    return f.x | f.y | f.z | f.w;
+}

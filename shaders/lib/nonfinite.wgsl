@@ -29,6 +29,18 @@ fn nan4() -> vec4<f32> {
     return vec4(nan_f32());
 }
 
+// Flags of non-finite elements for tests over many at once: adding one
+// to an exponent field that is all ones (and only then) carries into the
+// bit above it, so `(bits & exponent) + one` has bit 31 set (a float32's,
+// or the high half of two float16) or bit 15 (the low half) where the
+// element is NaN or an infinity. Or the flags of many, test once.
+const NONFINITE_FLAGS: u32 = 0x80008000u;
+
+fn flags_f32(x: vec4<f32>) -> u32 {
+    let f = (bitcast<vec4<u32>>(x) & vec4(0x7f800000u)) + vec4(0x00800000u);
+    return f.x | f.y | f.z | f.w;
+}
+
 // Neither NaN nor an infinity, per component.
 fn finite4(x: vec4<f32>) -> vec4<bool> {
     return (bitcast<vec4<u32>>(x) & vec4(0x7f800000u)) != vec4(0x7f800000u);

@@ -39,6 +39,9 @@ pub struct Overrides {
     /// Decoding's subgroup kernel prefetching the next pass's loads, or
     /// not, whatever the registers they take.
     pub decode_prefetch: Option<bool>,
+    /// Decoding's kernels with naga's index clamps, as a debug build or
+    /// `FLASHPORT_GPU_CHECKED=1` runs them.
+    pub decode_checked: bool,
 
     /// The cooperative forward with these tiles where they fit (one of
     /// `tiles::coop_forward_candidates`; else the next tier runs).
@@ -61,6 +64,7 @@ impl Overrides {
         decode_keys: None,
         decode_lanes: None,
         decode_prefetch: None,
+        decode_checked: false,
         coop_forward: None,
         spin: None,
     };

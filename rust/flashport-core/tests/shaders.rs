@@ -10,7 +10,7 @@ use flashport_core::gpu::kernel::Kernel;
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
     decode_source, decode_subgroup_source, source, tile_overrides, variant_overrides, Variants,
-    DECODE_COMBINE, DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, SCREEN, VARLEN,
+    DECODE_COMBINE, DECODE_COMBINE_F16, DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, SCREEN, VARLEN,
 };
 use flashport_core::gpu::tiles::{
     coop_backward_tiles, coop_forward_candidates, coop_forward_tiles, coop_workgroup_bytes,
@@ -183,6 +183,8 @@ fn every_shader_parses_and_validates() {
             let modules = [
                 MERGE_STATES.to_string(),
                 DECODE_COMBINE.to_string(),
+                DECODE_COMBINE_F16.to_string(),
+                DEVICE_ARRAYS.to_string(),
                 KV_SCATTER.to_string(),
                 SCREEN.to_string(),
                 decode_source(false, true),
@@ -810,15 +812,17 @@ fn decode_kernels_validate_and_specialise() {
             }
         }
     }
-    let module = parse_text("decode/combine.wgsl", DECODE_COMBINE);
-    let plain =
-        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
-            .validate(&module);
-    if let Err(e) = plain {
-        panic!(
-            "decode/combine.wgsl does not validate:\n{}",
-            e.emit_to_string(DECODE_COMBINE)
-        );
+    for text in [DECODE_COMBINE, DECODE_COMBINE_F16] {
+        let module = parse_text("decode/combine.wgsl", text);
+        let plain =
+            naga::valid::Validator::new(naga::valid::ValidationFlags::all(), Default::default())
+                .validate(&module);
+        if let Err(e) = plain {
+            panic!(
+                "decode/combine.wgsl does not validate:\n{}",
+                e.emit_to_string(text)
+            );
+        }
     }
 }
 

@@ -1268,7 +1268,8 @@ mod testing {
     #[pyo3(signature = (*, max_tier=None, workgroup_bytes=None, no_subgroups=false,
                         binding_limit=None, naga_spirv=false, portable_cpu=false,
                         decode_workgroup=None, decode_keys=None, decode_lanes=None,
-                        decode_prefetch=None, coop_forward=None, spin_us=None))]
+                        decode_prefetch=None, decode_checked=false, coop_forward=None,
+                        spin_us=None))]
     #[allow(clippy::too_many_arguments)]
     pub fn _testing_set_overrides(
         max_tier: Option<&str>,
@@ -1281,6 +1282,7 @@ mod testing {
         decode_keys: Option<u32>,
         decode_lanes: Option<u32>,
         decode_prefetch: Option<bool>,
+        decode_checked: bool,
         coop_forward: Option<(u32, u32)>,
         spin_us: Option<u64>,
     ) -> PyResult<()> {
@@ -1306,6 +1308,7 @@ mod testing {
             decode_keys,
             decode_lanes,
             decode_prefetch,
+            decode_checked,
             // (subgroups, key rows)
             coop_forward: coop_forward.map(|(w, bk)| Tiles {
                 q_rows: 16 * w,

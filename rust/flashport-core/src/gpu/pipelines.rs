@@ -17,23 +17,31 @@ pub(crate) struct PipelineCache {
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     /// The device-array moves' pipelines (shaders' device-array helpers),
     /// by entry point.
-    arrays: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
+    /// By entry point and source text (its address: the texts are static,
+    /// and two modules may share an entry point's name).
+    arrays: Mutex<HashMap<(&'static str, usize), wgpu::ComputePipeline>>,
     /// Pipelines of modules outside the attention tiers (decoding), by
     /// their label (which names the source) and override values.
     specialised: Mutex<HashMap<SpecialisedKey, wgpu::ComputePipeline>>,
 }
 
-/// A module's label and its override values (as bits), in order.
-type SpecialisedKey = (&'static str, Vec<(&'static str, u64)>);
+/// A module's label, its override values (as bits) in order, and whether
+/// it runs without naga's index clamps.
+type SpecialisedKey = (&'static str, Vec<(&'static str, u64)>, bool);
 
 /// Whether `kernel` runs without naga's index clamps: the register-tiled
 /// and cooperative-matrix kernels in release builds, unless
 /// `FLASHPORT_GPU_CHECKED=1`, a debugging switch users have (see
 /// `Context::module`).
 fn unchecked(kernel: Kernel) -> bool {
-    (kernel.is_tiled() || kernel.is_coop())
-        && !cfg!(debug_assertions)
-        && !crate::env::switch_on(crate::env::GPU_CHECKED)
+    (kernel.is_tiled() || kernel.is_coop()) && clamps_off()
+}
+
+/// Whether kernels whose indices are in bounds by construction run
+/// without naga's index clamps: release builds, unless
+/// `FLASHPORT_GPU_CHECKED=1`.
+pub(crate) fn clamps_off() -> bool {
+    !cfg!(debug_assertions) && !crate::env::switch_on(crate::env::GPU_CHECKED)
 }
 
 impl Context {
@@ -137,7 +145,8 @@ impl Context {
         entry: &'static str,
         source: &'static str,
     ) -> Result<wgpu::ComputePipeline> {
-        if let Some(p) = lock(&self.cache.arrays).get(entry) {
+        let key = (entry, source.as_ptr() as usize);
+        if let Some(p) = lock(&self.cache.arrays).get(&key) {
             return Ok(p.clone());
         }
         let pipeline = self.scoped("building a device-array pipeline", || {
@@ -158,33 +167,44 @@ impl Context {
                     cache: None,
                 }))
         })?;
-        lock(&self.cache.arrays).insert(entry, pipeline.clone());
+        lock(&self.cache.arrays).insert(key, pipeline.clone());
         Ok(pipeline)
     }
 
     /// The pipeline of entry point `main` of the WGSL `source()` names
     /// (one text per label), specialised with `constants`, compiled once
-    /// per context. naga's bounds checks stay on.
+    /// per context; without naga's index clamps where `unchecked` (see
+    /// `Context::module` for when a kernel may drop them).
     pub fn specialised_pipeline(
         &self,
         label: &'static str,
         source: impl FnOnce() -> String,
         constants: &[(&'static str, f64)],
+        unchecked: bool,
     ) -> Result<wgpu::ComputePipeline> {
         let key: SpecialisedKey = (
             label,
             constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
+            unchecked,
         );
         if let Some(p) = lock(&self.cache.specialised).get(&key) {
             return Ok(p.clone());
         }
         let pipeline = self.scoped("building a pipeline", || {
-            let module = self
-                .device
-                .create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some(label),
-                    source: wgpu::ShaderSource::Wgsl(source().into()),
-                });
+            let desc = wgpu::ShaderModuleDescriptor {
+                label: Some(label),
+                source: wgpu::ShaderSource::Wgsl(source().into()),
+            };
+            let module = if unchecked {
+                // SAFETY: the caller's kernel keeps its indices in bounds
+                // by construction (its module says how).
+                unsafe {
+                    self.device
+                        .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+                }
+            } else {
+                self.device.create_shader_module(desc)
+            };
             Ok(self
                 .device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {

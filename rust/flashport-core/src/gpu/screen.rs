@@ -87,6 +87,7 @@ pub(crate) fn screen(
         "screen",
         || super::shaders::SCREEN.to_string(),
         &[("F16", if f16 { 1.0 } else { 0.0 })],
+        false,
     )?;
     let entries: Vec<wgpu::BindGroupEntry<'_>> = inputs
         .into_iter()

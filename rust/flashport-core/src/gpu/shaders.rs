@@ -57,8 +57,21 @@ macro_rules! grid {
     };
 }
 
+/// The rounding of float32 to float16 as the host rounds.
+macro_rules! to_f16 {
+    () => {
+        shader!("lib/to_f16.wgsl")
+    };
+}
+
 /// The device-array moves (a module of its own, after lib/grid.wgsl).
-pub const DEVICE_ARRAYS: &str = concat!(grid!(), "\n", shader!("device_arrays.wgsl"));
+pub const DEVICE_ARRAYS: &str = concat!(
+    grid!(),
+    "\n",
+    to_f16!(),
+    "\n",
+    shader!("device_arrays.wgsl")
+);
 /// The merge of attention states (a module of its own), after the
 /// arithmetic it shares with decoding's combine pass (lib/merge.wgsl).
 pub const MERGE_STATES: &str = concat!(
@@ -79,11 +92,27 @@ const DECODE_LOAD_VEC4: &str = shader!("decode/load_vec4.wgsl");
 const DECODE_LOAD_ELEMENTS: &str = shader!("decode/load_elements.wgsl");
 const DECODE_QUADS_VEC4: &str = shader!("decode/quads_vec4.wgsl");
 const DECODE_QUADS_ELEMENTS: &str = shader!("decode/quads_elements.wgsl");
-/// The split states' merge of decoding (a module of its own).
+/// The split states' merge of decoding (a module of its own), its output
+/// in float32.
 pub const DECODE_COMBINE: &str = concat!(
     grid!(),
     "\n",
     shader!("lib/merge.wgsl"),
+    "\n",
+    shader!("decode/combine_f32.wgsl"),
+    "\n",
+    shader!("decode/combine.wgsl")
+);
+/// The same merge with its output rounded to float16 (a float16 output
+/// kept on the device: no rounding pass after it).
+pub const DECODE_COMBINE_F16: &str = concat!(
+    grid!(),
+    "\n",
+    shader!("lib/merge.wgsl"),
+    "\n",
+    to_f16!(),
+    "\n",
+    shader!("decode/combine_f16.wgsl"),
     "\n",
     shader!("decode/combine.wgsl")
 );

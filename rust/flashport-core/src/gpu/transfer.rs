@@ -17,7 +17,6 @@
 //! At most `MAX_QUEUED` (context.rs) queued submissions are in flight per
 //! context.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -356,43 +355,6 @@ pub(crate) fn poison_outputs() -> bool {
     cfg!(debug_assertions) || crate::env::switch_on(crate::env::GPU_POISON)
 }
 
-/// Waits until the GPU has done submission `index` (and its callbacks ran):
-/// polls for up to `ctx.spin` (or the overrides' time), as CUDA's default synchronisation spins,
-/// then sleeps in the driver. Done is told by a work-done callback that a
-/// plain poll runs: a poll that waits with a zero timeout instead trips an
-/// assertion inside wgpu-core 30 (device/resource.rs, "If the queue is
-/// empty, the current submission index ... should be at least the wait
-/// submission index") when the submission tracks no resources.
-fn wait_for(
-    ctx: &Context,
-    index: wgpu::SubmissionIndex,
-) -> std::result::Result<(), wgpu::PollError> {
-    let spin = crate::overrides::current().spin.unwrap_or(ctx.spin);
-    if !spin.is_zero() {
-        let done = Arc::new(AtomicBool::new(false));
-        let flag = done.clone();
-        ctx.queue
-            .on_submitted_work_done(move || flag.store(true, Ordering::Release));
-        let until = Instant::now() + spin;
-        loop {
-            ctx.device.poll(wgpu::PollType::Poll)?;
-            if done.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            if Instant::now() >= until {
-                break;
-            }
-            std::thread::yield_now();
-        }
-    }
-    ctx.device
-        .poll(wgpu::PollType::Wait {
-            submission_index: Some(index),
-            timeout: None,
-        })
-        .map(|_| ())
-}
-
 /// Submits `encoder` (then calls `submitted`), waits until the GPU is done
 /// and returns the float32 words of each of `reads` (buffer, words),
 /// copied through one mappable buffer.
@@ -429,7 +391,7 @@ pub(crate) fn submit_and_read(
             let _ = tx.send(r);
         });
     }
-    wait_for(ctx, index).map_err(|e| {
+    ctx.wait(Some(index)).map_err(|e| {
         Error::Gpu(format!(
             "waiting for the GPU failed on {}: {e}",
             ctx.adapter.name

@@ -46,7 +46,7 @@ use super::inputs::{chunk_input, float16_error, float64_error, source, Source};
 use super::merge;
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::shaders::{decode_source, decode_subgroup_source, DECODE_COMBINE};
+use super::shaders::{decode_source, decode_subgroup_source, DECODE_COMBINE, DECODE_COMBINE_F16};
 use super::timing;
 use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
@@ -363,7 +363,8 @@ fn decode_on(
                 (true, true) => "decode_f16_vec4",
                 (true, false) => "decode_f16_elements",
             };
-            ctx.specialised_pipeline(label, || decode_source(f16, vec4), &constants)?
+            let source = || decode_source(f16, vec4);
+            ctx.specialised_pipeline(label, source, &constants, false)?
         }
         DecodeKernel::Subgroup(_) => {
             let label = match (f16, vec4) {
@@ -372,10 +373,26 @@ fn decode_on(
                 (true, true) => "decode_subgroup_f16_vec4",
                 (true, false) => "decode_subgroup_f16_elements",
             };
-            ctx.specialised_pipeline(label, || decode_subgroup_source(f16, vec4), &constants)?
+            // Its indices are in bounds by construction, so a release
+            // build drops naga's clamps (as the tiled kernels do): table
+            // entries are checked on the host against the blocks bound
+            // (the windows' own NONE where not bound, never loaded), keys
+            // stay below the lengths, and the workgroup arrays are sized
+            // from the same overrides that index them (`select`).
+            let unchecked = super::pipelines::clamps_off() && !overrides.decode_checked;
+            let source = || decode_subgroup_source(f16, vec4);
+            ctx.specialised_pipeline(label, source, &constants, unchecked)?
         }
     };
-    let combine = ctx.array_pipeline("decode_combine", DECODE_COMBINE)?;
+    // A float16 output kept on the device is rounded by the combine pass
+    // itself where it writes whole words of one row (d_v even) of the
+    // whole output (one dispatch): one pass and one buffer fewer a call.
+    let halves = f16 && outputs == Placement::Device && dispatches.len() == 1 && dv % 2 == 0;
+    let combine = if halves {
+        ctx.array_pipeline("decode_combine", DECODE_COMBINE_F16)?
+    } else {
+        ctx.array_pipeline("decode_combine", DECODE_COMBINE)?
+    };
     let row_blocks = kernel.row_blocks(view.group_rows());
     let per_sequence = va.heads_q * va.seq_q;
     let side = |x: Option<usize>| x.map_or(NONE, |x| x.min(POSITION_LIMIT) as u32);
@@ -494,7 +511,11 @@ fn decode_on(
                 sinks_off: sinks_offset,
                 pad0: 0,
             })?;
-            let ob = sub.output(out_rows * dv);
+            let ob = if halves {
+                sub.output_bytes(2 * (out_rows * dv) as u64)
+            } else {
+                sub.output(out_rows * dv)
+            };
             let lb = sub.output(out_rows);
             let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("decode_combine"),
@@ -508,19 +529,27 @@ fn decode_on(
                     entry(5, lb.binding()),
                 ],
             });
-            let count = out_rows * dv.max(1);
+            let count = if halves {
+                out_rows * dv / 2
+            } else {
+                out_rows * dv.max(1)
+            };
             merge::run(ctx, &mut sub, (&combine, "decode_combine"), &group, count)?;
             let mut reads = Vec::new();
             let first_row = b0 * per_sequence;
-            out.collect(
-                ctx,
-                &mut sub,
-                &ob,
-                first_row * dv,
-                out_rows * dv,
-                false,
-                &mut reads,
-            )?;
+            if halves {
+                out = Sink::Done(DeviceArray::from_buffer(ctx, ob, a.dtype, p.out_shape()));
+            } else {
+                out.collect(
+                    ctx,
+                    &mut sub,
+                    &ob,
+                    first_row * dv,
+                    out_rows * dv,
+                    false,
+                    &mut reads,
+                )?;
+            }
             lse.collect(ctx, &mut sub, &lb, first_row, out_rows, false, &mut reads)?;
             if last {
                 out.finish_on_device(ctx, &mut sub, a.dtype, p.out_shape())?;
