@@ -123,6 +123,23 @@ def test_matches_torch_float32(shape, scale):
         assert torch.equal(a, b), "input modified"
 
 
+def test_double_backward_raises_instead_of_dropping_the_term():
+    """A gradient taken with create_graph=True has the first derivatives of
+    the plain backward and stays in the graph; differentiating it again
+    raises (it used to come back without a grad_fn, so a gradient penalty
+    silently took the second-order term as 0)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, 7, 4, dtype=torch.float64, generator=gen) for _ in range(2))
+    (plain,) = torch.autograd.grad(fpt.scaled_dot_product_attention(q, k, v).sum(), q)
+    out = fpt.scaled_dot_product_attention(q, k, v)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    assert torch.equal(g.detach(), plain)
+    assert g.requires_grad
+    with pytest.raises(flashport.BackendUnavailableError, match="no double backward"):
+        (g * g).sum().backward()
+
+
 def test_no_grad_path_gives_the_same_bits():
     q, k, v, do, _ = _inputs(SHAPES[1], torch.float32, seed=3)
     out = fpt.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -7,11 +7,10 @@ import math
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 import flashport
 
-from .._errors import DTypeError, InvalidArgumentError, ShapeError
+from .._errors import BackendUnavailableError, DTypeError, InvalidArgumentError, ShapeError
 from ._convert import check_tensor, from_numpy, to_numpy
 
 __all__ = ["attention", "scaled_dot_product_attention"]
@@ -41,8 +40,20 @@ class _FlashportAttention(torch.autograd.Function):
         return o_t, lse_t
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, do, _dlse):
+        with torch.no_grad():
+            grads = _FlashportAttention._gradients(ctx, do)
+        if not torch.is_grad_enabled():
+            return grads
+        # create_graph=True: the gradients depend on q, k, v (and do)
+        # through a backward that flashport does not differentiate. Marked
+        # so, a second backward through them raises instead of taking that
+        # term as 0 (which @once_differentiable did: it looks only at do).
+        sources = [t for t in (do, *ctx.saved_tensors) if t is not None and t.requires_grad]
+        return tuple(None if g is None else _NoDoubleBackward.apply(g, *sources) for g in grads)
+
+    @staticmethod
+    def _gradients(ctx, do):
         q, k, v, mask, sinks, o, lse = ctx.saved_tensors
         want_dmask = mask is not None and ctx.needs_input_grad[3]
         grads = list(
@@ -69,6 +80,26 @@ class _FlashportAttention(torch.autograd.Function):
         if not ctx.needs_input_grad[4]:
             dsinks = None
         return dq, dk, dv, dmask, dsinks, None
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """A gradient of flashport's attention, kept in a graph that
+    ``create_graph=True`` builds: the same values, tied to the tensors it
+    depends on, and a backward that refuses (PyTorch's fused SDPA kernels
+    refuse a double backward too)."""
+
+    @staticmethod
+    def forward(ctx, grad, *sources):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise BackendUnavailableError(
+            "flashport.torch's attention has no double backward: a gradient computed with "
+            "create_graph=True cannot be differentiated again through it (its first "
+            "derivatives are exact); use torch.nn.functional.scaled_dot_product_attention "
+            "where second derivatives are needed"
+        )
 
 
 def _run(q, k, v, mask, sinks, opts: dict[str, Any], return_lse: bool):
