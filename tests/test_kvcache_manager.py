@@ -917,6 +917,19 @@ def test_unknown_and_freed_sequences_are_named():
     assert a not in cache and b in cache
 
 
+def test_membership_follows_the_methods_id_rules():
+    """`in` answers for the ids the methods take: a bool is none (the
+    methods refuse it; True is not sequence 1), nor is any non-integer."""
+    cache = _cache()
+    a, b = cache.new_sequence(), cache.new_sequence()
+    assert (a, b) == (0, 1)
+    assert 1 in cache and np.int64(1) in cache and np.uint8(0) in cache
+    for not_an_id in (True, False, np.True_, 1.0, "1", None, 2**80, -1):
+        assert not_an_id not in cache, not_an_id
+    with pytest.raises(InvalidArgumentError, match="sid=True: expected an integer, got a bool"):
+        cache.length(True)
+
+
 def test_bad_arguments_are_named_and_change_nothing():
     rng = np.random.default_rng(4)
     cache = _cache()

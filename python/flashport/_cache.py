@@ -379,7 +379,12 @@ class KVCache:
         return self._cache.sequences()
 
     def __contains__(self, sid: object) -> bool:
-        return isinstance(sid, int | np.integer) and int(sid) in self._cache.sequences()
+        # The ids every method takes: integers, never a bool (which the
+        # methods refuse; True is not sequence 1). Anything else is no id
+        # of a live sequence, as a dict answers for a key of another type.
+        if isinstance(sid, bool) or not isinstance(sid, int | np.integer):
+            return False
+        return int(sid) in self._cache.sequences()
 
     @property
     def num_free_blocks(self) -> int:
