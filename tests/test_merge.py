@@ -224,7 +224,12 @@ ERRORS = [
     (([OUTS[0], "not an array"], LSES), DTypeError, ["outs[1]"]),
     (([OUTS[0], None], LSES), DTypeError, ["outs[1] has dtype object"]),
     ((OUTS, [LSES[0], None]), DTypeError, ["lses[1] has dtype object"]),
-    ((OUTS, None), ShapeError, ["lses has shape ()"]),
+    # Not arrays at all (NumPy makes them 0-d arrays of strings or
+    # objects): the dtype error the docstring promises, before the shape.
+    ((OUTS, None), DTypeError, ["lses has dtype object"]),
+    (("abc", LSES), DTypeError, ["outs has dtype str"]),
+    (((x for x in OUTS), LSES), DTypeError, ["outs has dtype object"]),
+    ((np.float32(1.0), LSES), ShapeError, ["outs has shape ()"]),
 ]
 
 

@@ -857,6 +857,16 @@ impl<'a> Parts<'a> {
     /// part.
     fn split(self, argument: &str) -> Result<(usize, Vec<(String, ArrayInfo<'a>)>)> {
         match self {
+            // Something that is not an array of floats at all (a string, a
+            // generator: NumPy makes them 0-d arrays) is a dtype error, as
+            // the docstring says, before its shape is looked at.
+            Parts::Stacked(info) if info.shape.is_empty() => {
+                dtype_of(argument, &info)?;
+                Err(Error::Shape(format!(
+                    "{argument} has shape (): no parts along its first axis; \
+                     merge_states needs at least one"
+                )))
+            }
             Parts::Stacked(info) => match info.shape.split_first() {
                 Some((&count, part)) if count > 0 => Ok((
                     count,
