@@ -636,3 +636,13 @@ def test_errors_name_the_argument_and_the_entry(backend, args, kw, error, fragme
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
     assert all(np.array_equal(a, b) for a, b in zip(args, before, strict=True))
+
+
+def test_a_cache_too_large_to_copy_is_named_as_passed():
+    """A broadcast cache whose contiguous copy cannot exist is refused by
+    the name the caller gave it (the message said k)."""
+    q = np.ones((1, 1, 1, 64), np.float32)
+    huge = np.broadcast_to(np.float32(1), (1, 1, 2**40, 64))
+    lens = np.array([5], np.int32)
+    with pytest.raises(ProblemTooLargeError, match=r"^k_cache is not contiguous"):
+        flashport.attention_with_kvcache(q, huge, huge, lens, device="cpu")

@@ -338,6 +338,14 @@ def test_errors_name_the_argument():
         fpt.scaled_dot_product_attention(q, q.double(), q)
     with pytest.raises(flashport.InvalidArgumentError, match="dropout_p"):
         fpt.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
+    # The core's checks, in the names of PyTorch's arguments (they said
+    # q, k, v and mask).
+    with pytest.raises(flashport.ShapeError, match=r"^query and key .* \(query: 8, key: 4\)"):
+        fpt.scaled_dot_product_attention(q, q[..., :4], q)
+    with pytest.raises(flashport.DTypeError, match=r"^value has dtype float64: query has"):
+        fpt.scaled_dot_product_attention(q, q, q.double())
+    with pytest.raises(flashport.ShapeError, match=r"^attn_mask has shape \(3, 5\)"):
+        fpt.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 5))
 
 
 def test_plain_flashport_never_imports_torch():

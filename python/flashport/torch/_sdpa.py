@@ -4,13 +4,20 @@ drop-in for PyTorch's) and :func:`attention` (flashport's own keywords)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
 
 import flashport
 
-from .._errors import BackendUnavailableError, DTypeError, InvalidArgumentError, ShapeError
+from .._errors import (
+    BackendUnavailableError,
+    DTypeError,
+    FlashportError,
+    InvalidArgumentError,
+    ShapeError,
+)
 from ._convert import check_tensor, from_numpy, to_numpy
 
 __all__ = ["attention", "scaled_dot_product_attention"]
@@ -220,8 +227,20 @@ def scaled_dot_product_attention(
         if attn_mask is not None and attn_mask.ndim > 2:
             m = attn_mask.reshape((1,) * (len(lead) + 3 - attn_mask.ndim) + attn_mask.shape)
             attn_mask = m.expand(*lead, *m.shape[-3:]).reshape(batch, *m.shape[-3:])
-    out = _run(query, key, value, attn_mask, None, opts, return_lse=False)
+    try:
+        out = _run(query, key, value, attn_mask, None, opts, return_lse=False)
+    except FlashportError as e:
+        # The core names flashport's own arguments; the caller passed
+        # PyTorch's.
+        raise type(e)(_SDPA_NAMES.sub(lambda m: _SDPA_RENAMED[m[0]], str(e))) from None
     return out.reshape(*lead, *out.shape[-3:]) if len(lead) > 1 else out
+
+
+# flashport's argument names in the core's messages, and the names of
+# scaled_dot_product_attention's arguments they stand for (whole words:
+# heads_q, k_offset and the like stay).
+_SDPA_RENAMED = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}
+_SDPA_NAMES = re.compile(r"\b(q|k|v|mask)\b")
 
 
 def attention(

@@ -1079,7 +1079,11 @@ fn attention_with_kvcache<'py>(
     let device = device_of(py, device, on_gpu)?;
     let [q, k, v] = main.map(|a| Held::new(a, problem.dtype()));
     let (q, k, v) = (q?, k?, v?);
-    let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
+    let (qc, kc, vc) = (
+        q.contiguous("q")?,
+        k.contiguous("k_cache")?,
+        v.contiguous("v_cache")?,
+    );
     let inputs = [qc.input(), kc.input(), vc.input()];
     let alibi_slopes = variants.alibi_slopes.as_ref().map(as_f64_vec).transpose()?;
     let sinks = variants.sinks.as_ref().map(as_f64_vec).transpose()?;
