@@ -31,6 +31,8 @@ from flashport import (
     CacheFullError,
     DTypeError,
     InvalidArgumentError,
+    KVCache,
+    ProblemTooLargeError,
     ShapeError,
     UnknownSequenceError,
     reference,
@@ -915,6 +917,32 @@ def test_unknown_and_freed_sequences_are_named():
         with pytest.raises(UnknownSequenceError, match=message):
             call()
     assert a not in cache and b in cache
+
+
+def test_integers_beyond_int64_are_quoted_as_passed():
+    """Sizes and ids beyond int64 are refused with the value the caller
+    wrote (they were saturated first, and the message said
+    9223372036854775807)."""
+    with pytest.raises(ProblemTooLargeError, match=r"^num_blocks=18446744073709551616 "):
+        KVCache(2**64, 4, 2, 4)
+    with pytest.raises(InvalidArgumentError, match=r"^layers=-18446744073709551616: "):
+        KVCache(8, 4, 2, 4, layers=-(2**64))
+    cache = _cache()
+    cache.new_sequence()
+    before = cache_state(cache)
+    calls = [
+        (lambda: cache.fork(2**64), r"^'?sid=18446744073709551616: no such sequence"),
+        (lambda: cache.free(-(2**70)), r"^'?sid=-1180591620717411303424: no such sequence"),
+        (lambda: cache.length(2**63), r"^'?sid=9223372036854775808: no such sequence"),
+        (
+            lambda: cache.block_table([0, 2**64]),
+            r"^'?seq_ids\[1\]=18446744073709551616: no such sequence",
+        ),
+    ]
+    for call, message in calls:
+        with pytest.raises(UnknownSequenceError, match=message):
+            call()
+    assert_same(before, cache_state(cache))
 
 
 def test_membership_follows_the_methods_id_rules():

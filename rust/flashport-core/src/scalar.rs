@@ -109,20 +109,48 @@ pub fn integer(argument: &str, given: &Given) -> Result<Option<i128>> {
     }
 }
 
-/// A required integer naming a size, a layer or a sequence (`num_blocks`,
-/// `layer`, `sid`): an int, never a bool or a float (`layers=True` or
-/// `layer=1.0` is a mistake, not a 1). Beyond `i64` it saturates: the
-/// caller's own check then refuses it by name ("no such sequence", "larger
-/// than this machine can address") rather than as a range error here.
+/// A required integer naming a size or a layer (`num_blocks`, `layer`):
+/// an int, never a bool or a float (`layers=True` or `layer=1.0` is a
+/// mistake, not a 1). One beyond `i64` is refused here, with the value as
+/// the caller wrote it (it used to saturate, and the caller's check then
+/// quoted 9223372036854775807): too large, or out of range below.
 pub fn index(argument: &str, given: &Given) -> Result<i64> {
     match given.kind {
-        Kind::Int(Some(i)) => Ok(i.clamp(i64::MIN as i128, i64::MAX as i128) as i64),
+        Kind::Int(Some(i)) => i64::try_from(i).map_err(|_| {
+            if i > 0 {
+                Error::TooLarge(format!(
+                    "{argument}={} is larger than any size or index flashport takes (they \
+                     fit in int64)",
+                    given.repr
+                ))
+            } else {
+                Error::Value {
+                    argument: argument.to_string(),
+                    value: given.repr.clone(),
+                    reason: "the integer is out of range (below int64)".to_string(),
+                }
+            }
+        }),
         Kind::Int(None) => Err(Error::Value {
             argument: argument.to_string(),
             value: given.repr.clone(),
             reason: "the integer is out of range".to_string(),
         }),
         _ => Err(given.error(argument, "an integer")),
+    }
+}
+
+/// A sequence id (`sid`, an item of `seq_ids`): an [`index`], except that
+/// one beyond `i64` names no sequence (as any other unknown id), quoted as
+/// the caller wrote it.
+pub fn seq_id(argument: &str, given: &Given) -> Result<i64> {
+    match given.kind {
+        Kind::Int(Some(i)) if i64::try_from(i).is_err() => Err(Error::UnknownSequence {
+            argument: argument.to_string(),
+            value: given.repr.clone(),
+            reason: "no such sequence (sequence ids fit in int64)".to_string(),
+        }),
+        _ => index(argument, given),
     }
 }
 
@@ -141,7 +169,7 @@ pub fn indices(argument: &str, given: &IndicesGiven) -> Result<Vec<i64>> {
         IndicesGiven::Items(items) => items
             .iter()
             .enumerate()
-            .map(|(i, item)| index(&format!("{argument}[{i}]"), item))
+            .map(|(i, item)| seq_id(&format!("{argument}[{i}]"), item))
             .collect(),
         IndicesGiven::Other(g) => Err(g.error(argument, "a sequence of sequence ids (e.g. [sid])")),
     }
@@ -281,13 +309,24 @@ mod tests {
     }
 
     #[test]
-    fn indices_are_ints_saturated_never_bools_or_floats() {
+    fn indices_are_ints_in_int64_never_bools_or_floats() {
         assert_eq!(index("layer", &given(Kind::Int(Some(2)))), Ok(2));
-        assert_eq!(index("sid", &given(Kind::Int(Some(1 << 80)))), Ok(i64::MAX));
-        assert_eq!(
-            index("sid", &given(Kind::Int(Some(-(1 << 80))))),
-            Ok(i64::MIN)
-        );
+        assert_eq!(index("sid", &given(Kind::Int(Some(-3)))), Ok(-3));
+        let big = Given::new(Kind::Int(Some(1 << 80)), "1208925819614629174706176");
+        let Err(Error::TooLarge(message)) = index("num_blocks", &big) else {
+            panic!("a size beyond int64 is too large");
+        };
+        assert!(message.starts_with("num_blocks=1208925819614629174706176 "));
+        let Err(Error::UnknownSequence { value, .. }) = seq_id("sid", &big) else {
+            panic!("an id beyond int64 is no sequence");
+        };
+        assert_eq!(value, "1208925819614629174706176");
+        let low = Given::new(Kind::Int(Some(-(1 << 80))), "-1208925819614629174706176");
+        assert!(matches!(index("layer", &low), Err(Error::Value { .. })));
+        assert!(matches!(
+            seq_id("sid", &low),
+            Err(Error::UnknownSequence { .. })
+        ));
         for kind in [
             Kind::Float(1.0),
             Kind::Bool(true),

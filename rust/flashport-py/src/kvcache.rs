@@ -156,12 +156,12 @@ impl KvCacheHandle {
     }
 
     fn fork(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let sid = scalars::index("sid", sid)?;
+        let sid = scalars::seq_id("sid", sid)?;
         self.write(py, |c| c.fork(sid))
     }
 
     fn free(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<()> {
-        let sid = scalars::index("sid", sid)?;
+        let sid = scalars::seq_id("sid", sid)?;
         self.write(py, |c| c.free(sid))
     }
 
@@ -175,7 +175,10 @@ impl KvCacheHandle {
         layer: &Bound<'_, PyAny>,
         tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (sid, layer) = (scalars::index("sid", sid)?, scalars::index("layer", layer)?);
+        let (sid, layer) = (
+            scalars::seq_id("sid", sid)?,
+            scalars::index("layer", layer)?,
+        );
         with_appended(k, v, tokens, |k, v, tokens| {
             self.write(py, |c| c.append(sid, layer, k, v, tokens))
         })
@@ -263,7 +266,7 @@ impl KvCacheHandle {
         sid: &Bound<'_, PyAny>,
         layer: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let sid = scalars::index("sid", sid)?;
+        let sid = scalars::seq_id("sid", sid)?;
         let layer = layer.map(|l| scalars::index("layer", l)).transpose()?;
         self.read(py, |c| c.length(sid, layer))
     }

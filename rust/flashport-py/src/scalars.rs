@@ -127,6 +127,10 @@ pub fn index(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<i64> {
     checked(obj.py(), core::scalar::index(name, &given(obj)))
 }
 
+pub fn seq_id(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+    checked(obj.py(), core::scalar::seq_id(name, &given(obj)))
+}
+
 pub fn indices(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     checked(obj.py(), core::scalar::indices(name, &indices_given(obj)?))
 }
