@@ -1,8 +1,13 @@
 """Problems larger than memory are a ProblemTooLargeError naming what could
-not be had, never an abort: every large host allocation is fallible, and a
-device array's size is checked before a strided input is copied."""
+not be had, never an abort or a process killed later: every large host
+allocation is checked against the memory the machine and its cgroup give
+a process (flashport_core::host_memory) before it is made fallibly, so
+the checks hold where memory is overcommitted too; a device array's size
+is checked before a strided input is copied."""
 
 from __future__ import annotations
+
+import sys
 
 import flashport
 import numpy as np
@@ -10,17 +15,18 @@ import pytest
 from flashport import ProblemTooLargeError
 
 
-def _overcommit_always() -> bool:
+def _mem_total() -> int | None:
     try:
-        with open("/proc/sys/vm/overcommit_memory") as f:
-            return f.read().strip() == "1"
-    except OSError:
-        return False
+        with open("/proc/meminfo") as f:
+            line = next(x for x in f if x.startswith("MemTotal:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
 
 
-# With overcommit_memory=1 the kernel grants any allocation and kills the
-# process when it is touched: nothing a library can turn into an error.
-pytestmark = pytest.mark.skipif(_overcommit_always(), reason="vm.overcommit_memory=1")
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
 
 
 def test_broadcast_query_larger_than_memory(backend):
@@ -77,3 +83,41 @@ def test_broadcast_mask_larger_than_memory_is_read_in_place():
     out = flashport.attention(q, k, k, mask=mask, device="cpu")
     want = flashport.attention(q, k[:, :, :40], k[:, :, :40], device="cpu")
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(_mem_total() is None, reason="no /proc/meminfo")
+def test_kvcache_larger_than_the_machine_is_refused_at_once():
+    """A CPU cache whose pools add up past the machine's memory is refused
+    by its size, before anything is allocated (each pool alone could be
+    reserved, and the process was killed as the cache filled)."""
+    total = _mem_total()
+    # float32 pools of 2 heads x 16 keys x 128 dims = 16 KiB a block each,
+    # four layers: twice the machine's memory.
+    blocks = 2 * total // (4 * 2 * 16 * 1024) + 1
+    with pytest.raises(ProblemTooLargeError, match=r"KV cache .* takes \d+ bytes, more than"):
+        flashport.KVCache(blocks, 16, 2, 128, layers=4, device="cpu")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_kvcache_takes_memory_as_it_fills():
+    """A CPU cache's pools are zeroed by the allocator, not written: 1 GiB
+    of pools adds little to the resident set until blocks are written."""
+    before = _rss()
+    cache = flashport.KVCache(2**13, 16, 8, 128, layers=2, device="cpu")  # 1 GiB
+    grown = _rss() - before
+    assert grown < 128 << 20, grown
+    sid = cache.new_sequence()
+    k = np.ones((8, 16, 128), np.float32)
+    cache.append(sid, k, k)
+    np.testing.assert_array_equal(cache.read_layer(0)[0][cache.block_table([sid])[0, 0]], k)
+
+
+def test_gpu_kvcache_larger_than_the_gpu_is_refused_at_once(gpu):
+    """A GPU cache of absurd size is refused by the GPU's memory before a
+    buffer is made (lavapipe, whose device memory is lazily given host
+    memory, built buffer after buffer for minutes)."""
+    with pytest.raises(ProblemTooLargeError, match=r"takes \d+ bytes, more than the \d+ bytes"):
+        flashport.KVCache(2**40, 16, 8, 128, device="gpu")
+    # The GPU keeps working.
+    cache = flashport.KVCache(4, 16, 2, 8, device="gpu")
+    assert cache.num_free_blocks == 4

@@ -37,6 +37,7 @@ pub mod env;
 pub mod error;
 pub mod fork;
 pub mod gpu;
+pub mod host_memory;
 pub mod interrupt;
 pub mod kvcache;
 pub mod merge;

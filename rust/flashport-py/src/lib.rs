@@ -221,14 +221,15 @@ fn contiguous<'a, T: Element + Clone>(
         return Ok(Cow::Borrowed(slice));
     }
     let mut copy = Vec::new();
-    if copy.try_reserve_exact(view.len()).is_err() {
-        let bytes = view.len() as u128 * std::mem::size_of::<T>() as u128;
+    let bytes = view.len() as u128 * std::mem::size_of::<T>() as u128;
+    if !core::host_memory::admits(bytes) || copy.try_reserve_exact(view.len()).is_err() {
         return Err(to_py_err(
             array.py(),
             core::Error::TooLarge(format!(
                 "{name} is not contiguous, and a contiguous copy of it ({bytes} bytes) \
-                 could not be allocated; pass a smaller array, or for a broadcast one \
-                 the array it broadcasts"
+                 could not be allocated{}; pass a smaller array, or for a broadcast one \
+                 the array it broadcasts",
+                core::host_memory::why()
             )),
         ));
     }

@@ -61,10 +61,11 @@ impl<T: Copy + Default> BufferPool<T> {
             data.truncate(len);
         } else {
             data.clear();
-            if data.try_reserve_exact(len).is_err() {
+            let bytes = len as u128 * std::mem::size_of::<T>() as u128;
+            if !crate::host_memory::admits(bytes) || data.try_reserve_exact(len).is_err() {
                 return Err(crate::Error::TooLarge(format!(
-                    "{what} needs {} bytes of host memory, which could not be allocated",
-                    len as u128 * std::mem::size_of::<T>() as u128
+                    "{what} needs {bytes} bytes of host memory, which could not be allocated{}",
+                    crate::host_memory::why()
                 )));
             }
         }
@@ -107,13 +108,14 @@ impl<T: Copy + Default + 'static> Pooled<T> {
 /// than memory is a ProblemTooLargeError, not an abort.
 pub fn try_with_capacity<T>(len: usize, what: &str) -> crate::Result<Vec<T>> {
     let mut v = Vec::new();
-    match v.try_reserve_exact(len) {
-        Ok(()) => Ok(v),
-        Err(_) => Err(crate::Error::TooLarge(format!(
-            "{what} needs {} bytes of host memory, which could not be allocated",
-            len as u128 * std::mem::size_of::<T>() as u128
-        ))),
+    let bytes = len as u128 * std::mem::size_of::<T>() as u128;
+    if crate::host_memory::admits(bytes) && v.try_reserve_exact(len).is_ok() {
+        return Ok(v);
     }
+    Err(crate::Error::TooLarge(format!(
+        "{what} needs {bytes} bytes of host memory, which could not be allocated{}",
+        crate::host_memory::why()
+    )))
 }
 
 /// `len` zeros, or an error naming `what` (see [`try_with_capacity`]).

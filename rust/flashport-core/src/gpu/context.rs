@@ -137,6 +137,9 @@ pub(crate) struct Context {
     pub caps: AdapterCaps,
     /// Timestamp queries are enabled: kernel times are measured on the GPU.
     pub timestamps: bool,
+    /// Bytes of the adapter's largest device-local heap, where the backend
+    /// says (`memory.rs`): a KV cache's pools are checked against it.
+    pub device_memory: Option<u64>,
     /// The lanes of every subgroup, where subgroup operations are enabled
     /// and the adapter's subgroups have one size (decoding's subgroup
     /// kernel lays its walkers out by it).
@@ -347,6 +350,7 @@ impl Context {
             f16_inputs,
             caps,
             timestamps,
+            device_memory: super::memory::device_memory(adapter),
             subgroup_size: (subgroups && info.subgroup_min_size == info.subgroup_max_size)
                 .then_some(info.subgroup_min_size),
             spin: if info.device_type == wgpu::DeviceType::Cpu {

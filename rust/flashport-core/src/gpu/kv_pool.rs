@@ -27,6 +27,8 @@ use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 
+use crate::error::shape_str;
+
 use super::chunks::binding_limit;
 use super::context::Context;
 use super::decode;
@@ -142,6 +144,22 @@ impl GpuStorage {
                     ctx.adapter.name
                 ))
             })?;
+            // The whole cache against the GPU's memory before any buffer
+            // is made: the pools are made buffer by buffer, and a driver
+            // that hands out host memory lazily took minutes over a cache
+            // of terabytes instead of refusing it.
+            let total = shape.nbytes().expect("validated") as u64;
+            if let Some(memory) = ctx.device_memory.filter(|&memory| total > memory) {
+                return Err(Error::TooLarge(format!(
+                    "a KV cache of {} layer(s) of key pools {} and value pools {} takes {total} \
+                     bytes, more than the {memory} bytes of memory of the GPU {}; use fewer \
+                     blocks or layers, or device=\"cpu\"",
+                    shape.layers,
+                    shape_str(&shape.k_pool_shape()),
+                    shape_str(&shape.v_pool_shape()),
+                    ctx.adapter.name
+                )));
+            }
             let mut storage = GpuStorage {
                 shape,
                 ctx: ctx.clone(),

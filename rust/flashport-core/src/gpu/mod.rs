@@ -52,6 +52,7 @@ mod forward;
 mod inputs;
 pub mod kernel;
 mod kv_pool;
+mod memory;
 mod merge;
 mod params;
 mod pipelines;

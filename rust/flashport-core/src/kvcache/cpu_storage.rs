@@ -17,15 +17,17 @@ pub struct CpuStorage {
     values: Vec<Buffer>,
 }
 
-fn zeros<T: Clone + Default>(len: usize, bytes: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| {
-        Error::TooLarge(format!(
-            "a KV cache pool of {bytes} bytes could not be allocated in host memory"
-        ))
-    })?;
-    v.resize(len, T::default());
-    Ok(v)
+/// `len` zeros from the allocator's zeroed memory (calloc: the pages of a
+/// large pool stay untouched until a block is written), so that a cache
+/// takes memory as it fills, not all at construction.
+fn zeros<T: bytemuck::Zeroable>(len: usize, bytes: usize) -> Result<Vec<T>> {
+    bytemuck::allocation::try_zeroed_slice_box::<T>(len)
+        .map(|pool| pool.into_vec())
+        .map_err(|_| {
+            Error::TooLarge(format!(
+                "a KV cache pool of {bytes} bytes could not be allocated in host memory"
+            ))
+        })
 }
 
 fn pool(dtype: DType, len: usize) -> Result<Buffer> {
@@ -109,6 +111,20 @@ impl CpuStorage {
     /// Zeroed pools for every layer (an error, not an abort, if host
     /// memory cannot hold them).
     pub fn new(shape: CacheShape) -> Result<Self> {
+        // The whole cache against what the machine gives a process: its
+        // pools are reserved, not touched, so an allocation would succeed
+        // far past memory and the process be killed as the cache fills.
+        let total = shape.nbytes().expect("validated") as u128;
+        if !crate::host_memory::admits(total) {
+            return Err(Error::TooLarge(format!(
+                "a KV cache of {} layer(s) of key pools {} and value pools {} takes {total} \
+                 bytes, more than this machine has{}; use fewer blocks or layers",
+                shape.layers,
+                crate::error::shape_str(&shape.k_pool_shape()),
+                crate::error::shape_str(&shape.v_pool_shape()),
+                crate::host_memory::why()
+            )));
+        }
         let mut keys = Vec::with_capacity(shape.layers);
         let mut values = Vec::with_capacity(shape.layers);
         for _ in 0..shape.layers {
