@@ -93,3 +93,40 @@ def test_forked_children_compute(backend):
     if backend == "gpu":
         # The parent's device is not the child's: its arrays are refused.
         assert "device array" in lines["inherited"], lines["inherited"]
+
+
+RAW_FORK = """
+    import os, sys
+    import numpy as np, flashport
+
+    q = np.ones((1, 2, 64, 16), np.float32)
+    flashport.attention(q, q, q, device="gpu")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            flashport.attention(q, q, q, device="gpu")
+            print("child computed", flush=True)
+        except flashport.BackendUnavailableError:
+            # NVIDIA opens no device in a forked child (the message says so).
+            print("child refused", flush=True)
+        sys.exit(3)
+    _, status = os.waitpid(pid, 0)
+    print("child exit status", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_raw_forked_child_that_used_the_gpu_exits(gpu):
+    """os.fork() then sys.exit() in a child that touched the GPU: the
+    driver's exit handlers waited for the parent's threads, and the child
+    never exited (multiprocessing's workers end with os._exit and did not
+    hang). It exits, with its status."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(RAW_FORK)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] in ("child computed", "child refused"), done.stdout
+    assert lines[-1] == "child exit status 3", done.stdout

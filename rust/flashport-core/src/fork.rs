@@ -122,6 +122,50 @@ impl<T: Default> ForkLocal<T> {
     }
 }
 
+/// Makes this forked child end, once its interpreter has finished, without
+/// the C exit handlers registered before this call (called where a child
+/// first opens a GPU: the parent's driver registered them).
+///
+/// Why: a GPU driver registers an `atexit` handler that joins its worker
+/// threads (Mesa's queues). In a child forked from a process that used the
+/// GPU, that handler also waits for the parent's threads, which the child
+/// does not have, so a child that touched the GPU never exited: a plain
+/// `os.fork()` then `sys.exit()` hung (on lavapipe and NVIDIA alike).
+/// `multiprocessing`'s workers end with `os._exit` for the same reason.
+/// This registers, with glibc's `on_exit`, a handler that runs before the
+/// earlier ones (they run newest first): it flushes C's streams and ends
+/// the process with the status `exit` was given. Python has finalized by
+/// then (its own exit work runs before C's handlers). Elsewhere than glibc
+/// nothing is registered.
+pub fn end_child_before_driver_exit_handlers() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        use std::ffi::{c_int, c_void};
+        // The generation the handler was registered in, plus one (0: none).
+        static REGISTERED: AtomicU64 = AtomicU64::new(0);
+        let generation = generation();
+        if generation == 0 || REGISTERED.swap(generation + 1, Ordering::AcqRel) == generation + 1 {
+            return;
+        }
+        extern "C" {
+            fn on_exit(function: extern "C" fn(c_int, *mut c_void), arg: *mut c_void) -> c_int;
+            fn fflush(stream: *mut c_void) -> c_int;
+            fn _exit(status: c_int) -> !;
+        }
+        extern "C" fn end(status: c_int, _: *mut c_void) {
+            // SAFETY: flushing every C stream and ending the process, as
+            // exit() would after its handlers.
+            unsafe {
+                fflush(std::ptr::null_mut());
+                _exit(status)
+            }
+        }
+        // SAFETY: registers a function that lives as long as the process;
+        // it runs only at exit().
+        unsafe { on_exit(end, std::ptr::null_mut()) };
+    }
+}
+
 impl<T: Default> Default for ForkLocal<T> {
     fn default() -> Self {
         Self::new()

@@ -231,6 +231,9 @@ pub(crate) fn discard(ctx: &Arc<Context>) {
 
 impl Context {
     fn create() -> Result<Context> {
+        // A child forked from a process that used the GPU: the driver's
+        // exit handlers would wait for the parent's threads (fork.rs).
+        crate::fork::end_child_before_driver_exit_handlers();
         let adapters = enumerate();
         if adapters.is_empty() {
             return Err(Error::BackendUnavailable(
