@@ -254,7 +254,69 @@ def test_register_returns_the_name_and_the_mask_function(name):
 def test_unsupported_features_are_refused(name):
     q = torch.randn(1, 2, 3, 8)
     module = torch.nn.Module()
-    with pytest.raises(flashport.InvalidArgumentError, match="position_bias"):
-        fpt.transformers_attention(module, q, q, q, None, position_bias=torch.zeros(1, 2, 3, 3))
+    with pytest.raises(flashport.InvalidArgumentError, match="paged cache"):
+        fpt.transformers_attention(module, q, q, q, None, cache=object())
+    with pytest.raises(flashport.DTypeError, match="position_bias must be floating point"):
+        fpt.transformers_attention(module, q, q, q, None, position_bias=torch.ones(1, 2, 3, 3) > 0)
     out, weights = fpt.transformers_attention(module, q, q, q, None)
     assert out.shape == (1, 3, 2, 8) and weights is None
+
+
+def _t5_config():
+    # initializer_factor widens T5's initial weights so that the scores,
+    # and the learned position bias added to them, are far from uniform.
+    return transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        initializer_factor=3.0,
+    )
+
+
+def test_t5_position_bias_is_a_float_mask_with_its_gradient(name):
+    """T5 hands its learned relative position bias to the attention function
+    as position_bias (it was refused): added to the scores where the mask
+    lets a key through, in the encoder (padding), the causal decoder and
+    cross-attention. Logits and every gradient, the bias embeddings' own
+    included, against SDPA in float64."""
+    model = transformers.T5ForConditionalGeneration
+    torch.manual_seed(0)
+    ref = model._from_config(_t5_config(), attn_implementation="sdpa")
+    mine = model._from_config(_t5_config(), attn_implementation=name)
+    mine.load_state_dict(ref.state_dict())
+    ref64 = model._from_config(_t5_config(), attn_implementation="sdpa")
+    ref64.load_state_dict(ref.state_dict())
+    ref64.double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+    dec = torch.randint(0, VOCAB, (2, 7), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+
+    def step(m):
+        m.train()
+        m.zero_grad()
+        out = m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, labels=dec)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+    with _Spy(name) as spy:
+        got_logits, got = step(mine)
+    # Encoder self-attention, decoder self- and cross-attention, two layers.
+    assert spy.calls == 6
+    base_logits, base = step(ref)
+    want_logits, want = step(ref64)
+    assert_close("logits", got_logits.numpy(), want_logits.numpy(), base_logits.numpy(), np.float32)
+    biases = [n for n in got if "relative_attention_bias" in n]
+    assert len(biases) == 2
+    for param in got:
+        g, w, b = (x[param].numpy() for x in (got, want, base))
+        assert np.abs(g).max() > 0, f"{param}: zero gradient"
+        assert_close(param, g, w, b, np.float32)

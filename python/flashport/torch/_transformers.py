@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError
+from .._errors import DTypeError, InvalidArgumentError
 from ._convert import check_tensor
 from ._sdpa import _dropout_seed, _float_mask, _run
 
@@ -46,13 +46,9 @@ def transformers_attention(
 
     Grouped-query attention is native (no repeated key/value heads); the
     layer's ``sliding_window`` becomes flashport's ``window`` where no mask
-    carries it, Gemma-2's ``softcap`` flashport's ``softcap``, and gpt-oss's
-    ``s_aux`` flashport's ``sinks``."""
-    if kwargs.get("position_bias") is not None:
-        raise InvalidArgumentError(
-            "position_bias (a learned relative position bias, T5-style) is not supported by "
-            "the flashport attention implementation: use attn_implementation='sdpa'"
-        )
+    carries it, Gemma-2's ``softcap`` flashport's ``softcap``, gpt-oss's
+    ``s_aux`` flashport's ``sinks``, and T5's ``position_bias`` a float mask
+    (differentiable, so its relative attention bias learns)."""
     if kwargs.get("cache") is not None:
         raise InvalidArgumentError(
             "a paged cache (continuous batching) is not supported by the flashport attention "
@@ -60,6 +56,16 @@ def transformers_attention(
         )
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t)
+    # T5's learned relative position bias, (batch or 1, heads, q_len,
+    # kv_len): added to the scores as a float mask (with its gradient),
+    # where the attention mask lets a key through, as transformers' SDPA
+    # path does (create_position_bias_mask).
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        check_tensor("position_bias", bias)
+        bias = _float_mask("position_bias", bias)
+        if bias.dtype == torch.bool:
+            raise DTypeError("position_bias must be floating point (added to the scores)")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     q_len = query.shape[2]
@@ -77,18 +83,25 @@ def transformers_attention(
         # positions transformers knows; flashport skips the tiles it hides.
         mask = _float_mask("attention_mask", mask)
         opts["causal"] = False
+        if bias is not None:
+            if mask.dtype == torch.bool:
+                mask = torch.where(mask, bias, torch.tensor(-torch.inf, dtype=bias.dtype))
+            else:
+                mask = bias + mask
     elif is_causal and q_len > 1:
         # As in transformers' SDPA path: no mask means plain causal, top-left
         # aligned (also for a static cache's prefill, whose extra keys lie
         # after every query).
         opts["causal"] = True
         opts["q_offset"] = opts["k_offset"] = 0
+        mask = bias
         if sliding_window is not None:
             opts["window"] = (sliding_window - 1, None)
     else:
         # One query (decoding) sees every key in the cache; a sliding window
         # counts back from the last key.
         opts["causal"] = False
+        mask = bias
         if is_causal and sliding_window is not None:
             opts["window"] = (sliding_window - 1, None)
     sinks = kwargs.get("s_aux")
