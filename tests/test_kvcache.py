@@ -646,3 +646,18 @@ def test_a_cache_too_large_to_copy_is_named_as_passed():
     lens = np.array([5], np.int32)
     with pytest.raises(ProblemTooLargeError, match=r"^k_cache is not contiguous"):
         flashport.attention_with_kvcache(q, huge, huge, lens, device="cpu")
+
+
+def test_integer_arrays_of_the_wrong_shape_are_not_read():
+    """cache_seqlens and block_table of a shape validation refuses are
+    refused without reading their entries: stride-0 views of 2^36 entries
+    (512 GiB once widened) would abort or exhaust the process if read (a
+    view of 2^27 took seconds and a GiB before the ShapeError)."""
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    k = np.zeros((1, 1, 4, 8), np.float32)
+    lens = np.broadcast_to(np.int8(0), (2**36,))
+    table = np.broadcast_to(np.int8(0), (2, 2**35))
+    with pytest.raises(ShapeError, match=r"cache_seqlens has shape \(68719476736,\)"):
+        flashport.attention_with_kvcache(q, k, k, lens, device="cpu")
+    with pytest.raises(ShapeError, match=r"block_table has shape \(2, 34359738368\)"):
+        flashport.attention_with_kvcache(q, k, k, np.array([4]), block_table=table, device="cpu")

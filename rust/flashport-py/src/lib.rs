@@ -1033,13 +1033,24 @@ fn attention_with_kvcache<'py>(
         ArgMeta::read_main("k_cache", k_cache)?,
         ArgMeta::read_main("v_cache", v_cache)?,
     ];
+    // The integer arrays' values are read only where their shapes can be
+    // right (one entry, or one table row, per sequence of q): validation
+    // refuses any other shape before it looks at a value, and reading a
+    // stride-0 view of 2^27 entries first took seconds and a GiB.
+    let batch = (metas[0].shape.len() == 4).then(|| metas[0].shape[0]);
+    let rows_per_sequence =
+        |meta: &ArgMeta, ndim: usize| meta.shape.len() == ndim && Some(meta.shape[0]) == batch;
     let seqlens_meta = ArgMeta::read("cache_seqlens", cache_seqlens)?;
-    let seqlens = int_values(cache_seqlens, &seqlens_meta.dtype)?;
+    let seqlens = if rows_per_sequence(&seqlens_meta, 1) {
+        int_values(cache_seqlens, &seqlens_meta.dtype)?
+    } else {
+        Vec::new()
+    };
     let table_meta = block_table
         .map(|t| ArgMeta::read("block_table", t))
         .transpose()?;
     let table = match (block_table, &table_meta) {
-        (Some(t), Some(meta)) => int_values(t, &meta.dtype)?,
+        (Some(t), Some(meta)) if rows_per_sequence(meta, 2) => int_values(t, &meta.dtype)?,
         _ => Vec::new(),
     };
     let read = |name: &str, a: &Option<Bound<'_, PyAny>>| {
