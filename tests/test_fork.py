@@ -130,3 +130,46 @@ def test_a_raw_forked_child_that_used_the_gpu_exits(gpu):
     lines = done.stdout.splitlines()
     assert lines[0] in ("child computed", "child refused"), done.stdout
     assert lines[-1] == "child exit status 3", done.stdout
+
+
+LIVE_CACHE = """
+    import os, sys
+    import numpy as np, flashport
+
+    device = sys.argv[1]
+    cache = flashport.KVCache(8, 4, 2, 8, device=device)
+    sid = cache.new_sequence()
+    k = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    cache.append(sid, k, k)
+    q = np.ones((1, 2, 1, 8), np.float32)
+    want = np.asarray(cache.attention(q, [sid]))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            got = np.asarray(cache.attention(q, [sid]))
+            cache.append(sid, k, k)
+            print("child", bool(np.array_equal(got, want)), cache.length(sid), flush=True)
+        except flashport.GpuError as e:
+            print("child refused", "forked" in str(e), cache.length(sid), flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    same = np.array_equal(np.asarray(cache.attention(q, [sid])), want)
+    print("parent", bool(same), cache.length(sid), flush=True)
+"""
+
+
+def test_a_forked_child_with_a_live_cache(backend):
+    """A CPU KVCache in a forked child is the child's own copy (its appends
+    leave the parent's alone); a GPU one is refused there by a GpuError
+    that says why (its pools are the parent's GPU memory), the cache left
+    as it was; the parent's keeps working either way."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LIVE_CACHE), backend],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    child, parent = done.stdout.splitlines()
+    assert child == ("child True 6" if backend == "cpu" else "child refused True 3"), child
+    assert parent == "parent True 3", parent

@@ -481,6 +481,12 @@ impl Context {
         Ok(())
     }
 
+    /// Whether this process was forked after the context was made (its
+    /// device is the parent's, as good as lost here).
+    pub fn forked(&self) -> bool {
+        self.generation != fork::generation()
+    }
+
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst) || self.generation != fork::generation()
     }

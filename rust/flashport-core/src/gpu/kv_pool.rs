@@ -253,6 +253,25 @@ impl GpuStorage {
         })
     }
 
+    /// An error where the GPU that holds the pools is gone: lost or reset,
+    /// or the parent's, in a process forked after the cache was made.
+    fn alive(&self) -> Result<()> {
+        if self.ctx.is_lost() {
+            let forked = if self.ctx.forked() {
+                " (this process was forked after the cache was made: a forked child \
+                 cannot use its parent's GPU memory)"
+            } else {
+                ""
+            };
+            return Err(Error::Gpu(format!(
+                "this KV cache's pools were on the GPU {}, which is gone{forked}: its \
+                 contents are lost; make a new KVCache",
+                self.ctx.adapter.name
+            )));
+        }
+        Ok(())
+    }
+
     fn limit(&self) -> u64 {
         binding_limit(&self.ctx, &overrides::current())
     }
@@ -529,6 +548,7 @@ impl Storage for GpuStorage {
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
+        self.alive()?;
         let none = Input::Host(Slice::F32(&[]));
         self.record(0, 0, copies, &[], none, none)
     }
@@ -541,6 +561,7 @@ impl Storage for GpuStorage {
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()> {
+        self.alive()?;
         self.record(layer, n, &[], rows, k, v)
     }
 
@@ -553,6 +574,7 @@ impl Storage for GpuStorage {
         k: Input<'_>,
         v: Input<'_>,
     ) -> Result<()> {
+        self.alive()?;
         self.record(layer, n, copies, rows, k, v)
     }
 
@@ -564,6 +586,7 @@ impl Storage for GpuStorage {
         variants: &VariantArrays<'_>,
         outputs: Placement,
     ) -> Result<ForwardOutput<Array>> {
+        self.alive()?;
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
         if let Input::Device(t) = q {
             if !Arc::ptr_eq(t.context(), &self.ctx) {
@@ -584,6 +607,7 @@ impl Storage for GpuStorage {
     }
 
     fn read(&self, layer: usize) -> Result<(Buffer, Buffer)> {
+        self.alive()?;
         Ok((
             self.read_pool(&self.keys[layer])?,
             self.read_pool(&self.values[layer])?,
