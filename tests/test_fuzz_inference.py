@@ -24,7 +24,7 @@ from conftest import cache_state
 from flashport import reference
 from hypothesis import event, given
 from hypothesis import strategies as st
-from test_kvcache import kv_cases, kv_variants
+from test_kvcache import _magnitudes, kv_cases, kv_variants
 from test_kvcache_manager import assert_same
 
 # Values a careless caller passes where an integer, a float, a flag, a
@@ -181,8 +181,9 @@ def test_attention_with_kvcache(backend, paged, data):
     oracle_args = (q, k, v, lens, None, case.causal, case.scale, True)
     want_out, want_lse = reference._attention_with_kvcache(*oracle_args, oracle_dtype(dtype), **kw)
     base_out, base_lse = reference._attention_with_kvcache(*oracle_args, dtype, **kw)
-    assert_close("o", out, want_out, base_out, dtype)
-    assert_close("lse", lse, want_lse, base_lse, dtype)
+    scores, terms = _magnitudes(case, q, (k, v), lens, kw)
+    assert_close("o", out, want_out, base_out, dtype, scores, terms)
+    assert_close("lse", lse, want_lse, base_lse, dtype, scores, scores)
 
 
 # attention_varlen ------------------------------------------------------------
@@ -245,8 +246,23 @@ def test_attention_varlen(backend, data):
     positional = [args[n] for n in names]
     want = reference._attention_varlen(*positional, args["causal"], None, oracle_dtype(dtype))
     base = reference._attention_varlen(*positional, args["causal"], None, dtype)
-    assert_close("o", out, want[0], base[0], dtype)
-    assert_close("lse", lse, want[1], base[1], dtype)
+    scores = _varlen_scores(*positional[:2], *positional[3:])
+    assert_close("o", out, want[0], base[0], dtype, scores)
+    assert_close("lse", lse, want[1], base[1], dtype, scores, scores)
+
+
+def _varlen_scores(q, k, cu_q, cu_k) -> float:
+    """The largest |score| between a query and a key of its sequence (the
+    softmax's conditioning, as assert_close takes it)."""
+    group = q.shape[1] // k.shape[1]
+    q64, k64 = q.astype(np.float64), np.repeat(k.astype(np.float64), group, axis=1)
+    largest = 0.0
+    for b in range(len(cu_q) - 1):
+        qs, ks = q64[cu_q[b] : cu_q[b + 1]], k64[cu_k[b] : cu_k[b + 1]]
+        if len(qs) and len(ks):
+            s = np.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(q.shape[2])
+            largest = max(largest, float(np.abs(s).max()))
+    return largest
 
 
 # merge_states ------------------------------------------------------------------

@@ -94,3 +94,57 @@ def test_a_program_handler_decides_what_the_signal_means():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["1", "True", "True"], result.stdout
+
+
+# A prefill of 4096 query rows over a cached sequence of 65536 keys: about
+# 7 s on 2 threads of the CI machine (its tasks are one or two per thread,
+# so the stop is asked between key tiles, not only between tasks).
+KVCACHE_CALL = """
+    import os, signal, threading, time
+    import numpy as np, flashport
+
+    rng = np.random.default_rng(0)
+    cache = flashport.KVCache(4096, 16, 8, 64, device="cpu")
+    sid = cache.new_sequence()
+    k = rng.standard_normal((8, 65536, 64)).astype(np.float32)
+    cache.append(sid, k, k)
+    table = cache.block_table([sid]).copy()
+    q = rng.standard_normal((1, 8, 4096, 64)).astype(np.float32)
+    small = q[:, :, :2].copy()
+    before = cache.attention(small, [sid])
+    sent = []
+
+    def ctrl_c():
+        time.sleep(0.5)
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c).start()
+    start = time.perf_counter()
+    try:
+        cache.attention(q, [sid])
+        print("finished", time.perf_counter() - start)
+    except KeyboardInterrupt:
+        print("interrupted", time.perf_counter() - sent[0])
+    same = cache.length(sid) == 65536 and np.array_equal(cache.block_table([sid]), table)
+    print("cache", same and np.array_equal(cache.attention(small, [sid]), before))
+"""
+
+
+def test_ctrl_c_interrupts_a_long_kvcache_attention():
+    """A KVCache's attention stops at Ctrl-C like attention does, and the
+    cache is as it was (appends, forks and frees are copies at memory
+    speed: they finish, and the KeyboardInterrupt follows them)."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(KVCACHE_CALL)],
+        env={**os.environ, "FLASHPORT_NUM_THREADS": "2"},
+        capture_output=True,
+        text=True,
+        # Before, the call ran to its end (7 s): this fails instead.
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert "interrupted" in lines, f"the call was not interrupted: {result.stdout}"
+    assert float(lines["interrupted"]) < 2.0, result.stdout
+    assert lines["cache"] == "True"

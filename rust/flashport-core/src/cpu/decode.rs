@@ -425,6 +425,12 @@ impl<T: Element + CacheElement> Walk<'_, T> {
         let mut scratch = vec![T::ZERO; d.max(dv)];
         let mut keys = tile_at(task.keys.start);
         while !keys.is_empty() {
+            // A task can be long (a prefill of many query rows over a
+            // long cache): asked between key tiles, a stop leaves it
+            // unwritten and the call returns Error::Interrupted.
+            if parallel::stopping() {
+                return true;
+            }
             for head in &mut heads {
                 self.step(b, head, &mut scores, &mut scratch, tile_at);
             }
