@@ -661,3 +661,16 @@ def test_integer_arrays_of_the_wrong_shape_are_not_read():
         flashport.attention_with_kvcache(q, k, k, lens, device="cpu")
     with pytest.raises(ShapeError, match=r"block_table has shape \(2, 34359738368\)"):
         flashport.attention_with_kvcache(q, k, k, np.array([4]), block_table=table, device="cpu")
+
+
+def test_unsigned_entries_beyond_int64_are_named_as_passed():
+    """uint64 lengths and table entries above 2^63 are refused by index and
+    value (they saturated, and the message quoted 9223372036854775807)."""
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    k = np.zeros((1, 1, 4, 8), np.float32)
+    huge = np.array([2**64 - 1], np.uint64)
+    with pytest.raises(InvalidArgumentError, match=r"^cache_seqlens\[0\]=18446744073709551615: "):
+        flashport.attention_with_kvcache(q, k, k, huge, device="cpu")
+    table = np.array([[0, 2**63]], np.uint64)
+    with pytest.raises(InvalidArgumentError, match=r"^block_table\[0, 1\]=9223372036854775808: "):
+        flashport.attention_with_kvcache(q, k, k, np.array([2]), block_table=table, device="cpu")

@@ -945,6 +945,20 @@ def test_integers_beyond_int64_are_quoted_as_passed():
     assert_same(before, cache_state(cache))
 
 
+def test_token_ids_beyond_int64_are_refused_not_merged():
+    """Token ids above 2^63 saturated to one value, so two different prompts
+    could share a prefix block; they are refused by index and value, and
+    the cache is as it was."""
+    cache = _cache()
+    sid = cache.new_sequence()
+    k, v = np.ones((2, 2, 4), np.float32), np.ones((2, 2, 3), np.float32)
+    before = cache_state(cache)
+    tokens = np.array([2**63 + 1, 2**63 + 2], np.uint64)
+    with pytest.raises(InvalidArgumentError, match=r"^tokens\[0\]=9223372036854775809: "):
+        cache.append(sid, k, v, tokens=tokens)
+    assert_same(before, cache_state(cache))
+
+
 def test_membership_follows_the_methods_id_rules():
     """`in` answers for the ids the methods take: a bool is none (the
     methods refuse it; True is not sequence 1), nor is any non-integer."""

@@ -154,6 +154,39 @@ pub fn seq_id(argument: &str, given: &Given) -> Result<i64> {
     }
 }
 
+/// The entries of an unsigned 64-bit integer array of `shape` (row-major)
+/// as i64, or an error naming the first one beyond int64 by its index and
+/// its value as passed (`block_table[1, 3]=18446744073709551615`). They
+/// saturated before: messages quoted 9223372036854775807, and two token
+/// ids above 2^63 became the same token.
+pub fn int64_entries(
+    argument: &str,
+    shape: &[usize],
+    entries: impl IntoIterator<Item = u64>,
+) -> Result<Vec<i64>> {
+    entries
+        .into_iter()
+        .enumerate()
+        .map(|(flat, value)| {
+            i64::try_from(value).map_err(|_| {
+                let mut index = Vec::with_capacity(shape.len());
+                let mut rest = flat;
+                for &n in shape.iter().rev() {
+                    index.push(rest % n.max(1));
+                    rest /= n.max(1);
+                }
+                index.reverse();
+                let index: Vec<String> = index.iter().map(usize::to_string).collect();
+                Error::Value {
+                    argument: format!("{argument}[{}]", index.join(", ")),
+                    value: value.to_string(),
+                    reason: "beyond int64, the largest integer flashport takes".to_string(),
+                }
+            })
+        })
+        .collect()
+}
+
 /// A list of indices as given (`seq_ids=`): its items, or something that
 /// is not a list of them (an int, a string, a non-iterable).
 #[derive(Debug, Clone, PartialEq)]
@@ -306,6 +339,24 @@ mod tests {
         ] {
             assert_eq!(argument_of(window(&bad).unwrap_err()), "window", "{bad:?}");
         }
+    }
+
+    #[test]
+    fn unsigned_entries_beyond_int64_are_named_by_index() {
+        assert_eq!(
+            int64_entries("t", &[2, 2], [1u64, 2, 3, 4]),
+            Ok(vec![1, 2, 3, 4])
+        );
+        let Err(Error::Value {
+            argument, value, ..
+        }) = int64_entries("block_table", &[2, 3], [0, 0, 0, 0, u64::MAX, 0])
+        else {
+            panic!("an entry beyond int64 is refused");
+        };
+        assert_eq!(
+            (argument.as_str(), value.as_str()),
+            ("block_table[1, 1]", "18446744073709551615")
+        );
     }
 
     #[test]

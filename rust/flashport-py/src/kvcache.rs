@@ -57,7 +57,7 @@ fn with_appended<R>(
     };
     let t_meta = tokens.map(|t| ArgMeta::read("tokens", t)).transpose()?;
     let t_values = match (tokens, &t_meta) {
-        (Some(t), Some(meta)) => int_values(t, &meta.dtype)?,
+        (Some(t), Some(meta)) => int_values("tokens", t, &meta.dtype)?,
         _ => Vec::new(),
     };
     let tokens = t_meta.as_ref().map(|meta| core::IntArray {

@@ -976,11 +976,11 @@ struct KvCacheVariantArgs<'py> {
     sinks: Option<Bound<'py, PyAny>>,
 }
 
-/// The entries of an integer argument (cache_seqlens, block_table) as
-/// i64, for the core to check; empty for a dtype that is no integer type
-/// (the core refuses it by name). Unsigned entries above i64::MAX
-/// saturate: they are out of range either way.
-fn int_values(array: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Vec<i64>> {
+/// The entries of an integer argument `name` (cache_seqlens, block_table,
+/// tokens) as i64, for the core to check; empty for a dtype that is no
+/// integer type (the core refuses it by name). An unsigned entry above
+/// i64::MAX is refused by the core's conversion, by index and value.
+fn int_values(name: &str, array: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Vec<i64>> {
     /// Each entry widened by `f`: read straight from a C-contiguous array
     /// (a block table of 256k entries took a millisecond through
     /// `astype` and ndarray's element iterator).
@@ -1000,7 +1000,12 @@ fn int_values(array: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Vec<i64>> {
         "uint32" => each::<u32>(array, i64::from),
         "uint16" => each::<u16>(array, i64::from),
         "uint8" => each::<u8>(array, i64::from),
-        "uint64" => each::<u64>(array, |v| i64::try_from(v).unwrap_or(i64::MAX)),
+        "uint64" => {
+            let held: PyReadonlyArrayDyn<'_, u64> = array.extract()?;
+            let view = held.as_array();
+            let widened = core::scalar::int64_entries(name, view.shape(), view.iter().copied());
+            widened.map_err(|e| to_py_err(array.py(), e))
+        }
         _ => Ok(Vec::new()),
     }
 }
@@ -1042,7 +1047,7 @@ fn attention_with_kvcache<'py>(
         |meta: &ArgMeta, ndim: usize| meta.shape.len() == ndim && Some(meta.shape[0]) == batch;
     let seqlens_meta = ArgMeta::read("cache_seqlens", cache_seqlens)?;
     let seqlens = if rows_per_sequence(&seqlens_meta, 1) {
-        int_values(cache_seqlens, &seqlens_meta.dtype)?
+        int_values("cache_seqlens", cache_seqlens, &seqlens_meta.dtype)?
     } else {
         Vec::new()
     };
@@ -1050,7 +1055,9 @@ fn attention_with_kvcache<'py>(
         .map(|t| ArgMeta::read("block_table", t))
         .transpose()?;
     let table = match (block_table, &table_meta) {
-        (Some(t), Some(meta)) if rows_per_sequence(meta, 2) => int_values(t, &meta.dtype)?,
+        (Some(t), Some(meta)) if rows_per_sequence(meta, 2) => {
+            int_values("block_table", t, &meta.dtype)?
+        }
         _ => Vec::new(),
     };
     let read = |name: &str, a: &Option<Bound<'_, PyAny>>| {
