@@ -233,7 +233,8 @@ def score_magnitude(case: Case, q, k, **variants) -> float:
 def term_magnitudes(case: Case, do, q, k, v, **variants) -> dict[str, float]:
     """For each result, the largest sum of the absolute values of the terms
     that add up to one of its elements, in float64: ``Σ_j P_ij Z_ij |v_j|``
-    for ``o``, ``scale · Σ_j P_ij (|dP_ij| + |D_i|) |k_j|`` for ``dq``, and so
+    for ``o``, ``|lse|`` or a seen score's ``scale · Σ_c |q_c k_c|`` for
+    ``lse``, ``scale · Σ_j P_ij (|dP_ij| + |D_i|) |k_j|`` for ``dq``, and so
     on (``dsinks``: ``Σ_i exp(sink - lse_i) Σ_c |do_ic o_ic|``; ``dmask``:
     ``dS``'s terms summed over the mask's broadcast dimensions).
 
@@ -260,9 +261,14 @@ def term_magnitudes(case: Case, do, q, k, v, **variants) -> dict[str, float]:
     # (which is exactly 0 when a row sees one key). The softcap factor
     # (1 - tanh²) is at most 1.
     ds_abs = p * (dp_abs + delta_terms)
+    # A score is summed from scale · q_i k_i: rounded relative to those
+    # terms, which can be far larger than the score (cancellation), and the
+    # lse inherits it (with one key, lse is that score).
+    score_terms = np.where(visible, abs(scale) * (a(q4) @ a(k_rep).swapaxes(-1, -2)), 0.0)
+    lse_terms = np.maximum(a(np.where(np.isfinite(lse), lse, 0.0)), score_terms.max(-1))
     sums = {
         "o": pz @ a(v_rep),
-        "lse": a(lse[np.isfinite(lse)]),
+        "lse": lse_terms[np.isfinite(lse)],
         "dq": abs(scale) * ds_abs @ a(k_rep),
         "dk": abs(scale) * ds_abs.swapaxes(-1, -2) @ a(q4),
         "dv": pz.swapaxes(-1, -2) @ a(do4),

@@ -978,8 +978,9 @@ struct KvCacheVariantArgs<'py> {
 
 /// The entries of an integer argument `name` (cache_seqlens, block_table,
 /// tokens) as i64, for the core to check; empty for a dtype that is no
-/// integer type (the core refuses it by name). An unsigned entry above
-/// i64::MAX is refused by the core's conversion, by index and value.
+/// integer type (the core refuses it by name). An unsigned length or token
+/// above i64::MAX is refused by the core's conversion, by index and value
+/// (every one is used); a block table's saturate (see below).
 fn int_values(name: &str, array: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Vec<i64>> {
     /// Each entry widened by `f`: read straight from a C-contiguous array
     /// (a block table of 256k entries took a millisecond through
@@ -1000,6 +1001,12 @@ fn int_values(name: &str, array: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Vec
         "uint32" => each::<u32>(array, i64::from),
         "uint16" => each::<u16>(array, i64::from),
         "uint8" => each::<u8>(array, i64::from),
+        // A table's entries past a sequence's length are never read and may
+        // be anything (-1 cast to uint64 among them): they saturate, and a
+        // used one that does is out of range either way.
+        "uint64" if name == "block_table" => {
+            each::<u64>(array, |v| i64::try_from(v).unwrap_or(i64::MAX))
+        }
         "uint64" => {
             let held: PyReadonlyArrayDyn<'_, u64> = array.extract()?;
             let view = held.as_array();
