@@ -48,21 +48,29 @@ LONG_CALL = """
 """
 
 
-@pytest.mark.parametrize("call", ["forward", "backward"])
-def test_ctrl_c_interrupts_a_long_cpu_call(call):
+def _interrupted(code: str, *args: str, timeout: float) -> dict[str, str]:
+    """Runs ``code`` (which sends itself SIGINT during a long call) on 2
+    threads; its printed lines as {first word: rest}, after checking that
+    the call was interrupted within 2 s of the signal."""
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(LONG_CALL), call],
+        [sys.executable, "-c", textwrap.dedent(code), *args],
         env={**os.environ, "FLASHPORT_NUM_THREADS": "2"},
         capture_output=True,
         text=True,
-        # Before, the call ran to its end: this fails instead of waiting.
-        timeout=12,
+        # Before, the calls ran to their end: this fails instead of waiting.
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert "interrupted" in lines, f"the call was not interrupted: {result.stdout}"
     # Measured: 0.01 to 0.07 s from the signal to KeyboardInterrupt.
     assert float(lines["interrupted"]) < 2.0, result.stdout
+    return lines
+
+
+@pytest.mark.parametrize("call", ["forward", "backward"])
+def test_ctrl_c_interrupts_a_long_cpu_call(call):
+    lines = _interrupted(LONG_CALL, call, timeout=12)
     assert lines["untouched"] == "True"
     assert float(lines["next"]) < 1e-12
 
@@ -135,16 +143,5 @@ def test_ctrl_c_interrupts_a_long_kvcache_attention():
     """A KVCache's attention stops at Ctrl-C like attention does, and the
     cache is as it was (appends, forks and frees are copies at memory
     speed: they finish, and the KeyboardInterrupt follows them)."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(KVCACHE_CALL)],
-        env={**os.environ, "FLASHPORT_NUM_THREADS": "2"},
-        capture_output=True,
-        text=True,
-        # Before, the call ran to its end (7 s): this fails instead.
-        timeout=30,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    assert "interrupted" in lines, f"the call was not interrupted: {result.stdout}"
-    assert float(lines["interrupted"]) < 2.0, result.stdout
+    lines = _interrupted(KVCACHE_CALL, timeout=30)
     assert lines["cache"] == "True"
