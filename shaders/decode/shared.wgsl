@@ -6,10 +6,9 @@
 // A paged cache: keys are found through the block table in `seq_data`.
 override PAGED: bool = false;
 
-// The variants the decode kernels compute (the window is a uniform; sinks
-// join in the combine pass): one declaration for both kernels.
-override SOFTCAP: bool = false;
-override ALIBI: bool = false;
+// The variants the decode kernels compute are lib/variants.wgsl's
+// SOFTCAP and ALIBI (the window is a uniform; sinks join in the combine
+// pass).
 
 // A KV cache's pool split over several buffers (src/gpu/decode/mod.rs):
 // the dispatch binds one, and table entries NONE are blocks of the

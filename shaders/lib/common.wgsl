@@ -1,11 +1,10 @@
 // Prepended by the host (src/gpu/shaders.rs) to every kernel: the uniform
 // block, the rows' visible key ranges, and the attention variants of
-// crate::variants (softcap, ALiBi, mask, sinks, Philox dropout). Each
-// variant is an override, off by default, so that a plain call's pipeline
-// specialises all of it away and runs the code it ran before variants.
+// crate::variants (softcap and ALiBi, declared in lib/variants.wgsl with
+// decoding's; mask, sinks, Philox dropout). Each variant is an override,
+// off by default, so that a plain call's pipeline specialises all of it
+// away and runs the code it ran before variants.
 
-override SOFTCAP: bool = false;
-override ALIBI: bool = false;
 override MASK: bool = false;
 override SINKS: bool = false;
 override DROPOUT: bool = false;

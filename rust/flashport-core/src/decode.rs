@@ -24,77 +24,15 @@
 //! `gpu::decode::select::gpu_splits` of the shape and the adapter), never
 //! on the thread count or on timing, so the bits are reproducible.
 
-use std::ops::Range;
-
 use crate::problem::KvCacheProblem;
 use crate::{
-    check_len, cpu, gpu, resolve, Array, Device, Error, ForwardOutput, Input, Placement, Result,
+    check_len, cpu, gpu, resolve, Array, Device, ForwardOutput, Input, Placement, Result,
     VariantArrays,
 };
 
-/// Split boundaries fall on multiples of this many keys from the start of
-/// the keys read, so that tiles stay whole inside a split.
-pub const SPLIT_GRANULE: usize = 16;
-
-/// The keys of split `s` of `splits` of `keys`: consecutive ranges of
-/// `ceil(keys.len() / splits)` keys rounded up to [`SPLIT_GRANULE`], the
-/// last ones empty when there are more splits than that makes.
-pub fn split_keys(keys: Range<usize>, splits: usize, s: usize) -> Range<usize> {
-    let per = keys
-        .len()
-        .div_ceil(splits.max(1))
-        .next_multiple_of(SPLIT_GRANULE);
-    let start = keys.start + (s * per).min(keys.len());
-    start..(start + per).min(keys.end)
-}
-
-/// Tasks the CPU's default split count aims for: enough for the threads of
-/// a large machine to finish together when sequences differ in length.
-pub const CPU_TASKS: usize = 16;
-
-/// The fewest keys a CPU split gets from the default: a split costs a
-/// task hand-over and a partial state to merge.
-pub const CPU_MIN_SPLIT_KEYS: usize = 256;
-
-/// The CPU's key splits per sequence: the caller's, else enough for about
-/// [`CPU_TASKS`] tasks over (sequence, key/value head, split), with no
-/// split under [`CPU_MIN_SPLIT_KEYS`] keys of the longest sequence. A
-/// function of the shape only (not of the thread count, which must not
-/// change the bits).
-pub fn cpu_splits(p: &KvCacheProblem) -> usize {
-    if let Some(n) = p.num_splits {
-        return n;
-    }
-    let heads = (p.batch() * p.heads_kv()).max(1);
-    let longest = (0..p.batch())
-        .map(|b| p.keys_read(b).len())
-        .max()
-        .unwrap_or(0);
-    let by_tasks = CPU_TASKS.div_ceil(heads);
-    let by_keys = (longest / CPU_MIN_SPLIT_KEYS).max(1);
-    by_tasks.min(by_keys).max(1)
-}
-
-/// Checks the variant arrays against the problem: no mask (the cache's
-/// lengths are the mask), slopes and sinks of the validated sizes.
-pub(crate) fn check_variants(p: &KvCacheProblem, variants: &VariantArrays<'_>) -> Result<()> {
-    let a = &p.attention;
-    let slopes = match a.alibi_per_batch {
-        None => None,
-        Some(true) => Some(a.batch * a.heads_q),
-        Some(false) => Some(a.heads_q),
-    };
-    let sinks = a.sinks.then_some(a.heads_q);
-    if variants.mask.is_some()
-        || slopes != variants.alibi_slopes.map(<[f64]>::len)
-        || sinks != variants.sinks.map(<[f64]>::len)
-    {
-        return Err(Error::Shape(
-            "the variant arrays do not match the validated problem".to_string(),
-        ));
-    }
-    Ok(())
-}
+// The split policy lives below the backends (`crate::splits`), which
+// both use; this module dispatches.
+pub use crate::splits::{cpu_splits, split_keys, CPU_MIN_SPLIT_KEYS, CPU_TASKS, SPLIT_GRANULE};
 
 /// Runs a validated `attention_with_kvcache` on `[q, k_cache, v_cache]`,
 /// host or device arrays, leaving the outputs where `outputs` says.
@@ -112,7 +50,7 @@ pub fn attention_with_kvcache_arrays(
     check_len("q", &q, problem.q_len(), dtype)?;
     check_len("k_cache", &k_cache, problem.k_cache_len(), dtype)?;
     check_len("v_cache", &v_cache, problem.v_cache_len(), dtype)?;
-    check_variants(problem, variants)?;
+    problem.check_variant_arrays(variants)?;
     let named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)];
     let on_host = || {
         Ok(match device {

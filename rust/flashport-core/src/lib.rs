@@ -44,6 +44,7 @@ pub mod merge;
 pub mod overrides;
 pub mod problem;
 pub mod scalar;
+pub mod splits;
 pub mod variants;
 pub mod varlen;
 

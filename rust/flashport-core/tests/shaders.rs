@@ -9,8 +9,9 @@ use std::path::PathBuf;
 use flashport_core::gpu::kernel::Kernel;
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
-    decode_source, decode_subgroup_source, source, tile_overrides, variant_overrides, Variants,
-    DECODE_COMBINE, DECODE_COMBINE_F16, DEVICE_ARRAYS, KV_SCATTER, MERGE_STATES, SCREEN, VARLEN,
+    decode_source, decode_subgroup_source, score_variant_overrides, source, tile_overrides,
+    variant_overrides, Variants, DECODE_COMBINE, DECODE_COMBINE_F16, DEVICE_ARRAYS, KV_SCATTER,
+    MERGE_STATES, SCREEN, VARLEN,
 };
 use flashport_core::gpu::tiles::{
     coop_backward_tiles, coop_forward_candidates, coop_forward_tiles, coop_workgroup_bytes,
@@ -796,8 +797,9 @@ fn decode_kernels_validate_and_specialise() {
                 }
                 for variants in [false, true] {
                     let constants: naga::back::PipelineConstants = t
-                        .overrides(variants, variants, variants)
+                        .overrides(variants)
                         .into_iter()
+                        .chain(score_variant_overrides(variants, variants))
                         .map(|(n, v)| (n.to_string(), v))
                         .collect();
                     if let Err(e) = naga::back::pipeline_constants::process_overrides(
@@ -889,8 +891,9 @@ fn decode_subgroup_kernel_validates_and_specialises() {
                     }
                     for variants in [false, true] {
                         let mut constants: naga::back::PipelineConstants = t
-                            .overrides(variants, variants, variants)
+                            .overrides(variants)
                             .into_iter()
+                            .chain(score_variant_overrides(variants, variants))
                             .map(|(n, v)| (n.to_string(), v))
                             .collect();
                         constants.insert("SKIPS".to_string(), if variants { 1.0 } else { 0.0 });

@@ -23,8 +23,8 @@ use super::merge::merge_row;
 use super::scores::{ScoreRules, TileVisibility};
 use super::softmax::RowState;
 use super::{num_threads, parallel, run_with};
-use crate::decode::{cpu_splits, split_keys};
 use crate::problem::CacheLayout;
+use crate::splits::{cpu_splits, split_keys};
 use crate::{Buffer, DType, ForwardOutput, KvCacheProblem, Problem, Result, Slice, VariantArrays};
 
 mod kernels;

@@ -12,22 +12,23 @@ macro_rules! shader {
 }
 
 // Fragments (shaders/lib): prepended to the kernels that use them.
-/// The bit tests and codes of NaN and infinities
-/// (docs/design.md#non-finite-inputs), then tanh to float32 precision
-/// (softcap), for every kernel: before lib/common.wgsl's text and
-/// decoding's.
-const TANH: &str = concat!(
-    shader!("lib/nonfinite.wgsl"),
-    "\n",
-    shader!("lib/tanh.wgsl")
-);
-pub(crate) const COMMON: &str = concat!(
-    shader!("lib/nonfinite.wgsl"),
-    "\n",
-    shader!("lib/tanh.wgsl"),
-    "\n",
-    shader!("lib/common.wgsl")
-);
+/// What every kernel's scores take: the bit tests and codes of NaN and
+/// infinities (docs/design.md#non-finite-inputs), tanh to float32
+/// precision (softcap) and the score variants' switches
+/// (lib/variants.wgsl), before lib/common.wgsl's text and decoding's.
+macro_rules! scores {
+    () => {
+        concat!(
+            shader!("lib/nonfinite.wgsl"),
+            "\n",
+            shader!("lib/tanh.wgsl"),
+            "\n",
+            shader!("lib/variants.wgsl")
+        )
+    };
+}
+const SCORES: &str = scores!();
+pub(crate) const COMMON: &str = concat!(scores!(), "\n", shader!("lib/common.wgsl"));
 const INPUT_F32: &str = shader!("lib/input_f32.wgsl");
 const INPUT_F16: &str = shader!("lib/input_f16.wgsl");
 const ROW_REDUCE_SUBGROUP: &str = shader!("lib/row_reduce_subgroup.wgsl");
@@ -146,7 +147,7 @@ fn decode_kernel_source(f16_inputs: bool, vec4: bool, kernel: &str) -> String {
     } else {
         DECODE_LOAD_ELEMENTS
     };
-    [input, TANH, load, DECODE_SHARED, kernel].join("\n")
+    [input, SCORES, load, DECODE_SHARED, kernel].join("\n")
 }
 /// A KV cache's writes and block copies into its pools (a module of its
 /// own, after the grid it shares: lib/grid.wgsl).
@@ -234,6 +235,14 @@ pub struct Variants {
     pub screened: bool,
 }
 
+/// lib/variants.wgsl's switches, which the attention kernels
+/// ([`variant_overrides`]) and decoding's (`gpu/decode`) take alike: the
+/// one place a score variant becomes an override.
+pub fn score_variant_overrides(softcap: bool, alibi: bool) -> [(&'static str, f64); 2] {
+    let b = |x: bool| if x { 1.0 } else { 0.0 };
+    [("SOFTCAP", b(softcap)), ("ALIBI", b(alibi))]
+}
+
 /// The variant overrides of `kernel` (none for the backward pre-pass,
 /// which computes the same D for every variant).
 pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)> {
@@ -241,15 +250,14 @@ pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)
         return Vec::new();
     }
     let b = |x: bool| if x { 1.0 } else { 0.0 };
-    let mut c = vec![
-        ("SOFTCAP", b(v.softcap)),
-        ("ALIBI", b(v.alibi)),
+    let mut c = score_variant_overrides(v.softcap, v.alibi).to_vec();
+    c.extend([
         ("MASK", b(v.mask)),
         ("SINKS", b(v.sinks)),
         ("DROPOUT", b(v.dropout)),
         ("WINDOW", b(v.window)),
         ("VARLEN", b(v.varlen)),
-    ];
+    ]);
     if matches!(
         kernel,
         Kernel::BackwardDq | Kernel::BackwardDqTiled | Kernel::BackwardDqCoop

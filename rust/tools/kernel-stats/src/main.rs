@@ -225,17 +225,13 @@ unsafe fn decode_kernels(
                 };
                 if let Some(t) = subgroup_tiles(d, d, 4, f16, decode_caps, knobs) {
                     let source = decode_subgroup_source(f16, t.vec4);
-                    let constants = t.overrides(true, false, false);
+                    let constants = t.overrides(true);
                     kernels.push((format!("decode_subgroup {t:?}"), source, constants));
                 }
             }
             if let Some(t) = decode_tiles(d, d, 4, decode_caps) {
                 let source = decode_source(f16, t.vec4);
-                kernels.push((
-                    format!("decode {t:?}"),
-                    source,
-                    t.overrides(true, false, false),
-                ));
+                kernels.push((format!("decode {t:?}"), source, t.overrides(true)));
             }
             for (name, source, mut constants) in kernels {
                 constants.push(("SKIPS", 0.0));

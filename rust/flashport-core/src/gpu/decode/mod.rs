@@ -46,7 +46,10 @@ use super::inputs::{chunk_input, float16_error, float64_error, source, Source};
 use super::merge;
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::shaders::{decode_source, decode_subgroup_source, DECODE_COMBINE, DECODE_COMBINE_F16};
+use super::shaders::{
+    decode_source, decode_subgroup_source, score_variant_overrides, DECODE_COMBINE,
+    DECODE_COMBINE_F16,
+};
 use super::timing;
 use super::transfer::Submission;
 use crate::overrides::{self, Overrides};
@@ -145,7 +148,7 @@ pub(crate) fn attention_with_kvcache_pools(
         return Err(float64_error("q"));
     }
     crate::check_len("q", &q, problem.q_len(), problem.dtype())?;
-    crate::decode::check_variants(problem, variants)?;
+    problem.check_variant_arrays(variants)?;
     check_positions(problem)?;
     let (Some(k0), Some(v0)) = (keys.first(), values.first()) else {
         return Err(Error::Shape("a KV cache without blocks".to_string()));
@@ -352,7 +355,11 @@ fn decode_on(
     let va = &view.attention;
     let paged = matches!(view.layout, CacheLayout::Paged { .. });
     let skips = !matches!(caches, Caches::Arrays(..));
-    let mut constants = kernel.overrides(paged, a.softcap.is_some(), a.alibi_per_batch.is_some());
+    let mut constants = kernel.overrides(paged);
+    constants.extend(score_variant_overrides(
+        a.softcap.is_some(),
+        a.alibi_per_batch.is_some(),
+    ));
     constants.push(("SKIPS", if skips { 1.0 } else { 0.0 }));
     let vec4 = kernel.vec4();
     let pipeline = match kernel {

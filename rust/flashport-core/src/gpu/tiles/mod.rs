@@ -9,6 +9,7 @@
 //! tests/shaders.rs checks the two against each other through naga.
 
 mod coop;
+pub mod decode;
 mod loops;
 mod simple;
 mod tiled;
