@@ -673,11 +673,15 @@ def test_integer_arrays_of_the_wrong_shape_are_not_read():
 def test_unsigned_lengths_beyond_int64_are_named_as_passed():
     """uint64 lengths above 2^63 are refused by index and value (they
     saturated, and the message quoted 9223372036854775807). A block table's
-    entries saturate still: those past a length may be anything, and
+    entries saturate still (those past a length may be anything, and
     test_lengths_and_tables_of_any_integer_dtype_and_layout passes -1 cast
-    to uint64 there."""
+    to uint64 there); a used one is named "2^63 or more"."""
     q = np.zeros((1, 1, 1, 8), np.float32)
     k = np.zeros((1, 1, 4, 8), np.float32)
     huge = np.array([2**64 - 1], np.uint64)
     with pytest.raises(InvalidArgumentError, match=r"^cache_seqlens\[0\]=18446744073709551615: "):
         flashport.attention_with_kvcache(q, k, k, huge, device="cpu")
+    # A used entry of the table beyond int64: not quoted as int64's largest.
+    table = np.array([[0, 2**63 + 5]], np.uint64)
+    with pytest.raises(InvalidArgumentError, match=r"^block_table\[0, 1\]=2\^63 or more: "):
+        flashport.attention_with_kvcache(q, k, k, np.array([5]), block_table=table, device="cpu")

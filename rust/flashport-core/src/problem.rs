@@ -1301,8 +1301,9 @@ pub struct IntArray<'a> {
     pub shape: &'a [usize],
     /// The NumPy dtype name; anything but an integer type is refused.
     pub dtype: &'a str,
-    /// The entries, row-major, widened to i64 (unsigned ones above
-    /// `i64::MAX` saturate; they are out of range either way).
+    /// The entries, row-major, widened to i64 (a uint64 block table's
+    /// entries above `i64::MAX` saturate, and a used one is named as "2^63
+    /// or more"; lengths and tokens beyond int64 are refused before).
     pub values: &'a [i64],
 }
 
@@ -1701,9 +1702,17 @@ pub fn validate_kvcache(
             let slots = &mut table[b * *max_blocks..][..used];
             for (i, (&entry, slot)) in entries.iter().zip(slots).enumerate() {
                 if !(0..*num_blocks as i128).contains(&(entry as i128)) {
+                    // The binding saturates a uint64 table's entries past
+                    // int64 (those past a length may be anything): the
+                    // value is then 2^63 or more, not the one shown.
+                    let shown = if entry == i64::MAX && given.dtype == "uint64" {
+                        "2^63 or more".to_string()
+                    } else {
+                        entry.to_string()
+                    };
                     return Err(value_error(
                         &format!("block_table[{b}, {i}]"),
-                        entry,
+                        shown,
                         format!(
                             "not a block of the cache (num_blocks = {num_blocks}); entries \
                              past a sequence's length (cache_seqlens[{b}] = {len}) are not \
