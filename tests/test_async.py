@@ -244,3 +244,41 @@ def test_a_device_lost_under_queued_calls_raises_when_a_result_is_read(gpu):
         flashport.synchronize()
     # Once raised, the failed device is gone: nothing is left to wait for.
     flashport.synchronize()
+
+
+def test_a_refused_call_in_the_middle_of_a_queued_chain(gpu):
+    """Bad arguments in the middle of a chain of queued calls raise at once
+    (validation runs before anything is queued), and the chain goes on: the
+    work queued before and after keeps its bits, and a refused append
+    leaves the cache as it was."""
+    arrays = chain_inputs()
+    want = run_chain(arrays, device=False)
+    bad = to_device(np.ones((HEADS, 1, D + 1), np.float32))
+    row = to_device(np.ones((HEADS, 1, D), np.float32))
+
+    def spoil(step):
+        if step % 10 == 5:
+            with pytest.raises(flashport.ShapeError):
+                flashport.attention(bad, row, row, device="gpu")
+
+    got = run_chain(arrays, device=True, on_step=spoil)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for g, w in zip(a, b, strict=True):
+            assert g.tobytes() == w.tobytes(), f"step {step}"
+
+    cache = flashport.KVCache(8, 4, HEADS, D, device="gpu")
+    sid = cache.new_sequence()
+    rows = [to_device(np.full((HEADS, 1, D), i + 1, np.float32)) for i in range(4)]
+    for r in rows[:3]:
+        cache.append(sid, r, r)
+    with pytest.raises(flashport.ShapeError):
+        cache.append(sid, bad, bad)
+    with pytest.raises(flashport.UnknownSequenceError):
+        cache.append(sid + 1, rows[3], rows[3])
+    cache.append(sid, rows[3], rows[3])
+    flashport.synchronize()
+    assert cache.length(sid) == 4
+    keys, _ = cache.read_layer(0)
+    block = cache.block_table([sid])[0, 0]
+    for j in range(4):
+        assert np.array_equal(keys[block][:, j], np.full((HEADS, D), j + 1, np.float32)), j
