@@ -6,7 +6,7 @@
 //! accumulates TM x TN outputs as TM * TN / 4 named vec4 variables
 //! (`c_<row>_<colgroup>`): the WGSL is unrolled here, in Rust, because a
 //! private array indexed in a loop went to local memory on NVIDIA through
-//! naga and ran 5x slower (shared/PERFORMANCE.md).
+//! naga and ran 5x slower (docs/gpu.md, "Named register variables").
 //!
 //! An invocation's rows are TM / 4 groups of 4 consecutive rows, the
 //! groups BM / (TM / 4) rows apart, and its columns likewise: the vec4 reads

@@ -17,7 +17,7 @@
 //! reach in a process of their own (78 against 157 TFLOP/s for one
 //! configuration) after the float32 sweep; and flashport's float32 kernels
 //! were seen to slow several-fold after a cooperative one
-//! (benchmarks/GPU_NOTES.md). A child that fails or hangs costs its
+//! (docs/gpu.md, "Measuring on the H100"). A child that fails or hangs costs its
 //! configuration only.
 
 mod coop;
@@ -508,7 +508,7 @@ fn count_opcode(words: &[u32], opcode: u32) -> usize {
 mod tests {
     use super::*;
 
-    /// The H100's Vulkan limits (shared/PERFORMANCE.md): every
+    /// The H100's Vulkan limits (48 KiB of workgroup memory): every
     /// configuration must run there.
     const H100_WORKGROUP_BYTES: u32 = 48 << 10;
 
