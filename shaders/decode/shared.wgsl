@@ -120,7 +120,7 @@ fn visible(len: u32, i: u32) -> vec2<u32> {
     return vec2(u32(min(start, end)), u32(end));
 }
 
-// The keys any row of the sequence sees (src/problem.rs, keys_read): the
+// The keys any row of the sequence sees (src/problem/kvcache.rs, keys_read): the
 // range the splits cut.
 fn keys_read(len: u32) -> vec2<u32> {
     if len == 0u || u.seq_q == 0u {
