@@ -137,8 +137,8 @@ pub(crate) struct Context {
     pub caps: AdapterCaps,
     /// Timestamp queries are enabled: kernel times are measured on the GPU.
     pub timestamps: bool,
-    /// Bytes of the adapter's largest device-local heap, where the backend
-    /// says (`memory.rs`): a KV cache's pools are checked against it.
+    /// Bytes of all the adapter's memory heaps, where the backend says
+    /// (`memory.rs`): a KV cache's pools are checked against it.
     pub device_memory: Option<u64>,
     /// The lanes of every subgroup, where subgroup operations are enabled
     /// and the adapter's subgroups have one size (decoding's subgroup

@@ -152,8 +152,8 @@ impl GpuStorage {
             if let Some(memory) = ctx.device_memory.filter(|&memory| total > memory) {
                 return Err(Error::TooLarge(format!(
                     "a KV cache of {} layer(s) of key pools {} and value pools {} takes {total} \
-                     bytes, more than the {memory} bytes of memory of the GPU {}; use fewer \
-                     blocks or layers, or device=\"cpu\"",
+                     bytes, more than the {memory} bytes of all the memory heaps of the GPU \
+                     {}; use fewer blocks or layers, or device=\"cpu\"",
                     shape.layers,
                     shape_str(&shape.k_pool_shape()),
                     shape_str(&shape.v_pool_shape()),

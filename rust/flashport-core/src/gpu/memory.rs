@@ -1,5 +1,5 @@
-//! How much memory a GPU has for buffers: the largest heap of its
-//! device-local memory, as the Vulkan driver reports it.
+//! How much memory a GPU's driver can give buffers at most: the sum of
+//! its memory heaps, as the Vulkan driver reports them.
 //!
 //! Why: a size check that waits for the driver to refuse an allocation
 //! does not stop a KV cache of absurd size. Its pools are made buffer by
@@ -7,10 +7,13 @@
 //! (lavapipe, integrated GPUs) hands them out lazily, so the construction
 //! ran for minutes building terabytes of buffers. wgpu reports no memory
 //! size, so this asks Vulkan through wgpu's HAL; on other backends nothing
-//! is known and the allocations are the check, as before.
+//! is known and the allocations are the check, as before. Every heap
+//! counts, not only the device-local ones: an integrated GPU's
+//! device-local heap can be a small carve-out beside the system memory it
+//! also uses, and this bound is only to refuse what no heap could hold.
 
-/// The largest device-local heap of `adapter`, in bytes (`None` off
-/// Vulkan, or where the driver lists none).
+/// The bytes of all of `adapter`'s memory heaps (`None` off Vulkan, or
+/// where the driver lists none).
 pub(crate) fn device_memory(adapter: &wgpu::Adapter) -> Option<u64> {
     // SAFETY: the HAL adapter is only read (its instance and physical
     // device handles, for one query of memory properties) while `adapter`
@@ -19,17 +22,18 @@ pub(crate) fn device_memory(adapter: &wgpu::Adapter) -> Option<u64> {
         let hal = adapter.as_hal::<wgpu::hal::api::Vulkan>()?;
         let instance = hal.shared_instance().raw_instance();
         let properties = instance.get_physical_device_memory_properties(hal.raw_physical_device());
-        largest_device_local(&properties)
+        heaps_total(&properties)
     }
 }
 
-fn largest_device_local(properties: &ash::vk::PhysicalDeviceMemoryProperties) -> Option<u64> {
-    properties
-        .memory_heaps_as_slice()
-        .iter()
-        .filter(|heap| heap.flags.contains(ash::vk::MemoryHeapFlags::DEVICE_LOCAL))
-        .map(|heap| heap.size)
-        .max()
+fn heaps_total(properties: &ash::vk::PhysicalDeviceMemoryProperties) -> Option<u64> {
+    let heaps = properties.memory_heaps_as_slice();
+    (!heaps.is_empty()).then(|| {
+        heaps
+            .iter()
+            .map(|heap| heap.size)
+            .fold(0, u64::saturating_add)
+    })
 }
 
 #[cfg(test)]
@@ -38,7 +42,7 @@ mod tests {
     use ash::vk;
 
     #[test]
-    fn the_largest_device_local_heap_counts() {
+    fn every_heap_counts() {
         let mut properties = vk::PhysicalDeviceMemoryProperties {
             memory_heap_count: 3,
             ..Default::default()
@@ -55,8 +59,11 @@ mod tests {
             size: 256 << 20,
             flags: vk::MemoryHeapFlags::DEVICE_LOCAL,
         };
-        assert_eq!(largest_device_local(&properties), Some(80 << 30));
+        assert_eq!(
+            heaps_total(&properties),
+            Some((80 << 30) + (512 << 30) + (256 << 20))
+        );
         properties.memory_heap_count = 0;
-        assert_eq!(largest_device_local(&properties), None);
+        assert_eq!(heaps_total(&properties), None);
     }
 }
