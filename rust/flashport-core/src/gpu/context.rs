@@ -433,7 +433,9 @@ impl Context {
             loop {
                 self.device.poll(wgpu::PollType::Poll)?;
                 if done.load(Ordering::Acquire) {
-                    break;
+                    // Everything submitted so far is done, and the poll
+                    // ran its callbacks.
+                    return Ok(());
                 }
                 if Instant::now() >= until {
                     break;
@@ -441,7 +443,6 @@ impl Context {
                 std::thread::yield_now();
             }
         }
-        // Returns at once where the spin saw the work done.
         self.device
             .poll(wgpu::PollType::Wait {
                 submission_index: index,
