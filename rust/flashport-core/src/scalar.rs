@@ -202,7 +202,12 @@ pub fn indices(argument: &str, given: &IndicesGiven) -> Result<Vec<i64>> {
         IndicesGiven::Items(items) => items
             .iter()
             .enumerate()
-            .map(|(i, item)| seq_id(&format!("{argument}[{i}]"), item))
+            // The item's name is written only for a message (formatting
+            // it for every id of every call showed in a decode step's
+            // profile); the check is pure, so it fails the same way again.
+            .map(|(i, item)| {
+                seq_id(argument, item).or_else(|_| seq_id(&format!("{argument}[{i}]"), item))
+            })
             .collect(),
         IndicesGiven::Other(g) => Err(g.error(argument, "a sequence of sequence ids (e.g. [sid])")),
     }

@@ -1,11 +1,9 @@
 //! What a pass binds and how large its grid is: the uniform, the variants'
 //! data, the bind group, the workgroup count.
 
-use std::sync::Arc;
-
+use super::arena::Param;
 use super::context::Context;
 use super::params::VariantData;
-use super::pool::Pooled;
 use super::transfer::Submission;
 use crate::{Error, Result};
 
@@ -18,7 +16,7 @@ pub(crate) fn upload_variants(
     sub: &mut Submission<'_>,
     vd: &VariantData,
     limit: u64,
-) -> Result<Arc<Pooled>> {
+) -> Result<Param> {
     let bytes = 4 * vd.words.len() as u64;
     if bytes > limit {
         return Err(Error::TooLarge(format!(
@@ -35,7 +33,7 @@ pub(crate) fn bind(
     ctx: &Context,
     pipeline: &wgpu::ComputePipeline,
     buffers: &[wgpu::BindingResource<'_>],
-    vx: Option<&Pooled>,
+    vx: Option<&Param>,
 ) -> wgpu::BindGroup {
     let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
         .iter()

@@ -197,7 +197,15 @@ fn merge_on(
             // Each pass over every part in order before the next starts.
             for pass in [&max, &sum] {
                 for (u, part_lse) in uniforms.iter().zip(&part_lses) {
-                    let group = bind(ctx, pass, &[(0, u), (1, part_lse), (2, &state)]);
+                    let group = bind(
+                        ctx,
+                        pass,
+                        &[
+                            (0, u.binding()),
+                            (1, part_lse.binding()),
+                            (2, state.binding()),
+                        ],
+                    );
                     run(ctx, &mut sub, (pass, "merge_states"), &group, n)?;
                 }
             }
@@ -208,11 +216,11 @@ fn merge_on(
                         ctx,
                         &accumulate,
                         &[
-                            (0, u),
-                            (1, part_lse),
-                            (2, &state),
-                            (4, &src),
-                            (5, &out_buffer),
+                            (0, u.binding()),
+                            (1, part_lse.binding()),
+                            (2, state.binding()),
+                            (4, src.binding()),
+                            (5, out_buffer.binding()),
                         ],
                     );
                     run(ctx, &mut sub, (&accumulate, "merge_states"), &group, n * dv)?;
@@ -221,7 +229,11 @@ fn merge_on(
             let group = bind(
                 ctx,
                 &finish,
-                &[(0, &uniforms[0]), (2, &state), (3, &lse_buffer)],
+                &[
+                    (0, uniforms[0].binding()),
+                    (2, state.binding()),
+                    (3, lse_buffer.binding()),
+                ],
             );
             run(ctx, &mut sub, (&finish, "merge_states"), &group, n)?;
             let mut reads = Vec::new();
@@ -252,13 +264,13 @@ fn merge_on(
 fn bind(
     ctx: &Context,
     pipeline: &wgpu::ComputePipeline,
-    buffers: &[(u32, &Arc<Pooled>)],
+    buffers: &[(u32, wgpu::BindingResource<'_>)],
 ) -> wgpu::BindGroup {
     let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
         .iter()
-        .map(|&(binding, b)| wgpu::BindGroupEntry {
-            binding,
-            resource: b.binding(),
+        .map(|(binding, resource)| wgpu::BindGroupEntry {
+            binding: *binding,
+            resource: resource.clone(),
         })
         .collect();
     ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {

@@ -40,6 +40,7 @@
 //! - `varlen`: packed batches of variable-length sequences, their row table
 //!   in `vx` and the moves of device arrays between layouts.
 
+mod arena;
 mod assemble;
 mod backward;
 mod bfloat16;

@@ -96,3 +96,32 @@ pub fn kv_pool_binding_limit(block_bytes: u64, blocks: u64) -> Result<u64> {
     // Binding limits are whole words (`chunks::binding_limit`).
     Ok((align + 16 + blocks * block_bytes).next_multiple_of(4))
 }
+
+/// Bytes of one parameter arena of a submission (`arena.rs`), for tests
+/// that overflow one.
+pub const ARENA_BYTES: u64 = super::arena::ARENA_BYTES;
+
+/// Each of `params` handed to one submission as its kernels' words are
+/// (`Submission::data`: packed into arenas, or uploaded alone where
+/// large), copied by the GPU out of where it was put, and read back.
+pub fn params_round_trip(params: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
+    let ctx = context::get()?;
+    run_on(&ctx, |ctx| {
+        let mut sub = Submission::new(ctx);
+        let mut outs = Vec::new();
+        for words in params {
+            let param = sub.data(words)?;
+            let (buffer, offset, size) = param.range();
+            let out = sub.output(words.len().max(1));
+            sub.encoder()
+                .copy_buffer_to_buffer(buffer.buffer(), offset, out.buffer(), 0, size);
+            outs.push((out, words.len()));
+        }
+        let reads: Vec<_> = outs.iter().map(|(b, n)| (&**b, *n)).collect();
+        let words = sub.submit(&reads)?;
+        Ok(words
+            .into_iter()
+            .map(|w| w.into_iter().map(f32::to_bits).collect())
+            .collect())
+    })
+}

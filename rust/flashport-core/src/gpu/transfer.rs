@@ -20,6 +20,7 @@
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use super::arena::{self, Arena, Param};
 use super::context::Context;
 use super::pool::Pooled;
 use super::timing::{self, record_host, record_host_seconds, Timer};
@@ -42,6 +43,8 @@ pub(crate) struct Submission<'c> {
     encoder: wgpu::CommandEncoder,
     keep: Vec<Arc<Pooled>>,
     staged: Vec<wgpu::Buffer>,
+    /// Where the parameters go (`arena.rs`): the open arena, if any.
+    arena: Option<Arena>,
     timer: Option<Timer>,
     /// Host time spent uploading the call's input arrays (`Some` once a
     /// host array was uploaded: such a call waits, as NumPy calls do).
@@ -56,6 +59,7 @@ impl<'c> Submission<'c> {
             encoder: ctx.device.create_command_encoder(&Default::default()),
             keep: Vec::new(),
             staged: Vec::new(),
+            arena: None,
             timer: timing::enabled().then(|| Timer::new(ctx)).flatten(),
             uploading: None,
         }
@@ -127,10 +131,47 @@ impl<'c> Submission<'c> {
         uploaded
     }
 
-    /// The call's own data (the variants' words) in a device buffer.
-    pub fn data(&mut self, words: &[u32]) -> Result<Arc<Pooled>> {
-        self.upload_bytes("data", bytemuck::cast_slice(words), None)
-            .map(|(buffer, _)| buffer)
+    /// The call's own words (lengths, a block table, the variants' data)
+    /// for its kernels: in the submission's arena where they are small, in
+    /// a buffer of their own otherwise.
+    pub fn data(&mut self, words: &[u32]) -> Result<Param> {
+        self.param("data", bytemuck::cast_slice(words))
+    }
+
+    /// `value`, to bind as a uniform (in the submission's arena).
+    pub fn uniform<T: bytemuck::Pod>(&mut self, value: &T) -> Result<Param> {
+        self.param("params", bytemuck::bytes_of(value))
+    }
+
+    fn param(&mut self, label: &str, bytes: &[u8]) -> Result<Param> {
+        if bytes.len() as u64 > arena::INLINE_BYTES {
+            return self
+                .upload_bytes(label, bytes, None)
+                .map(|(buffer, _)| Param::whole(buffer));
+        }
+        let align = arena::alignment(self.ctx);
+        if let Some(param) = self.arena.as_mut().and_then(|a| a.push(bytes, align)) {
+            return Ok(param);
+        }
+        // The first parameter, or the open arena is full: a new one (the
+        // full one is sealed with the rest at submission).
+        let device = self.scratch(arena::ARENA_BYTES);
+        let mut opened = Arena::open(self.ctx, device, self.encoder());
+        let param = opened
+            .push(bytes, align)
+            .expect("a small parameter fits an empty arena");
+        if let Some(full) = self.arena.replace(opened) {
+            self.staged.push(full.seal()?);
+        }
+        Ok(param)
+    }
+
+    /// Seals the open arena: its bytes are written for the GPU to copy.
+    fn seal(&mut self) -> Result<()> {
+        if let Some(arena) = self.arena.take() {
+            self.staged.push(arena.seal()?);
+        }
+        Ok(())
     }
 
     fn upload_bytes(
@@ -157,12 +198,6 @@ impl<'c> Submission<'c> {
             .copy_buffer_to_buffer(&staging, 0, buffer.buffer(), 0, size);
         self.staged.push(staging);
         Ok((buffer, raised))
-    }
-
-    /// A buffer holding `value`, to bind as a uniform.
-    pub fn uniform<T: bytemuck::Pod>(&mut self, value: &T) -> Result<Arc<Pooled>> {
-        self.upload_bytes("params", bytemuck::bytes_of(value), None)
-            .map(|(buffer, _)| buffer)
     }
 
     /// Records `pipeline` over an `x` × `y` grid: in the pass the call's
@@ -223,6 +258,7 @@ impl<'c> Submission<'c> {
         if let Some(uploading) = self.uploading {
             record_host_seconds("upload", uploading.as_secs_f64());
         }
+        self.seal()?;
         let t_submit = Instant::now();
         self.pass = None;
         let index = self.ctx.queue.submit([self.encoder.finish()]);
@@ -265,6 +301,7 @@ impl<'c> Submission<'c> {
         if let Some(uploading) = self.uploading {
             record_host_seconds("upload", uploading.as_secs_f64());
         }
+        self.seal()?;
         let mut reads: Vec<(&wgpu::Buffer, usize)> =
             reads.iter().map(|(b, n)| (b.buffer(), *n)).collect();
         self.pass = None;

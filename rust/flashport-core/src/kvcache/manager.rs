@@ -93,6 +93,13 @@ impl BlockManager {
     /// Sequence `id`, or an error naming `argument`: ids are never
     /// reused, so a freed id stays unknown.
     pub fn sequence(&self, argument: &str, id: i64) -> Result<&Sequence> {
+        self.sequence_named(|| argument.to_string(), id)
+    }
+
+    /// [`Self::sequence`], the argument's name written only for a message
+    /// (a batch names each row's; formatting every name of every call
+    /// showed in a decode step's profile).
+    pub fn sequence_named(&self, argument: impl FnOnce() -> String, id: i64) -> Result<&Sequence> {
         let found = u64::try_from(id)
             .ok()
             .and_then(|key| self.sequences.get(&key));
@@ -107,7 +114,7 @@ impl BlockManager {
                     self.next_id - 1
                 ),
             };
-            unknown(argument, id, reason)
+            unknown(&argument(), id, reason)
         })
     }
 
@@ -193,15 +200,20 @@ impl BlockManager {
         row: Option<usize>,
     ) -> Result<AppendPlan> {
         let bs = self.block_size();
-        let (sid_name, tokens_name) = match row {
-            None => ("sid".to_string(), "tokens".to_string()),
-            Some(r) => (format!("seq_ids[{r}]"), format!("tokens[{r}]")),
+        // Names are written only for messages.
+        let sid_name = || match row {
+            None => "sid".to_string(),
+            Some(r) => format!("seq_ids[{r}]"),
+        };
+        let tokens_name = || match row {
+            None => "tokens".to_string(),
+            Some(r) => format!("tokens[{r}]"),
         };
         let token_name = |i: usize| match row {
             None => format!("tokens[{i}]"),
             Some(r) => format!("tokens[{r}, {i}]"),
         };
-        let seq = self.sequence(&sid_name, id)?;
+        let seq = self.sequence_named(sid_name, id)?;
         let start = seq.lengths[layer];
         let end = start + n;
         // Tokens: the known ones must agree; new ones extend the record
@@ -211,7 +223,7 @@ impl BlockManager {
         if let Some(tokens) = tokens.filter(|t| !t.is_empty()) {
             if start > known {
                 return Err(Error::Value {
-                    argument: tokens_name,
+                    argument: tokens_name(),
                     value: format!("<{} tokens from position {start}>", tokens.len()),
                     reason: format!(
                         "positions {known} to {} of sequence {id} were appended without \

@@ -205,7 +205,7 @@ impl KvCache {
         seq_ids
             .iter()
             .enumerate()
-            .map(|(i, &id)| self.manager.sequence(&format!("seq_ids[{i}]"), id))
+            .map(|(i, &id)| self.manager.sequence_named(|| format!("seq_ids[{i}]"), id))
             .collect()
     }
 
@@ -225,17 +225,15 @@ impl KvCache {
         } else {
             (s.head_dim_v, "head_dim_v")
         };
-        let (want, expected) = match batch {
-            None => (
-                vec![Some(s.heads_kv), None, Some(dim)],
-                format!("(heads_kv, n, {dim_name}) = ({}, n, {dim})", s.heads_kv),
-            ),
-            Some(b) => (
-                vec![Some(b), Some(s.heads_kv), None, Some(dim)],
-                format!(
-                    "(len(seq_ids), heads_kv, n, {dim_name}) = ({b}, {}, n, {dim})",
-                    s.heads_kv
-                ),
+        let want = match batch {
+            None => vec![Some(s.heads_kv), None, Some(dim)],
+            Some(b) => vec![Some(b), Some(s.heads_kv), None, Some(dim)],
+        };
+        let expected = || match batch {
+            None => format!("(heads_kv, n, {dim_name}) = ({}, n, {dim})", s.heads_kv),
+            Some(b) => format!(
+                "(len(seq_ids), heads_kv, n, {dim_name}) = ({b}, {}, n, {dim})",
+                s.heads_kv
             ),
         };
         let shape = arg.info.shape;
@@ -246,8 +244,9 @@ impl KvCache {
                 .all(|(want, &got)| want.is_none_or(|w| w == got));
         if !fits {
             return Err(Error::Shape(format!(
-                "{argument} has shape {}; expected {expected}",
-                shape_str(shape)
+                "{argument} has shape {}; expected {}",
+                shape_str(shape),
+                expected()
             )));
         }
         if arg.info.dtype != dtype {

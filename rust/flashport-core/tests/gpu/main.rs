@@ -16,11 +16,13 @@
 //! - `decode`: decoding over paged KV caches (`attention_with_kvcache`);
 //! - `kvcache`: `KvCache` with its pools on the GPU;
 //! - `loop_limit`: kernels whose threads loop long (lavapipe's limit).
-//! - `wait`: polling for GPU work or sleeping until it is done.
+//! - `wait`: polling for GPU work or sleeping until it is done;
+//! - `arena`: the parameters of a submission, packed.
 //!
 //! The knobs are `flashport_core::overrides` (per thread, restored by
 //! `overrides::with`); nothing here reads another environment variable.
 
+mod arena;
 mod common;
 mod coop;
 mod coop_diagnostic;
