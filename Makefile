@@ -29,6 +29,7 @@ lint:
 	cargo clippy -p flashport-py --quiet -- -D warnings
 	.venv/bin/ruff check python tests benchmarks examples shaders/gen scripts
 	.venv/bin/ruff format --check python tests benchmarks examples shaders/gen scripts
+	scripts/cm2.sh --check
 
 test-rust:
 	FLASHPORT_REQUIRE_GPU=1 cargo test --workspace --all-features --quiet

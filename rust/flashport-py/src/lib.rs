@@ -1321,9 +1321,10 @@ mod testing {
             Some("simple") => Some(Tier::Simple),
             Some("tiled") => Some(Tier::Tiled),
             Some("coop") => Some(Tier::Coop),
+            Some("cm2") => Some(Tier::Cm2),
             Some(other) => {
                 return Err(PyTypeError::new_err(format!(
-                    "max_tier={other:?}: expected \"simple\", \"tiled\" or \"coop\""
+                    "max_tier={other:?}: expected \"simple\", \"tiled\", \"coop\" or \"cm2\""
                 )))
             }
         };

@@ -54,6 +54,7 @@ impl Param {
     }
 
     /// The device buffer, and where in it the parameter lies (bytes).
+    #[cfg(feature = "testing")]
     pub fn range(&self) -> (&Pooled, u64, u64) {
         (&self.buffer, self.offset, self.size)
     }

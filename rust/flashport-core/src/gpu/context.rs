@@ -309,6 +309,9 @@ impl Context {
         if timestamps {
             features |= wgpu::Features::TIMESTAMP_QUERY;
         }
+        // NVIDIA's cooperative matrices 2, for the float16 forward: the
+        // device is then opened through wgpu-hal (gpu/cm2.rs).
+        let cm2 = coop && passthrough && super::cm2::offered(adapter);
         let caps = AdapterCaps {
             workgroup_storage_bytes: limits.max_compute_workgroup_storage_size,
             max_invocations: limits.max_compute_invocations_per_workgroup,
@@ -317,9 +320,10 @@ impl Context {
             coop,
             passthrough: coop && passthrough,
             subgroup_barrier: coop && subgroup_barrier,
+            cm2,
             loop_limit: driver_loop_limit(&info.name, &info.driver, &info.driver_info),
         };
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        let desc = wgpu::DeviceDescriptor {
             label: Some("flashport"),
             required_features: features,
             required_limits: limits.clone(),
@@ -332,8 +336,14 @@ impl Context {
                 wgpu::ExperimentalFeatures::disabled()
             },
             ..Default::default()
-        }))
-        .map_err(|e| format!("{} ({}): {e}", described.name, described.backend))?;
+        };
+        let opened = if cm2 {
+            super::cm2::open(adapter, &desc)
+        } else {
+            pollster::block_on(adapter.request_device(&desc)).map_err(|e| e.to_string())
+        };
+        let (device, queue) =
+            opened.map_err(|e| format!("{} ({}): {e}", described.name, described.backend))?;
         let lost = Arc::new(AtomicBool::new(false));
         let flag = lost.clone();
         device.set_device_lost_callback(move |_, _| flag.store(true, Ordering::SeqCst));

@@ -181,7 +181,9 @@ fn forward_on(
                 flag.binding(),
             ];
             let own = if key.kernel == Kernel::Forward { 7 } else { 6 };
-            let group = bind(ctx, &pipeline, &bindings[..own], Some(&vx));
+            // The cooperative-matrix-2 kernel reads no variants.
+            let variants = (key.kernel != Kernel::ForwardCm2).then_some(&vx);
+            let group = bind(ctx, &pipeline, &bindings[..own], variants);
             if simple.is_some() {
                 screen::reset_flag(ctx, &mut sub, &flag, screened_on_host);
                 if !screened_on_host {

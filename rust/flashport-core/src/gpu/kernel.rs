@@ -15,6 +15,10 @@ pub enum Tier {
     /// float16 products on cooperative matrices (tensor cores,
     /// shaders/coop/).
     Coop,
+    /// float16 on NVIDIA's cooperative matrices 2, the softmax inside the
+    /// matrices (GLSL, shaders/cm2/; `gpu/cm2.rs`). The forward only: the
+    /// backward runs the `Coop` kernels.
+    Cm2,
 }
 
 /// The compute kernels of the backend.
@@ -30,6 +34,7 @@ pub enum Kernel {
     ForwardCoop,
     BackwardDqCoop,
     BackwardDkDvCoop,
+    ForwardCm2,
 }
 
 impl Kernel {
@@ -52,6 +57,7 @@ impl Kernel {
                 Tier::Tiled
             }
             Kernel::ForwardCoop | Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => Tier::Coop,
+            Kernel::ForwardCm2 => Tier::Cm2,
         }
     }
 
@@ -60,8 +66,9 @@ impl Kernel {
         self.tier() == Tier::Tiled
     }
 
-    /// The cooperative-matrix kernels (their sources open with `enable`
-    /// lines and need the device's cooperative-matrix feature).
+    /// The cooperative-matrix kernels written in WGSL (their sources open
+    /// with `enable` lines and need the device's cooperative-matrix
+    /// feature).
     pub fn is_coop(self) -> bool {
         self.tier() == Tier::Coop
     }
@@ -78,6 +85,7 @@ impl Kernel {
             Kernel::ForwardCoop => "forward_coop",
             Kernel::BackwardDqCoop => "backward_dq_coop",
             Kernel::BackwardDkDvCoop => "backward_dkdv_coop",
+            Kernel::ForwardCm2 => "forward_cm2",
         }
     }
 }

@@ -45,6 +45,7 @@ mod assemble;
 mod backward;
 mod bfloat16;
 mod chunks;
+mod cm2;
 mod context;
 pub mod decode;
 mod device_array;

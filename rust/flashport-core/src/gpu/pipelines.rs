@@ -93,15 +93,76 @@ impl Context {
     ) -> Result<wgpu::ComputePipeline> {
         let compiled = super::spirv::compile(source, constants, unchecked, true)
             .map_err(|e| Error::Gpu(format!("compiling {label} to SPIR-V: {e}")))?;
+        // SAFETY: the words are naga's own output for a module naga
+        // validated, changed only in the memory model it declares
+        // (spirv::glsl450_memory_model), which the device supports.
+        unsafe { self.passthrough_pipeline(label, &compiled) }
+    }
+
+    /// The cooperative-matrix-2 forward of `key` (gpu/cm2.rs), its sizes
+    /// set in its SPIR-V. Its bindings are the forward's first six: the
+    /// uniform, q, k, v, o and lse.
+    fn cm2_pipeline(&self, key: &PipelineKey) -> Result<wgpu::ComputePipeline> {
+        use super::cm2::{forward_words, SPEC_BC, SPEC_BR, SPEC_D, SPEC_DV};
+        let t = key.tiles;
+        let words = forward_words(&[
+            (SPEC_D, key.d),
+            (SPEC_DV, key.dv),
+            (SPEC_BR, t.q_rows),
+            (SPEC_BC, t.k_rows),
+        ])
+        .map_err(|e| Error::Gpu(format!("specialising {}: {e}", key.kernel.name())))?;
+        let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage { read_only },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        };
+        let mut bindings = vec![wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        }];
+        bindings.extend((1..=3).map(|b| storage(b, true)));
+        bindings.extend((4..=5).map(|b| storage(b, false)));
+        let compiled = super::spirv::Compiled {
+            words,
+            bindings,
+            workgroup_size: [t.workgroup, 1, 1],
+        };
+        // SAFETY: glslang's module, checked by spirv-val when it was
+        // written (scripts/cm2.sh); the device was opened with every
+        // capability it declares (gpu/cm2.rs), and only its constants'
+        // values changed.
+        unsafe { self.passthrough_pipeline(key.kernel.name(), &compiled) }
+    }
+
+    /// A pipeline of `compiled`'s words as they are, its layout the
+    /// bindings it lists.
+    ///
+    /// # Safety
+    /// The words must be a valid module for this device.
+    unsafe fn passthrough_pipeline(
+        &self,
+        label: &str,
+        compiled: &super::spirv::Compiled,
+    ) -> Result<wgpu::ComputePipeline> {
         self.scoped("building a SPIR-V pipeline", || {
             let [x, y, z] = compiled.workgroup_size;
             let entry_points = [wgpu::PassthroughShaderEntryPoint {
                 name: "main".into(),
                 workgroup_size: (x, y, z),
             }];
-            // SAFETY: the words are naga's own output for a module naga
-            // validated, changed only in the memory model it declares
-            // (spirv::glsl450_memory_model), which the device supports.
+            // SAFETY: the caller's (see above).
             let module = unsafe {
                 self.device.create_shader_module_passthrough(
                     wgpu::ShaderModuleDescriptorPassthrough {
@@ -230,6 +291,11 @@ impl Context {
     pub fn pipeline(&self, key: PipelineKey) -> Result<wgpu::ComputePipeline> {
         if let Some(p) = lock(&self.cache.pipelines).get(&key) {
             return Ok(p.clone());
+        }
+        if key.kernel == Kernel::ForwardCm2 {
+            let pipeline = self.cm2_pipeline(&key)?;
+            lock(&self.cache.pipelines).insert(key, pipeline.clone());
+            return Ok(pipeline);
         }
         if key.passthrough {
             let source = super::shaders::source(key.kernel, key.subgroups, key.f16_inputs);

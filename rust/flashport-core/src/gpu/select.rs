@@ -29,6 +29,9 @@ pub struct AdapterCaps {
     /// wgpu validates `subgroupBarrier()`, which the cooperative backward
     /// needs where wgpu writes the SPIR-V itself.
     pub subgroup_barrier: bool,
+    /// The device was opened with NVIDIA's cooperative matrices 2
+    /// (`gpu/cm2.rs`; with `coop` and `passthrough`).
+    pub cm2: bool,
     /// The driver silently ends every loop of a subgroup once the
     /// subgroup's loops have run this many iterations in all (Mesa's
     /// llvmpipe before 25.0: `driver_loop_limit`, src/gpu/tiles/loops.rs).
@@ -47,6 +50,7 @@ impl AdapterCaps {
         coop: false,
         passthrough: false,
         subgroup_barrier: false,
+        cm2: false,
         loop_limit: None,
     };
 }
@@ -192,6 +196,19 @@ impl Keys {
         self.key(kernel, t)
     }
 
+    /// Whether the cooperative-matrix-2 forward may run: the cooperative
+    /// tier's problems (float16 without variants), not a packed batch.
+    fn cm2(&self, p: &Problem, ov: &Overrides) -> bool {
+        self.f16
+            && !p.has_variants()
+            && p.varlen.is_none()
+            && self.caps.cm2
+            && self.passthrough
+            && ov.allows(Tier::Cm2)
+            // Tiles forced for the cooperative forward ask for that kernel.
+            && ov.coop_forward.is_none()
+    }
+
     /// Whether the cooperative kernels may run: float16 without variants
     /// (the other tiers implement them), on an adapter with cooperative
     /// matrices and a way to build the backward's subgroup barriers.
@@ -214,21 +231,28 @@ pub fn select_forward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Forward
     };
     let keys = Keys::new(p, caps, ov, variants);
     let (d, dv) = (keys.d, keys.dv);
-    let coop = keys
-        .coop(p, ov)
-        .then(|| match ov.coop_forward {
-            None => tiles::coop_forward_tiles(d, dv, caps),
-            Some(want) => tiles::coop_forward_candidates(d, dv, caps).find(|&t| t == want),
-        })
+    let cm2 = keys
+        .cm2(p, ov)
+        .then(|| tiles::cm2_forward_tiles(d, dv))
         .flatten()
-        .map(|t| (Tier::Coop, keys.key(Kernel::ForwardCoop, t)));
+        .map(|t| (Tier::Cm2, keys.key(Kernel::ForwardCm2, t)));
+    let coop = || {
+        keys.coop(p, ov)
+            .then(|| match ov.coop_forward {
+                None => tiles::coop_forward_tiles(d, dv, caps),
+                Some(want) => tiles::coop_forward_candidates(d, dv, caps).find(|&t| t == want),
+            })
+            .flatten()
+            .map(|t| (Tier::Coop, keys.key(Kernel::ForwardCoop, t)))
+    };
     let tiled = || {
         ov.allows(Tier::Tiled)
             .then(|| tiles::tiled_forward_tiles(d, dv, caps))
             .flatten()
             .map(|t| (Tier::Tiled, keys.key(Kernel::ForwardTiled, t)))
     };
-    let (tier, forward) = coop
+    let (tier, forward) = cm2
+        .or_else(coop)
         .or_else(tiled)
         .unwrap_or_else(|| (Tier::Simple, keys.simple(Kernel::Forward)));
     ForwardPlan { tier, forward }
@@ -374,8 +398,11 @@ mod tests {
         coop: true,
         passthrough: true,
         subgroup_barrier: true,
+        cm2: false,
         loop_limit: None,
     };
+    /// The H100 opened with NVIDIA's cooperative matrices 2.
+    const H100_CM2: AdapterCaps = AdapterCaps { cm2: true, ..H100 };
     /// Mesa's lavapipe (CI): subgroups of 8 lanes, no cooperative matrices,
     /// and (Mesa 22.3) the loop limit.
     const LAVAPIPE: AdapterCaps = AdapterCaps {
@@ -386,6 +413,7 @@ mod tests {
         coop: false,
         passthrough: true,
         subgroup_barrier: false,
+        cm2: false,
         loop_limit: Some(LLVMPIPE_LOOP_LIMIT),
     };
     /// An adapter with lavapipe's limits but no subgroup operations.
@@ -542,6 +570,63 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_cm2_forward_takes_the_cooperative_tier_s_plain_problems() {
+        use Tier::*;
+        let f16 = plain("float16", 64, 64);
+        let f = select_forward(&f16, H100_CM2, &Overrides::default());
+        assert_eq!((f.tier, f.forward.kernel), (Cm2, Kernel::ForwardCm2));
+        assert_eq!(f.forward.tiles, tiles::cm2_forward_tiles(64, 64).unwrap());
+        // Its backward is the cooperative one, and the screen's simple
+        // kernel stands behind it.
+        assert_eq!(
+            select_backward(&f16, H100_CM2, &Overrides::default()).tier,
+            Coop
+        );
+        assert!(simple_forward(&f16, H100_CM2, &Overrides::default(), &f).is_some());
+        for (p, why) in [
+            (plain("float16", 128, 64), "d != dv"),
+            (plain("float16", 16, 112), "small and odd multiples of 16"),
+        ] {
+            let f = select_forward(&p, H100_CM2, &Overrides::default());
+            assert_eq!(f.tier, Cm2, "{why}");
+        }
+        let coop_only = |p: &Problem, ov: &Overrides, why: &str| {
+            let f = select_forward(p, H100_CM2, ov);
+            assert_ne!(f.tier, Cm2, "{why}");
+        };
+        let none = Overrides::default();
+        coop_only(&plain("float32", 64, 64), &none, "float32");
+        coop_only(&plain("float16", 72, 72), &none, "d not a multiple of 16");
+        coop_only(&plain("float16", 256, 256), &none, "d above 128");
+        let softcap = Options {
+            softcap: Some(30.0),
+            ..Options::default()
+        };
+        coop_only(&problem("float16", 64, 64, softcap), &none, "a variant");
+        coop_only(
+            &f16,
+            &Overrides {
+                max_tier: Some(Coop),
+                ..none
+            },
+            "capped at Coop",
+        );
+        let naga = Overrides {
+            naga_spirv: true,
+            ..none
+        };
+        coop_only(&f16, &naga, "no passthrough");
+        let forced = Overrides {
+            coop_forward: tiles::coop_forward_tiles(64, 64, H100),
+            ..none
+        };
+        let f = select_forward(&f16, H100_CM2, &forced);
+        assert_eq!(f.forward.kernel, Kernel::ForwardCoop, "coop tiles forced");
+        // Without the extension, the cooperative kernel as before.
+        assert_eq!(select_forward(&f16, H100, &none).tier, Coop);
     }
 
     #[test]

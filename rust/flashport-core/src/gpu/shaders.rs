@@ -193,6 +193,8 @@ pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
         Kernel::ForwardCoop => &[COOP, COMMON, COOP_FORWARD],
         Kernel::BackwardDqCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DQ],
         Kernel::BackwardDkDvCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DKDV],
+        // GLSL, compiled ahead (shaders/cm2/, gpu/cm2.rs): no WGSL.
+        Kernel::ForwardCm2 => &[],
     };
     parts.join("\n")
 }
@@ -288,6 +290,8 @@ pub fn tile_overrides(
     let (bq, bk) = (t.q_rows, t.k_rows);
     let n = |x: u32| x.max(1) as f64;
     match kernel {
+        // Specialised in its SPIR-V (gpu/cm2.rs), not by WGSL overrides.
+        Kernel::ForwardCm2 => Vec::new(),
         Kernel::ForwardTiled => {
             let (q, kv, p, red) = super::tiles::tiled_workgroup_vec4s(d, dv, t, subgroups);
             let d4 = d / 4;

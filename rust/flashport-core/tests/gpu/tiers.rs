@@ -260,11 +260,22 @@ fn every_tier_the_adapter_has_is_reached() {
     });
     assert_eq!(tiled, (Tier::Tiled, Tier::Tiled));
     let default = tiers(&f16_64, "float16 d=64");
-    if caps.coop {
+    if caps.cm2 {
+        // NVIDIA's cooperative matrices 2: their forward, the cooperative
+        // backward; capped at Coop, the cooperative forward.
+        assert_eq!(default, (Tier::Cm2, Tier::Coop));
+        let (f, _) = plans(&f16_64.p).unwrap();
+        assert_eq!(f.forward.kernel, Kernel::ForwardCm2);
+        let coop = overrides::with(max_tier(Tier::Coop), || {
+            tiers(&f16_64, "float16 d=64, coop")
+        });
+        assert_eq!(coop, (Tier::Coop, Tier::Coop));
+    } else if caps.coop {
         assert_eq!(default, (Tier::Coop, Tier::Coop));
         let (f, _) = plans(&f16_64.p).unwrap();
         assert_eq!(f.forward.kernel, Kernel::ForwardCoop);
         assert_eq!(f.forward.passthrough, caps.passthrough);
+        eprintln!("NOT TESTED: no cooperative matrices 2 on this adapter: their forward");
     } else {
         assert_eq!(default, (Tier::Tiled, Tier::Tiled));
         eprintln!("NOT TESTED: no cooperative matrices on this adapter: the cooperative tier");

@@ -146,6 +146,9 @@ unsafe fn with_instance(instance: &ash::Instance, args: &Args) -> Result<(), Err
         coop: coop && subgroup.subgroup_size == 32,
         passthrough: true,
         subgroup_barrier: false,
+        // The WGSL kernels only: the cm2 forward's SPIR-V is not written
+        // here.
+        cm2: false,
         loop_limit: None,
     };
     println!("{caps:?}");

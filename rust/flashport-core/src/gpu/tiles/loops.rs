@@ -281,7 +281,10 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
         }
         // The cooperative kernels need cooperative matrices, which no
         // adapter with a loop limit has (llvmpipe): not modelled.
-        Kernel::ForwardCoop | Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => 0,
+        Kernel::ForwardCoop
+        | Kernel::BackwardDqCoop
+        | Kernel::BackwardDkDvCoop
+        | Kernel::ForwardCm2 => 0,
     }
 }
 

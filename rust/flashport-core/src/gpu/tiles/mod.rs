@@ -8,12 +8,14 @@
 //! Each layout here mirrors the `var<workgroup>` arrays of its shader;
 //! tests/shaders.rs checks the two against each other through naga.
 
+mod cm2;
 mod coop;
 pub mod decode;
 mod loops;
 mod simple;
 mod tiled;
 
+pub use cm2::cm2_forward_tiles;
 pub use coop::{
     coop_backward_tiles, coop_elems, coop_forward_candidates, coop_forward_tiles, coop_o_columns,
     coop_staged_words, coop_workgroup_bytes, CoopBackwardLayout, COOP_BACKWARD_MAX_STAGED_WORDS,
@@ -60,6 +62,8 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
         Tier::Simple => simple::workgroup_bytes(kernel, d, dv, t),
         Tier::Tiled => tiled::workgroup_bytes(kernel, d, dv, t),
         Tier::Coop => coop::workgroup_bytes(kernel, d, dv, t),
+        // None declared: the driver places workgroup-scope matrices itself.
+        Tier::Cm2 => 0,
     }
 }
 

@@ -1,0 +1,48 @@
+//! Tiles of the cooperative-matrix-2 forward (shaders/cm2/forward.comp):
+//! one workgroup of 128 invocations per 64 query rows, 64 keys a step, as
+//! ggml's kernel for float16 head dimensions below 256.
+
+use super::Tiles;
+
+/// Query rows of a workgroup, and keys of a step.
+pub const CM2_ROWS: u32 = 64;
+pub const CM2_KEYS: u32 = 64;
+/// Invocations of a workgroup (the shader's `local_size_x`).
+pub const CM2_WORKGROUP: u32 = 128;
+
+/// The forward's tiles for head dimensions `d` and `dv`, where it takes
+/// them: multiples of 16 (the matrices' granule) up to 128, so that the
+/// output accumulator (64 × dv floats) stays in registers.
+pub fn cm2_forward_tiles(d: u32, dv: u32) -> Option<Tiles> {
+    let fits = |x: u32| x > 0 && x % 16 == 0 && x <= 128;
+    (fits(d) && fits(dv)).then_some(Tiles {
+        q_rows: CM2_ROWS,
+        k_rows: CM2_KEYS,
+        workgroup: CM2_WORKGROUP,
+        kv_shared: false,
+        prefetch: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_dimensions_in_sixteens_up_to_128() {
+        for (d, dv, fits) in [
+            (64, 64, true),
+            (128, 128, true),
+            (64, 128, true),
+            (16, 48, true),
+            (80, 64, true),
+            (72, 64, false),
+            (256, 256, false),
+            (144, 64, false),
+            (0, 64, false),
+            (64, 8, false),
+        ] {
+            assert_eq!(cm2_forward_tiles(d, dv).is_some(), fits, "d={d} dv={dv}");
+        }
+    }
+}

@@ -1,0 +1,206 @@
+#version 460
+// The float16 forward on NVIDIA's cooperative matrices 2
+// (VK_NV_cooperative_matrix2): the whole online softmax of a tile of BR
+// query rows stays in the matrices (row reductions and per-element
+// functions), where the portable kernels (shaders/coop/) must pass each
+// score tile through workgroup memory. The structure follows ggml's
+// flash_attn_cm2.comp (docs/gpu.md#cooperative-matrices-2); the arithmetic
+// follows flashport's other kernels:
+// - s = (q . k) * scale in float32 (the q rows are not scaled in float16),
+//   and the softmax in base 2 after subtracting: exp2((s - m) * LOG2E),
+//   exactly 1 at a row's maximum, as the backward recomputes it
+//   (docs/gpu.md#forward-and-backward-round-the-score-the-same-way);
+// - the row sums add the float32 probabilities; P V takes them rounded to
+//   float16, as the other float16 kernels do;
+// - keys past a row's visible end (causal) are -inf, and a row that sees
+//   no key gets o = 0 and lse = -inf;
+// - o and lse are written in float32 (the call rounds o to float16 where
+//   it is kept as float16, as it does for every kernel).
+// Float16 inputs without variants, as the cooperative tier; the uniform is
+// lib/common.wgsl's Params, member for member (gpu/params.rs checks the
+// Rust side; gpu/cm2.rs the offsets read here).
+//
+// Compiled by scripts/cm2.sh (a pinned glslang) into forward.spv; the
+// specialisation constants D, DV, BR and BC are set in the SPIR-V by
+// gpu/cm2.rs (wgpu passes none to a passthrough module).
+#extension GL_EXT_control_flow_attributes : enable
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int32 : require
+#extension GL_KHR_memory_scope_semantics : enable
+#extension GL_KHR_cooperative_matrix : enable
+#extension GL_NV_cooperative_matrix2 : enable
+
+layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
+
+layout(constant_id = 0) const uint32_t D = 64;
+layout(constant_id = 1) const uint32_t DV = 64;
+layout(constant_id = 2) const uint32_t BR = 64;
+layout(constant_id = 3) const uint32_t BC = 64;
+
+layout(std140, binding = 0) uniform Params {
+    uint32_t seq_q;
+    uint32_t seq_k;
+    uint32_t group;
+    uint32_t q_head0;
+    uint32_t causal;
+    int32_t causal_offset;
+    float scale;
+    uint32_t g_count;
+    uint32_t head0;
+    uint32_t heads_q;
+    int32_t diag_offset;
+    int32_t left_offset;
+    float softcap;
+    float keep_scale;
+    uint32_t drop_threshold;
+    uint32_t seed_lo;
+    uint32_t seed_hi;
+    uint32_t mask_sb;
+    uint32_t mask_sh;
+    uint32_t mask_sr;
+    uint32_t mask_sk;
+    uint32_t mask_db;
+    uint32_t mask_dh;
+    uint32_t mask_dr;
+    uint32_t mask_dk;
+    uint32_t mask_bcr;
+    uint32_t mask_bck;
+    uint32_t blocks_off;
+    uint32_t slopes_off;
+    uint32_t sinks_off;
+    uint32_t rows_off;
+    uint32_t pad1;
+} p;
+
+layout(std430, binding = 1) readonly buffer Q { float16_t q[]; };
+layout(std430, binding = 2) readonly buffer K { float16_t k[]; };
+layout(std430, binding = 3) readonly buffer V { float16_t v[]; };
+layout(std430, binding = 4) writeonly buffer O { float o[]; };
+layout(std430, binding = 5) writeonly buffer LSE { float lse[]; };
+
+const float LOG2E = 1.4426950408889634;
+#define NEG_INF uintBitsToFloat(0xff800000u)
+
+#define ACC(R, C) coopmat<float, gl_ScopeWorkgroup, R, C, gl_MatrixUseAccumulator>
+
+// The keys query row `row` sees: [0, visible_end(row)) (lib/common.wgsl).
+uint32_t visible_end(uint32_t row) {
+    if (p.causal == 0u) {
+        return p.seq_k;
+    }
+    return uint32_t(clamp(int32_t(row) + p.causal_offset + 1, 0, int32_t(p.seq_k)));
+}
+
+// The score of element (r, c) of the tile at (row0, col0): scaled, or
+// -inf where the key is not visible to the row (or past the keys).
+float scored(const in uint32_t r, const in uint32_t c, const in float dot,
+             const in uint32_t row0, const in uint32_t col0) {
+    return col0 + c < visible_end(row0 + r) ? dot * p.scale : NEG_INF;
+}
+
+float maximum(const in float a, const in float b) { return max(a, b); }
+float add(const in float a, const in float b) { return a + b; }
+float first(const in float a, const in float b) { return a; }
+
+float max2(const in uint32_t r, const in uint32_t c, const in float a, const in float b) {
+    return max(a, b);
+}
+
+// exp2((s - m) * LOG2E), 0 for a key not seen (s = -inf).
+float prob(const in uint32_t r, const in uint32_t c, const in float s, const in float m) {
+    return s == NEG_INF ? 0.0 : exp2((s - m) * LOG2E);
+}
+
+// The factor of the state so far when the maximum moves from `was` to
+// `now`: 1 where it stays (-inf included: nothing seen yet).
+float rescale(const in uint32_t r, const in uint32_t c, const in float was, const in float now) {
+    return was == now ? 1.0 : exp2((was - now) * LOG2E);
+}
+
+float reciprocal(const in uint32_t r, const in uint32_t c, const in float l) {
+    return l == 0.0 ? 0.0 : 1.0 / l;
+}
+
+float log_sum_exp(const in uint32_t r, const in uint32_t c, const in float m, const in float l) {
+    return l == 0.0 ? NEG_INF : m + log(l);
+}
+
+void main() {
+    const uint32_t head = gl_WorkGroupID.y;
+    const uint32_t row0 = gl_WorkGroupID.x * BR;
+    const uint32_t kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
+    const uint32_t last_row = min(row0 + BR, p.seq_q) - 1u;
+    // Every key a row of the tile sees is before the last row's end.
+    const uint32_t keys = visible_end(last_row);
+
+    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> q_rows =
+        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    q_rows = setTensorLayoutDimensionNV(q_rows, p.seq_q, D);
+    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> k_rows =
+        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    k_rows = setTensorLayoutDimensionNV(k_rows, p.seq_k, D);
+    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> v_rows =
+        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    v_rows = setTensorLayoutDimensionNV(v_rows, p.seq_k, DV);
+    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> o_rows =
+        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    o_rows = setTensorLayoutDimensionNV(o_rows, p.seq_q, DV);
+    // lse as a matrix of one column: the other columns are clamped away.
+    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lse_rows =
+        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    lse_rows = setTensorLayoutDimensionNV(lse_rows, p.seq_q, 1);
+    tensorViewNV<2, false, 1, 0> transposed = createTensorViewNV(2, false, 1, 0);
+
+    const uint32_t q_at = head * p.seq_q * D;
+    const uint32_t k_at = kv * p.seq_k * D;
+    const uint32_t v_at = kv * p.seq_k * DV;
+
+    // Rows past seq_q load as zeros: finite scores, never written.
+    coopmat<float16_t, gl_ScopeWorkgroup, BR, D, gl_MatrixUseA> qm;
+    coopMatLoadTensorNV(qm, q, q_at, sliceTensorLayoutNV(q_rows, row0, BR, 0, D));
+
+    ACC(BR, DV) acc = ACC(BR, DV)(0.0);
+    ACC(BR, BC) m = ACC(BR, BC)(NEG_INF);
+    ACC(BR, BC) l = ACC(BR, BC)(0.0);
+
+    [[dont_unroll]]
+    for (uint32_t col0 = 0; col0 < keys; col0 += BC) {
+        coopmat<float16_t, gl_ScopeWorkgroup, D, BC, gl_MatrixUseB> kt;
+        coopMatLoadTensorNV(kt, k, k_at, sliceTensorLayoutNV(k_rows, col0, BC, 0, D), transposed);
+        ACC(BR, BC) s = coopMatMulAdd(qm, kt, ACC(BR, BC)(0.0));
+        coopMatPerElementNV(s, s, scored, row0, col0);
+
+        ACC(BR, BC) tile_max;
+        coopMatReduceNV(tile_max, s, gl_CooperativeMatrixReduceRowNV, maximum);
+        ACC(BR, BC) was = m;
+        coopMatPerElementNV(m, tile_max, max2, was);
+        ACC(BR, BC) pm;
+        coopMatPerElementNV(pm, s, prob, m);
+        ACC(BR, BC) alpha;
+        coopMatPerElementNV(alpha, was, rescale, m);
+
+        ACC(BR, BC) tile_sum;
+        coopMatReduceNV(tile_sum, pm, gl_CooperativeMatrixReduceRowNV, add);
+        l = alpha * l + tile_sum;
+
+        coopmat<float16_t, gl_ScopeWorkgroup, BR, BC, gl_MatrixUseA> ph =
+            coopmat<float16_t, gl_ScopeWorkgroup, BR, BC, gl_MatrixUseA>(pm);
+        coopmat<float16_t, gl_ScopeWorkgroup, BC, DV, gl_MatrixUseB> vm;
+        coopMatLoadTensorNV(vm, v, v_at, sliceTensorLayoutNV(v_rows, col0, BC, 0, DV));
+        ACC(BR, DV) alpha_rows;
+        coopMatReduceNV(alpha_rows, alpha, gl_CooperativeMatrixReduceRowNV, first);
+        acc = coopMatMulAdd(ph, vm, alpha_rows * acc);
+    }
+
+    ACC(BR, BC) inv;
+    coopMatPerElementNV(inv, l, reciprocal);
+    ACC(BR, DV) inv_rows;
+    coopMatReduceNV(inv_rows, inv, gl_CooperativeMatrixReduceRowNV, first);
+    acc = inv_rows * acc;
+    coopMatStoreTensorNV(acc, o, head * p.seq_q * DV, sliceTensorLayoutNV(o_rows, row0, BR, 0, DV));
+
+    ACC(BR, BC) row_lse;
+    coopMatPerElementNV(row_lse, m, log_sum_exp, l);
+    coopMatStoreTensorNV(row_lse, lse, head * p.seq_q, sliceTensorLayoutNV(lse_rows, row0, BR, 0, BC));
+}
