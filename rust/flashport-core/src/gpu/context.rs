@@ -312,7 +312,7 @@ impl Context {
         // NVIDIA's cooperative matrices 2, for the float16 forward: the
         // device is then opened through wgpu-hal (gpu/cm2.rs).
         let cm2 = coop && passthrough && super::cm2::offered(adapter);
-        let caps = AdapterCaps {
+        let mut caps = AdapterCaps {
             workgroup_storage_bytes: limits.max_compute_workgroup_storage_size,
             max_invocations: limits.max_compute_invocations_per_workgroup,
             max_workgroup_size_x: limits.max_compute_workgroup_size_x,
@@ -337,10 +337,15 @@ impl Context {
             },
             ..Default::default()
         };
-        let opened = if cm2 {
-            super::cm2::open(adapter, &desc)
-        } else {
-            pollster::block_on(adapter.request_device(&desc)).map_err(|e| e.to_string())
+        // A driver that lists the extension but will not open a device
+        // with it still opens one without it: the cm2 forward then does
+        // not run, the rest as before.
+        let opened = match cm2.then(|| super::cm2::open(adapter, &desc)) {
+            Some(Ok(opened)) => Ok(opened),
+            _ => {
+                caps.cm2 = false;
+                pollster::block_on(adapter.request_device(&desc)).map_err(|e| e.to_string())
+            }
         };
         let (device, queue) =
             opened.map_err(|e| format!("{} ({}): {e}", described.name, described.backend))?;
