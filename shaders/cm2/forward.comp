@@ -21,8 +21,8 @@
 // Rust side; gpu/cm2.rs the offsets read here).
 //
 // Compiled by scripts/cm2.sh (a pinned glslang) into forward.spv; the
-// specialisation constants D, DV, BR and BC are set in the SPIR-V by
-// gpu/cm2.rs (wgpu passes none to a passthrough module).
+// specialisation constants D, DV, BR, BC and CLAMP are set in the SPIR-V
+// by gpu/cm2.rs (wgpu passes none to a passthrough module).
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -37,6 +37,13 @@ layout(constant_id = 0) const uint32_t D = 64;
 layout(constant_id = 1) const uint32_t DV = 64;
 layout(constant_id = 2) const uint32_t BR = 64;
 layout(constant_id = 3) const uint32_t BC = 64;
+// How tensor loads and stores treat elements past the arrays' edges:
+// gl_CooperativeMatrixClampModeConstantNV (1, zeros in, nothing out), or
+// 0 (undefined) where seq_q and seq_k are multiples of the tiles.
+#ifndef CLAMP_DEFAULT
+#define CLAMP_DEFAULT 1
+#endif
+layout(constant_id = 4) const uint32_t CLAMP = CLAMP_DEFAULT;
 
 layout(std140, binding = 0) uniform Params {
     uint32_t seq_q;
@@ -131,20 +138,18 @@ void main() {
     const uint32_t row0 = gl_WorkGroupID.x * BR;
     const uint32_t kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
     const uint32_t last_row = min(row0 + BR, p.seq_q) - 1u;
-    // Every key a row of the tile sees is before the last row's end.
+    // Every key a row of the tile sees is before the last row's end, and
+    // every row sees the keys before the first row's.
     const uint32_t keys = visible_end(last_row);
+    const uint32_t first_end = visible_end(row0);
 
-    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> q_rows =
-        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    tensorLayoutNV<2, CLAMP> q_rows = createTensorLayoutNV(2, CLAMP);
     q_rows = setTensorLayoutDimensionNV(q_rows, p.seq_q, D);
-    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> k_rows =
-        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    tensorLayoutNV<2, CLAMP> k_rows = createTensorLayoutNV(2, CLAMP);
     k_rows = setTensorLayoutDimensionNV(k_rows, p.seq_k, D);
-    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> v_rows =
-        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    tensorLayoutNV<2, CLAMP> v_rows = createTensorLayoutNV(2, CLAMP);
     v_rows = setTensorLayoutDimensionNV(v_rows, p.seq_k, DV);
-    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> o_rows =
-        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    tensorLayoutNV<2, CLAMP> o_rows = createTensorLayoutNV(2, CLAMP);
     o_rows = setTensorLayoutDimensionNV(o_rows, p.seq_q, DV);
     // lse as a matrix of one column: the other columns are clamped away.
     tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> lse_rows =
@@ -169,7 +174,13 @@ void main() {
         coopmat<float16_t, gl_ScopeWorkgroup, D, BC, gl_MatrixUseB> kt;
         coopMatLoadTensorNV(kt, k, k_at, sliceTensorLayoutNV(k_rows, col0, BC, 0, D), transposed);
         ACC(BR, BC) s = coopMatMulAdd(qm, kt, ACC(BR, BC)(0.0));
-        coopMatPerElementNV(s, s, scored, row0, col0);
+        if (col0 + BC <= first_end) {
+            // Every row of the tile sees every key of it (visible_end
+            // grows with the row, and stays within seq_k): no mask.
+            s = s * p.scale;
+        } else {
+            coopMatPerElementNV(s, s, scored, row0, col0);
+        }
 
         ACC(BR, BC) tile_max;
         coopMatReduceNV(tile_max, s, gl_CooperativeMatrixReduceRowNV, maximum);

@@ -152,6 +152,11 @@ pub(crate) const SPEC_D: u32 = 0;
 pub(crate) const SPEC_DV: u32 = 1;
 pub(crate) const SPEC_BR: u32 = 2;
 pub(crate) const SPEC_BC: u32 = 3;
+/// The clamp mode of the q, k, v and o tensor layouts: 1
+/// (`gl_CooperativeMatrixClampModeConstantNV`: zeros read past the edges,
+/// nothing written there) by default, 0 (undefined) where the problem is
+/// whole tiles and nothing lies past them.
+pub(crate) const SPEC_CLAMP: u32 = 4;
 
 /// The forward's words with its constants set to `values` (id, value).
 pub(crate) fn forward_words(values: &[(u32, u32)]) -> Result<Vec<u32>, String> {
@@ -253,6 +258,7 @@ mod tests {
         for spec in [SPEC_D, SPEC_DV, SPEC_BR, SPEC_BC] {
             assert_eq!(default_of(&words, spec), Some(64), "constant {spec}");
         }
+        assert_eq!(default_of(&words, SPEC_CLAMP), Some(1));
         let set = forward_words(&[(SPEC_D, 128), (SPEC_DV, 80), (SPEC_BR, 32)]).unwrap();
         assert_eq!(default_of(&set, SPEC_D), Some(128));
         assert_eq!(default_of(&set, SPEC_DV), Some(80));

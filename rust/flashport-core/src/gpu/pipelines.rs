@@ -103,13 +103,14 @@ impl Context {
     /// set in its SPIR-V. Its bindings are the forward's first six: the
     /// uniform, q, k, v, o and lse.
     fn cm2_pipeline(&self, key: &PipelineKey) -> Result<wgpu::ComputePipeline> {
-        use super::cm2::{forward_words, SPEC_BC, SPEC_BR, SPEC_D, SPEC_DV};
+        use super::cm2::{forward_words, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV};
         let t = key.tiles;
         let words = forward_words(&[
             (SPEC_D, key.d),
             (SPEC_DV, key.dv),
             (SPEC_BR, t.q_rows),
             (SPEC_BC, t.k_rows),
+            (SPEC_CLAMP, u32::from(!key.exact_tiles)),
         ])
         .map_err(|e| Error::Gpu(format!("specialising {}: {e}", key.kernel.name())))?;
         let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {

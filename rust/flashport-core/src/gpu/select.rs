@@ -97,6 +97,20 @@ pub struct PipelineKey {
     /// A cooperative kernel built from the SPIR-V of src/gpu/spirv.rs and
     /// handed to the driver as it is (false: wgpu compiles the WGSL).
     pub passthrough: bool,
+    /// The cooperative-matrix-2 forward over whole tiles only (seq_q and
+    /// seq_k multiples of its rows and keys): it then loads and stores
+    /// without clamping at the arrays' edges, which cost it up to a third
+    /// of its time at d = 128 (`exact_tiles`). False for every other kernel.
+    pub exact_tiles: bool,
+}
+
+/// Whether `kernel` with `tiles` covers `shape`'s rows and keys in whole
+/// tiles, where that changes its pipeline (the cooperative-matrix-2
+/// forward: docs/gpu.md#cooperative-matrices-2).
+pub fn exact_tiles(kernel: Kernel, tiles: Tiles, shape: LoopShape) -> bool {
+    kernel == Kernel::ForwardCm2
+        && shape.seq_q % tiles.q_rows.max(1) as u64 == 0
+        && shape.seq_k % tiles.k_rows.max(1) as u64 == 0
 }
 
 /// The forward's kernel.
@@ -175,6 +189,7 @@ impl Keys {
             subgroups: self.caps.subgroups,
             variants: self.variants,
             passthrough: kernel.is_coop() && self.passthrough,
+            exact_tiles: exact_tiles(kernel, tiles, self.shape),
         }
     }
 
@@ -627,6 +642,24 @@ mod tests {
         assert_eq!(f.forward.kernel, Kernel::ForwardCoop, "coop tiles forced");
         // Without the extension, the cooperative kernel as before.
         assert_eq!(select_forward(&f16, H100, &none).tier, Coop);
+        // The test problem's 100 rows over 70 keys are not whole tiles.
+        assert!(!select_forward(&f16, H100_CM2, &none).forward.exact_tiles);
+    }
+
+    #[test]
+    fn whole_tiles_are_told_apart_for_the_cm2_forward_only() {
+        let t = tiles::cm2_forward_tiles(64, 64).unwrap();
+        let shape = |seq_q, seq_k| LoopShape {
+            seq_q,
+            seq_k,
+            group: 1,
+        };
+        assert!(exact_tiles(Kernel::ForwardCm2, t, shape(4096, 4096)));
+        assert!(exact_tiles(Kernel::ForwardCm2, t, shape(64, 128)));
+        assert!(!exact_tiles(Kernel::ForwardCm2, t, shape(4096, 4095)));
+        assert!(!exact_tiles(Kernel::ForwardCm2, t, shape(100, 4096)));
+        assert!(!exact_tiles(Kernel::ForwardCm2, t, shape(1, 64)));
+        assert!(!exact_tiles(Kernel::ForwardCoop, t, shape(4096, 4096)));
     }
 
     #[test]

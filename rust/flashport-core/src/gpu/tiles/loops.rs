@@ -378,6 +378,7 @@ mod tests {
             subgroups: true,
             variants: Variants::default(),
             passthrough: false,
+            exact_tiles: false,
         }
     }
 
