@@ -23,81 +23,14 @@
 // Compiled by scripts/cm2.sh (a pinned glslang) into forward.spv; the
 // specialisation constants D, DV, BR, BC and CLAMP are set in the SPIR-V
 // by gpu/cm2.rs (wgpu passes none to a passthrough module).
-#extension GL_EXT_control_flow_attributes : enable
-#extension GL_EXT_shader_16bit_storage : require
-#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
-#extension GL_EXT_shader_explicit_arithmetic_types_int32 : require
-#extension GL_KHR_memory_scope_semantics : enable
-#extension GL_KHR_cooperative_matrix : enable
-#extension GL_NV_cooperative_matrix2 : enable
-
-layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
-
-layout(constant_id = 0) const uint32_t D = 64;
-layout(constant_id = 1) const uint32_t DV = 64;
-layout(constant_id = 2) const uint32_t BR = 64;
-layout(constant_id = 3) const uint32_t BC = 64;
-// How tensor loads and stores treat elements past the arrays' edges:
-// gl_CooperativeMatrixClampModeConstantNV (1, zeros in, nothing out), or
-// 0 (undefined) where seq_q and seq_k are multiples of the tiles.
-#ifndef CLAMP_DEFAULT
-#define CLAMP_DEFAULT 1
-#endif
-layout(constant_id = 4) const uint32_t CLAMP = CLAMP_DEFAULT;
-
-layout(std140, binding = 0) uniform Params {
-    uint32_t seq_q;
-    uint32_t seq_k;
-    uint32_t group;
-    uint32_t q_head0;
-    uint32_t causal;
-    int32_t causal_offset;
-    float scale;
-    uint32_t g_count;
-    uint32_t head0;
-    uint32_t heads_q;
-    int32_t diag_offset;
-    int32_t left_offset;
-    float softcap;
-    float keep_scale;
-    uint32_t drop_threshold;
-    uint32_t seed_lo;
-    uint32_t seed_hi;
-    uint32_t mask_sb;
-    uint32_t mask_sh;
-    uint32_t mask_sr;
-    uint32_t mask_sk;
-    uint32_t mask_db;
-    uint32_t mask_dh;
-    uint32_t mask_dr;
-    uint32_t mask_dk;
-    uint32_t mask_bcr;
-    uint32_t mask_bck;
-    uint32_t blocks_off;
-    uint32_t slopes_off;
-    uint32_t sinks_off;
-    uint32_t rows_off;
-    uint32_t pad1;
-} p;
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
 
 layout(std430, binding = 1) readonly buffer Q { float16_t q[]; };
 layout(std430, binding = 2) readonly buffer K { float16_t k[]; };
 layout(std430, binding = 3) readonly buffer V { float16_t v[]; };
 layout(std430, binding = 4) writeonly buffer O { float o[]; };
 layout(std430, binding = 5) writeonly buffer LSE { float lse[]; };
-
-const float LOG2E = 1.4426950408889634;
-#define NEG_INF uintBitsToFloat(0xff800000u)
-
-#define ACC(R, C) coopmat<float, gl_ScopeWorkgroup, R, C, gl_MatrixUseAccumulator>
-
-// The keys query row `row` sees: [0, visible_end(row)) (lib/common.wgsl).
-uint32_t visible_end(uint32_t row) {
-    if (p.causal == 0u) {
-        return p.seq_k;
-    }
-    return uint32_t(clamp(int32_t(row) + p.causal_offset + 1, 0, int32_t(p.seq_k)));
-}
 
 // The score of element (r, c) of the tile at (row0, col0): scaled, or
 // -inf where the key is not visible to the row (or past the keys).

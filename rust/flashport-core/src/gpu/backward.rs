@@ -11,7 +11,7 @@ use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
 use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
-use super::kernel::Kernel;
+use super::kernel::{Kernel, Tier};
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
@@ -252,8 +252,10 @@ fn backward_on(
             dq_bindings.extend([dqb.binding(), dsb.binding()]);
             let mut kv_bindings = common.to_vec();
             kv_bindings.extend([dkb.binding(), dvb.binding()]);
-            let g_dq = bind(ctx, &dq_pipe, &dq_bindings, Some(&vx));
-            let g_kv = bind(ctx, &dkdv_pipe, &kv_bindings, Some(&vx));
+            // The cooperative-matrix-2 kernels read no variants.
+            let variants = (plan.tier != Tier::Cm2).then_some(&vx);
+            let g_dq = bind(ctx, &dq_pipe, &dq_bindings, variants);
+            let g_kv = bind(ctx, &dkdv_pipe, &kv_bindings, variants);
             // Raised by the pre-pass and the screen, read by the simple
             // kernels behind the fast ones.
             screen::reset_flag(ctx, &mut sub, &stats, screened_on_host);

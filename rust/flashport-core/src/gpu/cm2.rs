@@ -25,6 +25,8 @@ use std::marker::PhantomData;
 use ash::vk;
 use wgpu::hal;
 
+use super::kernel::Kernel;
+
 const EXTENSION: &CStr = c"VK_NV_cooperative_matrix2";
 
 /// `VkPhysicalDeviceCooperativeMatrix2FeaturesNV` (ash 0.38 predates it).
@@ -144,10 +146,13 @@ pub(crate) fn open(
     unsafe { adapter.create_device_from_hal(opened, desc) }.map_err(|e| e.to_string())
 }
 
-/// The forward kernel (shaders/cm2/forward.comp) as glslang wrote it.
+/// The kernels (shaders/cm2/*.comp) as glslang wrote them.
 const FORWARD: &[u8] = include_bytes!("../../../../shaders/cm2/forward.spv");
+const BACKWARD_DQ: &[u8] = include_bytes!("../../../../shaders/cm2/backward_dq.spv");
+const BACKWARD_DKDV: &[u8] = include_bytes!("../../../../shaders/cm2/backward_dkdv.spv");
 
-/// The forward's specialisation constants, by the shader's `constant_id`.
+/// The kernels' specialisation constants, by the shaders' `constant_id`
+/// (shaders/cm2/common.glsl).
 pub(crate) const SPEC_D: u32 = 0;
 pub(crate) const SPEC_DV: u32 = 1;
 pub(crate) const SPEC_BR: u32 = 2;
@@ -158,9 +163,21 @@ pub(crate) const SPEC_BC: u32 = 3;
 /// whole tiles and nothing lies past them.
 pub(crate) const SPEC_CLAMP: u32 = 4;
 
-/// The forward's words with its constants set to `values` (id, value).
-pub(crate) fn forward_words(values: &[(u32, u32)]) -> Result<Vec<u32>, String> {
-    let words: Vec<u32> = FORWARD
+/// The words of `kernel` (a cooperative-matrix-2 one) with its constants
+/// set to `values` (id, value).
+pub(crate) fn kernel_words(kernel: Kernel, values: &[(u32, u32)]) -> Result<Vec<u32>, String> {
+    let spv = match kernel {
+        Kernel::ForwardCm2 => FORWARD,
+        Kernel::BackwardDqCm2 => BACKWARD_DQ,
+        Kernel::BackwardDkDvCm2 => BACKWARD_DKDV,
+        other => {
+            return Err(format!(
+                "{} has no cooperative-matrix-2 SPIR-V",
+                other.name()
+            ))
+        }
+    };
+    let words: Vec<u32> = spv
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
@@ -249,6 +266,25 @@ mod tests {
             at += count;
         }
         found
+    }
+
+    fn forward_words(values: &[(u32, u32)]) -> Result<Vec<u32>, String> {
+        kernel_words(Kernel::ForwardCm2, values)
+    }
+
+    #[test]
+    fn every_kernel_declares_every_constant() {
+        for kernel in [
+            Kernel::ForwardCm2,
+            Kernel::BackwardDqCm2,
+            Kernel::BackwardDkDvCm2,
+        ] {
+            let words = kernel_words(kernel, &[]).unwrap();
+            for spec in [SPEC_D, SPEC_DV, SPEC_BR, SPEC_BC, SPEC_CLAMP] {
+                assert!(default_of(&words, spec).is_some(), "{kernel:?} {spec}");
+            }
+        }
+        assert!(kernel_words(Kernel::ForwardCoop, &[]).is_err());
     }
 
     #[test]

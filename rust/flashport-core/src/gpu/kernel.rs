@@ -15,9 +15,9 @@ pub enum Tier {
     /// float16 products on cooperative matrices (tensor cores,
     /// shaders/coop/).
     Coop,
-    /// float16 on NVIDIA's cooperative matrices 2, the softmax inside the
-    /// matrices (GLSL, shaders/cm2/; `gpu/cm2.rs`). The forward only: the
-    /// backward runs the `Coop` kernels.
+    /// float16 on NVIDIA's cooperative matrices 2, each step inside the
+    /// matrices (GLSL, shaders/cm2/; `gpu/cm2.rs`); the backward's pre-pass
+    /// is the simple one, as for every tier.
     Cm2,
 }
 
@@ -35,6 +35,8 @@ pub enum Kernel {
     BackwardDqCoop,
     BackwardDkDvCoop,
     ForwardCm2,
+    BackwardDqCm2,
+    BackwardDkDvCm2,
 }
 
 impl Kernel {
@@ -57,7 +59,7 @@ impl Kernel {
                 Tier::Tiled
             }
             Kernel::ForwardCoop | Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => Tier::Coop,
-            Kernel::ForwardCm2 => Tier::Cm2,
+            Kernel::ForwardCm2 | Kernel::BackwardDqCm2 | Kernel::BackwardDkDvCm2 => Tier::Cm2,
         }
     }
 
@@ -86,6 +88,8 @@ impl Kernel {
             Kernel::BackwardDqCoop => "backward_dq_coop",
             Kernel::BackwardDkDvCoop => "backward_dkdv_coop",
             Kernel::ForwardCm2 => "forward_cm2",
+            Kernel::BackwardDqCm2 => "backward_dq_cm2",
+            Kernel::BackwardDkDvCm2 => "backward_dkdv_cm2",
         }
     }
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::context::{lock, Context};
-use super::kernel::Kernel;
+use super::kernel::{Kernel, Tier};
 use super::select::PipelineKey;
 use crate::{Error, Result};
 
@@ -99,19 +99,24 @@ impl Context {
         unsafe { self.passthrough_pipeline(label, &compiled) }
     }
 
-    /// The cooperative-matrix-2 forward of `key` (gpu/cm2.rs), its sizes
-    /// set in its SPIR-V. Its bindings are the forward's first six: the
-    /// uniform, q, k, v, o and lse.
+    /// The cooperative-matrix-2 kernel of `key` (gpu/cm2.rs), its sizes
+    /// set in its SPIR-V. Its bindings are the uniform, then the other
+    /// tiers' arrays without the variants': the forward's q, k, v (read)
+    /// and o, lse; the backward's do, q, k, v, stats (read) and dQ with the
+    /// score gradient's stand-in, or dK and dV.
     fn cm2_pipeline(&self, key: &PipelineKey) -> Result<wgpu::ComputePipeline> {
-        use super::cm2::{forward_words, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV};
+        use super::cm2::{kernel_words, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV};
         let t = key.tiles;
-        let words = forward_words(&[
-            (SPEC_D, key.d),
-            (SPEC_DV, key.dv),
-            (SPEC_BR, t.q_rows),
-            (SPEC_BC, t.k_rows),
-            (SPEC_CLAMP, u32::from(!key.exact_tiles)),
-        ])
+        let words = kernel_words(
+            key.kernel,
+            &[
+                (SPEC_D, key.d),
+                (SPEC_DV, key.dv),
+                (SPEC_BR, t.q_rows),
+                (SPEC_BC, t.k_rows),
+                (SPEC_CLAMP, u32::from(!key.exact_tiles)),
+            ],
+        )
         .map_err(|e| Error::Gpu(format!("specialising {}: {e}", key.kernel.name())))?;
         let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {
             binding,
@@ -133,8 +138,13 @@ impl Context {
             },
             count: None,
         }];
-        bindings.extend((1..=3).map(|b| storage(b, true)));
-        bindings.extend((4..=5).map(|b| storage(b, false)));
+        let reads = if key.kernel == Kernel::ForwardCm2 {
+            3
+        } else {
+            5
+        };
+        bindings.extend((1..=reads).map(|b| storage(b, true)));
+        bindings.extend((reads + 1..=reads + 2).map(|b| storage(b, false)));
         let compiled = super::spirv::Compiled {
             words,
             bindings,
@@ -293,7 +303,7 @@ impl Context {
         if let Some(p) = lock(&self.cache.pipelines).get(&key) {
             return Ok(p.clone());
         }
-        if key.kernel == Kernel::ForwardCm2 {
+        if key.kernel.tier() == Tier::Cm2 {
             let pipeline = self.cm2_pipeline(&key)?;
             lock(&self.cache.pipelines).insert(key, pipeline.clone());
             return Ok(pipeline);

@@ -97,18 +97,18 @@ pub struct PipelineKey {
     /// A cooperative kernel built from the SPIR-V of src/gpu/spirv.rs and
     /// handed to the driver as it is (false: wgpu compiles the WGSL).
     pub passthrough: bool,
-    /// The cooperative-matrix-2 forward over whole tiles only (seq_q and
-    /// seq_k multiples of its rows and keys): it then loads and stores
-    /// without clamping at the arrays' edges, which cost it up to a third
+    /// A cooperative-matrix-2 kernel over whole tiles only (seq_q and seq_k
+    /// multiples of its rows and keys): it then loads and stores without
+    /// clamping at the arrays' edges, which cost the forward up to a third
     /// of its time at d = 128 (`exact_tiles`). False for every other kernel.
     pub exact_tiles: bool,
 }
 
 /// Whether `kernel` with `tiles` covers `shape`'s rows and keys in whole
 /// tiles, where that changes its pipeline (the cooperative-matrix-2
-/// forward: docs/gpu.md#cooperative-matrices-2).
+/// kernels: docs/gpu.md#cooperative-matrices-2).
 pub fn exact_tiles(kernel: Kernel, tiles: Tiles, shape: LoopShape) -> bool {
-    kernel == Kernel::ForwardCm2
+    kernel.tier() == Tier::Cm2
         && shape.seq_q % tiles.q_rows.max(1) as u64 == 0
         && shape.seq_k % tiles.k_rows.max(1) as u64 == 0
 }
@@ -280,18 +280,33 @@ pub fn select_backward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Backwa
     let keys = Keys::new(p, caps, ov, variants_of(p));
     let (d, dv) = (keys.d, keys.dv);
     let pair = |tier, dq, dkdv, (tq, tkv)| (tier, keys.key(dq, tq), keys.key(dkdv, tkv));
-    let coop = keys
-        .coop(p, ov)
-        .then(|| tiles::coop_backward_tiles(d, dv, caps))
+    // (The score gradient, which the cm2 kernels do not write, is asked
+    // for only with a mask: a variant, which they do not take.)
+    let cm2 = keys
+        .cm2(p, ov)
+        .then(|| tiles::cm2_backward_tiles(d, dv))
         .flatten()
         .map(|t| {
             pair(
-                Tier::Coop,
-                Kernel::BackwardDqCoop,
-                Kernel::BackwardDkDvCoop,
-                t,
+                Tier::Cm2,
+                Kernel::BackwardDqCm2,
+                Kernel::BackwardDkDvCm2,
+                (t, t),
             )
         });
+    let coop = || {
+        keys.coop(p, ov)
+            .then(|| tiles::coop_backward_tiles(d, dv, caps))
+            .flatten()
+            .map(|t| {
+                pair(
+                    Tier::Coop,
+                    Kernel::BackwardDqCoop,
+                    Kernel::BackwardDkDvCoop,
+                    t,
+                )
+            })
+    };
     let tiled = || {
         ov.allows(Tier::Tiled)
             .then(|| tiles::tiled_backward_tiles(d, dv, caps))
@@ -305,7 +320,7 @@ pub fn select_backward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Backwa
                 )
             })
     };
-    let (tier, dq, dkdv) = coop.or_else(tiled).unwrap_or_else(|| {
+    let (tier, dq, dkdv) = cm2.or_else(coop).or_else(tiled).unwrap_or_else(|| {
         (
             Tier::Simple,
             keys.simple(Kernel::BackwardDq),
@@ -594,13 +609,16 @@ mod tests {
         let f = select_forward(&f16, H100_CM2, &Overrides::default());
         assert_eq!((f.tier, f.forward.kernel), (Cm2, Kernel::ForwardCm2));
         assert_eq!(f.forward.tiles, tiles::cm2_forward_tiles(64, 64).unwrap());
-        // Its backward is the cooperative one, and the screen's simple
-        // kernel stands behind it.
+        // Its backward too, the screen's simple kernels behind them.
+        let b = select_backward(&f16, H100_CM2, &Overrides::default());
         assert_eq!(
-            select_backward(&f16, H100_CM2, &Overrides::default()).tier,
-            Coop
+            (b.tier, b.dq.kernel, b.dkdv.kernel),
+            (Cm2, Kernel::BackwardDqCm2, Kernel::BackwardDkDvCm2)
         );
+        assert_eq!(b.preprocess.kernel, Kernel::BackwardPreprocess);
+        assert_eq!(b.dkdv.tiles, tiles::cm2_backward_tiles(64, 64).unwrap());
         assert!(simple_forward(&f16, H100_CM2, &Overrides::default(), &f).is_some());
+        assert!(simple_backward(&f16, H100_CM2, &Overrides::default(), &b).is_some());
         for (p, why) in [
             (plain("float16", 128, 64), "d != dv"),
             (plain("float16", 16, 112), "small and odd multiples of 16"),
@@ -609,8 +627,8 @@ mod tests {
             assert_eq!(f.tier, Cm2, "{why}");
         }
         let coop_only = |p: &Problem, ov: &Overrides, why: &str| {
-            let f = select_forward(p, H100_CM2, ov);
-            assert_ne!(f.tier, Cm2, "{why}");
+            assert_ne!(select_forward(p, H100_CM2, ov).tier, Cm2, "{why}");
+            assert_ne!(select_backward(p, H100_CM2, ov).tier, Cm2, "{why}");
         };
         let none = Overrides::default();
         coop_only(&plain("float32", 64, 64), &none, "float32");

@@ -194,7 +194,7 @@ pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
         Kernel::BackwardDqCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DQ],
         Kernel::BackwardDkDvCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DKDV],
         // GLSL, compiled ahead (shaders/cm2/, gpu/cm2.rs): no WGSL.
-        Kernel::ForwardCm2 => &[],
+        Kernel::ForwardCm2 | Kernel::BackwardDqCm2 | Kernel::BackwardDkDvCm2 => &[],
     };
     parts.join("\n")
 }
@@ -291,7 +291,7 @@ pub fn tile_overrides(
     let n = |x: u32| x.max(1) as f64;
     match kernel {
         // Specialised in its SPIR-V (gpu/cm2.rs), not by WGSL overrides.
-        Kernel::ForwardCm2 => Vec::new(),
+        Kernel::ForwardCm2 | Kernel::BackwardDqCm2 | Kernel::BackwardDkDvCm2 => Vec::new(),
         Kernel::ForwardTiled => {
             let (q, kv, p, red) = super::tiles::tiled_workgroup_vec4s(d, dv, t, subgroups);
             let d4 = d / 4;

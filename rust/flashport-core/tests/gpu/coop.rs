@@ -239,6 +239,35 @@ fn coop_backward_matches_float64_reference() {
         );
         return;
     }
+    // Capped at the tier: where NVIDIA's cooperative matrices 2 are open,
+    // the default is theirs (cm2_backward_matches_float64_reference).
+    overrides::with(max_tier(Tier::Coop), || {
+        backward_against_float64(Tier::Coop, ["backward_dq_coop", "backward_dkdv_coop"])
+    });
+}
+
+/// The float16 backward on NVIDIA's cooperative matrices 2 against float64,
+/// on the cases and at the tolerance of the cooperative one.
+#[test]
+fn cm2_backward_matches_float64_reference() {
+    if !gpu_present() {
+        return;
+    }
+    if !adapter_caps().unwrap().cm2 {
+        eprintln!(
+            "NOT TESTED: this adapter has no cooperative matrices 2 (VK_NV_cooperative_matrix2): \
+             their backward does not run here"
+        );
+        return;
+    }
+    backward_against_float64(Tier::Cm2, ["backward_dq_cm2", "backward_dkdv_cm2"]);
+}
+
+/// The backward of `tier` (which must run, as `names` for dQ and dK/dV)
+/// against float64: seq_q != seq_k both ways (causal rows with no visible
+/// key where seq_q > seq_k), GQA, d != dv, sizes that are not multiples of
+/// the tiles, and scores large enough that P is far from uniform.
+fn backward_against_float64(tier: Tier, names: [&str; 2]) {
     // Head dimensions up to 128, both ways of d != dv, GQA, sizes that are
     // not tile multiples.
     let shapes: [Shape; 8] = [
@@ -257,7 +286,7 @@ fn coop_backward_matches_float64_reference() {
         for causal in [false, true] {
             for sharp in [false, true] {
                 let mut c = case(s, causal, DType::F16, 170 + i as u64);
-                if plans(&c.p).unwrap().1.tier != Tier::Coop {
+                if plans(&c.p).unwrap().1.tier != tier {
                     eprintln!("{s:?}: runs other kernels here; not tested");
                     continue;
                 }
@@ -269,9 +298,8 @@ fn coop_backward_matches_float64_reference() {
                 }
                 let (e, kernels) = backward_errors(&c, true);
                 assert!(
-                    kernels.is_empty()
-                        || kernels[1..] == ["backward_dq_coop", "backward_dkdv_coop"],
-                    "expected the cooperative backward, ran {kernels:?}"
+                    kernels.is_empty() || kernels[1..] == names,
+                    "expected {names:?}, ran {kernels:?}"
                 );
                 let (se, _) = backward_errors(&c, false);
                 let (w, sw) = (
@@ -279,7 +307,7 @@ fn coop_backward_matches_float64_reference() {
                     se.iter().cloned().fold(0.0, f64::max),
                 );
                 eprintln!(
-                    "coop backward {s:?} causal={causal} sharp={sharp}: dq/dk/dv {:.2e} {:.2e} {:.2e} \
+                    "{tier:?} backward {s:?} causal={causal} sharp={sharp}: dq/dk/dv {:.2e} {:.2e} {:.2e} \
                      (scalar float16: {:.2e} {:.2e} {:.2e})",
                     e[0], e[1], e[2], se[0], se[1], se[2]
                 );
@@ -292,8 +320,8 @@ fn coop_backward_matches_float64_reference() {
         }
     }
     eprintln!(
-        "cooperative backward worst relative error {:.2e} (scalar float16 kernels {:.2e})",
+        "{tier:?} backward worst relative error {:.2e} (scalar float16 kernels {:.2e})",
         worst[0], worst[1]
     );
-    assert!(tested > 0, "no shape ran the cooperative backward");
+    assert!(tested > 0, "no shape ran the {tier:?} backward");
 }

@@ -261,9 +261,9 @@ fn every_tier_the_adapter_has_is_reached() {
     assert_eq!(tiled, (Tier::Tiled, Tier::Tiled));
     let default = tiers(&f16_64, "float16 d=64");
     if caps.cm2 {
-        // NVIDIA's cooperative matrices 2: their forward, the cooperative
-        // backward; capped at Coop, the cooperative forward.
-        assert_eq!(default, (Tier::Cm2, Tier::Coop));
+        // NVIDIA's cooperative matrices 2: their forward and backward;
+        // capped at Coop, the cooperative kernels.
+        assert_eq!(default, (Tier::Cm2, Tier::Cm2));
         let (f, _) = plans(&f16_64.p).unwrap();
         assert_eq!(f.forward.kernel, Kernel::ForwardCm2);
         let coop = overrides::with(max_tier(Tier::Coop), || {

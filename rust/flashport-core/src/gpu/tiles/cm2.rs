@@ -24,6 +24,21 @@ pub fn cm2_forward_tiles(d: u32, dv: u32) -> Option<Tiles> {
     })
 }
 
+/// The backward's tiles (both kernels: BR query rows, BC keys) for head
+/// dimensions `d` and `dv` where it takes them: the forward's, with 32
+/// keys above d = 64, where dK/dV's two float32 accumulators (BC × d and
+/// BC × dv) would otherwise take 128 registers an invocation on their own.
+pub fn cm2_backward_tiles(d: u32, dv: u32) -> Option<Tiles> {
+    cm2_forward_tiles(d, dv).map(|t| Tiles {
+        k_rows: if d.max(dv) > 64 {
+            CM2_KEYS / 2
+        } else {
+            CM2_KEYS
+        },
+        ..t
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -43,6 +58,10 @@ mod tests {
             (64, 8, false),
         ] {
             assert_eq!(cm2_forward_tiles(d, dv).is_some(), fits, "d={d} dv={dv}");
+            assert_eq!(cm2_backward_tiles(d, dv).is_some(), fits, "d={d} dv={dv}");
         }
+        assert_eq!(cm2_backward_tiles(64, 64).unwrap().k_rows, 64);
+        assert_eq!(cm2_backward_tiles(64, 128).unwrap().k_rows, 32);
+        assert_eq!(cm2_backward_tiles(128, 128).unwrap().q_rows, 64);
     }
 }

@@ -284,7 +284,9 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
         Kernel::ForwardCoop
         | Kernel::BackwardDqCoop
         | Kernel::BackwardDkDvCoop
-        | Kernel::ForwardCm2 => 0,
+        | Kernel::ForwardCm2
+        | Kernel::BackwardDqCm2
+        | Kernel::BackwardDkDvCm2 => 0,
     }
 }
 

@@ -1,0 +1,86 @@
+// What every kernel of NVIDIA's cooperative matrices 2 shares
+// (shaders/cm2/*.comp include it; scripts/cm2.sh compiles them): the
+// extensions, the workgroup, the specialisation constants gpu/cm2.rs sets,
+// the uniform (lib/common.wgsl's Params, member for member) and the
+// visible keys of a row.
+#extension GL_EXT_control_flow_attributes : enable
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int32 : require
+#extension GL_KHR_memory_scope_semantics : enable
+#extension GL_KHR_cooperative_matrix : enable
+#extension GL_NV_cooperative_matrix2 : enable
+
+layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
+
+layout(constant_id = 0) const uint32_t D = 64;
+layout(constant_id = 1) const uint32_t DV = 64;
+// The rows a workgroup owns and the rows (keys, or queries in the dK/dV
+// kernel) it streams a step: the forward's and dQ's BR query rows, BC keys;
+// dK/dV's BC keys, BR query rows.
+layout(constant_id = 2) const uint32_t BR = 64;
+layout(constant_id = 3) const uint32_t BC = 64;
+// How tensor loads and stores treat elements past the arrays' edges:
+// gl_CooperativeMatrixClampModeConstantNV (1, zeros in, nothing out), or
+// 0 (undefined) where seq_q and seq_k are multiples of the tiles (the
+// kernels' tiles then never reach past the arrays).
+#ifndef CLAMP_DEFAULT
+#define CLAMP_DEFAULT 1
+#endif
+layout(constant_id = 4) const uint32_t CLAMP = CLAMP_DEFAULT;
+
+layout(std140, binding = 0) uniform Params {
+    uint32_t seq_q;
+    uint32_t seq_k;
+    uint32_t group;
+    uint32_t q_head0;
+    uint32_t causal;
+    int32_t causal_offset;
+    float scale;
+    uint32_t g_count;
+    uint32_t head0;
+    uint32_t heads_q;
+    int32_t diag_offset;
+    int32_t left_offset;
+    float softcap;
+    float keep_scale;
+    uint32_t drop_threshold;
+    uint32_t seed_lo;
+    uint32_t seed_hi;
+    uint32_t mask_sb;
+    uint32_t mask_sh;
+    uint32_t mask_sr;
+    uint32_t mask_sk;
+    uint32_t mask_db;
+    uint32_t mask_dh;
+    uint32_t mask_dr;
+    uint32_t mask_dk;
+    uint32_t mask_bcr;
+    uint32_t mask_bck;
+    uint32_t blocks_off;
+    uint32_t slopes_off;
+    uint32_t sinks_off;
+    uint32_t rows_off;
+    uint32_t pad1;
+} p;
+
+const float LOG2E = 1.4426950408889634;
+#define NEG_INF uintBitsToFloat(0xff800000u)
+
+#define ACC(R, C) coopmat<float, gl_ScopeWorkgroup, R, C, gl_MatrixUseAccumulator>
+
+// The keys query row `row` sees: [0, visible_end(row)) (lib/common.wgsl).
+uint32_t visible_end(uint32_t row) {
+    if (p.causal == 0u) {
+        return p.seq_k;
+    }
+    return uint32_t(clamp(int32_t(row) + p.causal_offset + 1, 0, int32_t(p.seq_k)));
+}
+
+
+#define F16(R, C, USE) coopmat<float16_t, gl_ScopeWorkgroup, R, C, USE>
+
+// A 2-D tensor layout of `rows` × `cols` with the kernel's clamp mode.
+#define ROWS(name, rows, cols) \
+    tensorLayoutNV<2, CLAMP> name = createTensorLayoutNV(2, CLAMP); \
+    name = setTensorLayoutDimensionNV(name, rows, cols)
