@@ -5,7 +5,8 @@
 use std::borrow::Cow;
 
 use super::element::Element;
-use super::{narrow, num_threads, parallel, run_with};
+use super::threads::run_with;
+use super::{narrow, num_threads, parallel};
 use crate::merge::PartInputs;
 use crate::{DType, ForwardOutput, MergeProblem, Result, Slice};
 
