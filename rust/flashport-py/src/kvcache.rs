@@ -13,10 +13,11 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use super::{
-    as_f64_vec, int_values, raise, run_detached, scalars, to_numpy, to_python, ArgMeta, Contiguous,
-    Held, KvCacheVariantArgs,
-};
+use crate::arrays::{int_values, to_numpy, to_python, ArgMeta, Contiguous, Held};
+use crate::detach::run_detached;
+use crate::errors::raise;
+use crate::scalars;
+use crate::variants::{as_f64_vec, KvCacheVariantArgs};
 
 /// An array the cache reads (k, v, q): held in its own float dtype, or
 /// not at all when it has no float dtype (the core then names the

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 
-use crate::to_py_err;
+use crate::errors::to_py_err;
 
 /// Longest `repr` quoted in a message (a large set or array would fill
 /// the screen).

@@ -1,0 +1,170 @@
+//! `DeviceArray`, the GPU tensor behind `flashport.DeviceArray`, and the
+//! GPU as a whole: `to_device`, `synchronize`, `devices` and the kernel
+//! timing hooks.
+
+use std::panic::catch_unwind;
+
+use flashport_core as core;
+use flashport_core::{DType, Device};
+
+use crate::arrays::{to_numpy, ArgMeta, Held};
+use crate::detach::run_detached;
+use crate::errors::{to_py_err, validated};
+use crate::scalars;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+/// DeviceArray: a float32 or float16 array resident on the GPU, made by
+/// to_device or kept there by attention / attention_backward.
+/// flashport.DeviceArray wraps it; immutable.
+#[pyclass(frozen, module = "flashport._core")]
+pub(crate) struct DeviceArray {
+    pub(crate) inner: core::DeviceArray,
+}
+
+#[pymethods]
+impl DeviceArray {
+    #[getter]
+    pub(crate) fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.inner.shape())
+    }
+    /// The NumPy dtype name: "float32" or "float16".
+    #[getter]
+    pub(crate) fn dtype(&self) -> &'static str {
+        self.inner.dtype().numpy_name()
+    }
+    #[getter]
+    pub(crate) fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+    /// The name of the GPU adapter that holds it.
+    #[getter]
+    fn adapter(&self) -> String {
+        self.inner.adapter_name().to_string()
+    }
+    /// numpy() -> ndarray: a new NumPy array with the tensor's values.
+    pub(crate) fn numpy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let buffer = run_detached(py, || self.inner.to_host())?;
+        to_numpy(py, buffer, self.inner.shape())
+    }
+    /// copy() -> DeviceArray: a new array with the same elements, copied
+    /// on the GPU.
+    pub(crate) fn copy(&self, py: Python<'_>) -> PyResult<DeviceArray> {
+        let inner = run_detached(py, || self.inner.copy())?;
+        Ok(DeviceArray { inner })
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "DeviceArray(shape={:?}, dtype={}, adapter={:?})",
+            self.inner.shape(),
+            self.inner.dtype().numpy_name(),
+            self.inner.adapter_name()
+        )
+    }
+}
+
+/// to_device(array) -> DeviceArray: uploads a float32 or float16 NumPy
+/// array to the GPU. The private entry point behind flashport.to_device.
+#[pyfunction]
+pub(crate) fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
+    let meta = ArgMeta::read("array", array)?;
+    let dtype = DType::from_numpy_name(&meta.dtype).ok_or_else(|| {
+        to_py_err(
+            py,
+            core::Error::DType {
+                argument: "array".to_string(),
+                dtype: meta.dtype.clone(),
+                reason: "the GPU computes in float32 or float16".to_string(),
+            },
+        )
+    })?;
+    let held = Held::host(array, dtype)?;
+    // The GPU's limit first: an array no device buffer can hold is refused
+    // before a contiguous copy of it is made.
+    if dtype != DType::F64 {
+        let element = if dtype == DType::F16 { 2 } else { 4 };
+        let bytes = meta.shape.iter().map(|&n| n as u64).product::<u64>() * element;
+        validated(py, core::gpu::check_array_bytes("array", bytes))?;
+    }
+    let contiguous = held.contiguous("array")?;
+    let slice = contiguous
+        .slice()
+        .ok_or_else(|| PyTypeError::new_err("array must be a numpy.ndarray"))?;
+    let inner = run_detached(py, || core::to_device("array", slice, &meta.shape))?;
+    Ok(DeviceArray { inner })
+}
+
+/// synchronize(device=None) -> None: waits until the GPU has done every
+/// call queued on it ("cpu": nothing to wait for, CPU calls return done);
+/// GpuError if the device was lost on the way. The private entry point
+/// behind flashport.synchronize.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+pub(crate) fn synchronize(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let name = match device {
+        Some(device) => scalars::device_name(device)?,
+        None => None,
+    };
+    // Not `Device::parse`'s default: FLASHPORT_DEVICE picks where calls
+    // run, while queued work can only be on the GPU.
+    if let Some(name) = name {
+        if validated(py, Device::parse(Some(&name)))? == Device::Cpu {
+            return Ok(());
+        }
+    }
+    run_detached(py, core::gpu::synchronize)
+}
+
+/// devices() -> list[dict]: the CPU and every GPU adapter flashport can use.
+#[pyfunction]
+pub(crate) fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    let cpu = PyDict::new(py);
+    cpu.set_item("device", "cpu")?;
+    cpu.set_item("backend", "cpu")?;
+    cpu.set_item("name", std::env::consts::ARCH)?;
+    cpu.set_item("type", "cpu")?;
+    cpu.set_item("threads", validated(py, core::cpu::num_threads())?)?;
+    cpu.set_item(
+        "cache_bytes_per_core",
+        core::cpu::tiles::per_core_cache_bytes(),
+    )?;
+    list.append(cpu)?;
+    let adapters = py
+        .detach(|| catch_unwind(core::gpu::adapters))
+        .unwrap_or_default();
+    for adapter in adapters {
+        let entry = PyDict::new(py);
+        entry.set_item("device", "gpu")?;
+        entry.set_item("backend", adapter.backend)?;
+        entry.set_item("name", adapter.name)?;
+        entry.set_item("type", adapter.device_type)?;
+        entry.set_item("driver", adapter.driver)?;
+        let limits = PyDict::new(py);
+        for (name, value) in adapter.limits {
+            limits.set_item(name, value)?;
+        }
+        entry.set_item("limits", limits)?;
+        entry.set_item("features", adapter.features)?;
+        list.append(entry)?;
+    }
+    Ok(list)
+}
+
+/// _gpu_kernel_times() -> list[tuple[str, float]]: the host phases of the
+/// last GPU call on this thread and, while `_gpu_kernel_timing(True)` is
+/// set, the GPU time in seconds of each of its kernels, from timestamp
+/// queries (none where the adapter has none). For benchmarks.
+#[pyfunction]
+pub(crate) fn _gpu_kernel_times() -> Vec<(String, f64)> {
+    core::gpu::last_kernel_times()
+}
+
+/// _gpu_kernel_timing(enabled): whether the calling thread's GPU calls
+/// measure their kernels with timestamp queries (off by default: they cost
+/// each call a readback).
+#[pyfunction]
+pub(crate) fn _gpu_kernel_timing(enabled: bool) {
+    core::gpu::set_kernel_timing(enabled);
+}
