@@ -15,8 +15,7 @@
 use std::sync::Arc;
 
 use super::context::Context;
-use super::pool::Pooled;
-use super::transfer::padded;
+use super::pool::{padded, Pooled};
 use crate::{Error, Result};
 
 /// Bytes of one arena: a decode call's parameters (two uniforms of under

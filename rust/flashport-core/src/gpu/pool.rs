@@ -26,11 +26,16 @@ pub(crate) const DEVICE_USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_SRC)
     .union(wgpu::BufferUsages::COPY_DST);
 
+/// Buffer sizes are multiples of 4 bytes, and never 0.
+pub(crate) fn padded(bytes: u64) -> u64 {
+    bytes.max(4).next_multiple_of(4)
+}
+
 /// The size a buffer for `bytes` is created with: the next of 8 steps per
 /// power of two (at most 12.5% more), so that calls whose sizes differ a
 /// little share buffers. Multiples of 4 bytes, never 0.
 pub(crate) fn bucket(bytes: u64) -> u64 {
-    let bytes = bytes.max(4).next_multiple_of(4);
+    let bytes = padded(bytes);
     if bytes <= 1024 {
         return bytes.next_multiple_of(64);
     }
@@ -134,7 +139,7 @@ impl Context {
     /// pool where one of its size is free. Its contents are whatever an
     /// earlier call left: every user writes it before reading.
     pub fn device_buffer(&self, bytes: u64) -> Pooled {
-        let bytes = bytes.max(4).next_multiple_of(4);
+        let bytes = padded(bytes);
         Pooled {
             buffer: self.device_pool.take(&self.device, bytes),
             bytes,
@@ -146,7 +151,7 @@ impl Context {
     /// the pool: a KV cache's pools live as long as the cache, sized to it
     /// rather than to a bucket, and are freed with it. Zeroed by wgpu.
     pub fn owned_buffer(&self, bytes: u64) -> Pooled {
-        let bytes = bytes.max(4).next_multiple_of(4);
+        let bytes = padded(bytes);
         Pooled {
             buffer: self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("flashport kv cache"),

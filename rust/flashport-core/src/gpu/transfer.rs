@@ -22,14 +22,9 @@ use std::time::{Duration, Instant};
 
 use super::arena::{self, Arena, Param};
 use super::context::Context;
-use super::pool::Pooled;
+use super::pool::{padded, Pooled};
 use super::timing::{self, record_host, record_host_seconds, Timer};
 use crate::{Error, Result};
-
-/// Buffer sizes are multiples of 4 bytes, and never 0.
-pub(crate) fn padded(bytes: u64) -> u64 {
-    bytes.max(4).next_multiple_of(4)
-}
 
 /// The work of one submission: its encoder, the buffers it uses (kept
 /// out of the pool until the work is submitted, or done where the call

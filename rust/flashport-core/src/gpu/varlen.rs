@@ -6,9 +6,10 @@
 
 use super::chunks::binding_limit;
 use super::inputs::Source;
+use super::pool::padded;
 use super::run::with_inputs;
 use super::shaders::VARLEN;
-use super::transfer::{padded, Submission};
+use super::transfer::Submission;
 use crate::overrides;
 use crate::varlen::Segments;
 use crate::{DType, DeviceArray, Error, Problem, Result};
