@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,12 @@ import numpy as np
 
 import flashport
 
+from ._bench_timing import (
+    interleaved_medians,
+    median_seconds,
+    torch_or_none,
+    torch_sdpa_cases,
+)
 from ._memory import forward_peak_bytes
 
 SHAPES = [
@@ -35,50 +40,6 @@ SHAPES = [
 # Naive attention holds S and P (float32): skip it above this many bytes.
 NAIVE_MAX_BYTES = 3 << 30
 MEMORY_SEQ = 65536
-
-
-# OpenBLAS (NumPy) and OpenMP (PyTorch) worker threads keep spinning for a
-# while after a call; pausing before each timed call keeps one competitor's
-# idle threads from stealing cores from the next.
-SETTLE_SECONDS = 0.3
-
-
-def median_seconds(fn: Callable[[], object], repeat: int) -> float:
-    return interleaved_medians({"fn": fn}, repeat)["fn"]
-
-
-def interleaved_medians(
-    cases: dict[str, Callable[[], object]],
-    repeat: int,
-    settle: float = SETTLE_SECONDS,
-    warm: float = 0.0,
-) -> dict[str, float]:
-    """Median seconds of each callable over ``repeat`` rounds, after one
-    warm-up call each (thread pools, page faults, first-call setup) and, with
-    ``warm``, that many seconds of back-to-back calls each. Every round runs
-    each callable once, in turn, ``settle`` seconds after the last: the
-    developer machines are shared VMs, and a disturbance then slows every
-    competitor of a row instead of whichever happened to be measured at that
-    moment.
-
-    On a GPU pass ``settle=0`` and a ``warm`` of some tenths of a second: the
-    H100 runs slower for a while after it idled (on 2026-11-24 one float16
-    decode call took 2.2 ms in its first tens of calls and 0.67 ms after a
-    few hundred more), and a serving loop keeps it busy."""
-    for fn in cases.values():
-        time.sleep(settle)
-        fn()
-        until = time.perf_counter() + warm
-        while time.perf_counter() < until:
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeat):
-        for name, fn in cases.items():
-            time.sleep(settle)
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def sgemm_ceiling(repeat: int) -> float:
@@ -98,15 +59,6 @@ def naive_attention(q, k, v, causal):
     p = np.exp(s)
     p /= p.sum(-1, keepdims=True)
     return p @ v
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(flashport.devices()[0]["threads"])
-    return torch
 
 
 def bench_shape(shape, causal, repeat, torch) -> dict:
@@ -183,29 +135,6 @@ def block_sparse_mask(seq: int, block: int, density: float, seed: int = 2) -> np
     return np.kron(keep, np.ones((block, block), bool))[:seq, :seq]
 
 
-def _torch_cases(torch, arrays, torch_kwargs) -> dict[str, Callable[[], object]]:
-    """PyTorch SDPA forward, and forward+backward, on the same arrays."""
-    import torch.nn.functional as F
-
-    tq, tk, tv, tdo = (torch.from_numpy(x) for x in arrays)
-    tqg, tkg, tvg = (x.clone().requires_grad_() for x in (tq, tk, tv))
-    targs = {
-        key: torch.from_numpy(val) if isinstance(val, np.ndarray) else val
-        for key, val in torch_kwargs.items()
-    }
-
-    def torch_forward():
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(tq, tk, tv, **targs)
-
-    def torch_fwd_bwd():
-        for x in (tqg, tkg, tvg):
-            x.grad = None
-        F.scaled_dot_product_attention(tqg, tkg, tvg, **targs).backward(tdo)
-
-    return {"torch_forward": torch_forward, "torch_fwd_bwd": torch_fwd_bwd}
-
-
 def bench_variants(shape, repeat, torch) -> list[dict]:
     """Sliding window and block-sparse mask against the attention they cut
     down (causal, and dense), flashport and PyTorch in the same rounds:
@@ -240,7 +169,7 @@ def bench_variants(shape, repeat, torch) -> list[dict]:
             "fp_backward": fp_backward,
         }
         if torch is not None:
-            cases.update(_torch_cases(torch, (q, k, v, do), torch_kwargs))
+            cases.update(torch_sdpa_cases(torch, (q, k, v, do), torch_kwargs))
         t = interleaved_medians(cases, repeat)
         row = {
             "variant": name,
@@ -403,7 +332,7 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
 
-    torch = _torch()
+    torch = torch_or_none()
     cpu = flashport.devices()[0]
     print(
         f"flashport {flashport.__version__} bench on {os.cpu_count()} CPUs, "

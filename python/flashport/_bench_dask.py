@@ -65,7 +65,7 @@ def peak() -> int | None:
 
 
 def _medians(cases: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    from ._bench import interleaved_medians
+    from ._bench_timing import interleaved_medians
 
     return interleaved_medians(cases, repeat)
 

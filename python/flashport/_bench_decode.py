@@ -87,7 +87,7 @@ import numpy as np
 
 import flashport
 
-from ._bench import interleaved_medians
+from ._bench_timing import interleaved_medians
 
 HEADS_Q, HEADS_KV, D = 32, 8, 128
 BATCHES = (1, 8, 32)

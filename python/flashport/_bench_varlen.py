@@ -28,7 +28,7 @@ import numpy as np
 
 import flashport
 
-from ._bench import _torch, _torch_cases, interleaved_medians
+from ._bench_timing import interleaved_medians, torch_or_none, torch_sdpa_cases
 
 # The mix: sequences from 64 to 4096 tokens.
 FULL = {"sequences": 12, "shortest": 64, "longest": 4096, "heads": 4, "repeat": 3}
@@ -111,7 +111,7 @@ def bench_row(lengths, heads, d, dtype, causal, device, repeat, torch) -> dict:
         "padded_fwd_bwd": padded_fwd_bwd,
     }
     if torch is not None:
-        cases.update(_torch_cases(torch, (qp, kp, vp, dop), torch_kw))
+        cases.update(torch_sdpa_cases(torch, (qp, kp, vp, dop), torch_kw))
     t = interleaved_medians(cases, repeat)
 
     # The two flashport paths compute the same real rows.
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
     heads = args.heads or preset["heads"]
     repeat = args.repeat or preset["repeat"]
     # PyTorch runs on the CPU here; benchmarks/gpu_bench.py compares CUDA.
-    torch = _torch() if args.device == "cpu" else None
+    torch = torch_or_none() if args.device == "cpu" else None
     devices = [d for d in flashport.devices() if d["device"] == args.device]
     if not devices:
         raise flashport.BackendUnavailableError(f"no {args.device} device: see flashport.devices()")
