@@ -5,15 +5,15 @@
 use std::borrow::Cow;
 
 use flashport_core as core;
-use flashport_core::{bf16, f16, Array, ArrayInfo, Buffer, DType, Device, Input, Slice};
+use flashport_core::{bf16, f16, Array, ArrayInfo, DType, Device, Input, Slice};
 
+use crate::detach::run_detached;
 use crate::device_array::DeviceArray;
 use crate::errors::{to_py_err, validated};
+use crate::numpy_out::to_numpy;
 use crate::scalars;
 use numpy::ndarray::{Axis, Slice as AxisRange};
-use numpy::{
-    Element, PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
-};
+use numpy::{Element, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
@@ -224,21 +224,6 @@ pub(crate) fn lse_dtype(meta: &ArgMeta) -> DType {
     DType::from_numpy_name(&meta.dtype).unwrap_or(DType::F32)
 }
 
-pub(crate) fn to_numpy<'py>(
-    py: Python<'py>,
-    buffer: Buffer,
-    shape: &[usize],
-) -> PyResult<Bound<'py, PyAny>> {
-    let array = match buffer {
-        Buffer::F16(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
-        // Only a bfloat16 call returns bfloat16, so ml_dtypes is loaded.
-        Buffer::BF16(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
-        Buffer::F32(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
-        Buffer::F64(v) => PyArray1::from_vec(py, v).reshape(shape)?.into_any(),
-    };
-    Ok(array)
-}
-
 /// The device a call runs on, from `device=` as the caller gave it.
 pub(crate) fn device_of(
     py: Python<'_>,
@@ -337,4 +322,35 @@ pub(crate) fn int_values(name: &str, array: &Bound<'_, PyAny>, dtype: &str) -> P
         }
         _ => Ok(Vec::new()),
     }
+}
+
+/// to_device(array) -> DeviceArray: uploads a float32 or float16 NumPy
+/// array to the GPU. The private entry point behind flashport.to_device.
+#[pyfunction]
+pub(crate) fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
+    let meta = ArgMeta::read("array", array)?;
+    let dtype = DType::from_numpy_name(&meta.dtype).ok_or_else(|| {
+        to_py_err(
+            py,
+            core::Error::DType {
+                argument: "array".to_string(),
+                dtype: meta.dtype.clone(),
+                reason: "the GPU computes in float32 or float16".to_string(),
+            },
+        )
+    })?;
+    let held = Held::host(array, dtype)?;
+    // The GPU's limit first: an array no device buffer can hold is refused
+    // before a contiguous copy of it is made.
+    if dtype != DType::F64 {
+        let element = if dtype == DType::F16 { 2 } else { 4 };
+        let bytes = meta.shape.iter().map(|&n| n as u64).product::<u64>() * element;
+        validated(py, core::gpu::check_array_bytes("array", bytes))?;
+    }
+    let contiguous = held.contiguous("array")?;
+    let slice = contiguous
+        .slice()
+        .ok_or_else(|| PyTypeError::new_err("array must be a numpy.ndarray"))?;
+    let inner = run_detached(py, || core::to_device("array", slice, &meta.shape))?;
+    Ok(DeviceArray { inner })
 }

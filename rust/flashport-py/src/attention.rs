@@ -4,11 +4,12 @@ use flashport_core as core;
 use flashport_core::{Options, Placement, Problem};
 
 use crate::arrays::{
-    as_dtype, backward_contiguous, device_of, dtype_name, hold_backward, is_device, to_numpy,
-    to_python, ArgMeta, Contiguous, Held,
+    as_dtype, backward_contiguous, device_of, dtype_name, hold_backward, is_device, to_python,
+    ArgMeta, Contiguous, Held,
 };
 use crate::detach::run_detached;
 use crate::errors::validated;
+use crate::numpy_out::to_numpy;
 use crate::scalars;
 use crate::variants::{variant_arrays, HeldVariants, VariantArgs};
 use numpy::PyArray1;

@@ -5,13 +5,12 @@
 use std::panic::catch_unwind;
 
 use flashport_core as core;
-use flashport_core::{DType, Device};
+use flashport_core::Device;
 
-use crate::arrays::{to_numpy, ArgMeta, Held};
 use crate::detach::run_detached;
-use crate::errors::{to_py_err, validated};
+use crate::errors::validated;
+use crate::numpy_out::to_numpy;
 use crate::scalars;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -62,37 +61,6 @@ impl DeviceArray {
             self.inner.adapter_name()
         )
     }
-}
-
-/// to_device(array) -> DeviceArray: uploads a float32 or float16 NumPy
-/// array to the GPU. The private entry point behind flashport.to_device.
-#[pyfunction]
-pub(crate) fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
-    let meta = ArgMeta::read("array", array)?;
-    let dtype = DType::from_numpy_name(&meta.dtype).ok_or_else(|| {
-        to_py_err(
-            py,
-            core::Error::DType {
-                argument: "array".to_string(),
-                dtype: meta.dtype.clone(),
-                reason: "the GPU computes in float32 or float16".to_string(),
-            },
-        )
-    })?;
-    let held = Held::host(array, dtype)?;
-    // The GPU's limit first: an array no device buffer can hold is refused
-    // before a contiguous copy of it is made.
-    if dtype != DType::F64 {
-        let element = if dtype == DType::F16 { 2 } else { 4 };
-        let bytes = meta.shape.iter().map(|&n| n as u64).product::<u64>() * element;
-        validated(py, core::gpu::check_array_bytes("array", bytes))?;
-    }
-    let contiguous = held.contiguous("array")?;
-    let slice = contiguous
-        .slice()
-        .ok_or_else(|| PyTypeError::new_err("array must be a numpy.ndarray"))?;
-    let inner = run_detached(py, || core::to_device("array", slice, &meta.shape))?;
-    Ok(DeviceArray { inner })
 }
 
 /// synchronize(device=None) -> None: waits until the GPU has done every

@@ -13,9 +13,10 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::arrays::{int_values, to_numpy, to_python, ArgMeta, Contiguous, Held};
+use crate::arrays::{int_values, to_python, ArgMeta, Contiguous, Held};
 use crate::detach::run_detached;
 use crate::errors::raise;
+use crate::numpy_out::to_numpy;
 use crate::scalars;
 use crate::variants::{as_f64_vec, KvCacheVariantArgs};
 

@@ -11,6 +11,7 @@ mod device_array;
 mod errors;
 mod kvcache;
 mod merge;
+mod numpy_out;
 mod scalars;
 /// The core's test hooks (cargo feature `testing`: the development build,
 /// never the wheel).
@@ -25,7 +26,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<device_array::DeviceArray>()?;
     m.add_class::<kvcache::KvCacheHandle>()?;
-    m.add_function(wrap_pyfunction!(device_array::to_device, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::to_device, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(merge::merge_states, m)?)?;
