@@ -28,38 +28,11 @@
 //!   map it to `-inf` first.)
 
 use crate::cpu;
+use crate::problem::PartInputs;
 use crate::{
     gpu, resolve, Array, DType, Device, Error, ForwardOutput, Input, MergeProblem, Placement,
     Result, Slice,
 };
-
-/// The parts of one merge argument as given: one array per part, or one
-/// array holding every part (a leading parts axis).
-#[derive(Debug, Clone, Copy)]
-pub struct PartInputs<'a, A> {
-    arrays: &'a [A],
-    part_len: usize,
-}
-
-impl<'a, A: Copy> PartInputs<'a, A> {
-    pub fn new(arrays: &'a [A], part_len: usize) -> Self {
-        PartInputs { arrays, part_len }
-    }
-    pub fn arrays(&self) -> &'a [A] {
-        self.arrays
-    }
-    /// Elements of one part.
-    pub fn part_len(&self) -> usize {
-        self.part_len
-    }
-    /// Part `p`: the array that holds it, and the part's index in it.
-    pub fn part(&self, p: usize) -> (A, usize) {
-        match self.arrays {
-            [all] => (*all, p),
-            each => (each[p], 0),
-        }
-    }
-}
 
 /// The inputs of one argument checked against the problem: one per part,
 /// or one with every part, of the validated lengths and dtype.

@@ -3,8 +3,8 @@
 //! calling thread); the release build always computes with the defaults,
 //! and nothing here reads the environment.
 
+use crate::gpu::caps::AdapterCaps;
 use crate::gpu::kernel::Tier;
-use crate::gpu::select::AdapterCaps;
 use crate::gpu::tiles::Tiles;
 
 /// The knobs. A call reads them once, on the thread that makes it.

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use super::element::Element;
 use super::threads::run_with;
 use super::{narrow, num_threads, parallel};
-use crate::merge::PartInputs;
+use crate::problem::PartInputs;
 use crate::{DType, ForwardOutput, MergeProblem, Result, Slice};
 
 /// Values per task (rows × parts × d_v): enough to outweigh handing a

@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use super::caps::{driver_loop_limit, AdapterCaps};
 use super::pipelines::PipelineCache;
 use super::pool::{BufferPool, DevicePool};
-use super::select::{driver_loop_limit, AdapterCaps};
 use super::AdapterInfo;
 use crate::fork::{self, ForkLocal};
 use crate::{Error, Result};

@@ -19,8 +19,8 @@ use super::run::with_inputs;
 use super::shaders::MERGE_STATES;
 use super::timing;
 use super::transfer::Submission;
-use crate::merge::PartInputs;
 use crate::overrides;
+use crate::problem::PartInputs;
 use crate::{Array, DType, Error, ForwardOutput, Input, MergeProblem, Placement, Result};
 
 /// Invocations per workgroup of every merge pass (`WG` of lib/merge.wgsl).

@@ -44,6 +44,7 @@ mod arena;
 mod assemble;
 mod backward;
 mod bfloat16;
+pub(crate) mod caps;
 mod chunks;
 mod cm2;
 mod context;

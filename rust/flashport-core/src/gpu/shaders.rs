@@ -3,6 +3,7 @@
 
 use super::kernel::Kernel;
 use super::select::PipelineKey;
+pub use super::select::Variants;
 
 /// The text of `shaders/<path>`, embedded at build time.
 macro_rules! shader {
@@ -213,28 +214,6 @@ pub fn overrides(key: &PipelineKey) -> Vec<(&'static str, f64)> {
     );
     c.extend(variant_overrides(key.kernel, key.variants));
     c
-}
-
-/// Which attention variants a pipeline is specialised for. Each is an
-/// override of shaders/lib/common.wgsl, so that a plain call's pipeline
-/// compiles none of their code.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct Variants {
-    pub softcap: bool,
-    pub alibi: bool,
-    pub mask: bool,
-    pub sinks: bool,
-    pub dropout: bool,
-    /// A left window bound (causal and a right bound are uniforms).
-    pub window: bool,
-    /// The dQ kernels write the full score gradient.
-    pub dmask: bool,
-    /// A packed batch of variable-length sequences: rows' keys from the
-    /// row table (with `window`, since rows start later than key 0).
-    pub varlen: bool,
-    /// A simple kernel behind the screen (src/gpu/screen.rs): it runs only
-    /// where the screen raised its flag (lib/screened.wgsl).
-    pub screened: bool,
 }
 
 /// lib/variants.wgsl's switches, which the attention kernels

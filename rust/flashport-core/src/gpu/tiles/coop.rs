@@ -3,8 +3,8 @@
 //! into workgroup memory, products on 16x16x16 cooperative matrices.
 
 use super::Tiles;
+use crate::gpu::caps::AdapterCaps;
 use crate::gpu::kernel::Kernel;
-use crate::gpu::select::AdapterCaps;
 
 /// Workgroup bytes of a cooperative kernel, mirroring its arrays.
 pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {

@@ -364,8 +364,8 @@ pub fn subgroup_decode_iterations(t: &SubgroupTiles, keys: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::select::AdapterCaps;
-    use crate::gpu::shaders::Variants;
+    use crate::gpu::caps::AdapterCaps;
+    use crate::gpu::select::Variants;
     use crate::gpu::tiles::{tiled_forward_tiles, Tiles};
 
     const LIMIT: u64 = 65535;

@@ -70,13 +70,13 @@ pub fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
 /// An adapter with `kib` KiB of workgroup memory and every feature, for
 /// the tile tests.
 #[cfg(test)]
-pub(crate) fn test_caps(kib: u32) -> super::select::AdapterCaps {
-    super::select::AdapterCaps {
+pub(crate) fn test_caps(kib: u32) -> super::caps::AdapterCaps {
+    super::caps::AdapterCaps {
         workgroup_storage_bytes: kib * 1024,
         max_invocations: 1024,
         max_workgroup_size_x: 1024,
         subgroups: true,
         coop: true,
-        ..super::select::AdapterCaps::WEBGPU_DEFAULT
+        ..super::caps::AdapterCaps::WEBGPU_DEFAULT
     }
 }

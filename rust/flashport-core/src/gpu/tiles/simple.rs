@@ -2,8 +2,8 @@
 //! tile heights whose arrays fit the adapter's workgroup memory.
 
 use super::{Tiles, COMPILER_SLACK};
+use crate::gpu::caps::AdapterCaps;
 use crate::gpu::kernel::Kernel;
-use crate::gpu::select::AdapterCaps;
 
 /// Threads per workgroup: enough to keep a GPU's SIMD lanes busy on the
 /// per-element loops, few enough that a software rasteriser's barriers

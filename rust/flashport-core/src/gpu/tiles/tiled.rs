@@ -3,8 +3,8 @@
 //! `TILED_BK` rows a tile, through named registers where they fit.
 
 use super::{Tiles, COMPILER_SLACK};
+use crate::gpu::caps::AdapterCaps;
 use crate::gpu::kernel::Kernel;
-use crate::gpu::select::AdapterCaps;
 
 /// Key rows per tile and invocations per row group of the tiled forward;
 /// fixed by its hand-unrolled 4x4 register tile (shaders/tiled/forward.wgsl).
