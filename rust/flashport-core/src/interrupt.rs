@@ -2,7 +2,7 @@
 //!
 //! A caller that can be interrupted runs the call inside [`with_check`],
 //! giving a function that says whether to stop (the Python binding's runs
-//! Python's signal handlers). The CPU's parallel loop (`cpu/parallel.rs`)
+//! Python's signal handlers). The CPU's parallel loop (`runtime/parallel.rs`)
 //! calls it on the calling thread, between units of work, at most once
 //! every [`POLL_INTERVAL`] and never in a call's first one: a short call
 //! never pays for it. Once it says stop, each thread of the call stops

@@ -43,6 +43,7 @@ pub mod kvcache;
 pub mod merge;
 pub mod overrides;
 pub mod problem;
+pub(crate) mod runtime;
 pub mod scalar;
 pub mod splits;
 pub mod variants;

@@ -269,7 +269,7 @@ impl MaskLayout {
         let (rows, row_len) = (dims[2], dims[3]);
         if row_len > 0 {
             // One line of the map per (plane, block of rows).
-            crate::cpu::parallel::install(|| {
+            crate::runtime::parallel::install(|| {
                 blocks
                     .par_chunks_mut(block_counts[1])
                     .enumerate()
@@ -349,7 +349,7 @@ impl<T: MaskScalar> AdditiveMask<T> {
     /// its blocks.
     pub fn new(problem: &Problem, data: MaskData<'_>) -> Option<Self> {
         let spec = problem.mask?;
-        let values: Vec<T> = crate::cpu::parallel::install(|| match data {
+        let values: Vec<T> = crate::runtime::parallel::install(|| match data {
             MaskData::Bool(b) => b
                 .par_iter()
                 .map(|&keep| if keep { T::ZERO } else { T::NEG_INFINITY })

@@ -176,7 +176,7 @@ pub fn swap_leading<T: Copy + Send + Sync>(x: &[T], [a, b, w]: [usize; 3]) -> Ve
     }
     // Each task writes rows of the output: the reads are strided, the
     // writes sequential (the first touch of fresh pages is the larger cost).
-    crate::cpu::buffers::spare(&mut out, x.len())
+    crate::runtime::buffers::spare(&mut out, x.len())
         .par_chunks_mut(w * a.max(1))
         .enumerate()
         .for_each(|(j, block)| {

@@ -3,13 +3,14 @@
 
 use super::rows::{clean_rows, key_tiles, scale_into, Layout};
 use super::scratch::{reserve_scratch, with_scratch, Scratch};
-use super::{buffers, kernels, parallel, tiles};
+use super::{kernels, tiles};
 use std::ops::Range;
 
-use super::buffers::{spare, zero_init};
 use super::element::{Element, Packing};
 use super::scores::{ScoreRules, TileVisibility};
 use super::tiles::TileSizes;
+use crate::runtime::buffers::{self, spare, zero_init};
+use crate::runtime::parallel;
 use crate::{Problem, Result};
 
 /// One key/value tile as the tile products read it: rows, and the same

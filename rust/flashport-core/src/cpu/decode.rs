@@ -20,15 +20,16 @@ use half::slice::HalfFloatSliceExt;
 use super::element::Element;
 use super::kernels::all_finite;
 use super::merge::merge_row;
+use super::num_threads;
 use super::scores::{ScoreRules, TileVisibility};
 use super::softmax::RowState;
 use super::threads::run_with;
-use super::{num_threads, parallel};
 use crate::problem::CacheLayout;
 use crate::splits::{cpu_splits, split_keys};
 use crate::{Buffer, DType, ForwardOutput, KvCacheProblem, Problem, Result, Slice, VariantArrays};
 
 mod kernels;
+use crate::runtime::parallel;
 use kernels::{Ahead, CacheElement};
 
 /// Keys per tile: also how far ahead of the products their rows are
@@ -278,7 +279,7 @@ fn decode_as<T: Element + CacheElement>(
         .iter()
         .map(|s| ScoreRules::new(s, variants))
         .collect();
-    use super::buffers::try_zeros;
+    use crate::runtime::buffers::try_zeros;
     let mut part_out = try_zeros(heads * splits * rows * dv, "the splits' outputs")?;
     let mut part_lse = try_zeros(heads * splits * rows, "the splits' lse")?;
     let mut out = try_zeros(p.out_len(), "the output o")?;

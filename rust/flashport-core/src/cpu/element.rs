@@ -4,12 +4,12 @@ use std::borrow::Cow;
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
-use super::buffers::{self, BufferPool, Pooled};
 use super::kernels;
 #[cfg(target_arch = "x86_64")]
-use super::parallel;
-#[cfg(target_arch = "x86_64")]
 use super::simd;
+use crate::runtime::buffers::{self, BufferPool, Pooled};
+#[cfg(target_arch = "x86_64")]
+use crate::runtime::parallel;
 use crate::variants::MaskScalar;
 use crate::Result;
 use crate::{Buffer, Slice};

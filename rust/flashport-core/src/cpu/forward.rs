@@ -1,16 +1,17 @@
 //! The CPU forward: FlashAttention-2's tiled online softmax over key
 //! tiles, one task per row tile (see the module's comment).
 
+use super::kernels;
 use super::rows::{clean_rows, row_tiles, scale_into, Layout, RowTile};
 use super::scratch::{reserve_scratch, with_scratch, Scratch};
-use super::{buffers, kernels, parallel};
 use std::ops::Range;
 
-use super::buffers::spare;
 use super::element::{Element, PackInput, Packing};
 use super::scores::{ScoreRules, TileVisibility};
 use super::softmax::RowState;
 use super::tiles::TileSizes;
+use crate::runtime::buffers::{self, spare};
+use crate::runtime::parallel;
 use crate::{Problem, Result};
 
 pub(super) fn forward_typed<T: Element>(

@@ -6,8 +6,9 @@ use std::borrow::Cow;
 
 use super::element::Element;
 use super::threads::run_with;
-use super::{narrow, num_threads, parallel};
+use super::{narrow, num_threads};
 use crate::problem::PartInputs;
+use crate::runtime::parallel;
 use crate::{DType, ForwardOutput, MergeProblem, Result, Slice};
 
 /// Values per task (rows × parts × d_v): enough to outweigh handing a
@@ -65,8 +66,8 @@ fn merge_as<T: Element>(
     let (rows, dv, parts) = (problem.rows, problem.value_dim, problem.parts);
     let outs = Viewed::<T>::new(outs);
     let lses = Viewed::<T>::new(lses);
-    let mut out = crate::cpu::buffers::try_zeros(rows * dv, "the merged out")?;
-    let mut lse = crate::cpu::buffers::try_zeros(rows, "the merged lse")?;
+    let mut out = crate::runtime::buffers::try_zeros(rows * dv, "the merged out")?;
+    let mut lse = crate::runtime::buffers::try_zeros(rows, "the merged lse")?;
     let block = (TASK_VALUES / (parts * dv).max(1)).max(1);
     let mut tasks = Vec::with_capacity(rows.div_ceil(block));
     let (mut out_rest, mut lse_rest) = (out.as_mut_slice(), lse.as_mut_slice());

@@ -1,18 +1,16 @@
 //! The CPU backend: FlashAttention-2's tiled forward and recomputing
 //! backward, parallel over (batch·head, tile) on the calling thread and
-//! helper threads (`parallel.rs`).
+//! helper threads (`runtime/parallel.rs`).
 //!
 //! Every output element is produced by exactly one task, in an order that
 //! depends neither on scheduling nor on the thread count (only the query
 //! tile height follows the thread count, and no sum runs across query
 //! rows in a way that depends on it), so results are bitwise reproducible.
 
-pub(crate) mod buffers;
 pub mod decode;
 pub mod element;
 mod kernels;
 pub mod merge;
-pub(crate) mod parallel;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;
@@ -31,6 +29,7 @@ use crate::{
 use element::{Element, PackInput, Packing};
 use scores::ScoreRules;
 
+use crate::runtime::buffers;
 use backward::{backward_typed, BackwardInputs};
 use forward::forward_typed;
 use threads::run_on_pool;

@@ -1,5 +1,5 @@
 //! Each computing thread's working memory, kept between tasks and calls
-//! (`buffers.rs` says why) and sized before any task runs.
+//! (`runtime/buffers.rs` says why) and sized before any task runs.
 
 use super::tiles;
 use std::any::Any;
@@ -94,7 +94,7 @@ impl<T: Element> Scratch<T> {
 
 thread_local! {
     /// Each computing thread's [`Scratch`], kept between tasks and calls (see
-    /// `buffers.rs` for why); boxed as `Any` to serve both element types.
+    /// `runtime/buffers.rs` for why); boxed as `Any` to serve both element types.
     static SCRATCH: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
 }
 

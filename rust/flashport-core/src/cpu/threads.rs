@@ -1,13 +1,14 @@
 //! How many threads a CPU call runs on (`FLASHPORT_NUM_THREADS`), and
-//! running a call's work on them (`parallel.rs`).
+//! running a call's work on them (`runtime/parallel.rs`).
 
 #[cfg(target_arch = "x86_64")]
 use super::simd;
-use super::{parallel, tiles};
+use super::tiles;
 use std::sync::Arc;
 
 use super::tiles::TileSizes;
 use crate::fork::ForkLocal;
+use crate::runtime::parallel;
 use crate::{Error, Problem, Result};
 
 /// Environment variable that sets the number of CPU threads.
@@ -103,7 +104,7 @@ fn helper_threads(threads: usize) -> Result<parallel::Helpers> {
 }
 
 /// Runs `f` on this thread with the configured number of threads in all
-/// (see `parallel.rs`), with tiles chosen for them.
+/// (see `runtime/parallel.rs`), with tiles chosen for them.
 pub(super) fn run_on_pool<R: Send>(
     problem: &Problem,
     element_bytes: usize,

@@ -35,18 +35,18 @@ where
     use half::slice::HalfFloatSliceExt;
     use rayon::prelude::*;
     let mut out = Vec::with_capacity(values.len());
-    let spare = crate::cpu::buffers::spare(&mut out, values.len());
+    let spare = crate::runtime::buffers::spare(&mut out, values.len());
     if values.len() <= ROUND_CHUNK {
         // One chunk: on this thread, not handed to a pool thread.
-        crate::cpu::buffers::zero_init(spare).convert_from_f32_slice(values);
+        crate::runtime::buffers::zero_init(spare).convert_from_f32_slice(values);
     } else {
         // Not rayon's global pool: a forked child would wait on its threads.
-        crate::cpu::parallel::install(|| {
+        crate::runtime::parallel::install(|| {
             spare
                 .par_chunks_mut(ROUND_CHUNK)
                 .zip(values.par_chunks(ROUND_CHUNK))
                 .for_each(|(dst, src)| {
-                    crate::cpu::buffers::zero_init(dst).convert_from_f32_slice(src);
+                    crate::runtime::buffers::zero_init(dst).convert_from_f32_slice(src);
                 })
         });
     }

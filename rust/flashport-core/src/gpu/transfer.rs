@@ -367,7 +367,7 @@ fn parallel_copy(
         return copy(0, src);
     }
     // Not rayon's global pool: a forked child would wait on its threads.
-    crate::cpu::parallel::install(|| {
+    crate::runtime::parallel::install(|| {
         src.par_chunks(COPY_CHUNK)
             .enumerate()
             .map(|(i, chunk)| copy(i, chunk))
@@ -490,7 +490,7 @@ pub(crate) fn submit_and_read(
                 Ok(values) if bytes.len() <= COPY_CHUNK => values.to_vec(),
                 Ok(values) => {
                     use rayon::prelude::*;
-                    crate::cpu::parallel::install(|| values.par_iter().copied().collect())
+                    crate::runtime::parallel::install(|| values.par_iter().copied().collect())
                 }
                 Err(_) => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
             }
