@@ -85,10 +85,33 @@ fn cache_row(b: u32, h: u32, key: u32) -> u32 {
 // pass looks each key up (a pass that starts near a block's end, or one
 // past the split's keys, whose table entry may not exist).
 fn run_row(b: u32, h: u32, key: u32, end: u32, count: u32) -> u32 {
+    return entry_row(run_entry(b, key, end, count), h, key);
+}
+
+// run_row's table lookup alone: the block holding keys key .. key +
+// count - 1 (the sequence, for a contiguous cache), or NONE where run_row
+// is NONE. Apart so that a pass can read it a pass before it needs it.
+fn run_entry(b: u32, key: u32, end: u32, count: u32) -> u32 {
     if key >= end || (PAGED && key % u.block_size + count > u.block_size) {
         return NONE;
     }
-    return cache_row(b, h, key);
+    if PAGED {
+        return seq_data[u.table_off + b * u.max_blocks + key / u.block_size];
+    }
+    return b;
+}
+
+// The cache row of key `key` in block `entry` (run_entry's; NONE gives
+// NONE: a block of another binding, whose keys `bound` turns away).
+fn entry_row(entry: u32, h: u32, key: u32) -> u32 {
+    if entry == NONE {
+        return NONE;
+    }
+    var offset = key;
+    if PAGED {
+        offset = key % u.block_size;
+    }
+    return (entry * u.heads_kv + h) * u.block_size + offset;
 }
 
 // Whether key `key` of the dispatch's sequence `b` is in a block bound

@@ -21,7 +21,8 @@
 // W * KPI):
 //
 // 1. every lane issues its loads of the KPI key and value rows (with
-//    PREFETCH, those of the next pass, before this pass's arithmetic);
+//    PREFETCH, those of the next pass, before this pass's arithmetic,
+//    the paged block table read a pass before that);
 // 2. partial dots q_r . k_j over the lane's columns: the RB * KPI pairs
 //    (row r, key j), pair i = r * KPI + j, in named registers x0, x1, ..;
 // 3. the pairs summed over the walker's lanes and spread over them at
@@ -289,7 +290,11 @@ fn main(
     // With PREFETCH each pass issues the next pass's loads before its own
     // arithmetic, so that a walker's loads are in flight while it computes
     // (WGSL has no asynchronous copy): the registers of one more pass of
-    // loads for bytes in flight, chosen by the host where they fit.
+    // loads for bytes in flight, chosen by the host where they fit. The
+    // table entry of the block those loads read (run_entry) is read a pass
+    // earlier still, so that no pass waits on a table read before it can
+    // issue its loads.
+    var entry = NONE;
     if PREFETCH {
         ok_n = 0u;
         {
@@ -599,6 +604,7 @@ fn main(
                 }
             }
         }
+        entry = run_entry(b, key_start + STEP + walker * KPI, key_end, KPI);
     }
     for (var k0 = key_start; k0 < key_end; k0 += STEP) {
         let kb = k0 + walker * KPI;
@@ -924,7 +930,7 @@ fn main(
         if PREFETCH {
             ok_n = 0u;
             {
-                let run = run_row(b, h, kb + STEP, key_end, KPI);
+                let run = entry_row(entry, h, kb + STEP);
                 {
                     let key = kb + STEP + 0u;
                     kr0_0 = raw_zero();
@@ -1230,6 +1236,7 @@ fn main(
                     }
                 }
             }
+            entry = run_entry(b, kb + 2u * STEP, key_end, KPI);
         }
         if kb < key_end {
             var vbad = 0u;

@@ -91,12 +91,16 @@ def raw_regs():
     return "\n".join(out)
 
 
-def fetch(pad, kb):
+def fetch(pad, kb, entry=None):
     """The loads of the pass whose walker starts at key `kb`: zeros past
-    key_end and for blocks not bound."""
+    key_end and for blocks not bound. `entry`: the table entry of the
+    pass's block, read a pass before (run_entry), else read here."""
     out = [pad + "ok_n = 0u;", pad + "{"]
     pad += "    "
-    out.append(pad + f"let run = run_row(b, h, {kb}, key_end, KPI);")
+    if entry is None:
+        out.append(pad + f"let run = run_row(b, h, {kb}, key_end, KPI);")
+    else:
+        out.append(pad + f"let run = entry_row({entry}, h, {kb});")
     for j in range(8):
         inner = [
             f"ok_n |= {1 << j}u;",
@@ -302,7 +306,7 @@ write(
             "FETCH_FIRST": fetch(" " * 8, "key_start + walker * KPI"),
             "FETCH_NOW": fetch(" " * 12, "kb"),
             "TAKE": take(),
-            "FETCH_NEXT": fetch(" " * 12, "kb + STEP"),
+            "FETCH_NEXT": fetch(" " * 12, "kb + STEP", entry="entry"),
             "VALUES": values(),
             "PASS": passes(),
             "GATHER": gather(),
