@@ -27,10 +27,10 @@ float prob_t(const in uint32_t r, const in uint32_t c, const in float dot,
         return 0.0;
     }
     const float lse = stats[at + row].x;
-    if (isinf(lse) || isnan(lse) || key0 + r >= visible_end(row)) {
+    if (isinf(lse) || isnan(lse) || !sees(row, key0 + r)) {
         return 0.0;
     }
-    return exp2((dot * p.scale - lse) * LOG2E);
+    return exp2((score_of(dot * p.scale) - lse) * LOG2E);
 }
 
 // dS^T at (r, c): P^T (dP^T - D) of query row row0 + c.
@@ -38,6 +38,14 @@ float dscore_t(const in uint32_t r, const in uint32_t c, const in float dp, cons
                const in uint32_t row0, const in uint32_t at) {
     const uint32_t row = row0 + c;
     return row < p.seq_q ? pr * (dp - stats[at + row].y) : 0.0;
+}
+
+// dU^T at (r, c) with the softcap: P^T (dP^T - D) (1 - tanh^2), u
+// recomputed from the tile's dot products `dot`.
+float dscore_t_capped(const in uint32_t r, const in uint32_t c, const in float dp,
+                      const in float pr, const in float dot, const in uint32_t row0,
+                      const in uint32_t at) {
+    return softcap_grad(dscore_t(r, c, dp, pr, row0, at), dot * p.scale);
 }
 
 void main() {
@@ -50,7 +58,9 @@ void main() {
         first_row = uint32_t(max(int32_t(key0) - p.causal_offset, 0));
     }
     first_row = min(first_row, p.seq_q) / BR * BR;
-    const uint32_t tiles = (p.seq_q - first_row + BR - 1u) / BR;
+    // Rows past the last whose left window reaches these keys are skipped.
+    const uint32_t end_row = max(rows_seeing_end(min(key0 + BC, p.seq_k)), first_row);
+    const uint32_t tiles = (end_row - first_row + BR - 1u) / BR;
     const uint32_t total = p.g_count * tiles;
 
     ROWS(q_rows, p.seq_q, D);
@@ -73,13 +83,18 @@ void main() {
         const uint32_t at = head * p.seq_q;
         F16(D, BR, gl_MatrixUseB) qt;
         coopMatLoadTensorNV(qt, q, at * D, sliceTensorLayoutNV(q_rows, row0, BR, 0, D), transposed);
-        ACC(BC, BR) pt = coopMatMulAdd(km, qt, ACC(BC, BR)(0.0));
-        coopMatPerElementNV(pt, pt, prob_t, key0, row0, at);
+        ACC(BC, BR) dots = coopMatMulAdd(km, qt, ACC(BC, BR)(0.0));
+        ACC(BC, BR) pt;
+        coopMatPerElementNV(pt, dots, prob_t, key0, row0, at);
         F16(DV, BR, gl_MatrixUseB) dot_t;
         coopMatLoadTensorNV(dot_t, d_out, at * DV,
                             sliceTensorLayoutNV(do_rows, row0, BR, 0, DV), transposed);
         ACC(BC, BR) dst = coopMatMulAdd(vm, dot_t, ACC(BC, BR)(0.0));
-        coopMatPerElementNV(dst, dst, dscore_t, pt, row0, at);
+        if (SOFTCAP != 0u) {
+            coopMatPerElementNV(dst, dst, dscore_t_capped, pt, dots, row0, at);
+        } else {
+            coopMatPerElementNV(dst, dst, dscore_t, pt, row0, at);
+        }
 
         F16(BC, BR, gl_MatrixUseA) pt16 = F16(BC, BR, gl_MatrixUseA)(pt);
         F16(BR, DV, gl_MatrixUseB) dom;

@@ -26,10 +26,10 @@ float prob(const in uint32_t r, const in uint32_t c, const in float dot,
         return 0.0;
     }
     const float lse = stats[at + row].x;
-    if (isinf(lse) || isnan(lse) || col0 + c >= visible_end(row)) {
+    if (isinf(lse) || isnan(lse) || !sees(row, col0 + c)) {
         return 0.0;
     }
-    return exp2((dot * p.scale - lse) * LOG2E);
+    return exp2((score_of(dot * p.scale) - lse) * LOG2E);
 }
 
 // dS at (r, c): P (dP - D).
@@ -39,11 +39,20 @@ float dscore(const in uint32_t r, const in uint32_t c, const in float dp, const 
     return row < p.seq_q ? pr * (dp - stats[at + row].y) : 0.0;
 }
 
+// dU at (r, c) with the softcap: P (dP - D) (1 - tanh^2), u recomputed
+// from the tile's dot products `dot`.
+float dscore_capped(const in uint32_t r, const in uint32_t c, const in float dp,
+                    const in float pr, const in float dot, const in uint32_t row0,
+                    const in uint32_t at) {
+    return softcap_grad(dscore(r, c, dp, pr, row0, at), dot * p.scale);
+}
+
 void main() {
     const uint32_t head = gl_WorkGroupID.y;
     const uint32_t row0 = gl_WorkGroupID.x * BR;
     const uint32_t kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
     const uint32_t keys = visible_end(min(row0 + BR, p.seq_q) - 1u);
+    const uint32_t start = min(visible_start(row0), keys) / BC * BC;
     const uint32_t at = head * p.seq_q;
 
     ROWS(q_rows, p.seq_q, D);
@@ -59,17 +68,22 @@ void main() {
 
     ACC(BR, D) acc = ACC(BR, D)(0.0);
     [[dont_unroll]]
-    for (uint32_t col0 = 0; col0 < keys; col0 += BC) {
+    for (uint32_t col0 = start; col0 < keys; col0 += BC) {
         F16(D, BC, gl_MatrixUseB) kt;
         coopMatLoadTensorNV(kt, k, kv * p.seq_k * D,
                             sliceTensorLayoutNV(k_rows, col0, BC, 0, D), transposed);
-        ACC(BR, BC) pm = coopMatMulAdd(qm, kt, ACC(BR, BC)(0.0));
-        coopMatPerElementNV(pm, pm, prob, row0, col0, at);
+        ACC(BR, BC) dots = coopMatMulAdd(qm, kt, ACC(BR, BC)(0.0));
+        ACC(BR, BC) pm;
+        coopMatPerElementNV(pm, dots, prob, row0, col0, at);
         F16(DV, BC, gl_MatrixUseB) vt;
         coopMatLoadTensorNV(vt, v, kv * p.seq_k * DV,
                             sliceTensorLayoutNV(v_rows, col0, BC, 0, DV), transposed);
         ACC(BR, BC) ds = coopMatMulAdd(dom, vt, ACC(BR, BC)(0.0));
-        coopMatPerElementNV(ds, ds, dscore, pm, row0, at);
+        if (SOFTCAP != 0u) {
+            coopMatPerElementNV(ds, ds, dscore_capped, pm, dots, row0, at);
+        } else {
+            coopMatPerElementNV(ds, ds, dscore, pm, row0, at);
+        }
         F16(BR, BC, gl_MatrixUseA) ds16 = F16(BR, BC, gl_MatrixUseA)(ds);
         F16(BC, D, gl_MatrixUseB) km;
         coopMatLoadTensorNV(km, k, kv * p.seq_k * D, sliceTensorLayoutNV(k_rows, col0, BC, 0, D));

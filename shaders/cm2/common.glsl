@@ -28,6 +28,13 @@ layout(constant_id = 3) const uint32_t BC = 64;
 #define CLAMP_DEFAULT 1
 #endif
 layout(constant_id = 4) const uint32_t CLAMP = CLAMP_DEFAULT;
+// The score variants the kernels compute, 0 or 1 (set by gpu/cm2.rs from
+// the pipeline key): SOFTCAP, lib/variants.wgsl's (s = cap · tanh(u /
+// cap)), and WINDOW, the left window of lib/common.wgsl (the right one is
+// causal's offset). Off by default, so that a plain call's kernel has
+// neither.
+layout(constant_id = 5) const uint32_t SOFTCAP = 0;
+layout(constant_id = 6) const uint32_t WINDOW = 0;
 
 layout(std140, binding = 0) uniform Params {
     uint32_t seq_q;
@@ -75,6 +82,66 @@ uint32_t visible_end(uint32_t row) {
         return p.seq_k;
     }
     return uint32_t(clamp(int32_t(row) + p.causal_offset + 1, 0, int32_t(p.seq_k)));
+}
+
+// The left window: query `row` sees keys from visible_start(row) (the
+// range may be empty).
+uint32_t visible_start(uint32_t row) {
+    if (WINDOW == 0u) {
+        return 0u;
+    }
+    return uint32_t(clamp(int32_t(row) + p.left_offset, 0, int32_t(p.seq_k)));
+}
+
+// The first query row past those whose left window reaches below
+// `key_end` (rows' starts grow with their index).
+uint32_t rows_seeing_end(uint32_t key_end) {
+    if (WINDOW == 0u) {
+        return p.seq_q;
+    }
+    return uint32_t(clamp(int32_t(key_end) - p.left_offset, 0, int32_t(p.seq_q)));
+}
+
+// lib/tanh.wgsl's tanh_f32, line for line: float32 precision on every
+// driver (GLSL's builtin may be a hardware approximation).
+float tanh_f32(const in float x) {
+    if (isnan(x)) {
+        return x;
+    }
+    const float a = min(abs(x), 10.0);
+    if (a < 0.5) {
+        const float t = x * x;
+        float s = -929569.0 / 638512875.0;
+        s = s * t + 21844.0 / 6081075.0;
+        s = s * t - 1382.0 / 155925.0;
+        s = s * t + 62.0 / 2835.0;
+        s = s * t - 17.0 / 315.0;
+        s = s * t + 2.0 / 15.0;
+        s = s * t - 1.0 / 3.0;
+        return x + x * (t * s);
+    }
+    return sign(x) * (1.0 - 2.0 / (exp(2.0 * a) + 1.0));
+}
+
+// The score s from u = scale * q . k (lib/common.wgsl's `score` for the
+// variants these kernels take): the softcap.
+float score_of(const in float u) {
+    return SOFTCAP != 0u ? p.softcap * tanh_f32(u / p.softcap) : u;
+}
+
+// dS -> dU: the softcap's derivative 1 - tanh^2, tanh recomputed from u
+// (lib/common.wgsl's softcap_grad).
+float softcap_grad(const in float ds, const in float u) {
+    if (SOFTCAP == 0u) {
+        return ds;
+    }
+    const float t = tanh_f32(u / p.softcap);
+    return ds * (1.0 - t * t);
+}
+
+// Whether query `row` sees key `key`: within its window and causal end.
+bool sees(const in uint32_t row, const in uint32_t key) {
+    return key < visible_end(row) && key >= visible_start(row);
 }
 
 

@@ -32,11 +32,17 @@ layout(std430, binding = 3) readonly buffer V { float16_t v[]; };
 layout(std430, binding = 4) writeonly buffer O { float o[]; };
 layout(std430, binding = 5) writeonly buffer LSE { float lse[]; };
 
-// The score of element (r, c) of the tile at (row0, col0): scaled, or
-// -inf where the key is not visible to the row (or past the keys).
+// The score of element (r, c) of the tile at (row0, col0): scaled and
+// softcapped, or -inf where the key is not visible to the row (or past the
+// keys).
 float scored(const in uint32_t r, const in uint32_t c, const in float dot,
              const in uint32_t row0, const in uint32_t col0) {
-    return col0 + c < visible_end(row0 + r) ? dot * p.scale : NEG_INF;
+    return sees(row0 + r, col0 + c) ? score_of(dot * p.scale) : NEG_INF;
+}
+
+// The score of a key every row of the tile sees.
+float unmasked(const in uint32_t r, const in uint32_t c, const in float dot) {
+    return score_of(dot * p.scale);
 }
 
 float maximum(const in float a, const in float b) { return max(a, b); }
@@ -71,10 +77,13 @@ void main() {
     const uint32_t row0 = gl_WorkGroupID.x * BR;
     const uint32_t kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
     const uint32_t last_row = min(row0 + BR, p.seq_q) - 1u;
-    // Every key a row of the tile sees is before the last row's end, and
-    // every row sees the keys before the first row's.
+    // Every key a row of the tile sees is before the last row's end and
+    // from the first row's start on; every row sees the keys from the last
+    // row's start to the first row's end.
     const uint32_t keys = visible_end(last_row);
     const uint32_t first_end = visible_end(row0);
+    const uint32_t last_start = visible_start(last_row);
+    const uint32_t start = min(visible_start(row0), keys) / BC * BC;
 
     tensorLayoutNV<2, CLAMP> q_rows = createTensorLayoutNV(2, CLAMP);
     q_rows = setTensorLayoutDimensionNV(q_rows, p.seq_q, D);
@@ -103,14 +112,19 @@ void main() {
     ACC(BR, BC) l = ACC(BR, BC)(0.0);
 
     [[dont_unroll]]
-    for (uint32_t col0 = 0; col0 < keys; col0 += BC) {
+    for (uint32_t col0 = start; col0 < keys; col0 += BC) {
         coopmat<float16_t, gl_ScopeWorkgroup, D, BC, gl_MatrixUseB> kt;
         coopMatLoadTensorNV(kt, k, k_at, sliceTensorLayoutNV(k_rows, col0, BC, 0, D), transposed);
         ACC(BR, BC) s = coopMatMulAdd(qm, kt, ACC(BR, BC)(0.0));
-        if (col0 + BC <= first_end) {
-            // Every row of the tile sees every key of it (visible_end
-            // grows with the row, and stays within seq_k): no mask.
-            s = s * p.scale;
+        if (col0 + BC <= first_end && col0 >= last_start) {
+            // Every row of the tile sees every key of it (visible_end and
+            // visible_start grow with the row, and stay within seq_k): no
+            // mask.
+            if (SOFTCAP != 0u) {
+                coopMatPerElementNV(s, s, unmasked);
+            } else {
+                s = s * p.scale;
+            }
         } else {
             coopMatPerElementNV(s, s, scored, row0, col0);
         }

@@ -162,6 +162,10 @@ pub(crate) const SPEC_BC: u32 = 3;
 /// nothing written there) by default, 0 (undefined) where the problem is
 /// whole tiles and nothing lies past them.
 pub(crate) const SPEC_CLAMP: u32 = 4;
+/// The score variants the kernels take, 0 or 1: the softcap and the left
+/// window.
+pub(crate) const SPEC_SOFTCAP: u32 = 5;
+pub(crate) const SPEC_WINDOW: u32 = 6;
 
 /// The words of `kernel` (a cooperative-matrix-2 one) with its constants
 /// set to `values` (id, value).

@@ -105,7 +105,9 @@ impl Context {
     /// and o, lse; the backward's do, q, k, v, stats (read) and dQ with the
     /// score gradient's stand-in, or dK and dV.
     fn cm2_pipeline(&self, key: &PipelineKey) -> Result<wgpu::ComputePipeline> {
-        use super::cm2::{kernel_words, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV};
+        use super::cm2::{
+            kernel_words, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV, SPEC_SOFTCAP, SPEC_WINDOW,
+        };
         let t = key.tiles;
         let words = kernel_words(
             key.kernel,
@@ -115,6 +117,8 @@ impl Context {
                 (SPEC_BR, t.q_rows),
                 (SPEC_BC, t.k_rows),
                 (SPEC_CLAMP, u32::from(!key.exact_tiles)),
+                (SPEC_SOFTCAP, u32::from(key.variants.softcap)),
+                (SPEC_WINDOW, u32::from(key.variants.window)),
             ],
         )
         .map_err(|e| Error::Gpu(format!("specialising {}: {e}", key.kernel.name())))?;

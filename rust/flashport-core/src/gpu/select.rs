@@ -160,11 +160,16 @@ impl Keys {
         self.key(kernel, t)
     }
 
-    /// Whether the cooperative-matrix-2 forward may run: the cooperative
-    /// tier's problems (float16 without variants), not a packed batch.
+    /// Whether the cooperative-matrix-2 kernels may run: float16, not a
+    /// packed batch, with no variant but the softcap and the window (the
+    /// scores the kernels compute: shaders/cm2/common.glsl).
     fn cm2(&self, p: &Problem, ov: &Overrides) -> bool {
         self.f16
-            && !p.has_variants()
+            && p.mask.is_none()
+            && p.alibi_per_batch.is_none()
+            && !p.sinks
+            && p.dropout.is_none()
+            && !p.return_dmask
             && p.varlen.is_none()
             && self.caps.cm2
             && self.passthrough
@@ -587,7 +592,34 @@ mod tests {
             softcap: Some(30.0),
             ..Options::default()
         };
-        coop_only(&problem("float16", 64, 64, softcap), &none, "a variant");
+        // The softcap and the window on cm2, no other variant.
+        let window = Options {
+            window: Some((100, 3)),
+            causal: true,
+            ..Options::default()
+        };
+        for (options, why) in [(softcap, "softcap"), (window, "window")] {
+            let p = problem("float16", 64, 64, options);
+            assert_eq!(tiers(&p, H100_CM2, &none), (Cm2, Cm2), "{why}");
+            let key = select_forward(&p, H100_CM2, &none).forward;
+            assert_eq!(
+                (key.variants.softcap, key.variants.window),
+                (why == "softcap", why == "window"),
+                "{why}"
+            );
+        }
+        let heads = [8];
+        let alibi = Options {
+            alibi_slopes: Some(ArrayInfo::new(&heads, "float32")),
+            ..Options::default()
+        };
+        coop_only(&problem("float16", 64, 64, alibi), &none, "ALiBi");
+        let dropout = Options {
+            dropout_p: 0.1,
+            seed: Some(1),
+            ..Options::default()
+        };
+        coop_only(&problem("float16", 64, 64, dropout), &none, "dropout");
         coop_only(
             &f16,
             &Overrides {
