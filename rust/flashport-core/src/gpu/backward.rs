@@ -269,7 +269,10 @@ fn backward_on(
             if let Some(((sdq, xsq), (skv, xskv))) = &simple {
                 let sg_dq = bind(ctx, sdq, &dq_bindings, Some(&vx));
                 let sg_kv = bind(ctx, skv, &kv_bindings, Some(&vx));
-                let (dq_name, kv_name) = (Kernel::BackwardDq.name(), Kernel::BackwardDkDv.name());
+                let (dq_name, kv_name) = (
+                    Kernel::dq(Tier::Simple).name(),
+                    Kernel::dkdv(Tier::Simple).name(),
+                );
                 sub.dispatch(sdq, &sg_dq, (*xsq, nq as u32), dq_name);
                 sub.dispatch(skv, &sg_kv, (*xskv, nkv as u32), kv_name);
             }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::context::{lock, Context};
-use super::kernel::{Kernel, Tier};
+use super::kernel::{Kernel, Pass, Tier};
 use super::select::PipelineKey;
 use crate::{Error, Result};
 
@@ -138,7 +138,7 @@ impl Context {
             },
             count: None,
         }];
-        let reads = if key.kernel == Kernel::ForwardCm2 {
+        let reads = if key.kernel.pass() == Pass::Forward {
             3
         } else {
             5
@@ -323,8 +323,8 @@ impl Context {
         let module = self.module(key.kernel, key.subgroups, key.f16_inputs)?;
         let mut constants = super::shaders::overrides(&key);
         if matches!(
-            key.kernel,
-            Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop
+            (key.kernel.pass(), key.kernel.tier()),
+            (Pass::BackwardDq | Pass::BackwardDkDv, Tier::Coop)
         ) {
             // wgpu's SPIR-V gives subgroupBarrier() SubgroupMemory
             // semantics, which Vulkan ignores: wait workgroup-wide instead
