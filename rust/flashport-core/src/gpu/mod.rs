@@ -30,7 +30,9 @@
 //! - `inputs`, `transfer`, `assemble`: arguments in, bytes across,
 //!   results out; `device_array`: arrays kept on the GPU;
 //! - `context`, `pipelines`, `pool`: the device, its compiled kernels and
-//!   its reused buffers; `run`: panics and lost devices as errors;
+//!   its reused buffers (the context owns a `pipeline_cache` and the
+//!   `pool`s, which know nothing of it); `run`: panics and lost devices as
+//!   errors;
 //! - `timing`: kernel timestamps and host phases; `shaders`, `spirv`: the
 //!   WGSL sources and the SPIR-V of the cooperative kernels.
 //! - `screen`: the pass that sends calls with NaN, infinities or huge
@@ -58,6 +60,7 @@ mod kv_pool;
 mod memory;
 mod merge;
 mod params;
+mod pipeline_cache;
 mod pipelines;
 mod pool;
 mod run;
