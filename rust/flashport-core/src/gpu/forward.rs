@@ -6,10 +6,11 @@ use std::time::Instant;
 
 use super::assemble::{check_device_outputs, empty_output, Sink};
 use super::bfloat16::{narrow, Widened};
+use super::checks::{check_dtype, check_f16, check_sizes};
 use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
-use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
+use super::inputs::{chunk_input, source, Source};
 use super::kernel::{Kernel, Tier};
 use super::params::{Params, VariantData};
 use super::pool::Pooled;

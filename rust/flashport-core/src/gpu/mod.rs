@@ -28,11 +28,12 @@
 //! - `params`: the uniform and the variants' data; `dispatch`: binding,
 //!   recording and submitting a pass; `chunks`: the split by heads;
 //! - `inputs`, `transfer`, `assemble`: arguments in, bytes across,
-//!   results out; `device_array`: arrays kept on the GPU;
+//!   results out; `checks`: what the backend refuses (dtypes, lengths);
+//!   `device_array`: arrays kept on the GPU;
 //! - `context`, `pipelines`, `pool`: the device, its compiled kernels and
 //!   its reused buffers (the context owns a `pipeline_cache` and the
-//!   `pool`s, which know nothing of it); `run`: panics and lost devices as
-//!   errors;
+//!   `pool`s, which know nothing of it); `guard`: panics and lost devices
+//!   as errors; `run`: the context a call's device arrays pin it to;
 //! - `timing`: kernel timestamps and host phases; `shaders`, `spirv`: the
 //!   WGSL sources and the SPIR-V of the cooperative kernels.
 //! - `screen`: the pass that sends calls with NaN, infinities or huge
@@ -47,6 +48,7 @@ mod assemble;
 mod backward;
 mod bfloat16;
 pub(crate) mod caps;
+mod checks;
 mod chunks;
 mod cm2;
 mod context;
@@ -54,6 +56,7 @@ pub mod decode;
 mod device_array;
 mod dispatch;
 mod forward;
+mod guard;
 mod inputs;
 pub mod kernel;
 mod kv_pool;
@@ -93,7 +96,7 @@ pub use varlen::swap_leading;
 
 use crate::auto::GpuModel;
 use crate::Result;
-use run::{guarded, run_on};
+use guard::{guarded, run_on};
 
 /// Waits until the GPU has done every call queued on it (calls on device
 /// arrays return once their work is queued: `transfer.rs`), and returns
