@@ -11,7 +11,6 @@ use std::time::Instant;
 use super::caps::{driver_loop_limit, AdapterCaps};
 use super::pipeline_cache::PipelineCache;
 use super::pool::{Pooled, Pools};
-use super::AdapterInfo;
 use crate::fork::{self, ForkLocal};
 use crate::runtime::lock;
 use crate::{Error, Result};
@@ -64,6 +63,22 @@ pub(crate) fn type_name(kind: wgpu::DeviceType) -> &'static str {
         wgpu::DeviceType::Cpu => "software",
         wgpu::DeviceType::Other => "other",
     }
+}
+
+/// What `flashport.devices()` reports about one adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterInfo {
+    /// "vulkan", "metal", "dx12", ...
+    pub backend: String,
+    pub name: String,
+    /// "discrete", "integrated", "virtual", "software" or "other".
+    pub device_type: String,
+    pub driver: String,
+    /// Limits the backend uses, as (name, value).
+    pub limits: Vec<(String, u64)>,
+    /// Optional features the adapter offers that the kernels use where
+    /// present: "shader-f16", "subgroups", "cooperative-matrix-f16".
+    pub features: Vec<String>,
 }
 
 pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {

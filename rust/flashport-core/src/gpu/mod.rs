@@ -87,6 +87,7 @@ mod varlen;
 use std::sync::OnceLock;
 
 pub use backward::{backward, backward_arrays};
+pub use context::AdapterInfo;
 pub use device_array::{check_array_bytes, to_device, DeviceArray};
 pub use forward::{forward, forward_arrays};
 pub use kv_pool::GpuStorage;
@@ -108,22 +109,6 @@ pub fn synchronize() -> Result<()> {
         Some(ctx) => run_on(&ctx, |ctx| ctx.synchronize()),
         None => Ok(()),
     })
-}
-
-/// What `flashport.devices()` reports about one adapter.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AdapterInfo {
-    /// "vulkan", "metal", "dx12", ...
-    pub backend: String,
-    pub name: String,
-    /// "discrete", "integrated", "virtual", "software" or "other".
-    pub device_type: String,
-    pub driver: String,
-    /// Limits the backend uses, as (name, value).
-    pub limits: Vec<(String, u64)>,
-    /// Optional features the adapter offers that the kernels use where
-    /// present: "shader-f16", "subgroups", "cooperative-matrix-f16".
-    pub features: Vec<String>,
 }
 
 /// Adapters flashport can use, best first, without creating a device.

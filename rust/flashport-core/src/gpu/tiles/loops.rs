@@ -34,10 +34,10 @@
 //! no loop is unrolled (the tiled forward's: 2426 tiles of 32 keys run,
 //! 2427 do not).
 
+use super::decode::{DecodeTiles, SubgroupTiles};
 use super::simple::PREPROCESS_COLUMNS;
 use super::tiled::tiled_nv;
 use super::{TILED_BK, TILED_CG};
-use crate::gpu::decode::select::{DecodeTiles, SubgroupTiles};
 use crate::gpu::kernel::{Pass, Tier};
 use crate::gpu::select::PipelineKey;
 
