@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use flashport_core::gpu::kernel::Kernel;
+use flashport_core::gpu::kernel::{Kernel, Pass, Tier};
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
     decode_source, decode_subgroup_source, score_variant_overrides, source, tile_overrides,
@@ -23,8 +23,11 @@ use wgpu::naga;
 /// variants: the tiled one where its tiles fit, else the simple one.
 fn forward_kernel(d: u32, dv: u32, caps: AdapterCaps) -> (Kernel, Tiles) {
     match tiled_forward_tiles(d, dv, caps) {
-        Some(t) => (Kernel::ForwardTiled, t),
-        None => (Kernel::Forward, simple_tiles(Kernel::Forward, d, dv, caps)),
+        Some(t) => (Kernel::forward(Tier::Tiled), t),
+        None => (
+            Kernel::forward(Tier::Simple),
+            simple_tiles(Kernel::forward(Tier::Simple), d, dv, caps),
+        ),
     }
 }
 
@@ -79,7 +82,7 @@ fn tiled_forward_variants_validate_and_specialise() {
         ..AdapterCaps::WEBGPU_DEFAULT
     };
     for (subgroups, f16) in [(false, false), (true, false), (false, true), (true, true)] {
-        let text = source(Kernel::ForwardTiled, subgroups, f16);
+        let text = source(Kernel::forward(Tier::Tiled), subgroups, f16);
         let name = format!("forward_tiled (subgroups={subgroups}, f16 inputs={f16})");
         let module = parse_text(&name, &text);
         let info = subgroup_validator()
@@ -89,7 +92,7 @@ fn tiled_forward_variants_validate_and_specialise() {
             let caps = AdapterCaps { subgroups, ..base };
             for (d, dv) in [(64, 64), (128, 128), (4, 4), (256, 8), (16, 24), (60, 36)] {
                 let (kernel, t) = forward_kernel(d, dv, caps);
-                if kernel != Kernel::ForwardTiled {
+                if kernel != Kernel::forward(Tier::Tiled) {
                     continue;
                 }
                 let mut constants: naga::back::PipelineConstants = Default::default();
@@ -111,21 +114,21 @@ fn tiled_forward_variants_validate_and_specialise() {
 }
 
 const EVERY_KERNEL: [Kernel; 7] = [
-    Kernel::Forward,
-    Kernel::BackwardPreprocess,
-    Kernel::BackwardDkDv,
-    Kernel::BackwardDq,
-    Kernel::ForwardTiled,
-    Kernel::BackwardDqTiled,
-    Kernel::BackwardDkDvTiled,
+    Kernel::forward(Tier::Simple),
+    Kernel::PREPROCESS,
+    Kernel::dkdv(Tier::Simple),
+    Kernel::dq(Tier::Simple),
+    Kernel::forward(Tier::Tiled),
+    Kernel::dq(Tier::Tiled),
+    Kernel::dkdv(Tier::Tiled),
 ];
 
 /// The ten kernels: the seven above and the three cooperative ones.
 fn all_kernels() -> impl Iterator<Item = Kernel> {
     EVERY_KERNEL.into_iter().chain([
-        Kernel::ForwardCoop,
-        Kernel::BackwardDqCoop,
-        Kernel::BackwardDkDvCoop,
+        Kernel::forward(Tier::Coop),
+        Kernel::dq(Tier::Coop),
+        Kernel::dkdv(Tier::Coop),
     ])
 }
 
@@ -155,7 +158,7 @@ fn shader_files() -> Vec<String> {
 }
 
 /// The kernel of a file in a tier's folder: shaders/simple/forward.wgsl is
-/// `Kernel::Forward`, shaders/tiled/forward.wgsl `Kernel::ForwardTiled`.
+/// the simple forward, shaders/tiled/forward.wgsl the tiled one.
 fn kernel_of(file: &str) -> Option<Kernel> {
     let (tier, name) = file.strip_suffix(".wgsl")?.split_once('/')?;
     let suffix = match tier {
@@ -364,10 +367,10 @@ fn kernels_specialise_with_every_variant() {
         let module = parse_text(kernel.name(), &text);
         let info = validator().validate(&module).unwrap();
         let (d, dv) = (64, 32);
-        let t = match kernel {
-            Kernel::ForwardTiled => forward_kernel(d, dv, caps).1,
-            Kernel::BackwardDqTiled => tiled_backward_tiles(d, dv, caps).unwrap().0,
-            Kernel::BackwardDkDvTiled => tiled_backward_tiles(d, dv, caps).unwrap().1,
+        let t = match (kernel.pass(), kernel.tier()) {
+            (Pass::Forward, Tier::Tiled) => forward_kernel(d, dv, caps).1,
+            (Pass::BackwardDq, Tier::Tiled) => tiled_backward_tiles(d, dv, caps).unwrap().0,
+            (Pass::BackwardDkDv, Tier::Tiled) => tiled_backward_tiles(d, dv, caps).unwrap().1,
             _ => simple_tiles(kernel, d, dv, caps),
         };
         let mut constants: naga::back::PipelineConstants = Default::default();
@@ -398,7 +401,7 @@ fn overrides(kernel: Kernel, d: u32, dv: u32) -> naga::back::PipelineConstants {
     };
     set("WG", t.workgroup as f64);
     set("DV", dv as f64);
-    if kernel != Kernel::BackwardPreprocess {
+    if kernel != Kernel::PREPROCESS {
         set("BQ", bq as f64);
         set("BK", bk as f64);
         set("D", d as f64);
@@ -407,7 +410,7 @@ fn overrides(kernel: Kernel, d: u32, dv: u32) -> naga::back::PipelineConstants {
         set("V_ELEMS", n(bk * (dv + 1)));
         set("S_ELEMS", n(bq * bk));
         set("ROW_ELEMS", n(bq));
-        if kernel == Kernel::Forward {
+        if kernel == Kernel::forward(Tier::Simple) {
             set("O_ELEMS", n(bq * dv));
         } else {
             set("DO_ELEMS", n(bq * dv));
@@ -445,7 +448,7 @@ fn kernels_specialise_for_the_host_tiles() {
 /// The tiled backward kernels specialise for the tiles the host picks.
 #[test]
 fn tiled_backward_kernels_validate_and_specialise() {
-    for (kernel, f16) in [Kernel::BackwardDqTiled, Kernel::BackwardDkDvTiled]
+    for (kernel, f16) in [Kernel::dq(Tier::Tiled), Kernel::dkdv(Tier::Tiled)]
         .into_iter()
         .flat_map(|k| [(k, false), (k, true)])
     {
@@ -467,7 +470,7 @@ fn tiled_backward_kernels_validate_and_specialise() {
                 let Some((tq, tkv)) = tiled_backward_tiles(d, dv, caps) else {
                     continue;
                 };
-                let t = if kernel == Kernel::BackwardDqTiled {
+                let t = if kernel == Kernel::dq(Tier::Tiled) {
                     tq
                 } else {
                     tkv
@@ -531,7 +534,7 @@ const NVIDIA: AdapterCaps = AdapterCaps {
 /// device enables for it and specialises for the tiles the host picks.
 #[test]
 fn coop_forward_validates_and_specialises() {
-    let text = source(Kernel::ForwardCoop, true, true);
+    let text = source(Kernel::forward(Tier::Coop), true, true);
     let module = parse_text("forward_coop", &text);
     let info = coop_validator().validate(&module).unwrap_or_else(|e| {
         panic!(
@@ -561,9 +564,9 @@ fn coop_forward_validates_and_specialises() {
             assert!(coop_workgroup_bytes(d, dv, t) <= 48 * 1024);
             layouts.insert((t.workgroup, t.k_rows));
             let mut constants: naga::back::PipelineConstants = Default::default();
-            for (k, val) in tile_overrides(Kernel::ForwardCoop, true, d, dv, t, true)
+            for (k, val) in tile_overrides(Kernel::forward(Tier::Coop), true, d, dv, t, true)
                 .into_iter()
-                .chain(variant_overrides(Kernel::ForwardCoop, variants))
+                .chain(variant_overrides(Kernel::forward(Tier::Coop), variants))
             {
                 constants.insert(k.to_string(), val);
             }
@@ -590,7 +593,7 @@ fn coop_forward_validates_and_specialises() {
 #[test]
 fn coop_backward_validates_and_specialises() {
     let mut specialised = 0;
-    for kernel in [Kernel::BackwardDqCoop, Kernel::BackwardDkDvCoop] {
+    for kernel in [Kernel::dq(Tier::Coop), Kernel::dkdv(Tier::Coop)] {
         let text = source(kernel, true, true);
         let module = parse_text(kernel.name(), &text);
         let info = coop_validator().validate(&module).unwrap_or_else(|e| {
@@ -610,7 +613,7 @@ fn coop_backward_validates_and_specialises() {
         ] {
             let (tq, tkv) = coop_backward_tiles(d, dv, NVIDIA)
                 .unwrap_or_else(|| panic!("no cooperative backward tiles for d={d} dv={dv}"));
-            let t = if kernel == Kernel::BackwardDqCoop {
+            let t = if kernel == Kernel::dq(Tier::Coop) {
                 tq
             } else {
                 tkv
@@ -671,8 +674,8 @@ fn coop_spirv_uses_the_glsl450_memory_model() {
         kv_shared: false,
         prefetch: 0,
     };
-    let constants = tile_overrides(Kernel::ForwardCoop, true, 64, 64, t, true);
-    let text = source(Kernel::ForwardCoop, true, true);
+    let constants = tile_overrides(Kernel::forward(Tier::Coop), true, 64, 64, t, true);
+    let text = source(Kernel::forward(Tier::Coop), true, true);
     for unchecked in [false, true] {
         let naga_words = compile(&text, &constants, unchecked, false).unwrap().words;
         assert_eq!(memory_model(&naga_words), Some(3), "naga's own: Vulkan");
@@ -712,8 +715,8 @@ fn coop_backward_subgroup_barriers_order_workgroup_memory() {
     let nvidia = NVIDIA;
     let (tq, tkv) = coop_backward_tiles(64, 64, nvidia).unwrap();
     for (kernel, t) in [
-        (Kernel::BackwardDqCoop, tq),
-        (Kernel::BackwardDkDvCoop, tkv),
+        (Kernel::dq(Tier::Coop), tq),
+        (Kernel::dkdv(Tier::Coop), tkv),
     ] {
         let constants = tile_overrides(kernel, true, 64, 64, t, true);
         let text = source(kernel, true, true);
@@ -738,9 +741,9 @@ fn coop_backward_subgroup_barriers_order_workgroup_memory() {
     );
     // The forward has no subgroup barrier: unchanged.
     let t = coop_forward_tiles(64, 64, nvidia).unwrap();
-    let constants = tile_overrides(Kernel::ForwardCoop, true, 64, 64, t, true);
+    let constants = tile_overrides(Kernel::forward(Tier::Coop), true, 64, 64, t, true);
     let words = compile(
-        &source(Kernel::ForwardCoop, true, true),
+        &source(Kernel::forward(Tier::Coop), true, true),
         &constants,
         true,
         true,

@@ -1,49 +1,24 @@
 //! The floating-point types the CPU kernels compute in.
 
 use std::borrow::Cow;
-use std::fmt::Debug;
-use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
 use super::kernels;
+use super::real::Real;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
 use crate::runtime::buffers::{self, BufferPool, Pooled};
 #[cfg(target_arch = "x86_64")]
 use crate::runtime::parallel;
-use crate::variants::MaskScalar;
 use crate::Result;
 use crate::{Buffer, Slice};
 
-/// float32 or float64: the types the tile kernels are generic over.
-/// `ZERO`, `NEG_INFINITY` and `from_f64` come from [`MaskScalar`].
-pub trait Element:
-    MaskScalar
-    + Copy
-    + Default
-    + Debug
-    + Send
-    + Sync
-    + PartialOrd
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + AddAssign
-    + MulAssign
-    + 'static
-{
-    const ONE: Self;
-    const INFINITY: Self;
-    const NAN: Self;
+/// float32 or float64: the types the tile kernels are generic over. Their
+/// arithmetic is [`Real`]'s; an element adds where its buffers are kept,
+/// how inputs are viewed in it, and the tile products, portable
+/// (`kernels.rs`) unless a type has SIMD kernels.
+pub trait Element: Real {
     /// Where buffers of this type are kept between calls.
     fn pool() -> &'static BufferPool<Self>;
-    fn is_nan(self) -> bool;
-    /// Neither NaN nor an infinity.
-    fn is_finite(self) -> bool;
-    fn exp(self) -> Self;
-    fn ln(self) -> Self;
-    fn tanh(self) -> Self;
-    fn max(self, other: Self) -> Self;
     /// Views an input in this type, converting (float16 inputs, a float32
     /// lse in a float64 problem) only when the stored type differs.
     fn view(s: Slice<'_>) -> Cow<'_, [Self]>;
@@ -194,34 +169,8 @@ static F32_POOL: BufferPool<f32> = BufferPool::new();
 static F64_POOL: BufferPool<f64> = BufferPool::new();
 
 impl Element for f32 {
-    const ONE: Self = 1.0;
-    const INFINITY: Self = f32::INFINITY;
-    const NAN: Self = f32::NAN;
     fn pool() -> &'static BufferPool<f32> {
         &F32_POOL
-    }
-    #[inline(always)]
-    fn is_nan(self) -> bool {
-        f32::is_nan(self)
-    }
-    #[inline(always)]
-    fn is_finite(self) -> bool {
-        f32::is_finite(self)
-    }
-    fn tanh(self) -> Self {
-        f32::tanh(self)
-    }
-    #[inline(always)]
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-    #[inline(always)]
-    fn ln(self) -> Self {
-        f32::ln(self)
-    }
-    #[inline(always)]
-    fn max(self, other: Self) -> Self {
-        f32::max(self, other)
     }
     fn view(s: Slice<'_>) -> Cow<'_, [f32]> {
         match s {
@@ -547,34 +496,8 @@ fn pack_f32<const N: usize>(inputs: [PackInput<'_, f32>; N]) -> Result<[Pooled<f
 }
 
 impl Element for f64 {
-    const ONE: Self = 1.0;
-    const INFINITY: Self = f64::INFINITY;
-    const NAN: Self = f64::NAN;
     fn pool() -> &'static BufferPool<f64> {
         &F64_POOL
-    }
-    #[inline(always)]
-    fn is_nan(self) -> bool {
-        f64::is_nan(self)
-    }
-    #[inline(always)]
-    fn is_finite(self) -> bool {
-        f64::is_finite(self)
-    }
-    fn tanh(self) -> Self {
-        f64::tanh(self)
-    }
-    #[inline(always)]
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-    #[inline(always)]
-    fn ln(self) -> Self {
-        f64::ln(self)
-    }
-    #[inline(always)]
-    fn max(self, other: Self) -> Self {
-        f64::max(self, other)
     }
     fn view(s: Slice<'_>) -> Cow<'_, [f64]> {
         match s {

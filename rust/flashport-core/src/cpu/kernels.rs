@@ -4,11 +4,11 @@
 //! Shapes are given in rows × columns; every matrix is row-major and
 //! contiguous.
 
-use super::element::Element;
+use super::real::Real;
 
 /// `y += a * x`
 #[inline(always)]
-pub fn axpy<T: Element>(y: &mut [T], a: T, x: &[T]) {
+pub fn axpy<T: Real>(y: &mut [T], a: T, x: &[T]) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
@@ -24,7 +24,7 @@ const DOT_LANES: usize = 8;
 /// `a · b` over `DOT_LANES` partial sums, added pairwise at the end: the
 /// same order on every call, so the result is reproducible.
 #[inline(always)]
-pub fn dot<T: Element>(a: &[T], b: &[T]) -> T {
+pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let mut lanes = [T::ZERO; DOT_LANES];
     let (a_chunks, b_chunks) = (a.chunks_exact(DOT_LANES), b.chunks_exact(DOT_LANES));
     let (a_tail, b_tail) = (a_chunks.remainder(), b_chunks.remainder());
@@ -49,15 +49,7 @@ pub fn dot<T: Element>(a: &[T], b: &[T]) -> T {
 /// `c = a · bᵀ` with `a` `m × k`, `b` `n × k`, `c` `m × n` (rows `ldc`
 /// apart): every element a [`dot`] of two contiguous rows.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_nt<T: Element>(
-    a: &[T],
-    b: &[T],
-    c: &mut [T],
-    ldc: usize,
-    m: usize,
-    k: usize,
-    n: usize,
-) {
+pub fn matmul_nt<T: Real>(a: &[T], b: &[T], c: &mut [T], ldc: usize, m: usize, k: usize, n: usize) {
     if n == 0 {
         return;
     }
@@ -78,7 +70,7 @@ pub fn matmul_nt<T: Element>(
 /// (`cols × rows`), so that a later product can stream over rows of `src`
 /// with unit stride.
 #[cfg(test)]
-pub fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
+pub fn transpose_into<T: Real>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
     if cols == 0 {
         return;
     }
@@ -93,17 +85,17 @@ pub fn transpose_into<T: Element>(src: &[T], rows: usize, cols: usize, dst: &mut
 /// over the whole slice, without an early exit, so that it vectorises; the
 /// checks of docs/design.md#non-finite-inputs pass over every task's
 /// outputs with it.
-pub fn all_finite<T: Element>(x: &[T]) -> bool {
+pub fn all_finite<T: Real>(x: &[T]) -> bool {
     !x.iter().fold(false, |bad, v| bad | !v.is_finite())
 }
 
 /// The largest element; `-inf` for an empty row.
-pub fn row_max<T: Element>(x: &[T]) -> T {
+pub fn row_max<T: Real>(x: &[T]) -> T {
     x.iter().fold(T::NEG_INFINITY, |a, &b| a.max(b))
 }
 
 /// `x = exp(x - shift)` elementwise; returns the sum.
-pub fn exp_shifted_sum<T: Element>(x: &mut [T], shift: T) -> T {
+pub fn exp_shifted_sum<T: Real>(x: &mut [T], shift: T) -> T {
     let mut sum = T::ZERO;
     for v in x.iter_mut() {
         *v = (*v - shift).exp();
@@ -115,7 +107,7 @@ pub fn exp_shifted_sum<T: Element>(x: &mut [T], shift: T) -> T {
 /// `c += a · b` with `a` `m × k` (rows `lda` apart), `b` `k × n`, `c`
 /// `m × n`.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_acc<T: Element>(
+pub fn matmul_acc<T: Real>(
     a: &[T],
     lda: usize,
     b: &[T],
@@ -138,7 +130,7 @@ pub fn matmul_acc<T: Element>(
 /// `c += aᵀ · b` with `a` `m × k` (rows `lda` apart), `b` `m × n`, `c`
 /// `k × n`.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_t_acc<T: Element>(
+pub fn matmul_t_acc<T: Real>(
     a: &[T],
     lda: usize,
     b: &[T],

@@ -11,6 +11,7 @@ pub mod decode;
 pub mod element;
 mod kernels;
 pub mod merge;
+pub mod real;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;

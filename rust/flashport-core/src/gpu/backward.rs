@@ -7,10 +7,11 @@ use std::time::Instant;
 
 use super::assemble::{check_device_outputs, empty_output, Assembled, Sink};
 use super::bfloat16::{narrow, Widened};
+use super::checks::{check_dtype, check_f16, check_sizes};
 use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
-use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
+use super::inputs::{chunk_input, source, Source};
 use super::kernel::{Kernel, Tier};
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
@@ -269,7 +270,10 @@ fn backward_on(
             if let Some(((sdq, xsq), (skv, xskv))) = &simple {
                 let sg_dq = bind(ctx, sdq, &dq_bindings, Some(&vx));
                 let sg_kv = bind(ctx, skv, &kv_bindings, Some(&vx));
-                let (dq_name, kv_name) = (Kernel::BackwardDq.name(), Kernel::BackwardDkDv.name());
+                let (dq_name, kv_name) = (
+                    Kernel::dq(Tier::Simple).name(),
+                    Kernel::dkdv(Tier::Simple).name(),
+                );
                 sub.dispatch(sdq, &sg_dq, (*xsq, nq as u32), dq_name);
                 sub.dispatch(skv, &sg_kv, (*xskv, nkv as u32), kv_name);
             }

@@ -25,7 +25,7 @@ use std::marker::PhantomData;
 use ash::vk;
 use wgpu::hal;
 
-use super::kernel::Kernel;
+use super::kernel::{Kernel, Pass, Tier};
 
 const EXTENSION: &CStr = c"VK_NV_cooperative_matrix2";
 
@@ -170,14 +170,14 @@ pub(crate) const SPEC_WINDOW: u32 = 6;
 /// The words of `kernel` (a cooperative-matrix-2 one) with its constants
 /// set to `values` (id, value).
 pub(crate) fn kernel_words(kernel: Kernel, values: &[(u32, u32)]) -> Result<Vec<u32>, String> {
-    let spv = match kernel {
-        Kernel::ForwardCm2 => FORWARD,
-        Kernel::BackwardDqCm2 => BACKWARD_DQ,
-        Kernel::BackwardDkDvCm2 => BACKWARD_DKDV,
-        other => {
+    let spv = match (kernel.pass(), kernel.tier()) {
+        (Pass::Forward, Tier::Cm2) => FORWARD,
+        (Pass::BackwardDq, Tier::Cm2) => BACKWARD_DQ,
+        (Pass::BackwardDkDv, Tier::Cm2) => BACKWARD_DKDV,
+        _ => {
             return Err(format!(
                 "{} has no cooperative-matrix-2 SPIR-V",
-                other.name()
+                kernel.name()
             ))
         }
     };
@@ -273,22 +273,22 @@ mod tests {
     }
 
     fn forward_words(values: &[(u32, u32)]) -> Result<Vec<u32>, String> {
-        kernel_words(Kernel::ForwardCm2, values)
+        kernel_words(Kernel::forward(Tier::Cm2), values)
     }
 
     #[test]
     fn every_kernel_declares_every_constant() {
         for kernel in [
-            Kernel::ForwardCm2,
-            Kernel::BackwardDqCm2,
-            Kernel::BackwardDkDvCm2,
+            Kernel::forward(Tier::Cm2),
+            Kernel::dq(Tier::Cm2),
+            Kernel::dkdv(Tier::Cm2),
         ] {
             let words = kernel_words(kernel, &[]).unwrap();
             for spec in [SPEC_D, SPEC_DV, SPEC_BR, SPEC_BC, SPEC_CLAMP] {
                 assert!(default_of(&words, spec).is_some(), "{kernel:?} {spec}");
             }
         }
-        assert!(kernel_words(Kernel::ForwardCoop, &[]).is_err());
+        assert!(kernel_words(Kernel::forward(Tier::Coop), &[]).is_err());
     }
 
     #[test]

@@ -5,14 +5,14 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::caps::{driver_loop_limit, AdapterCaps};
-use super::pipelines::PipelineCache;
-use super::pool::{BufferPool, DevicePool};
-use super::AdapterInfo;
+use super::pipeline_cache::PipelineCache;
+use super::pool::{Pooled, Pools};
 use crate::fork::{self, ForkLocal};
+use crate::runtime::lock;
 use crate::{Error, Result};
 
 /// Native backends only: an OpenGL adapter would be a silent correctness
@@ -63,6 +63,22 @@ pub(crate) fn type_name(kind: wgpu::DeviceType) -> &'static str {
         wgpu::DeviceType::Cpu => "software",
         wgpu::DeviceType::Other => "other",
     }
+}
+
+/// What `flashport.devices()` reports about one adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterInfo {
+    /// "vulkan", "metal", "dx12", ...
+    pub backend: String,
+    pub name: String,
+    /// "discrete", "integrated", "virtual", "software" or "other".
+    pub device_type: String,
+    pub driver: String,
+    /// Limits the backend uses, as (name, value).
+    pub limits: Vec<(String, u64)>,
+    /// Optional features the adapter offers that the kernels use where
+    /// present: "shader-f16", "subgroups", "cooperative-matrix-f16".
+    pub features: Vec<String>,
 }
 
 pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
@@ -155,13 +171,10 @@ pub(crate) struct Context {
     /// Errors outside any error scope (there should be none): kept for the
     /// next message instead of wgpu's default handler, which panics.
     uncaptured: Arc<Mutex<Vec<String>>>,
+    /// What the context has compiled (src/gpu/pipelines.rs compiles it).
     pub cache: PipelineCache,
-    /// Mappable buffers of earlier calls' readbacks (src/gpu/pool.rs).
-    pub readback_pool: BufferPool,
-    /// Mapped staging buffers for uploads, remapped after each use.
-    pub upload_pool: BufferPool,
-    /// Device-local buffers calls no longer use (src/gpu/pool.rs).
-    pub device_pool: Arc<DevicePool>,
+    /// Buffers kept between calls (src/gpu/pool.rs).
+    pools: Pools,
     /// Submissions queued without a wait that may still be running.
     queued: Mutex<Queued>,
 }
@@ -190,11 +203,6 @@ pub(crate) const MAX_QUEUED: usize = 32;
 /// under 0.75%, and the core is not held any longer
 /// (docs/gpu.md#host-transfers).
 const SPIN: std::time::Duration = std::time::Duration::from_millis(20);
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The guarded maps stay consistent even if a holder panicked.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// A forked child opens a context of its own (`fork.rs`).
 static CONTEXT: ForkLocal<Option<Arc<Context>>> = ForkLocal::new();
@@ -380,15 +388,40 @@ impl Context {
             generation: fork::generation(),
             uncaptured,
             cache: PipelineCache::default(),
-            // A call's outputs read back through one buffer; its inputs
-            // upload through one each (up to six, plus the parameters).
-            readback_pool: BufferPool::new(2, 256 << 20, 512 << 20),
-            upload_pool: BufferPool::new(32, 256 << 20, 512 << 20),
-            // Enough for the outputs and temporaries of a forward and
-            // backward of (4, 16, 4096, 128) float32 several times over.
-            device_pool: Arc::new(DevicePool::new(2 << 30)),
+            pools: Pools::new(),
             queued: Default::default(),
         })
+    }
+
+    /// A device-local buffer of the pool ([`Pools::device_buffer`]).
+    pub fn device_buffer(&self, bytes: u64) -> Pooled {
+        self.pools.device_buffer(&self.device, bytes)
+    }
+
+    /// A device-local buffer of its own ([`Pools::owned_buffer`]).
+    pub fn owned_buffer(&self, bytes: u64) -> Pooled {
+        Pools::owned_buffer(&self.device, bytes)
+    }
+
+    /// A mapped upload staging buffer ([`Pools::take_upload_staging`]).
+    pub fn take_upload_staging(&self, size: u64) -> wgpu::Buffer {
+        self.pools.take_upload_staging(&self.device, size)
+    }
+
+    /// Keeps an upload staging buffer once its copy is done
+    /// ([`Pools::recycle_upload_staging`]).
+    pub fn recycle_upload_staging(&self, staging: wgpu::Buffer) {
+        self.pools.recycle_upload_staging(staging);
+    }
+
+    /// An unmapped readback buffer ([`Pools::take_readback_buffer`]).
+    pub fn take_readback_buffer(&self, size: u64) -> wgpu::Buffer {
+        self.pools.take_readback_buffer(&self.device, size)
+    }
+
+    /// Keeps an unmapped readback buffer for later calls.
+    pub fn return_readback_buffer(&self, buffer: wgpu::Buffer) {
+        self.pools.return_readback_buffer(buffer);
     }
 
     /// Counts `index` as queued without a wait; the oldest queued

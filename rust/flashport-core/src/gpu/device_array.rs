@@ -10,11 +10,11 @@
 
 use std::sync::Arc;
 
+use super::checks::{float16_error, float64_error};
 use super::chunks::binding_limit;
 use super::context::Context;
-use super::inputs::{float16_error, float64_error};
+use super::guard::{guarded, run_on, with_context};
 use super::pool::Pooled;
-use super::run::{guarded, run_on, with_context};
 use super::screen;
 use super::timing;
 use super::transfer::{submit_and_read, Submission};

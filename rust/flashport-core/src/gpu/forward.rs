@@ -6,11 +6,12 @@ use std::time::Instant;
 
 use super::assemble::{check_device_outputs, empty_output, Sink};
 use super::bfloat16::{narrow, Widened};
+use super::checks::{check_dtype, check_f16, check_sizes};
 use super::chunks::{self, binding_limit};
 use super::context::Context;
 use super::dispatch::{bind, grid, upload_variants};
-use super::inputs::{check_dtype, check_f16, check_sizes, chunk_input, source, Source};
-use super::kernel::Kernel;
+use super::inputs::{chunk_input, source, Source};
+use super::kernel::{Kernel, Tier};
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
@@ -180,9 +181,13 @@ fn forward_on(
                 lb.binding(),
                 flag.binding(),
             ];
-            let own = if key.kernel == Kernel::Forward { 7 } else { 6 };
+            let own = if key.kernel.tier() == Tier::Simple {
+                7
+            } else {
+                6
+            };
             // The cooperative-matrix-2 kernel reads no variants.
-            let variants = (key.kernel != Kernel::ForwardCm2).then_some(&vx);
+            let variants = (key.kernel.tier() != Tier::Cm2).then_some(&vx);
             let group = bind(ctx, &pipeline, &bindings[..own], variants);
             if simple.is_some() {
                 screen::reset_flag(ctx, &mut sub, &flag, screened_on_host);
@@ -194,7 +199,7 @@ fn forward_on(
             sub.dispatch(&pipeline, &group, (x, nq as u32), key.kernel.name());
             if let Some((simple_pipeline, xs)) = &simple {
                 let simple_group = bind(ctx, simple_pipeline, &bindings, Some(&vx));
-                let name = Kernel::Forward.name();
+                let name = Kernel::forward(Tier::Simple).name();
                 sub.dispatch(simple_pipeline, &simple_group, (*xs, nq as u32), name);
             }
             let mut reads = Vec::new();

@@ -1,64 +1,14 @@
-//! A call's inputs as the GPU takes them (host bytes uploaded chunk by
-//! chunk, or device arrays bound in place), and the checks of what this
-//! backend cannot run, each an error naming the argument.
+//! A call's inputs as the GPU takes them: host bytes uploaded chunk by
+//! chunk, or device arrays bound in place.
 
 use std::sync::Arc;
 
-use super::context::Context;
+// Also named from here by gpu/decode/, which imports them with the inputs.
+pub(crate) use super::checks::{float16_error, float64_error};
 use super::device_array;
 use super::pool::Pooled;
 use super::transfer::Submission;
-use crate::{DType, DeviceArray, Error, Input, Problem, Result, Slice};
-
-/// The error for float64 data offered to the GPU, naming the argument.
-pub(crate) fn float64_error(argument: &str) -> Error {
-    Error::DType {
-        argument: argument.to_string(),
-        dtype: "float64".to_string(),
-        reason: "the GPU backend computes in float32 or float16; float64 runs on \
-                 device=\"cpu\" (or cast the inputs to float32)"
-            .to_string(),
-    }
-}
-
-/// The error for float16 data on an adapter that cannot unpack it.
-pub(crate) fn float16_error(ctx: &Context, argument: &str) -> Error {
-    Error::DType {
-        argument: argument.to_string(),
-        dtype: "float16".to_string(),
-        reason: format!(
-            "the GPU adapter {} cannot unpack float16 in shaders; cast the inputs to \
-             float32 or use device=\"cpu\"",
-            ctx.adapter.name
-        ),
-    }
-}
-
-/// The GPU computes in float32 (float16 inputs widened as they load).
-pub(crate) fn check_dtype(problem: &Problem) -> Result<()> {
-    if problem.dtype == DType::F64 {
-        return Err(float64_error("q"));
-    }
-    Ok(())
-}
-
-pub(crate) fn check_f16(ctx: &Context, problem: &Problem) -> Result<()> {
-    if problem.dtype == DType::F16 && !ctx.f16_inputs {
-        return Err(float16_error(ctx, "q"));
-    }
-    Ok(())
-}
-
-/// Row offsets in the kernels are `i32` sums of two sequence positions.
-pub(crate) fn check_sizes(problem: &Problem) -> Result<()> {
-    let limit = i32::MAX as usize / 2;
-    if problem.seq_q > limit || problem.seq_k > limit {
-        return Err(Error::TooLarge(format!(
-            "sequences longer than {limit} are not supported on the GPU; use device=\"cpu\""
-        )));
-    }
-    Ok(())
-}
+use crate::{DType, DeviceArray, Error, Input, Result, Slice};
 
 /// An input array as the bytes the shaders read (float16 or float32;
 /// bfloat16 calls were widened to float32 by `bfloat16.rs` before this).

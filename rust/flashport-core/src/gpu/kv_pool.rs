@@ -29,12 +29,12 @@ use bytemuck::{Pod, Zeroable};
 
 use crate::error::shape_str;
 
+use super::checks::{float16_error, float64_error};
 use super::chunks::binding_limit;
 use super::context::Context;
 use super::decode;
-use super::inputs::{float16_error, float64_error};
+use super::guard::{guarded, run_on, with_context};
 use super::pool::Pooled;
-use super::run::{guarded, run_on, with_context};
 use super::shaders::KV_SCATTER;
 use super::transfer::{poison_outputs, Submission, POISON};
 use crate::kvcache::plan::{BlockCopy, WriteRun};

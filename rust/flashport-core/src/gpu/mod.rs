@@ -28,9 +28,12 @@
 //! - `params`: the uniform and the variants' data; `dispatch`: binding,
 //!   recording and submitting a pass; `chunks`: the split by heads;
 //! - `inputs`, `transfer`, `assemble`: arguments in, bytes across,
-//!   results out; `device_array`: arrays kept on the GPU;
+//!   results out; `checks`: what the backend refuses (dtypes, lengths);
+//!   `device_array`: arrays kept on the GPU;
 //! - `context`, `pipelines`, `pool`: the device, its compiled kernels and
-//!   its reused buffers; `run`: panics and lost devices as errors;
+//!   its reused buffers (the context owns a `pipeline_cache` and the
+//!   `pool`s, which know nothing of it); `guard`: panics and lost devices
+//!   as errors; `run`: the context a call's device arrays pin it to;
 //! - `timing`: kernel timestamps and host phases; `shaders`, `spirv`: the
 //!   WGSL sources and the SPIR-V of the cooperative kernels.
 //! - `screen`: the pass that sends calls with NaN, infinities or huge
@@ -45,6 +48,7 @@ mod assemble;
 mod backward;
 mod bfloat16;
 pub(crate) mod caps;
+mod checks;
 mod chunks;
 mod cm2;
 mod context;
@@ -52,12 +56,14 @@ pub mod decode;
 mod device_array;
 mod dispatch;
 mod forward;
+mod guard;
 mod inputs;
 pub mod kernel;
 mod kv_pool;
 mod memory;
 mod merge;
 mod params;
+mod pipeline_cache;
 mod pipelines;
 mod pool;
 mod run;
@@ -81,6 +87,7 @@ mod varlen;
 use std::sync::OnceLock;
 
 pub use backward::{backward, backward_arrays};
+pub use context::AdapterInfo;
 pub use device_array::{check_array_bytes, to_device, DeviceArray};
 pub use forward::{forward, forward_arrays};
 pub use kv_pool::GpuStorage;
@@ -90,7 +97,7 @@ pub use varlen::swap_leading;
 
 use crate::auto::GpuModel;
 use crate::Result;
-use run::{guarded, run_on};
+use guard::{guarded, run_on};
 
 /// Waits until the GPU has done every call queued on it (calls on device
 /// arrays return once their work is queued: `transfer.rs`), and returns
@@ -102,22 +109,6 @@ pub fn synchronize() -> Result<()> {
         Some(ctx) => run_on(&ctx, |ctx| ctx.synchronize()),
         None => Ok(()),
     })
-}
-
-/// What `flashport.devices()` reports about one adapter.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AdapterInfo {
-    /// "vulkan", "metal", "dx12", ...
-    pub backend: String,
-    pub name: String,
-    /// "discrete", "integrated", "virtual", "software" or "other".
-    pub device_type: String,
-    pub driver: String,
-    /// Limits the backend uses, as (name, value).
-    pub limits: Vec<(String, u64)>,
-    /// Optional features the adapter offers that the kernels use where
-    /// present: "shader-f16", "subgroups", "cooperative-matrix-f16".
-    pub features: Vec<String>,
 }
 
 /// Adapters flashport can use, best first, without creating a device.

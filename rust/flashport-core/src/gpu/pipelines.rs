@@ -1,33 +1,14 @@
 //! Compiling the kernels: shader modules and compute pipelines, cached
-//! per context by their key, built from wgpu's WGSL or, for the
-//! cooperative kernels where the driver takes it, from SPIR-V written here.
+//! per context by their key (in its `PipelineCache`), built from wgpu's
+//! WGSL or, for the cooperative kernels where the driver takes it, from
+//! SPIR-V written here.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
-use super::context::{lock, Context};
-use super::kernel::{Kernel, Tier};
+use super::context::Context;
+use super::kernel::{Kernel, Pass, Tier};
+use super::pipeline_cache::SpecialisedKey;
 use super::select::PipelineKey;
+use crate::runtime::lock;
 use crate::{Error, Result};
-
-/// What a context has compiled, kept for its lifetime.
-#[derive(Default)]
-pub(crate) struct PipelineCache {
-    modules: Mutex<HashMap<(Kernel, bool, bool), wgpu::ShaderModule>>,
-    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
-    /// The device-array moves' pipelines (shaders' device-array helpers),
-    /// by entry point.
-    /// By entry point and source text (its address: the texts are static,
-    /// and two modules may share an entry point's name).
-    arrays: Mutex<HashMap<(&'static str, usize), wgpu::ComputePipeline>>,
-    /// Pipelines of modules outside the attention tiers (decoding), by
-    /// their label (which names the source) and override values.
-    specialised: Mutex<HashMap<SpecialisedKey, wgpu::ComputePipeline>>,
-}
-
-/// A module's label, its override values (as bits) in order, and whether
-/// it runs without naga's index clamps.
-type SpecialisedKey = (&'static str, Vec<(&'static str, u64)>, bool);
 
 /// Whether `kernel` runs without naga's index clamps: the register-tiled
 /// and cooperative-matrix kernels in release builds, unless
@@ -142,7 +123,7 @@ impl Context {
             },
             count: None,
         }];
-        let reads = if key.kernel == Kernel::ForwardCm2 {
+        let reads = if key.kernel.pass() == Pass::Forward {
             3
         } else {
             5
@@ -327,8 +308,8 @@ impl Context {
         let module = self.module(key.kernel, key.subgroups, key.f16_inputs)?;
         let mut constants = super::shaders::overrides(&key);
         if matches!(
-            key.kernel,
-            Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop
+            (key.kernel.pass(), key.kernel.tier()),
+            (Pass::BackwardDq | Pass::BackwardDkDv, Tier::Coop)
         ) {
             // wgpu's SPIR-V gives subgroupBarrier() SubgroupMemory
             // semantics, which Vulkan ignores: wait workgroup-wide instead

@@ -16,7 +16,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use super::context::{lock, Context};
+use crate::runtime::lock;
 
 /// The usages of every device-local buffer: bound by the kernels (a call's
 /// parameters as a uniform), copied from (readbacks, chunks) and into
@@ -46,13 +46,13 @@ pub(crate) fn bucket(bytes: u64) -> u64 {
 /// Device-local buffers that calls no longer use, by size, kept for the
 /// next call that needs one of that size. The free ones hold at most
 /// `max_bytes` in all; the oldest go first.
-pub(crate) struct DevicePool {
+struct DevicePool {
     free: Mutex<VecDeque<wgpu::Buffer>>,
     max_bytes: u64,
 }
 
 impl DevicePool {
-    pub fn new(max_bytes: u64) -> Self {
+    fn new(max_bytes: u64) -> Self {
         DevicePool {
             free: Default::default(),
             max_bytes,
@@ -102,7 +102,7 @@ impl DevicePool {
 pub(crate) struct Pooled {
     buffer: wgpu::Buffer,
     bytes: u64,
-    /// `None` for a buffer of its own ([`Context::owned_buffer`]).
+    /// `None` for a buffer of its own ([`Pools::owned_buffer`]).
     pool: Option<Arc<DevicePool>>,
 }
 
@@ -134,51 +134,20 @@ impl Drop for Pooled {
     }
 }
 
-impl Context {
-    /// A device-local buffer for `bytes` bytes (rounded up to 4), from the
-    /// pool where one of its size is free. Its contents are whatever an
-    /// earlier call left: every user writes it before reading.
-    pub fn device_buffer(&self, bytes: u64) -> Pooled {
-        let bytes = padded(bytes);
-        Pooled {
-            buffer: self.device_pool.take(&self.device, bytes),
-            bytes,
-            pool: Some(self.device_pool.clone()),
-        }
-    }
-
-    /// A device-local buffer of exactly `bytes` (rounded up to 4), outside
-    /// the pool: a KV cache's pools live as long as the cache, sized to it
-    /// rather than to a bucket, and are freed with it. Zeroed by wgpu.
-    pub fn owned_buffer(&self, bytes: u64) -> Pooled {
-        let bytes = padded(bytes);
-        Pooled {
-            buffer: self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("flashport kv cache"),
-                size: bytes,
-                usage: DEVICE_USAGE,
-                mapped_at_creation: false,
-            }),
-            bytes,
-            pool: None,
-        }
-    }
-}
-
 /// Host-visible buffers kept between calls for reuse, by size (`bucket`),
 /// within bounds on their count, the largest one kept and the bytes held
 /// in all (the oldest go first): bounds the host memory a finished call
 /// leaves behind.
 #[derive(Clone)]
-pub(crate) struct BufferPool {
+struct BufferPool {
     buffers: Arc<Mutex<VecDeque<wgpu::Buffer>>>,
     max_buffers: usize,
-    pub max_buffer_bytes: u64,
+    max_buffer_bytes: u64,
     max_total_bytes: u64,
 }
 
 impl BufferPool {
-    pub fn new(max_buffers: usize, max_buffer_bytes: u64, max_total_bytes: u64) -> Self {
+    fn new(max_buffers: usize, max_buffer_bytes: u64, max_total_bytes: u64) -> Self {
         BufferPool {
             buffers: Default::default(),
             max_buffers,
@@ -214,12 +183,65 @@ impl BufferPool {
     }
 }
 
-impl Context {
+/// A context's pools: device-local buffers, upload staging buffers and
+/// readback buffers, each kept between calls. The pools know nothing of
+/// the context: each call that makes a buffer is given the device.
+pub(crate) struct Pools {
+    /// Mappable buffers of earlier calls' readbacks.
+    readback: BufferPool,
+    /// Mapped staging buffers for uploads, remapped after each use.
+    upload: BufferPool,
+    /// Device-local buffers calls no longer use.
+    device_local: Arc<DevicePool>,
+}
+
+impl Pools {
+    pub fn new() -> Self {
+        Pools {
+            // A call's outputs read back through one buffer; its inputs
+            // upload through one each (up to six, plus the parameters).
+            readback: BufferPool::new(2, 256 << 20, 512 << 20),
+            upload: BufferPool::new(32, 256 << 20, 512 << 20),
+            // Enough for the outputs and temporaries of a forward and
+            // backward of (4, 16, 4096, 128) float32 several times over.
+            device_local: Arc::new(DevicePool::new(2 << 30)),
+        }
+    }
+
+    /// A device-local buffer for `bytes` bytes (rounded up to 4), from the
+    /// pool where one of its size is free. Its contents are whatever an
+    /// earlier call left: every user writes it before reading.
+    pub fn device_buffer(&self, device: &wgpu::Device, bytes: u64) -> Pooled {
+        let bytes = padded(bytes);
+        Pooled {
+            buffer: self.device_local.take(device, bytes),
+            bytes,
+            pool: Some(self.device_local.clone()),
+        }
+    }
+
+    /// A device-local buffer of exactly `bytes` (rounded up to 4), outside
+    /// the pool: a KV cache's pools live as long as the cache, sized to it
+    /// rather than to a bucket, and are freed with it. Zeroed by wgpu.
+    pub fn owned_buffer(device: &wgpu::Device, bytes: u64) -> Pooled {
+        let bytes = padded(bytes);
+        Pooled {
+            buffer: device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("flashport kv cache"),
+                size: bytes,
+                usage: DEVICE_USAGE,
+                mapped_at_creation: false,
+            }),
+            bytes,
+            pool: None,
+        }
+    }
+
     /// A mapped MAP_WRITE | COPY_SRC buffer of at least `size` bytes: a
     /// kept one of its bucket, or a new one.
-    pub fn take_upload_staging(&self, size: u64) -> wgpu::Buffer {
-        self.upload_pool.take(size, |size| {
-            self.device.create_buffer(&wgpu::BufferDescriptor {
+    pub fn take_upload_staging(&self, device: &wgpu::Device, size: u64) -> wgpu::Buffer {
+        self.upload.take(size, |size| {
+            device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("flashport upload"),
                 size,
                 usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
@@ -234,10 +256,10 @@ impl Context {
     /// one as it submits, a waiting one while it waits). Until then the
     /// buffer is in no pool, so no host write reaches it.
     pub fn recycle_upload_staging(&self, staging: wgpu::Buffer) {
-        if staging.size() > self.upload_pool.max_buffer_bytes {
+        if staging.size() > self.upload.max_buffer_bytes {
             return;
         }
-        let pool = self.upload_pool.clone();
+        let pool = self.upload.clone();
         let kept = staging.clone();
         staging.map_async(wgpu::MapMode::Write, .., move |mapped| {
             if mapped.is_ok() {
@@ -248,9 +270,9 @@ impl Context {
 
     /// An unmapped MAP_READ | COPY_DST buffer of at least `size` bytes: a
     /// kept one of its bucket, or a new one.
-    pub fn take_readback_buffer(&self, size: u64) -> wgpu::Buffer {
-        self.readback_pool.take(size, |size| {
-            self.device.create_buffer(&wgpu::BufferDescriptor {
+    pub fn take_readback_buffer(&self, device: &wgpu::Device, size: u64) -> wgpu::Buffer {
+        self.readback.take(size, |size| {
+            device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("flashport readback"),
                 size,
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
@@ -261,6 +283,6 @@ impl Context {
 
     /// Keeps an unmapped readback buffer for later calls.
     pub fn return_readback_buffer(&self, buffer: wgpu::Buffer) {
-        self.readback_pool.keep(buffer);
+        self.readback.keep(buffer);
     }
 }

@@ -200,11 +200,12 @@ pub fn select_forward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Forward
     };
     let keys = Keys::new(p, caps, ov, variants);
     let (d, dv) = (keys.d, keys.dv);
+    let at = |tier, t| (tier, keys.key(Kernel::forward(tier), t));
     let cm2 = keys
         .cm2(p, ov)
         .then(|| tiles::cm2_forward_tiles(d, dv))
         .flatten()
-        .map(|t| (Tier::Cm2, keys.key(Kernel::ForwardCm2, t)));
+        .map(|t| at(Tier::Cm2, t));
     let coop = || {
         keys.coop(p, ov)
             .then(|| match ov.coop_forward {
@@ -212,18 +213,18 @@ pub fn select_forward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Forward
                 Some(want) => tiles::coop_forward_candidates(d, dv, caps).find(|&t| t == want),
             })
             .flatten()
-            .map(|t| (Tier::Coop, keys.key(Kernel::ForwardCoop, t)))
+            .map(|t| at(Tier::Coop, t))
     };
     let tiled = || {
         ov.allows(Tier::Tiled)
             .then(|| tiles::tiled_forward_tiles(d, dv, caps))
             .flatten()
-            .map(|t| (Tier::Tiled, keys.key(Kernel::ForwardTiled, t)))
+            .map(|t| at(Tier::Tiled, t))
     };
     let (tier, forward) = cm2
         .or_else(coop)
         .or_else(tiled)
-        .unwrap_or_else(|| (Tier::Simple, keys.simple(Kernel::Forward)));
+        .unwrap_or_else(|| (Tier::Simple, keys.simple(Kernel::forward(Tier::Simple))));
     ForwardPlan { tier, forward }
 }
 
@@ -233,57 +234,39 @@ pub fn select_backward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Backwa
     let caps = ov.apply(caps);
     let keys = Keys::new(p, caps, ov, variants_of(p));
     let (d, dv) = (keys.d, keys.dv);
-    let pair = |tier, dq, dkdv, (tq, tkv)| (tier, keys.key(dq, tq), keys.key(dkdv, tkv));
+    let pair = |tier, (tq, tkv)| {
+        let (dq, dkdv) = (Kernel::dq(tier), Kernel::dkdv(tier));
+        (tier, keys.key(dq, tq), keys.key(dkdv, tkv))
+    };
     // (The score gradient, which the cm2 kernels do not write, is asked
     // for only with a mask: a variant, which they do not take.)
     let cm2 = keys
         .cm2(p, ov)
         .then(|| tiles::cm2_backward_tiles(d, dv))
         .flatten()
-        .map(|t| {
-            pair(
-                Tier::Cm2,
-                Kernel::BackwardDqCm2,
-                Kernel::BackwardDkDvCm2,
-                (t, t),
-            )
-        });
+        .map(|t| pair(Tier::Cm2, (t, t)));
     let coop = || {
         keys.coop(p, ov)
             .then(|| tiles::coop_backward_tiles(d, dv, caps))
             .flatten()
-            .map(|t| {
-                pair(
-                    Tier::Coop,
-                    Kernel::BackwardDqCoop,
-                    Kernel::BackwardDkDvCoop,
-                    t,
-                )
-            })
+            .map(|t| pair(Tier::Coop, t))
     };
     let tiled = || {
         ov.allows(Tier::Tiled)
             .then(|| tiles::tiled_backward_tiles(d, dv, caps))
             .flatten()
-            .map(|t| {
-                pair(
-                    Tier::Tiled,
-                    Kernel::BackwardDqTiled,
-                    Kernel::BackwardDkDvTiled,
-                    t,
-                )
-            })
+            .map(|t| pair(Tier::Tiled, t))
     };
     let (tier, dq, dkdv) = cm2.or_else(coop).or_else(tiled).unwrap_or_else(|| {
         (
             Tier::Simple,
-            keys.simple(Kernel::BackwardDq),
-            keys.simple(Kernel::BackwardDkDv),
+            keys.simple(Kernel::dq(Tier::Simple)),
+            keys.simple(Kernel::dkdv(Tier::Simple)),
         )
     });
     BackwardPlan {
         tier,
-        preprocess: keys.simple(Kernel::BackwardPreprocess),
+        preprocess: keys.simple(Kernel::PREPROCESS),
         dq,
         dkdv,
     }
@@ -309,7 +292,7 @@ pub fn simple_forward(
         screened: true,
         ..plan.forward.variants
     };
-    let key = Keys::new(p, ov.apply(caps), ov, variants).simple(Kernel::Forward);
+    let key = Keys::new(p, ov.apply(caps), ov, variants).simple(Kernel::forward(Tier::Simple));
     check_loop_limit(p, ov.apply(caps), &[key]).ok()?;
     Some(key)
 }
@@ -331,8 +314,8 @@ pub fn simple_backward(
     };
     let keys = Keys::new(p, ov.apply(caps), ov, variants);
     let (dq, dkdv) = (
-        keys.simple(Kernel::BackwardDq),
-        keys.simple(Kernel::BackwardDkDv),
+        keys.simple(Kernel::dq(Tier::Simple)),
+        keys.simple(Kernel::dkdv(Tier::Simple)),
     );
     check_loop_limit(p, ov.apply(caps), &[dq, dkdv]).ok()?;
     Some((dq, dkdv))
@@ -458,7 +441,7 @@ mod tests {
         consistent(ov.apply(caps), f.tier, &[f.forward]);
         consistent(ov.apply(caps), b.tier, &[b.dq, b.dkdv]);
         assert_eq!(b.dq.kernel.tier(), b.dkdv.kernel.tier());
-        assert_eq!(b.preprocess.kernel, Kernel::BackwardPreprocess);
+        assert_eq!(b.preprocess.kernel, Kernel::PREPROCESS);
         (f.tier, b.tier)
     }
 
@@ -561,15 +544,15 @@ mod tests {
         use Tier::*;
         let f16 = plain("float16", 64, 64);
         let f = select_forward(&f16, H100_CM2, &Overrides::default());
-        assert_eq!((f.tier, f.forward.kernel), (Cm2, Kernel::ForwardCm2));
+        assert_eq!((f.tier, f.forward.kernel), (Cm2, Kernel::forward(Cm2)));
         assert_eq!(f.forward.tiles, tiles::cm2_forward_tiles(64, 64).unwrap());
         // Its backward too, the screen's simple kernels behind them.
         let b = select_backward(&f16, H100_CM2, &Overrides::default());
         assert_eq!(
             (b.tier, b.dq.kernel, b.dkdv.kernel),
-            (Cm2, Kernel::BackwardDqCm2, Kernel::BackwardDkDvCm2)
+            (Cm2, Kernel::dq(Cm2), Kernel::dkdv(Cm2))
         );
-        assert_eq!(b.preprocess.kernel, Kernel::BackwardPreprocess);
+        assert_eq!(b.preprocess.kernel, Kernel::PREPROCESS);
         assert_eq!(b.dkdv.tiles, tiles::cm2_backward_tiles(64, 64).unwrap());
         assert!(simple_forward(&f16, H100_CM2, &Overrides::default(), &f).is_some());
         assert!(simple_backward(&f16, H100_CM2, &Overrides::default(), &b).is_some());
@@ -638,7 +621,11 @@ mod tests {
             ..none
         };
         let f = select_forward(&f16, H100_CM2, &forced);
-        assert_eq!(f.forward.kernel, Kernel::ForwardCoop, "coop tiles forced");
+        assert_eq!(
+            f.forward.kernel,
+            Kernel::forward(Tier::Coop),
+            "coop tiles forced"
+        );
         // Without the extension, the cooperative kernel as before.
         assert_eq!(select_forward(&f16, H100, &none).tier, Coop);
         // The test problem's 100 rows over 70 keys are not whole tiles.
@@ -653,12 +640,28 @@ mod tests {
             seq_k,
             group: 1,
         };
-        assert!(exact_tiles(Kernel::ForwardCm2, t, shape(4096, 4096)));
-        assert!(exact_tiles(Kernel::ForwardCm2, t, shape(64, 128)));
-        assert!(!exact_tiles(Kernel::ForwardCm2, t, shape(4096, 4095)));
-        assert!(!exact_tiles(Kernel::ForwardCm2, t, shape(100, 4096)));
-        assert!(!exact_tiles(Kernel::ForwardCm2, t, shape(1, 64)));
-        assert!(!exact_tiles(Kernel::ForwardCoop, t, shape(4096, 4096)));
+        assert!(exact_tiles(
+            Kernel::forward(Tier::Cm2),
+            t,
+            shape(4096, 4096)
+        ));
+        assert!(exact_tiles(Kernel::forward(Tier::Cm2), t, shape(64, 128)));
+        assert!(!exact_tiles(
+            Kernel::forward(Tier::Cm2),
+            t,
+            shape(4096, 4095)
+        ));
+        assert!(!exact_tiles(
+            Kernel::forward(Tier::Cm2),
+            t,
+            shape(100, 4096)
+        ));
+        assert!(!exact_tiles(Kernel::forward(Tier::Cm2), t, shape(1, 64)));
+        assert!(!exact_tiles(
+            Kernel::forward(Tier::Coop),
+            t,
+            shape(4096, 4096)
+        ));
     }
 
     #[test]
@@ -876,7 +879,7 @@ mod tests {
             let (sq, skv) = simple_backward(&p, caps, &no, &b).unwrap();
             assert_eq!(
                 (sq.kernel, skv.kernel),
-                (Kernel::BackwardDq, Kernel::BackwardDkDv)
+                (Kernel::dq(Tier::Simple), Kernel::dkdv(Tier::Simple))
             );
             assert_eq!([sq, skv], [screened(plain[2]), screened(plain[3])]);
             assert!(sq.variants.screened && !b.dq.variants.screened);

@@ -1,7 +1,7 @@
 //! The WGSL sources, embedded at build time, and the override constants
 //! that specialise them.
 
-use super::kernel::Kernel;
+use super::kernel::{Kernel, Pass, Tier};
 use super::select::PipelineKey;
 pub use super::select::Variants;
 
@@ -175,27 +175,29 @@ pub const VARLEN: &str = concat!(grid!(), "\n", shader!("varlen.wgsl"));
 /// binding's type cannot be an override; the cooperative kernels take
 /// float16 only and ignore `f16_inputs`.
 pub fn source(kernel: Kernel, subgroups: bool, f16_inputs: bool) -> String {
+    use {Pass::*, Tier::*};
     let input = if f16_inputs { INPUT_F16 } else { INPUT_F32 };
     let reduce = if subgroups {
         ROW_REDUCE_SUBGROUP
     } else {
         ROW_REDUCE_WORKGROUP
     };
-    let parts: &[&str] = match kernel {
-        Kernel::Forward => &[COMMON, SCREENED, input, SIMPLE_FORWARD],
-        Kernel::BackwardPreprocess => &[COMMON, input, SIMPLE_BACKWARD_PREPROCESS],
-        Kernel::BackwardDkDv => &[COMMON, SCREENED, input, SIMPLE_BACKWARD_DKDV],
-        Kernel::BackwardDq => &[COMMON, SCREENED, input, SIMPLE_BACKWARD_DQ],
-        Kernel::ForwardTiled => &[COMMON, input, TILED, reduce, TILED_FORWARD],
-        Kernel::BackwardDqTiled => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DQ],
-        Kernel::BackwardDkDvTiled => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DKDV],
+    let parts: &[&str] = match (kernel.pass(), kernel.tier()) {
+        (Forward, Simple) => &[COMMON, SCREENED, input, SIMPLE_FORWARD],
+        // The one pre-pass, simple, serves every tier.
+        (BackwardPreprocess, _) => &[COMMON, input, SIMPLE_BACKWARD_PREPROCESS],
+        (BackwardDkDv, Simple) => &[COMMON, SCREENED, input, SIMPLE_BACKWARD_DKDV],
+        (BackwardDq, Simple) => &[COMMON, SCREENED, input, SIMPLE_BACKWARD_DQ],
+        (Forward, Tiled) => &[COMMON, input, TILED, reduce, TILED_FORWARD],
+        (BackwardDq, Tiled) => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DQ],
+        (BackwardDkDv, Tiled) => &[COMMON, input, TILED, TILED_BACKWARD, TILED_BACKWARD_DKDV],
         // lib/coop.wgsl comes first: it opens with `enable` directives,
         // which WGSL wants before any declaration.
-        Kernel::ForwardCoop => &[COOP, COMMON, COOP_FORWARD],
-        Kernel::BackwardDqCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DQ],
-        Kernel::BackwardDkDvCoop => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DKDV],
+        (Forward, Coop) => &[COOP, COMMON, COOP_FORWARD],
+        (BackwardDq, Coop) => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DQ],
+        (BackwardDkDv, Coop) => &[COOP, COMMON, COOP_BACKWARD, COOP_BACKWARD_DKDV],
         // GLSL, compiled ahead (shaders/cm2/, gpu/cm2.rs): no WGSL.
-        Kernel::ForwardCm2 | Kernel::BackwardDqCm2 | Kernel::BackwardDkDvCm2 => &[],
+        (_, Cm2) => &[],
     };
     parts.join("\n")
 }
@@ -227,7 +229,8 @@ pub fn score_variant_overrides(softcap: bool, alibi: bool) -> [(&'static str, f6
 /// The variant overrides of `kernel` (none for the backward pre-pass,
 /// which computes the same D for every variant).
 pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)> {
-    if kernel == Kernel::BackwardPreprocess {
+    use {Pass::*, Tier::*};
+    if kernel.pass() == BackwardPreprocess {
         return Vec::new();
     }
     let b = |x: bool| if x { 1.0 } else { 0.0 };
@@ -240,15 +243,14 @@ pub fn variant_overrides(kernel: Kernel, v: Variants) -> Vec<(&'static str, f64)
         ("VARLEN", b(v.varlen)),
     ]);
     if matches!(
-        kernel,
-        Kernel::BackwardDq | Kernel::BackwardDqTiled | Kernel::BackwardDqCoop
+        (kernel.pass(), kernel.tier()),
+        (BackwardDq, Simple | Tiled | Coop)
     ) {
         c.push(("DMASK", b(v.dmask)));
     }
-    if matches!(
-        kernel,
-        Kernel::Forward | Kernel::BackwardDq | Kernel::BackwardDkDv
-    ) {
+    // The simple kernels screen their inputs for non-finite values
+    // (lib/screened.wgsl); the pre-pass has returned above.
+    if kernel.tier() == Simple {
         c.push(("SCREENED", b(v.screened)));
     }
     c
@@ -266,12 +268,13 @@ pub fn tile_overrides(
     t: super::tiles::Tiles,
     subgroups: bool,
 ) -> Vec<(&'static str, f64)> {
+    use {Pass::*, Tier::*};
     let (bq, bk) = (t.q_rows, t.k_rows);
     let n = |x: u32| x.max(1) as f64;
-    match kernel {
+    match (kernel.pass(), kernel.tier()) {
         // Specialised in its SPIR-V (gpu/cm2.rs), not by WGSL overrides.
-        Kernel::ForwardCm2 | Kernel::BackwardDqCm2 | Kernel::BackwardDkDvCm2 => Vec::new(),
-        Kernel::ForwardTiled => {
+        (_, Cm2) => Vec::new(),
+        (Forward, Tiled) => {
             let (q, kv, p, red) = super::tiles::tiled_workgroup_vec4s(d, dv, t, subgroups);
             let d4 = d / 4;
             let mut c = vec![
@@ -299,7 +302,7 @@ pub fn tile_overrides(
             }
             c
         }
-        Kernel::BackwardDqTiled | Kernel::BackwardDkDvTiled => {
+        (BackwardDq | BackwardDkDv, Tiled) => {
             let l = super::tiles::BackwardLayout::new(kernel, d, dv, t);
             vec![
                 ("RG", (t.workgroup / super::tiles::TILED_CG) as f64),
@@ -320,7 +323,7 @@ pub fn tile_overrides(
                 ("PF_N", t.prefetch as f64),
             ]
         }
-        Kernel::ForwardCoop => {
+        (Forward, Coop) => {
             let [k, v, qp, f] = super::tiles::coop_elems(d, dv, t);
             let (kw, vw) = super::tiles::coop_staged_words(d, dv, t);
             vec![
@@ -337,7 +340,7 @@ pub fn tile_overrides(
                 ("VW", vw as f64),
             ]
         }
-        Kernel::BackwardDqCoop | Kernel::BackwardDkDvCoop => {
+        (BackwardDq | BackwardDkDv, Coop) => {
             let l = super::tiles::CoopBackwardLayout::new(kernel, d, dv, t);
             let (w0, w1) = l.staged_words(d, dv, t);
             let mut c = vec![
@@ -351,7 +354,7 @@ pub fn tile_overrides(
                 ("DW", w0 as f64),
                 ("DVW", w1 as f64),
             ];
-            if kernel == Kernel::BackwardDqCoop {
+            if kernel.pass() == BackwardDq {
                 c.push(("DS_OFF", l.weights_off as f64));
             } else {
                 c.extend([
@@ -361,8 +364,8 @@ pub fn tile_overrides(
             }
             c
         }
-        Kernel::BackwardPreprocess => vec![("WG", t.workgroup as f64), ("DV", dv as f64)],
-        Kernel::Forward => vec![
+        (BackwardPreprocess, _) => vec![("WG", t.workgroup as f64), ("DV", dv as f64)],
+        (Forward, Simple) => vec![
             ("WG", t.workgroup as f64),
             ("BQ", bq as f64),
             ("BK", bk as f64),
@@ -375,7 +378,7 @@ pub fn tile_overrides(
             ("O_ELEMS", n(bq * dv)),
             ("ROW_ELEMS", n(bq)),
         ],
-        Kernel::BackwardDkDv | Kernel::BackwardDq => vec![
+        (BackwardDkDv | BackwardDq, Simple) => vec![
             ("WG", t.workgroup as f64),
             ("BQ", bq as f64),
             ("BK", bk as f64),

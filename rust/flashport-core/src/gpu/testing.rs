@@ -5,7 +5,7 @@
 use super::context;
 use super::decode::select::DecodeKernel;
 use super::device_array::{to_device, Resident};
-use super::run::{guarded, run_on};
+use super::guard::{guarded, run_on};
 use super::select::{select_backward, select_forward, AdapterCaps, BackwardPlan, ForwardPlan};
 use super::transfer::Submission;
 use crate::{overrides, Buffer, DType, Error, KvCacheProblem, Problem, Result, Slice};

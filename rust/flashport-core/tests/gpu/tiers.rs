@@ -265,7 +265,7 @@ fn every_tier_the_adapter_has_is_reached() {
         // capped at Coop, the cooperative kernels.
         assert_eq!(default, (Tier::Cm2, Tier::Cm2));
         let (f, _) = plans(&f16_64.p).unwrap();
-        assert_eq!(f.forward.kernel, Kernel::ForwardCm2);
+        assert_eq!(f.forward.kernel, Kernel::forward(Tier::Cm2));
         let coop = overrides::with(max_tier(Tier::Coop), || {
             tiers(&f16_64, "float16 d=64, coop")
         });
@@ -273,7 +273,7 @@ fn every_tier_the_adapter_has_is_reached() {
     } else if caps.coop {
         assert_eq!(default, (Tier::Coop, Tier::Coop));
         let (f, _) = plans(&f16_64.p).unwrap();
-        assert_eq!(f.forward.kernel, Kernel::ForwardCoop);
+        assert_eq!(f.forward.kernel, Kernel::forward(Tier::Coop));
         assert_eq!(f.forward.passthrough, caps.passthrough);
         eprintln!("NOT TESTED: no cooperative matrices 2 on this adapter: their forward");
     } else {

@@ -4,12 +4,12 @@
 
 use super::Tiles;
 use crate::gpu::caps::AdapterCaps;
-use crate::gpu::kernel::Kernel;
+use crate::gpu::kernel::{Kernel, Pass, Tier};
 
 /// Workgroup bytes of a cooperative kernel, mirroring its arrays.
 pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
-    match kernel {
-        Kernel::ForwardCoop => coop_workgroup_bytes(d, dv, t),
+    match kernel.pass() {
+        Pass::Forward => coop_workgroup_bytes(d, dv, t),
         _ => CoopBackwardLayout::new(kernel, d, dv, t).bytes(),
     }
 }
@@ -118,8 +118,8 @@ pub struct CoopBackwardLayout {
 
 impl CoopBackwardLayout {
     pub fn new(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> Self {
-        let (owned, streamed) = match kernel {
-            Kernel::BackwardDqCoop => (t.q_rows, t.k_rows),
+        let (owned, streamed) = match kernel.pass() {
+            Pass::BackwardDq => (t.q_rows, t.k_rows),
             _ => (t.k_rows, t.q_rows),
         };
         let (ks, vs, ts) = (d + 8, dv + 8, streamed + 8);
@@ -127,8 +127,8 @@ impl CoopBackwardLayout {
         let weights_off = streamed * (ks + vs);
         // dK/dV keeps P^T and dS^T, dQ only dS.
         let weights2_off = weights_off + owned * ts;
-        let weights_end = match kernel {
-            Kernel::BackwardDqCoop => weights2_off,
+        let weights_end = match kernel.pass() {
+            Pass::BackwardDq => weights2_off,
             _ => weights2_off + owned * ts,
         };
         CoopBackwardLayout {
@@ -188,8 +188,8 @@ pub fn coop_backward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<(Tiles,
             .flat_map(|w| [(w, 32u32), (w, 16)])
             .find_map(|(w, streamed)| {
                 let own = 16 * w;
-                let (q_rows, k_rows) = match kernel {
-                    Kernel::BackwardDqCoop => (own, streamed),
+                let (q_rows, k_rows) = match kernel.pass() {
+                    Pass::BackwardDq => (own, streamed),
                     _ => (streamed, own),
                 };
                 let t = Tiles {
@@ -203,8 +203,8 @@ pub fn coop_backward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<(Tiles,
             })
     };
     Some((
-        pick(Kernel::BackwardDqCoop)?,
-        pick(Kernel::BackwardDkDvCoop)?,
+        pick(Kernel::dq(Tier::Coop))?,
+        pick(Kernel::dkdv(Tier::Coop))?,
     ))
 }
 

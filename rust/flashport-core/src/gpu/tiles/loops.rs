@@ -34,11 +34,11 @@
 //! no loop is unrolled (the tiled forward's: 2426 tiles of 32 keys run,
 //! 2427 do not).
 
+use super::decode::{DecodeTiles, SubgroupTiles};
 use super::simple::PREPROCESS_COLUMNS;
 use super::tiled::tiled_nv;
 use super::{TILED_BK, TILED_CG};
-use crate::gpu::decode::select::{DecodeTiles, SubgroupTiles};
-use crate::gpu::kernel::Kernel;
+use crate::gpu::kernel::{Pass, Tier};
 use crate::gpu::select::PipelineKey;
 
 /// What the count depends on beyond the pipeline.
@@ -110,6 +110,7 @@ pub fn workgroup_iterations(key: &PipelineKey, s: LoopShape) -> u64 {
 
 /// The loop iterations of the subgroup whose first lane is `lane`.
 fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
+    use {Pass::*, Tier::*};
     let t = key.tiles;
     let (bq, bk, wg) = (t.q_rows as u64, t.k_rows as u64, t.workgroup.max(1) as u64);
     let (d, dv) = (key.d as u64, key.dv as u64);
@@ -130,15 +131,15 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
         let (trips, live) = (per(total), per(live).min(per(total)));
         trips + 1 + live * work + (trips - live) * loops + loops
     };
-    match key.kernel {
-        Kernel::BackwardPreprocess => {
+    match (key.kernel.pass(), key.kernel.tier()) {
+        (BackwardPreprocess, _) => {
             // Per staged pass: the loads of the pass's columns of every
             // row, four per step, then the row's sum over them.
             let cw = PREPROCESS_COLUMNS as u64;
             let loads = (wg * cw).saturating_sub(lane).div_ceil(4 * wg);
             lp(dv.div_ceil(cw), flat(loads) + flat(cw), 2)
         }
-        Kernel::Forward => {
+        (Forward, Simple) => {
             let (tr, ta) = (per(bq), per(bq * dv));
             // The online-softmax step, one row per thread: the row maximum
             // over the row's keys, then the sum over the tile (a Philox
@@ -155,7 +156,7 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
             let epilogue = flat(per(rows * dv)) + flat(per(rows));
             prologue + lp(s.seq_k.div_ceil(bk), tile, tile_loops) + epilogue
         }
-        Kernel::BackwardDq => {
+        (BackwardDq, Simple) => {
             let tq = per(bq * d);
             let tile = mask_check(m, bq, bk)
                 + if dmask { flat(per(bq * bk)) } else { 0 }
@@ -177,7 +178,7 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
             } + flat(per(rows * d));
             prologue + lp(s.seq_k.div_ceil(bk), tile, tile_loops) + epilogue
         }
-        Kernel::BackwardDkDv => {
+        (BackwardDkDv, Simple) => {
             // Owned keys `bk`, streamed query rows `bq`.
             let tile = mask_check(m, bq, bk)
                 + flat(per(bq * d))
@@ -202,7 +203,7 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
             let last = flat(per(keys * d)) + flat(per(keys * dv));
             ends + heads + last
         }
-        Kernel::ForwardTiled => {
+        (Forward, Tiled) => {
             // The shader's key tile is a constant.
             let bk = TILED_BK as u64;
             let (d4, nv) = (d / 4, tiled_nv(key.dv) as u64);
@@ -228,7 +229,7 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
                 + lp(s.seq_k.div_ceil(bk), tile, tile_loops)
                 + reduce * flat(TILED_CG as u64 - 1)
         }
-        Kernel::BackwardDqTiled => {
+        (BackwardDq, Tiled) => {
             let bc = TILED_BK as u64;
             let (d4, dv4, nd) = (d / 4, dv / 4, tiled_nv(key.d) as u64);
             // V and K by loops where nothing is prefetched.
@@ -255,7 +256,7 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
             };
             prologue + lp(s.seq_k.div_ceil(bc), tile, tile_loops) + epilogue
         }
-        Kernel::BackwardDkDvTiled => {
+        (BackwardDkDv, Tiled) => {
             let bc = TILED_BK as u64;
             let (d4, dv4) = (d / 4, dv / 4);
             let (nd, nv) = (tiled_nv(key.d) as u64, tiled_nv(key.dv) as u64);
@@ -281,12 +282,7 @@ fn subgroup_iterations(key: &PipelineKey, s: LoopShape, lane: u64) -> u64 {
         }
         // The cooperative kernels need cooperative matrices, which no
         // adapter with a loop limit has (llvmpipe): not modelled.
-        Kernel::ForwardCoop
-        | Kernel::BackwardDqCoop
-        | Kernel::BackwardDkDvCoop
-        | Kernel::ForwardCm2
-        | Kernel::BackwardDqCm2
-        | Kernel::BackwardDkDvCm2 => 0,
+        (_, Coop | Cm2) => 0,
     }
 }
 
@@ -365,6 +361,7 @@ pub fn subgroup_decode_iterations(t: &SubgroupTiles, keys: u64) -> u64 {
 mod tests {
     use super::*;
     use crate::gpu::caps::AdapterCaps;
+    use crate::gpu::kernel::Kernel;
     use crate::gpu::select::Variants;
     use crate::gpu::tiles::{tiled_forward_tiles, Tiles};
 
@@ -422,7 +419,7 @@ mod tests {
         // (kernel, d, dv, tiles, (seq_q, seq_k, group) right, wrong, exact)
         let cases = [
             (
-                Kernel::Forward,
+                Kernel::forward(Tier::Simple),
                 1024,
                 1024,
                 simple(2, 1),
@@ -431,7 +428,7 @@ mod tests {
                 false,
             ),
             (
-                Kernel::Forward,
+                Kernel::forward(Tier::Simple),
                 46,
                 122,
                 simple(16, 16),
@@ -440,7 +437,7 @@ mod tests {
                 false,
             ),
             (
-                Kernel::BackwardDq,
+                Kernel::dq(Tier::Simple),
                 46,
                 122,
                 simple(16, 16),
@@ -449,7 +446,7 @@ mod tests {
                 false,
             ),
             (
-                Kernel::BackwardDq,
+                Kernel::dq(Tier::Simple),
                 40,
                 122,
                 simple(16, 16),
@@ -458,7 +455,7 @@ mod tests {
                 true,
             ),
             (
-                Kernel::BackwardDkDv,
+                Kernel::dkdv(Tier::Simple),
                 46,
                 122,
                 simple(8, 16),
@@ -467,7 +464,7 @@ mod tests {
                 true,
             ),
             (
-                Kernel::ForwardTiled,
+                Kernel::forward(Tier::Tiled),
                 64,
                 64,
                 tiled,

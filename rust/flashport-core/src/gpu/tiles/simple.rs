@@ -3,7 +3,7 @@
 
 use super::{Tiles, COMPILER_SLACK};
 use crate::gpu::caps::AdapterCaps;
-use crate::gpu::kernel::Kernel;
+use crate::gpu::kernel::{Kernel, Pass};
 
 /// Threads per workgroup: enough to keep a GPU's SIMD lanes busy on the
 /// per-element loops, few enough that a software rasteriser's barriers
@@ -42,8 +42,8 @@ pub fn simple_tiles(kernel: Kernel, d: u32, dv: u32, caps: AdapterCaps) -> Tiles
         .max(1);
     let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(COMPILER_SLACK);
     let tiles = |(primary, secondary): (u32, u32)| {
-        let (q_rows, k_rows) = match kernel {
-            Kernel::BackwardDkDv => (secondary, primary),
+        let (q_rows, k_rows) = match kernel.pass() {
+            Pass::BackwardDkDv => (secondary, primary),
             _ => (primary, secondary),
         };
         Tiles {
@@ -95,8 +95,8 @@ pub fn simple_tiles_within(
     }
     let budget = (caps.workgroup_storage_bytes as u64).saturating_sub(COMPILER_SLACK);
     let most = caps.max_invocations.min(caps.max_workgroup_size_x).max(1);
-    let owned = |t: Tiles| match kernel {
-        Kernel::BackwardDkDv => t.k_rows,
+    let owned = |t: Tiles| match kernel.pass() {
+        Pass::BackwardDkDv => t.k_rows,
         _ => t.q_rows,
     } as u64;
     let mut candidates = vec![(iterations(usual), usual)];
@@ -137,21 +137,18 @@ pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 
     let e = |n: u64| n.max(1);
     // K and V tiles have rows padded by one word (see KS/VS in the shaders).
     let (kt, vt) = (e(bk * (d + 1)), e(bk * (dv + 1)));
-    let words = match kernel {
+    let words = match kernel.pass() {
         // And the rows' codes and the keys' flags of non-finite values, and
         // the screen's flag (lib/screened.wgsl), here and in dQ and dK/dV.
-        Kernel::Forward => e(bq * d) + kt + vt + e(bq * bk) + e(bq * dv) + 4 * e(bq) + bk + 1,
+        Pass::Forward => e(bq * d) + kt + vt + e(bq * bk) + e(bq * dv) + 4 * e(bq) + bk + 1,
         // The dK/dV accumulators are sized like the K/V tiles.
-        Kernel::BackwardDkDv => {
+        Pass::BackwardDkDv => {
             2 * kt + 2 * vt + e(bq * d) + e(bq * dv) + 2 * e(bq * bk) + 3 * e(bq) + 1
         }
         // And the flags of the K tile's non-finite values.
-        Kernel::BackwardDq => {
-            2 * e(bq * d) + e(bq * dv) + kt + vt + e(bq * bk) + 3 * e(bq) + bk + 1
-        }
+        Pass::BackwardDq => 2 * e(bq * d) + e(bq * dv) + kt + vt + e(bq * bk) + 3 * e(bq) + bk + 1,
         // dO and o, a few columns of the workgroup's rows at a time.
-        Kernel::BackwardPreprocess => 2 * t.workgroup as u64 * (PREPROCESS_COLUMNS as u64 + 1),
-        _ => 0,
+        Pass::BackwardPreprocess => 2 * t.workgroup as u64 * (PREPROCESS_COLUMNS as u64 + 1),
     };
     4 * words
 }
@@ -159,6 +156,7 @@ pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::kernel::Tier;
 
     #[test]
     fn every_head_dim_fits_webgpu_default_16_kib() {
@@ -179,9 +177,14 @@ mod tests {
 
     #[test]
     fn larger_memory_gives_larger_tiles() {
-        let small = simple_tiles(Kernel::Forward, 64, 64, AdapterCaps::WEBGPU_DEFAULT);
+        let small = simple_tiles(
+            Kernel::forward(Tier::Simple),
+            64,
+            64,
+            AdapterCaps::WEBGPU_DEFAULT,
+        );
         let large = simple_tiles(
-            Kernel::Forward,
+            Kernel::forward(Tier::Simple),
             64,
             64,
             AdapterCaps {
@@ -190,7 +193,12 @@ mod tests {
             },
         );
         assert!(large.q_rows * large.k_rows > small.q_rows * small.k_rows);
-        let wide = simple_tiles(Kernel::BackwardDkDv, 256, 256, AdapterCaps::WEBGPU_DEFAULT);
+        let wide = simple_tiles(
+            Kernel::dkdv(Tier::Simple),
+            256,
+            256,
+            AdapterCaps::WEBGPU_DEFAULT,
+        );
         assert!(wide.k_rows >= 1 && wide.q_rows >= 1);
     }
 }

@@ -4,7 +4,7 @@
 
 use super::{Tiles, COMPILER_SLACK};
 use crate::gpu::caps::AdapterCaps;
-use crate::gpu::kernel::Kernel;
+use crate::gpu::kernel::{Kernel, Pass, Tier};
 
 /// Key rows per tile and invocations per row group of the tiled forward;
 /// fixed by its hand-unrolled 4x4 register tile (shaders/tiled/forward.wgsl).
@@ -60,8 +60,8 @@ impl BackwardLayout {
         let (d4, dv4) = (d as u64 / 4, dv as u64 / 4);
         let (nd, nv) = (tiled_nv(d) as u64, tiled_nv(dv) as u64);
         let bc = TILED_BK as u64;
-        let (br, b1, w_arrays) = match kernel {
-            Kernel::BackwardDqTiled => (t.q_rows as u64, bc * (dv4 + 1), 1),
+        let (br, b1, w_arrays) = match kernel.pass() {
+            Pass::BackwardDq => (t.q_rows as u64, bc * (dv4 + 1), 1),
             _ => (
                 t.k_rows as u64,
                 bc * (8 * nv + 1),
@@ -94,8 +94,8 @@ impl BackwardLayout {
 /// Workgroup bytes of a tiled kernel, mirroring its arrays (the forward's
 /// with the reduction scratch of the variant without subgroups).
 pub(super) fn workgroup_bytes(kernel: Kernel, d: u32, dv: u32, t: Tiles) -> u64 {
-    match kernel {
-        Kernel::ForwardTiled => {
+    match kernel.pass() {
+        Pass::Forward => {
             let (q, kv, p, red) = tiled_workgroup_vec4s(d, dv, t, false);
             16 * (q + kv + p + red)
         }
@@ -128,8 +128,8 @@ pub fn tiled_backward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<(Tiles
             let wg = TILED_CG * rg;
             // vec4s of the streamed tiles per invocation: prefetched into
             // the named registers pa0..pa7 / pb0..pb7 where they fit.
-            let (w0, w1) = match kernel {
-                Kernel::BackwardDqTiled => (8 * tiled_nv(d), dv / 4),
+            let (w0, w1) = match kernel.pass() {
+                Pass::BackwardDq => (8 * tiled_nv(d), dv / 4),
                 _ => (8 * tiled_nv(d), 8 * tiled_nv(dv)),
             };
             let per = (streamed * w0.max(w1)).div_ceil(wg);
@@ -138,8 +138,8 @@ pub fn tiled_backward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<(Tiles
             // the H100 (docs/gpu.md#registers-bound-occupancy); suspected register pressure or compile
             // time there, not verified.
             let prefetch = if per <= 8 { per } else { 0 };
-            let (q_rows, k_rows) = match kernel {
-                Kernel::BackwardDqTiled => (own, streamed),
+            let (q_rows, k_rows) = match kernel.pass() {
+                Pass::BackwardDq => (own, streamed),
                 _ => (streamed, own),
             };
             let t = Tiles {
@@ -157,8 +157,8 @@ pub fn tiled_backward_tiles(d: u32, dv: u32, caps: AdapterCaps) -> Option<(Tiles
         })
     };
     Some((
-        pick(Kernel::BackwardDqTiled)?,
-        pick(Kernel::BackwardDkDvTiled)?,
+        pick(Kernel::dq(Tier::Tiled))?,
+        pick(Kernel::dkdv(Tier::Tiled))?,
     ))
 }
 
@@ -220,7 +220,7 @@ mod tests {
     #[test]
     fn tiled_backward_shares_the_streamed_tiles_only_where_needed() {
         let shape = |t: Tiles, kernel| {
-            let own = if kernel == Kernel::BackwardDqTiled {
+            let own = if kernel == Kernel::dq(Tier::Tiled) {
                 t.q_rows
             } else {
                 t.k_rows
@@ -229,18 +229,18 @@ mod tests {
         };
         // d = 64 on NVIDIA's 48 KiB: 56-row blocks fit only by sharing.
         let (tq, tkv) = tiled_backward_tiles(64, 64, caps(48)).unwrap();
-        assert_eq!(shape(tq, Kernel::BackwardDqTiled), (56, true));
-        assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (56, true));
+        assert_eq!(shape(tq, Kernel::dq(Tier::Tiled)), (56, true));
+        assert_eq!(shape(tkv, Kernel::dkdv(Tier::Tiled)), (56, true));
         // d = 128: side by side only 8-row blocks fit; sharing fits 24.
         let (tq, tkv) = tiled_backward_tiles(128, 128, caps(48)).unwrap();
-        assert_eq!(shape(tq, Kernel::BackwardDqTiled), (24, true));
-        assert_eq!(shape(tkv, Kernel::BackwardDkDvTiled), (24, true));
+        assert_eq!(shape(tq, Kernel::dq(Tier::Tiled)), (24, true));
+        assert_eq!(shape(tkv, Kernel::dkdv(Tier::Tiled)), (24, true));
         // lavapipe's 32 KiB: d = 128 fits only by sharing.
         let (tq, tkv) = tiled_backward_tiles(128, 128, caps(32)).unwrap();
         assert!(tq.kv_shared && tkv.kv_shared);
         for (kernel, t) in [
-            (Kernel::BackwardDqTiled, tq),
-            (Kernel::BackwardDkDvTiled, tkv),
+            (Kernel::dq(Tier::Tiled), tq),
+            (Kernel::dkdv(Tier::Tiled), tkv),
         ] {
             let mut side_by_side = t;
             side_by_side.kv_shared = false;
