@@ -14,12 +14,17 @@ pub fn coop_available() -> bool {
     adapter_caps().unwrap().coop
 }
 
-/// The overrides that let the cooperative kernels run (`coop`) or stop
-/// at the tiled ones.
+/// The overrides that let the cooperative kernels run (`coop`: the
+/// calling thread's cap on the tier kept) or stop at the tiled ones.
 fn coop_or_tiled(coop: bool) -> Overrides {
+    let current = overrides::current();
     Overrides {
-        max_tier: (!coop).then_some(Tier::Tiled),
-        ..overrides::current()
+        max_tier: if coop {
+            current.max_tier
+        } else {
+            Some(Tier::Tiled)
+        },
+        ..current
     }
 }
 

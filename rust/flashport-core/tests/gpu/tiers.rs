@@ -200,7 +200,8 @@ fn the_planned_kernels_are_the_ones_that_run() {
             timed |= !ran.forward_ran.is_empty();
             let (f, b) = (ran.forward, ran.backward);
             // The overrides hold in the plan, and a variant never takes the
-            // cooperative kernels.
+            // portable cooperative kernels; those of cooperative matrices 2
+            // only the softcap and the window.
             if let Some(max) = ov.max_tier {
                 assert!(f.tier <= max && b.tier <= max, "{what}, {name}");
             }
@@ -211,7 +212,18 @@ fn the_planned_kernels_are_the_ones_that_run() {
                 assert!(!f.forward.passthrough && !b.dq.passthrough && !b.dkdv.passthrough);
             }
             if c.p.has_variants() || c.p.dtype == DType::F32 {
-                assert!(f.tier < Tier::Coop && b.tier < Tier::Coop, "{what}, {name}");
+                let cm2_scores = c.p.dtype == DType::F16
+                    && c.p.mask.is_none()
+                    && c.p.alibi_per_batch.is_none()
+                    && !c.p.sinks
+                    && c.p.dropout.is_none()
+                    && c.p.varlen.is_none();
+                for tier in [f.tier, b.tier] {
+                    assert!(
+                        tier < Tier::Coop || (tier == Tier::Cm2 && cm2_scores),
+                        "{what}, {name}: {tier:?}"
+                    );
+                }
             }
             // float32 d = 64: two query heads a binding, so two chunks.
             if ov.binding_limit.is_some() && *what == "float32 d=64" && !ran.backward_ran.is_empty()
