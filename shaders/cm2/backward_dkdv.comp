@@ -8,6 +8,8 @@
 // (P and dS rounded to float16 for their products), with the whole step in
 // the matrices. dK and dV are written in float32.
 #extension GL_GOOGLE_include_directive : require
+// The variants' arrays after the uniform and bindings 1-7 (common.glsl).
+#define VX_BINDING 8
 #include "common.glsl"
 
 layout(std430, binding = 1) readonly buffer DO { float16_t d_out[]; };
@@ -21,16 +23,19 @@ layout(std430, binding = 7) writeonly buffer DV_ { float dv[]; };
 // P^T at (r, c): key key0 + r, query row row0 + c of the head's rows from
 // `at`.
 float prob_t(const in uint32_t r, const in uint32_t c, const in float dot,
-             const in uint32_t key0, const in uint32_t row0, const in uint32_t at) {
+             const in uint32_t key0, const in uint32_t row0, const in uint32_t at,
+             const in uint32_t bh) {
     const uint32_t row = row0 + c;
-    if (row >= p.seq_q || key0 + r >= p.seq_k) {
+    const uint32_t key = key0 + r;
+    if (row >= p.seq_q || key >= p.seq_k) {
         return 0.0;
     }
     const float lse = stats[at + row].x;
-    if (isinf(lse) || isnan(lse) || !sees(row, key0 + r)) {
+    if (isinf(lse) || isnan(lse) || !sees(row, key)) {
         return 0.0;
     }
-    return exp2((score_of(dot * p.scale) - lse) * LOG2E);
+    const float s = score_of(dot * p.scale, bh, row, key);
+    return s == NEG_INF ? 0.0 : exp2((s - lse) * LOG2E);
 }
 
 // dS^T at (r, c): P^T (dP^T - D) of query row row0 + c.
@@ -81,11 +86,16 @@ void main() {
         const uint32_t head = kvh * p.g_count + it / tiles;
         const uint32_t row0 = first_row + (it % tiles) * BR;
         const uint32_t at = head * p.seq_q;
+        // The flat query head (batch × heads_q) the variants' arrays index.
+        const uint32_t bh = p.head0 + head;
+        if (!mask_tile_visible(bh, row0, min(row0 + BR, end_row), key0, min(key0 + BC, p.seq_k))) {
+            continue;
+        }
         F16(D, BR, gl_MatrixUseB) qt;
         coopMatLoadTensorNV(qt, q, at * D, sliceTensorLayoutNV(q_rows, row0, BR, 0, D), transposed);
         ACC(BC, BR) dots = coopMatMulAdd(km, qt, ACC(BC, BR)(0.0));
         ACC(BC, BR) pt;
-        coopMatPerElementNV(pt, dots, prob_t, key0, row0, at);
+        coopMatPerElementNV(pt, dots, prob_t, key0, row0, at, bh);
         F16(DV, BR, gl_MatrixUseB) dot_t;
         coopMatLoadTensorNV(dot_t, d_out, at * DV,
                             sliceTensorLayoutNV(do_rows, row0, BR, 0, DV), transposed);

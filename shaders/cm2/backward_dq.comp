@@ -9,6 +9,8 @@
 // in the matrices. (lse, D) per row come from the pre-pass
 // (simple/backward_preprocess.wgsl). dQ is written in float32.
 #extension GL_GOOGLE_include_directive : require
+// The variants' arrays after the uniform and bindings 1-7 (common.glsl).
+#define VX_BINDING 8
 #include "common.glsl"
 
 layout(std430, binding = 1) readonly buffer DO { float16_t d_out[]; };
@@ -20,16 +22,19 @@ layout(std430, binding = 6) writeonly buffer DQ { float dq[]; };
 
 // P at (r, c) of the tile at (row0, col0), the head's rows from `at`.
 float prob(const in uint32_t r, const in uint32_t c, const in float dot,
-           const in uint32_t row0, const in uint32_t col0, const in uint32_t at) {
+           const in uint32_t row0, const in uint32_t col0, const in uint32_t at,
+           const in uint32_t bh) {
     const uint32_t row = row0 + r;
+    const uint32_t key = col0 + c;
     if (row >= p.seq_q) {
         return 0.0;
     }
     const float lse = stats[at + row].x;
-    if (isinf(lse) || isnan(lse) || !sees(row, col0 + c)) {
+    if (isinf(lse) || isnan(lse) || !sees(row, key)) {
         return 0.0;
     }
-    return exp2((score_of(dot * p.scale) - lse) * LOG2E);
+    const float s = score_of(dot * p.scale, bh, row, key);
+    return s == NEG_INF ? 0.0 : exp2((s - lse) * LOG2E);
 }
 
 // dS at (r, c): P (dP - D).
@@ -54,6 +59,9 @@ void main() {
     const uint32_t keys = visible_end(min(row0 + BR, p.seq_q) - 1u);
     const uint32_t start = min(visible_start(row0), keys) / BC * BC;
     const uint32_t at = head * p.seq_q;
+    // The flat query head (batch × heads_q) the variants' arrays index.
+    const uint32_t bh = p.head0 + head;
+    const uint32_t last_row = min(row0 + BR, p.seq_q);
 
     ROWS(q_rows, p.seq_q, D);
     ROWS(do_rows, p.seq_q, DV);
@@ -69,12 +77,15 @@ void main() {
     ACC(BR, D) acc = ACC(BR, D)(0.0);
     [[dont_unroll]]
     for (uint32_t col0 = start; col0 < keys; col0 += BC) {
+        if (!mask_tile_visible(bh, row0, last_row, col0, min(col0 + BC, keys))) {
+            continue;
+        }
         F16(D, BC, gl_MatrixUseB) kt;
         coopMatLoadTensorNV(kt, k, kv * p.seq_k * D,
                             sliceTensorLayoutNV(k_rows, col0, BC, 0, D), transposed);
         ACC(BR, BC) dots = coopMatMulAdd(qm, kt, ACC(BR, BC)(0.0));
         ACC(BR, BC) pm;
-        coopMatPerElementNV(pm, dots, prob, row0, col0, at);
+        coopMatPerElementNV(pm, dots, prob, row0, col0, at, bh);
         F16(DV, BC, gl_MatrixUseB) vt;
         coopMatLoadTensorNV(vt, v, kv * p.seq_k * DV,
                             sliceTensorLayoutNV(v_rows, col0, BC, 0, DV), transposed);

@@ -29,12 +29,16 @@ layout(constant_id = 3) const uint32_t BC = 64;
 #endif
 layout(constant_id = 4) const uint32_t CLAMP = CLAMP_DEFAULT;
 // The score variants the kernels compute, 0 or 1 (set by gpu/cm2.rs from
-// the pipeline key): SOFTCAP, lib/variants.wgsl's (s = cap · tanh(u /
-// cap)), and WINDOW, the left window of lib/common.wgsl (the right one is
-// causal's offset). Off by default, so that a plain call's kernel has
-// neither.
+// the pipeline key): SOFTCAP and ALIBI, lib/variants.wgsl's (s = cap ·
+// tanh(u / cap); s -= slope · |i - j|), WINDOW, the left window of
+// lib/common.wgsl (the right one is causal's offset), and MASK, an
+// additive mask (-inf hides a key; a bool mask comes as 0 and -inf) with
+// its map of 16 × 16 blocks that hide everything. Off by default, so that
+// a plain call's kernel has none of them.
 layout(constant_id = 5) const uint32_t SOFTCAP = 0;
 layout(constant_id = 6) const uint32_t WINDOW = 0;
+layout(constant_id = 7) const uint32_t ALIBI = 0;
+layout(constant_id = 8) const uint32_t MASK = 0;
 
 layout(std140, binding = 0) uniform Params {
     uint32_t seq_q;
@@ -71,7 +75,19 @@ layout(std140, binding = 0) uniform Params {
     uint32_t pad1;
 } p;
 
+// The variants' arrays, one buffer, as lib/common.wgsl's `vx`: the mask
+// (float32 bits) from 0, its block map from blocks_off, the ALiBi slopes
+// per flat query head from slopes_off. The host binds it where the WGSL
+// kernels have it (wgpu binding 15), but wgpu-hal numbers a layout's
+// Vulkan bindings in the order of its entries (wgpu-hal 30,
+// vulkan/device.rs, create_bind_group_layout), which a passthrough module
+// must use: right after the kernel's other bindings, VX_BINDING, which
+// each kernel defines before it includes this file.
+layout(std430, binding = VX_BINDING) readonly buffer VX { uint32_t vx[]; };
+
 const float LOG2E = 1.4426950408889634;
+const uint32_t MASK_BLOCK = 16u;
+const uint32_t NEG_INF_BITS = 0xff800000u;
 #define NEG_INF uintBitsToFloat(0xff800000u)
 
 #define ACC(R, C) coopmat<float, gl_ScopeWorkgroup, R, C, gl_MatrixUseAccumulator>
@@ -123,10 +139,64 @@ float tanh_f32(const in float x) {
     return sign(x) * (1.0 - 2.0 / (exp(2.0 * a) + 1.0));
 }
 
-// The score s from u = scale * q . k (lib/common.wgsl's `score` for the
-// variants these kernels take): the softcap.
-float score_of(const in float u) {
-    return SOFTCAP != 0u ? p.softcap * tanh_f32(u / p.softcap) : u;
+// The score s of (flat query head bh, row, key) from u = scale * q . k,
+// as lib/common.wgsl's `score` computes it for the variants these kernels
+// take: softcap, ALiBi, then the mask; -inf where the mask hides the key.
+float score_of(const in float u, const in uint32_t bh, const in uint32_t row,
+               const in uint32_t key) {
+    float s = u;
+    if (SOFTCAP != 0u) {
+        s = p.softcap * tanh_f32(u / p.softcap);
+    }
+    if (ALIBI != 0u) {
+        const float slope = uintBitsToFloat(vx[p.slopes_off + bh]);
+        s -= slope * float(abs(int32_t(row) + p.diag_offset - int32_t(key)));
+    }
+    if (MASK != 0u) {
+        if (row >= p.seq_q || key >= p.seq_k) {
+            return NEG_INF;
+        }
+        const uint32_t b = bh / p.heads_q;
+        const uint32_t h = bh % p.heads_q;
+        const uint32_t bits = vx[b * p.mask_sb + h * p.mask_sh + row * p.mask_sr + key * p.mask_sk];
+        if (bits == NEG_INF_BITS) {
+            return NEG_INF;
+        }
+        s += uintBitsToFloat(bits);
+    }
+    return s;
+}
+
+// Whether the mask leaves any score of rows [r0, r1) x keys [c0, c1) of
+// head bh (lib/common.wgsl's mask_tile_visible): false lets a workgroup
+// skip the tile. Uniform indices: a uniform answer.
+bool mask_tile_visible(const in uint32_t bh, const in uint32_t r0, const in uint32_t r1,
+                       const in uint32_t c0, const in uint32_t c1) {
+    if (MASK == 0u || r0 >= r1 || c0 >= c1) {
+        return true;
+    }
+    const uint32_t b = min(bh / p.heads_q, p.mask_db - 1u);
+    const uint32_t h = min(bh % p.heads_q, p.mask_dh - 1u);
+    const uint32_t plane = p.blocks_off + (b * p.mask_dh + h) * p.mask_bcr * p.mask_bck;
+    uint32_t rb0 = 0u;
+    uint32_t rb1 = 1u;
+    if (p.mask_dr != 1u) {
+        rb0 = r0 / MASK_BLOCK;
+        rb1 = (r1 - 1u) / MASK_BLOCK + 1u;
+    }
+    uint32_t kb0 = 0u;
+    uint32_t kb1 = 1u;
+    if (p.mask_dk != 1u) {
+        kb0 = c0 / MASK_BLOCK;
+        kb1 = (c1 - 1u) / MASK_BLOCK + 1u;
+    }
+    bool any = false;
+    for (uint32_t rb = rb0; rb < rb1; rb++) {
+        for (uint32_t kb = kb0; kb < kb1; kb++) {
+            any = any || vx[plane + rb * p.mask_bck + kb] != 0u;
+        }
+    }
+    return any;
 }
 
 // dS -> dU: the softcap's derivative 1 - tanh^2, tanh recomputed from u

@@ -24,6 +24,8 @@
 // specialisation constants D, DV, BR, BC and CLAMP are set in the SPIR-V
 // by gpu/cm2.rs (wgpu passes none to a passthrough module).
 #extension GL_GOOGLE_include_directive : require
+// The variants' arrays after the uniform and bindings 1-5 (common.glsl).
+#define VX_BINDING 6
 #include "common.glsl"
 
 layout(std430, binding = 1) readonly buffer Q { float16_t q[]; };
@@ -36,13 +38,16 @@ layout(std430, binding = 5) writeonly buffer LSE { float lse[]; };
 // softcapped, or -inf where the key is not visible to the row (or past the
 // keys).
 float scored(const in uint32_t r, const in uint32_t c, const in float dot,
-             const in uint32_t row0, const in uint32_t col0) {
-    return sees(row0 + r, col0 + c) ? score_of(dot * p.scale) : NEG_INF;
+             const in uint32_t row0, const in uint32_t col0, const in uint32_t bh) {
+    const uint32_t row = row0 + r;
+    const uint32_t key = col0 + c;
+    return sees(row, key) ? score_of(dot * p.scale, bh, row, key) : NEG_INF;
 }
 
 // The score of a key every row of the tile sees.
-float unmasked(const in uint32_t r, const in uint32_t c, const in float dot) {
-    return score_of(dot * p.scale);
+float unmasked(const in uint32_t r, const in uint32_t c, const in float dot,
+               const in uint32_t row0, const in uint32_t col0, const in uint32_t bh) {
+    return score_of(dot * p.scale, bh, row0 + r, col0 + c);
 }
 
 float maximum(const in float a, const in float b) { return max(a, b); }
@@ -76,6 +81,8 @@ void main() {
     const uint32_t head = gl_WorkGroupID.y;
     const uint32_t row0 = gl_WorkGroupID.x * BR;
     const uint32_t kv = (p.q_head0 + head) / p.group - p.q_head0 / p.group;
+    // The flat query head (batch × heads_q) the variants' arrays index.
+    const uint32_t bh = p.head0 + head;
     const uint32_t last_row = min(row0 + BR, p.seq_q) - 1u;
     // Every key a row of the tile sees is before the last row's end and
     // from the first row's start on; every row sees the keys from the last
@@ -113,20 +120,24 @@ void main() {
 
     [[dont_unroll]]
     for (uint32_t col0 = start; col0 < keys; col0 += BC) {
+        if (!mask_tile_visible(bh, row0, last_row + 1u, col0, min(col0 + BC, keys))) {
+            // The mask hides the whole tile: it adds nothing.
+            continue;
+        }
         coopmat<float16_t, gl_ScopeWorkgroup, D, BC, gl_MatrixUseB> kt;
         coopMatLoadTensorNV(kt, k, k_at, sliceTensorLayoutNV(k_rows, col0, BC, 0, D), transposed);
         ACC(BR, BC) s = coopMatMulAdd(qm, kt, ACC(BR, BC)(0.0));
         if (col0 + BC <= first_end && col0 >= last_start) {
             // Every row of the tile sees every key of it (visible_end and
             // visible_start grow with the row, and stay within seq_k): no
-            // mask.
-            if (SOFTCAP != 0u) {
-                coopMatPerElementNV(s, s, unmasked);
+            // window test.
+            if (SOFTCAP != 0u || ALIBI != 0u || MASK != 0u) {
+                coopMatPerElementNV(s, s, unmasked, row0, col0, bh);
             } else {
                 s = s * p.scale;
             }
         } else {
-            coopMatPerElementNV(s, s, scored, row0, col0);
+            coopMatPerElementNV(s, s, scored, row0, col0, bh);
         }
 
         ACC(BR, BC) tile_max;

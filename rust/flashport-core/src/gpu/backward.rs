@@ -253,10 +253,8 @@ fn backward_on(
             dq_bindings.extend([dqb.binding(), dsb.binding()]);
             let mut kv_bindings = common.to_vec();
             kv_bindings.extend([dkb.binding(), dvb.binding()]);
-            // The cooperative-matrix-2 kernels read no variants.
-            let variants = (plan.tier != Tier::Cm2).then_some(&vx);
-            let g_dq = bind(ctx, &dq_pipe, &dq_bindings, variants);
-            let g_kv = bind(ctx, &dkdv_pipe, &kv_bindings, variants);
+            let g_dq = bind(ctx, &dq_pipe, &dq_bindings, Some(&vx));
+            let g_kv = bind(ctx, &dkdv_pipe, &kv_bindings, Some(&vx));
             // Raised by the pre-pass and the screen, read by the simple
             // kernels behind the fast ones.
             screen::reset_flag(ctx, &mut sub, &stats, screened_on_host);

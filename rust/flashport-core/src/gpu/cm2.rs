@@ -162,10 +162,12 @@ pub(crate) const SPEC_BC: u32 = 3;
 /// nothing written there) by default, 0 (undefined) where the problem is
 /// whole tiles and nothing lies past them.
 pub(crate) const SPEC_CLAMP: u32 = 4;
-/// The score variants the kernels take, 0 or 1: the softcap and the left
-/// window.
+/// The score variants the kernels take, 0 or 1: the softcap, the left
+/// window, ALiBi and a mask.
 pub(crate) const SPEC_SOFTCAP: u32 = 5;
 pub(crate) const SPEC_WINDOW: u32 = 6;
+pub(crate) const SPEC_ALIBI: u32 = 7;
+pub(crate) const SPEC_MASK: u32 = 8;
 
 /// The words of `kernel` (a cooperative-matrix-2 one) with its constants
 /// set to `values` (id, value).
@@ -311,5 +313,47 @@ mod tests {
             .unwrap_err()
             .contains("no specialisation constant 9"));
         assert!(specialised(vec![1, 2, 3], &[]).is_err());
+    }
+
+    /// The Vulkan bindings a module declares.
+    fn bindings_of(words: &[u32]) -> Vec<u32> {
+        const DECORATION_BINDING: u32 = 33;
+        let mut at = 5;
+        let mut out = Vec::new();
+        while at < words.len() {
+            let count = (words[at] >> 16) as usize;
+            if words[at] & 0xffff == OP_DECORATE
+                && count == 4
+                && words[at + 2] == DECORATION_BINDING
+            {
+                out.push(words[at + 3]);
+            }
+            at += count;
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// The variants' array sits where wgpu-hal puts wgpu's binding 15 in
+    /// the layout gpu/pipelines.rs builds (its entries numbered in order:
+    /// the uniform, the reads, two writes, then 15), and every other
+    /// binding below it.
+    #[test]
+    fn the_variants_binding_follows_the_layout_s_other_entries() {
+        use crate::gpu::kernel::Tier;
+        for (kernel, entries) in [
+            (Kernel::forward(Tier::Cm2), 1 + 3 + 2),
+            (Kernel::dq(Tier::Cm2), 1 + 5 + 2),
+            (Kernel::dkdv(Tier::Cm2), 1 + 5 + 2),
+        ] {
+            let words = kernel_words(kernel, &[]).unwrap();
+            let bindings = bindings_of(&words);
+            assert_eq!(bindings.last(), Some(&entries), "{}", kernel.name());
+            assert!(
+                bindings[..bindings.len() - 1].iter().all(|&b| b < entries),
+                "{}: {bindings:?}",
+                kernel.name()
+            );
+        }
     }
 }

@@ -186,9 +186,7 @@ fn forward_on(
             } else {
                 6
             };
-            // The cooperative-matrix-2 kernel reads no variants.
-            let variants = (key.kernel.tier() != Tier::Cm2).then_some(&vx);
-            let group = bind(ctx, &pipeline, &bindings[..own], variants);
+            let group = bind(ctx, &pipeline, &bindings[..own], Some(&vx));
             if simple.is_some() {
                 screen::reset_flag(ctx, &mut sub, &flag, screened_on_host);
                 if !screened_on_host {

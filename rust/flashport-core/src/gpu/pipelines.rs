@@ -81,13 +81,14 @@ impl Context {
     }
 
     /// The cooperative-matrix-2 kernel of `key` (gpu/cm2.rs), its sizes
-    /// set in its SPIR-V. Its bindings are the uniform, then the other
-    /// tiers' arrays without the variants': the forward's q, k, v (read)
-    /// and o, lse; the backward's do, q, k, v, stats (read) and dQ with the
-    /// score gradient's stand-in, or dK and dV.
+    /// set in its SPIR-V. Its bindings are the other tiers': the uniform,
+    /// the forward's q, k, v (read) and o, lse; the backward's do, q, k, v,
+    /// stats (read) and dQ with the score gradient's stand-in, or dK and
+    /// dV; the variants' arrays (binding 15, read).
     fn cm2_pipeline(&self, key: &PipelineKey) -> Result<wgpu::ComputePipeline> {
         use super::cm2::{
-            kernel_words, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV, SPEC_SOFTCAP, SPEC_WINDOW,
+            kernel_words, SPEC_ALIBI, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV, SPEC_MASK,
+            SPEC_SOFTCAP, SPEC_WINDOW,
         };
         let t = key.tiles;
         let words = kernel_words(
@@ -100,6 +101,8 @@ impl Context {
                 (SPEC_CLAMP, u32::from(!key.exact_tiles)),
                 (SPEC_SOFTCAP, u32::from(key.variants.softcap)),
                 (SPEC_WINDOW, u32::from(key.variants.window)),
+                (SPEC_ALIBI, u32::from(key.variants.alibi)),
+                (SPEC_MASK, u32::from(key.variants.mask)),
             ],
         )
         .map_err(|e| Error::Gpu(format!("specialising {}: {e}", key.kernel.name())))?;
@@ -130,6 +133,7 @@ impl Context {
         };
         bindings.extend((1..=reads).map(|b| storage(b, true)));
         bindings.extend((reads + 1..=reads + 2).map(|b| storage(b, false)));
+        bindings.push(storage(15, true));
         let compiled = super::spirv::Compiled {
             words,
             bindings,

@@ -161,12 +161,11 @@ impl Keys {
     }
 
     /// Whether the cooperative-matrix-2 kernels may run: float16, not a
-    /// packed batch, with no variant but the softcap and the window (the
-    /// scores the kernels compute: shaders/cm2/common.glsl).
+    /// packed batch, with no variant but those of the score (softcap,
+    /// window, ALiBi, a mask: shaders/cm2/common.glsl), and no mask
+    /// gradient.
     fn cm2(&self, p: &Problem, ov: &Overrides) -> bool {
         self.f16
-            && p.mask.is_none()
-            && p.alibi_per_batch.is_none()
             && !p.sinks
             && p.dropout.is_none()
             && !p.return_dmask
@@ -238,8 +237,8 @@ pub fn select_backward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Backwa
         let (dq, dkdv) = (Kernel::dq(tier), Kernel::dkdv(tier));
         (tier, keys.key(dq, tq), keys.key(dkdv, tkv))
     };
-    // (The score gradient, which the cm2 kernels do not write, is asked
-    // for only with a mask: a variant, which they do not take.)
+    // (The score gradient, which the cm2 kernels do not write, keeps a
+    // backward off them: `Keys::cm2`.)
     let cm2 = keys
         .cm2(p, ov)
         .then(|| tiles::cm2_backward_tiles(d, dv))
@@ -575,28 +574,48 @@ mod tests {
             softcap: Some(30.0),
             ..Options::default()
         };
-        // The softcap and the window on cm2, no other variant.
+        // The variants of the score on cm2 (softcap, window, ALiBi, a
+        // mask), not sinks or dropout.
         let window = Options {
             window: Some((100, 3)),
             causal: true,
             ..Options::default()
         };
-        for (options, why) in [(softcap, "softcap"), (window, "window")] {
-            let p = problem("float16", 64, 64, options);
-            assert_eq!(tiers(&p, H100_CM2, &none), (Cm2, Cm2), "{why}");
-            let key = select_forward(&p, H100_CM2, &none).forward;
-            assert_eq!(
-                (key.variants.softcap, key.variants.window),
-                (why == "softcap", why == "window"),
-                "{why}"
-            );
-        }
         let heads = [8];
         let alibi = Options {
             alibi_slopes: Some(ArrayInfo::new(&heads, "float32")),
             ..Options::default()
         };
-        coop_only(&problem("float16", 64, 64, alibi), &none, "ALiBi");
+        let keys = [70];
+        let mask = Options {
+            mask: Some(ArrayInfo::new(&keys, "bool")),
+            ..Options::default()
+        };
+        for (options, why) in [
+            (softcap, "softcap"),
+            (window, "window"),
+            (alibi, "alibi"),
+            (mask, "mask"),
+        ] {
+            let p = problem("float16", 64, 64, options);
+            assert_eq!(tiers(&p, H100_CM2, &none), (Cm2, Cm2), "{why}");
+            let v = select_forward(&p, H100_CM2, &none).forward.variants;
+            assert_eq!(
+                (v.softcap, v.window, v.alibi, v.mask),
+                (
+                    why == "softcap",
+                    why == "window",
+                    why == "alibi",
+                    why == "mask"
+                ),
+                "{why}"
+            );
+        }
+        let sinks = Options {
+            sinks: Some(ArrayInfo::new(&heads, "float32")),
+            ..Options::default()
+        };
+        coop_only(&problem("float16", 64, 64, sinks), &none, "sinks");
         let dropout = Options {
             dropout_p: 0.1,
             seed: Some(1),

@@ -201,7 +201,7 @@ fn the_planned_kernels_are_the_ones_that_run() {
             let (f, b) = (ran.forward, ran.backward);
             // The overrides hold in the plan, and a variant never takes the
             // portable cooperative kernels; those of cooperative matrices 2
-            // only the softcap and the window.
+            // only the variants of the score.
             if let Some(max) = ov.max_tier {
                 assert!(f.tier <= max && b.tier <= max, "{what}, {name}");
             }
@@ -213,9 +213,8 @@ fn the_planned_kernels_are_the_ones_that_run() {
             }
             if c.p.has_variants() || c.p.dtype == DType::F32 {
                 let cm2_scores = c.p.dtype == DType::F16
-                    && c.p.mask.is_none()
-                    && c.p.alibi_per_batch.is_none()
                     && !c.p.sinks
+                    && !c.p.return_dmask
                     && c.p.dropout.is_none()
                     && c.p.varlen.is_none();
                 for tier in [f.tier, b.tier] {
