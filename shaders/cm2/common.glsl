@@ -33,12 +33,15 @@ layout(constant_id = 4) const uint32_t CLAMP = CLAMP_DEFAULT;
 // tanh(u / cap); s -= slope · |i - j|), WINDOW, the left window of
 // lib/common.wgsl (the right one is causal's offset), and MASK, an
 // additive mask (-inf hides a key; a bool mask comes as 0 and -inf) with
-// its map of 16 × 16 blocks that hide everything. Off by default, so that
-// a plain call's kernel has none of them.
+// its map of 16 × 16 blocks that hide everything; and SINKS, a logit per
+// query head that joins each row's softmax without a value (the forward's
+// last step; the backward reads it in the lse). Off by default, so that a
+// plain call's kernel has none of them.
 layout(constant_id = 5) const uint32_t SOFTCAP = 0;
 layout(constant_id = 6) const uint32_t WINDOW = 0;
 layout(constant_id = 7) const uint32_t ALIBI = 0;
 layout(constant_id = 8) const uint32_t MASK = 0;
+layout(constant_id = 9) const uint32_t SINKS = 0;
 
 layout(std140, binding = 0) uniform Params {
     uint32_t seq_q;
@@ -77,7 +80,8 @@ layout(std140, binding = 0) uniform Params {
 
 // The variants' arrays, one buffer, as lib/common.wgsl's `vx`: the mask
 // (float32 bits) from 0, its block map from blocks_off, the ALiBi slopes
-// per flat query head from slopes_off. The host binds it where the WGSL
+// per flat query head from slopes_off, the sinks per query head from
+// sinks_off. The host binds it where the WGSL
 // kernels have it (wgpu binding 15), but wgpu-hal numbers a layout's
 // Vulkan bindings in the order of its entries (wgpu-hal 30,
 // vulkan/device.rs, create_bind_group_layout), which a passthrough module
@@ -165,6 +169,11 @@ float score_of(const in float u, const in uint32_t bh, const in uint32_t row,
         s += uintBitsToFloat(bits);
     }
     return s;
+}
+
+// The sink of flat query head bh (SINKS).
+float sink_of(const in uint32_t bh) {
+    return uintBitsToFloat(vx[p.sinks_off + bh % p.heads_q]);
 }
 
 // Whether the mask leaves any score of rows [r0, r1) x keys [c0, c1) of

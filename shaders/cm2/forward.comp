@@ -69,12 +69,31 @@ float rescale(const in uint32_t r, const in uint32_t c, const in float was, cons
     return was == now ? 1.0 : exp2((was - now) * LOG2E);
 }
 
-float reciprocal(const in uint32_t r, const in uint32_t c, const in float l) {
-    return l == 0.0 ? 0.0 : 1.0 / l;
+// The factor of a row's accumulator, and its lse, from its maximum m and
+// sum l: lib/common.wgsl's finish_row. A finite sink joins the sum (a row
+// that saw no key gets o = 0 and lse = the sink); a sink of -inf is none
+// (the host sends NaN and +inf sinks to the simple kernels).
+vec2 finish_row(const in float m, const in float l, const in uint32_t bh) {
+    if (SINKS != 0u) {
+        const float sink = sink_of(bh);
+        if (!isinf(sink) && !isnan(sink)) {
+            const float now = max(m, sink);
+            const float rescaled = m == NEG_INF ? 0.0 : exp2((m - now) * LOG2E);
+            const float sum = l * rescaled + exp2((sink - now) * LOG2E);
+            return vec2(rescaled / sum, now + log(sum));
+        }
+    }
+    return l == 0.0 ? vec2(0.0, NEG_INF) : vec2(1.0 / l, m + log(l));
 }
 
-float log_sum_exp(const in uint32_t r, const in uint32_t c, const in float m, const in float l) {
-    return l == 0.0 ? NEG_INF : m + log(l);
+float reciprocal(const in uint32_t r, const in uint32_t c, const in float l, const in float m,
+                 const in uint32_t bh) {
+    return finish_row(m, l, bh).x;
+}
+
+float log_sum_exp(const in uint32_t r, const in uint32_t c, const in float m, const in float l,
+                  const in uint32_t bh) {
+    return finish_row(m, l, bh).y;
 }
 
 void main() {
@@ -163,13 +182,13 @@ void main() {
     }
 
     ACC(BR, BC) inv;
-    coopMatPerElementNV(inv, l, reciprocal);
+    coopMatPerElementNV(inv, l, reciprocal, m, bh);
     ACC(BR, DV) inv_rows;
     coopMatReduceNV(inv_rows, inv, gl_CooperativeMatrixReduceRowNV, first);
     acc = inv_rows * acc;
     coopMatStoreTensorNV(acc, o, head * p.seq_q * DV, sliceTensorLayoutNV(o_rows, row0, BR, 0, DV));
 
     ACC(BR, BC) row_lse;
-    coopMatPerElementNV(row_lse, m, log_sum_exp, l);
+    coopMatPerElementNV(row_lse, m, log_sum_exp, l, bh);
     coopMatStoreTensorNV(row_lse, lse, head * p.seq_q, sliceTensorLayoutNV(lse_rows, row0, BR, 0, BC));
 }

@@ -162,12 +162,13 @@ pub(crate) const SPEC_BC: u32 = 3;
 /// nothing written there) by default, 0 (undefined) where the problem is
 /// whole tiles and nothing lies past them.
 pub(crate) const SPEC_CLAMP: u32 = 4;
-/// The score variants the kernels take, 0 or 1: the softcap, the left
-/// window, ALiBi and a mask.
+/// The variants the kernels take, 0 or 1: the softcap, the left window,
+/// ALiBi, a mask and sinks.
 pub(crate) const SPEC_SOFTCAP: u32 = 5;
 pub(crate) const SPEC_WINDOW: u32 = 6;
 pub(crate) const SPEC_ALIBI: u32 = 7;
 pub(crate) const SPEC_MASK: u32 = 8;
+pub(crate) const SPEC_SINKS: u32 = 9;
 
 /// The words of `kernel` (a cooperative-matrix-2 one) with its constants
 /// set to `values` (id, value).
@@ -309,9 +310,9 @@ mod tests {
         // Nothing else changed.
         let changed = words.iter().zip(&set).filter(|(a, b)| a != b).count();
         assert_eq!(changed, 3);
-        assert!(forward_words(&[(9, 1)])
+        assert!(forward_words(&[(10, 1)])
             .unwrap_err()
-            .contains("no specialisation constant 9"));
+            .contains("no specialisation constant 10"));
         assert!(specialised(vec![1, 2, 3], &[]).is_err());
     }
 

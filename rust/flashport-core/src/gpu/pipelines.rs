@@ -88,7 +88,7 @@ impl Context {
     fn cm2_pipeline(&self, key: &PipelineKey) -> Result<wgpu::ComputePipeline> {
         use super::cm2::{
             kernel_words, SPEC_ALIBI, SPEC_BC, SPEC_BR, SPEC_CLAMP, SPEC_D, SPEC_DV, SPEC_MASK,
-            SPEC_SOFTCAP, SPEC_WINDOW,
+            SPEC_SINKS, SPEC_SOFTCAP, SPEC_WINDOW,
         };
         let t = key.tiles;
         let words = kernel_words(
@@ -103,6 +103,7 @@ impl Context {
                 (SPEC_WINDOW, u32::from(key.variants.window)),
                 (SPEC_ALIBI, u32::from(key.variants.alibi)),
                 (SPEC_MASK, u32::from(key.variants.mask)),
+                (SPEC_SINKS, u32::from(key.variants.sinks)),
             ],
         )
         .map_err(|e| Error::Gpu(format!("specialising {}: {e}", key.kernel.name())))?;

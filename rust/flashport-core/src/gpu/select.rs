@@ -161,12 +161,10 @@ impl Keys {
     }
 
     /// Whether the cooperative-matrix-2 kernels may run: float16, not a
-    /// packed batch, with no variant but those of the score (softcap,
-    /// window, ALiBi, a mask: shaders/cm2/common.glsl), and no mask
-    /// gradient.
+    /// packed batch, without dropout or a mask's gradient (every other
+    /// variant: shaders/cm2/common.glsl).
     fn cm2(&self, p: &Problem, ov: &Overrides) -> bool {
         self.f16
-            && !p.sinks
             && p.dropout.is_none()
             && !p.return_dmask
             && p.varlen.is_none()
@@ -574,8 +572,7 @@ mod tests {
             softcap: Some(30.0),
             ..Options::default()
         };
-        // The variants of the score on cm2 (softcap, window, ALiBi, a
-        // mask), not sinks or dropout.
+        // Every variant on cm2 but dropout (and a mask's gradient).
         let window = Options {
             window: Some((100, 3)),
             causal: true,
@@ -591,31 +588,32 @@ mod tests {
             mask: Some(ArrayInfo::new(&keys, "bool")),
             ..Options::default()
         };
+        let sinks = Options {
+            sinks: Some(ArrayInfo::new(&heads, "float32")),
+            ..Options::default()
+        };
         for (options, why) in [
             (softcap, "softcap"),
             (window, "window"),
             (alibi, "alibi"),
             (mask, "mask"),
+            (sinks, "sinks"),
         ] {
             let p = problem("float16", 64, 64, options);
             assert_eq!(tiers(&p, H100_CM2, &none), (Cm2, Cm2), "{why}");
             let v = select_forward(&p, H100_CM2, &none).forward.variants;
             assert_eq!(
-                (v.softcap, v.window, v.alibi, v.mask),
+                (v.softcap, v.window, v.alibi, v.mask, v.sinks),
                 (
                     why == "softcap",
                     why == "window",
                     why == "alibi",
-                    why == "mask"
+                    why == "mask",
+                    why == "sinks"
                 ),
                 "{why}"
             );
         }
-        let sinks = Options {
-            sinks: Some(ArrayInfo::new(&heads, "float32")),
-            ..Options::default()
-        };
-        coop_only(&problem("float16", 64, 64, sinks), &none, "sinks");
         let dropout = Options {
             dropout_p: 0.1,
             seed: Some(1),

@@ -201,7 +201,7 @@ fn the_planned_kernels_are_the_ones_that_run() {
             let (f, b) = (ran.forward, ran.backward);
             // The overrides hold in the plan, and a variant never takes the
             // portable cooperative kernels; those of cooperative matrices 2
-            // only the variants of the score.
+            // all but dropout and a mask's gradient.
             if let Some(max) = ov.max_tier {
                 assert!(f.tier <= max && b.tier <= max, "{what}, {name}");
             }
@@ -212,14 +212,13 @@ fn the_planned_kernels_are_the_ones_that_run() {
                 assert!(!f.forward.passthrough && !b.dq.passthrough && !b.dkdv.passthrough);
             }
             if c.p.has_variants() || c.p.dtype == DType::F32 {
-                let cm2_scores = c.p.dtype == DType::F16
-                    && !c.p.sinks
+                let cm2_variants = c.p.dtype == DType::F16
                     && !c.p.return_dmask
                     && c.p.dropout.is_none()
                     && c.p.varlen.is_none();
                 for tier in [f.tier, b.tier] {
                     assert!(
-                        tier < Tier::Coop || (tier == Tier::Cm2 && cm2_scores),
+                        tier < Tier::Coop || (tier == Tier::Cm2 && cm2_variants),
                         "{what}, {name}: {tier:?}"
                     );
                 }
