@@ -60,11 +60,11 @@ pub use problem::{
     Parts, Problem,
 };
 pub use problem::{validate_kvcache, CacheLayout, IntArray, KvCacheOptions, KvCacheProblem};
-pub use problem::{validate_varlen_backward, validate_varlen_forward, SeqLens};
+pub use problem::{validate_varlen_backward, validate_varlen_forward, Segments, SeqLens};
 pub use variants::{MaskData, VariantArrays};
 pub use varlen::{
     attention_varlen, attention_varlen_arrays, attention_varlen_backward,
-    attention_varlen_backward_arrays, Segments,
+    attention_varlen_backward_arrays,
 };
 
 /// A borrowed, contiguous, row-major input array.

@@ -66,7 +66,7 @@ pub struct VariantArrays<'a> {
     /// `(heads_q,)` sink logits.
     pub sinks: Option<&'a [f64]>,
     /// The sequences of a packed batch (`Problem::varlen`).
-    pub segments: Option<&'a crate::varlen::Segments>,
+    pub segments: Option<&'a crate::problem::Segments>,
 }
 
 impl VariantArrays<'_> {

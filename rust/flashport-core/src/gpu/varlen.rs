@@ -11,7 +11,7 @@ use super::run::with_inputs;
 use super::shaders::VARLEN;
 use super::transfer::Submission;
 use crate::overrides;
-use crate::varlen::Segments;
+use crate::problem::Segments;
 use crate::{DType, DeviceArray, Error, Problem, Result};
 
 /// Words per row of the row table: the first visible key, the end of the
