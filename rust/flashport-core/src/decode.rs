@@ -50,7 +50,7 @@ pub fn attention_with_kvcache_arrays(
     check_len("q", &q, problem.q_len(), dtype)?;
     check_len("k_cache", &k_cache, problem.k_cache_len(), dtype)?;
     check_len("v_cache", &v_cache, problem.v_cache_len(), dtype)?;
-    problem.check_variant_arrays(variants)?;
+    variants.check_kvcache(problem)?;
     let named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)];
     let on_host = || {
         Ok(match device {

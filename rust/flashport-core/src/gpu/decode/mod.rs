@@ -148,7 +148,7 @@ pub(crate) fn attention_with_kvcache_pools(
         return Err(float64_error("q"));
     }
     crate::check_len("q", &q, problem.q_len(), problem.dtype())?;
-    problem.check_variant_arrays(variants)?;
+    variants.check_kvcache(problem)?;
     check_positions(problem)?;
     let (Some(k0), Some(v0)) = (keys.first(), values.first()) else {
         return Err(Error::Shape("a KV cache without blocks".to_string()));
