@@ -45,8 +45,9 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::problem::{Dropout, KvCacheProblem, MaskDType};
-use crate::{DType, Error, Problem, Result, Slice};
+use crate::array::Slice;
+use crate::error::{Error, Result};
+use crate::problem::{DType, Dropout, KvCacheProblem, MaskDType, Problem};
 
 /// The boolean or float data of a mask argument, contiguous, in the
 /// caller's (unbroadcast) shape.

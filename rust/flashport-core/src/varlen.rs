@@ -21,10 +21,14 @@ use rayon::prelude::*;
 
 use crate::problem::Segments;
 
-use crate::{
-    attention_arrays, attention_backward_arrays, Array, Buffer, Device, DeviceArray, ForwardOutput,
-    Gradients, Input, Placement, Problem, Result, Slice, VariantArrays,
-};
+use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::attention::{attention_arrays, attention_backward_arrays};
+use crate::device::Device;
+use crate::error::Result;
+use crate::gpu::DeviceArray;
+use crate::output::{ForwardOutput, Gradients};
+use crate::problem::Problem;
+use crate::variants::VariantArrays;
 
 /// `x` of shape `(a, b, w)` as `(b, a, w)`: the packed `(total, heads,
 /// dim)` layout to the kernels' `(heads, total, dim)` and back.

@@ -37,12 +37,15 @@ use super::guard::{guarded, run_on, with_context};
 use super::pool::Pooled;
 use super::shaders::KV_SCATTER;
 use super::transfer::{poison_outputs, Submission, POISON};
+use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::error::{Error, Result};
+use crate::gpu::DeviceArray;
 use crate::kvcache::plan::{BlockCopy, WriteRun};
 use crate::kvcache::{CacheShape, Storage};
-use crate::{
-    overrides, Array, Buffer, DType, DeviceArray, Error, ForwardOutput, Input, KvCacheProblem,
-    Placement, Result, Slice, VariantArrays,
-};
+use crate::output::ForwardOutput;
+use crate::overrides;
+use crate::problem::{DType, KvCacheProblem};
+use crate::variants::VariantArrays;
 
 /// The scatter's `struct Scatter`, word for word
 /// (`uniform_matches_the_shader`).

@@ -10,9 +10,10 @@ use super::pool::padded;
 use super::run::with_inputs;
 use super::shaders::VARLEN;
 use super::transfer::Submission;
+use crate::error::{Error, Result};
+use crate::gpu::DeviceArray;
 use crate::overrides;
-use crate::problem::Segments;
-use crate::{DType, DeviceArray, Error, Problem, Result};
+use crate::problem::{DType, Problem, Segments};
 
 /// Words per row of the row table: the first visible key, the end of the
 /// visible keys, the diagonal offset (i32 bits) and the sequence.

@@ -102,12 +102,14 @@ pub use manager::{BlockManager, Sequence};
 pub use shape::{CacheArgs, CacheShape};
 pub use storage::Storage;
 
-use crate::error::shape_str;
-use crate::problem::{validate_kvcache, IntArray, KvCacheOptions};
-use crate::{
-    ArrayInfo, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem, Placement,
-    Result, VariantArrays,
+use crate::array::{Buffer, Input, Placement};
+use crate::device::Device;
+use crate::error::{shape_str, Error, Result};
+use crate::output::ForwardOutput;
+use crate::problem::{
+    validate_kvcache, ArrayInfo, DType, IntArray, KvCacheOptions, KvCacheProblem,
 };
+use crate::variants::VariantArrays;
 use batch::{Batch, Row};
 use cpu_storage::CpuStorage;
 
@@ -414,7 +416,7 @@ impl KvCache {
         options: &KvCacheOptions<'_>,
         variants: &VariantArrays<'_>,
         outputs: Placement,
-    ) -> Result<(ForwardOutput<crate::Array>, KvCacheProblem)> {
+    ) -> Result<(ForwardOutput<crate::array::Array>, KvCacheProblem)> {
         let layer = self.manager.check_layer(layer)?;
         let seqs = self.sequences(seq_ids)?;
         let s = self.shape;

@@ -11,9 +11,11 @@
 //! cache builds; nothing above this trait changes.
 
 use super::plan::{BlockCopy, WriteRun};
-use crate::{
-    Array, Buffer, ForwardOutput, Input, KvCacheProblem, Placement, Result, VariantArrays,
-};
+use crate::array::{Array, Buffer, Input, Placement};
+use crate::error::Result;
+use crate::output::ForwardOutput;
+use crate::problem::KvCacheProblem;
+use crate::variants::VariantArrays;
 
 /// The pools of every layer: per layer a key pool `(num_blocks, heads_kv,
 /// block_size, head_dim)` and a value pool `(..., head_dim_v)`, row-major.
