@@ -38,6 +38,7 @@
 pub mod array;
 pub mod attention;
 pub mod auto;
+pub mod blocks;
 pub mod broadcast;
 pub mod cpu;
 pub mod decode;

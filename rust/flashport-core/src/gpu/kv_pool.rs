@@ -1,5 +1,5 @@
 //! A KV cache's pools in GPU memory (`KVCache(device="gpu")`), behind
-//! [`crate::kvcache::Storage`]: the same calls as the CPU's storage, on
+//! [`crate::blocks::Storage`]: the same calls as the CPU's storage, on
 //! device buffers.
 //!
 //! Each layer's key pool and value pool is a list of buffers of whole
@@ -38,10 +38,10 @@ use super::pool::Pooled;
 use super::shaders::KV_SCATTER;
 use super::transfer::{poison_outputs, Submission, POISON};
 use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::blocks::plan::{BlockCopy, WriteRun};
+use crate::blocks::{CacheShape, Storage};
 use crate::error::{Error, Result};
 use crate::gpu::DeviceArray;
-use crate::kvcache::plan::{BlockCopy, WriteRun};
-use crate::kvcache::{CacheShape, Storage};
 use crate::output::ForwardOutput;
 use crate::overrides;
 use crate::problem::{DType, KvCacheProblem};

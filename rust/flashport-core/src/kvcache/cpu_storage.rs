@@ -3,10 +3,9 @@
 
 use half::{bf16, f16};
 
-use super::plan::{BlockCopy, WriteRun};
-use super::shape::CacheShape;
-use super::storage::Storage;
 use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::blocks::plan::{BlockCopy, WriteRun};
+use crate::blocks::{CacheShape, Storage};
 use crate::decode;
 use crate::device::Device;
 use crate::error::{Error, Result};

@@ -3,8 +3,9 @@
 //! blocks (copy-on-write), run paged attention over one layer's pools, and
 //! read a layer back.
 //!
-//! The CPU keeps the pools in host memory ([`super::cpu_storage`]). A GPU
-//! storage implements the same calls on device buffers: the writes as a
+//! The CPU keeps the pools in host memory
+//! ([`crate::kvcache::cpu_storage`]). The GPU's storage (`gpu/kv_pool.rs`)
+//! implements the same calls on device buffers: the writes as a
 //! scatter shader over the plan's [`WriteRun`]s, the copies as buffer
 //! copies between block ranges, and the attention as the GPU's
 //! `attention_with_kvcache` on the layer's pools with the block table the
