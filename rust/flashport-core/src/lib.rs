@@ -47,6 +47,7 @@ pub mod env;
 pub mod error;
 pub mod fork;
 pub mod gpu;
+pub mod gpu_choice;
 pub mod host_memory;
 pub mod interrupt;
 pub mod kvcache;
