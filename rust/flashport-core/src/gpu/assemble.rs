@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use super::context::Context;
 use super::device_array;
+use super::device_array::DeviceArray;
 use super::pool::Pooled;
 use super::transfer::Submission;
 use crate::array::{Array, Buffer, Placement};
 use crate::error::{Error, Result};
-use crate::gpu::DeviceArray;
 use crate::problem::DType;
 
 /// Host results in the output's dtype (float16 rounded here).

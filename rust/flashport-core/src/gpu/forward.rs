@@ -86,7 +86,7 @@ fn resident(
         Placement::Host => Array::Host(crate::array::Buffer::F32(values)),
         Placement::Device => {
             let buffer = sub.upload("lse", bytemuck::cast_slice(&values))?;
-            Array::Device(crate::gpu::DeviceArray::from_buffer(
+            Array::Device(super::device_array::DeviceArray::from_buffer(
                 ctx,
                 buffer,
                 DType::F32,

@@ -6,11 +6,11 @@ use std::sync::Arc;
 // Also named from here by gpu/decode/, which imports them with the inputs.
 pub(crate) use super::checks::{float16_error, float64_error};
 use super::device_array;
+use super::device_array::DeviceArray;
 use super::pool::Pooled;
 use super::transfer::Submission;
 use crate::array::{Input, Slice};
 use crate::error::{Error, Result};
-use crate::gpu::DeviceArray;
 use crate::problem::DType;
 
 /// An input array as the bytes the shaders read (float16 or float32;

@@ -5,13 +5,13 @@
 //! kernels' (shaders/varlen.wgsl).
 
 use super::chunks::binding_limit;
+use super::device_array::DeviceArray;
 use super::inputs::Source;
 use super::pool::padded;
 use super::run::with_inputs;
 use super::shaders::VARLEN;
 use super::transfer::Submission;
 use crate::error::{Error, Result};
-use crate::gpu::DeviceArray;
 use crate::overrides;
 use crate::problem::{DType, Problem, Segments};
 

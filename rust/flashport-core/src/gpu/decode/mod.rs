@@ -54,7 +54,7 @@ use super::timing;
 use super::transfer::Submission;
 use crate::array::{Array, Input, Placement};
 use crate::error::{Error, Result};
-use crate::gpu::DeviceArray;
+use crate::gpu::device_array::DeviceArray;
 use crate::output::ForwardOutput;
 use crate::overrides::{self, Overrides};
 use crate::problem::{CacheLayout, DType, KvCacheProblem};

@@ -11,10 +11,10 @@ use std::sync::Arc;
 use super::select::DecodeKernel;
 use super::{MIN_WINDOW, NONE};
 use crate::error::{Error, Result};
+use crate::gpu::device_array::DeviceArray;
 use crate::gpu::inputs::Source;
 use crate::gpu::pool::Pooled;
 use crate::gpu::transfer::Submission;
-use crate::gpu::DeviceArray;
 use crate::problem::{CacheLayout, KvCacheProblem};
 use crate::variants::VariantArrays;
 
