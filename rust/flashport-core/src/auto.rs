@@ -12,7 +12,7 @@
 //! Conservative GPU rates keep small and medium problems on the CPU, where
 //! a wrong choice costs least.
 
-use crate::{DType, Problem};
+use crate::problem::{DType, Problem};
 
 /// The CPU as the model sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -75,7 +75,7 @@ pub fn prefers_gpu(p: &Problem, cpu: CpuModel, gpu: Option<GpuModel>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{validate_forward, ArrayInfo, Options};
+    use crate::problem::{validate_forward, ArrayInfo, Options};
 
     fn problem(dtype: &str, batch: usize, heads: usize, seq: usize, d: usize) -> Problem {
         let shape = [batch, heads, seq, d];

@@ -11,7 +11,7 @@
 //! caller's shape, and so do keys and values in the backward, so those are
 //! read as given.
 
-use crate::Problem;
+use crate::problem::Problem;
 
 /// The axes of an array of `shape` with `strides` (in any unit) along
 /// which one slice repeats: a stride of 0 over more than one element.
@@ -76,8 +76,7 @@ pub fn read_once(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::MaskDType;
-    use crate::{validate_forward, ArrayInfo, DType, Options};
+    use crate::problem::{validate_forward, ArrayInfo, DType, MaskDType, Options};
 
     fn problem(mask: Option<&[usize]>, return_dmask: bool) -> Problem {
         let options = Options {

@@ -7,7 +7,7 @@
 //! Sequence `b` holds `len = cache_seqlens[b]` keys; its query row `i` is
 //! at position `len - seq_q + i` (the queries are the last `seq_q` tokens
 //! of the sequence), so `causal`, the window and ALiBi mean exactly what
-//! they mean for [`crate::attention`] with `seq_k = len` and the default,
+//! they mean for [`crate::attention()`] with `seq_k = len` and the default,
 //! bottom-right positions: [`KvCacheProblem::sequence`] is that problem.
 //! Keys at or past `len` are never read.
 //!
@@ -24,11 +24,13 @@
 //! `gpu::decode::select::gpu_splits` of the shape and the adapter), never
 //! on the thread count or on timing, so the bits are reproducible.
 
+use crate::array::{check_len, Array, Input, Placement};
+use crate::device::{resolve, Device};
+use crate::error::Result;
+use crate::output::ForwardOutput;
 use crate::problem::KvCacheProblem;
-use crate::{
-    check_len, cpu, gpu, resolve, Array, Device, ForwardOutput, Input, Placement, Result,
-    VariantArrays,
-};
+use crate::variants::VariantArrays;
+use crate::{cpu, gpu};
 
 // The split policy lives below the backends (`crate::splits`), which
 // both use; this module dispatches.
@@ -50,7 +52,7 @@ pub fn attention_with_kvcache_arrays(
     check_len("q", &q, problem.q_len(), dtype)?;
     check_len("k_cache", &k_cache, problem.k_cache_len(), dtype)?;
     check_len("v_cache", &v_cache, problem.v_cache_len(), dtype)?;
-    problem.check_variant_arrays(variants)?;
+    variants.check_kvcache(problem)?;
     let named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)];
     let on_host = || {
         Ok(match device {
@@ -63,7 +65,7 @@ pub fn attention_with_kvcache_arrays(
             gpu::decode::attention_with_kvcache(problem, [q, k_cache, v_cache], variants, outputs)
         }
         _ => {
-            let [q, k, v] = named.map(|(name, input)| crate::on_host(name, input));
+            let [q, k, v] = named.map(|(name, input)| crate::device::on_host(name, input));
             let r = cpu::decode::attention_with_kvcache(problem, q?, k?, v?, variants)?;
             Ok(ForwardOutput {
                 out: Array::Host(r.out),
@@ -76,8 +78,7 @@ pub fn attention_with_kvcache_arrays(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::{validate_kvcache, IntArray, KvCacheOptions};
-    use crate::ArrayInfo;
+    use crate::problem::{validate_kvcache, ArrayInfo, IntArray, KvCacheOptions};
 
     #[test]
     fn splits_cover_the_keys_in_order_on_the_granule() {

@@ -4,7 +4,7 @@
 //! variable, not silently off: `FLASHPORT_GPU_POISON=true` would otherwise
 //! run a test suite without the poisoning it asked for.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Fills GPU outputs with NaN before the kernels run (the test suites).
 pub const GPU_POISON: &str = "FLASHPORT_GPU_POISON";

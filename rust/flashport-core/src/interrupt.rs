@@ -15,7 +15,7 @@
 //! including one a program installed, decide what Ctrl-C means), and only
 //! the thread that made the call ever runs it.
 //!
-//! [`Error::Interrupted`]: crate::Error::Interrupted
+//! [`Error::Interrupted`]: crate::error::Error::Interrupted
 
 use std::cell::RefCell;
 use std::rc::Rc;

@@ -27,12 +27,12 @@
 //!   row's `o` is NaN either way. (FA2 writes `+inf` for an empty row:
 //!   map it to `-inf` first.)
 
-use crate::cpu;
-use crate::problem::PartInputs;
-use crate::{
-    gpu, resolve, Array, DType, Device, Error, ForwardOutput, Input, MergeProblem, Placement,
-    Result, Slice,
-};
+use crate::array::{Array, Input, Placement, Slice};
+use crate::device::{resolve, Device};
+use crate::error::{Error, Result};
+use crate::output::ForwardOutput;
+use crate::problem::{DType, MergeProblem, PartInputs};
+use crate::{cpu, gpu};
 
 /// The inputs of one argument checked against the problem: one per part,
 /// or one with every part, of the validated lengths and dtype.
@@ -141,6 +141,6 @@ fn host<'a>(parts: PartInputs<'a, Input<'a>>, argument: &str) -> Result<Vec<Slic
         .arrays()
         .iter()
         .enumerate()
-        .map(|(i, &a)| crate::on_host(&part_name(argument, count, i), a))
+        .map(|(i, &a)| crate::device::on_host(&part_name(argument, count, i), a))
         .collect()
 }

@@ -3,9 +3,7 @@
 //! calling thread); the release build always computes with the defaults,
 //! and nothing here reads the environment.
 
-use crate::gpu::caps::AdapterCaps;
-use crate::gpu::kernel::Tier;
-use crate::gpu::tiles::Tiles;
+use crate::gpu_choice::{AdapterCaps, Tier, Tiles};
 
 /// The knobs. A call reads them once, on the thread that makes it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

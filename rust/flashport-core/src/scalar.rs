@@ -4,7 +4,7 @@
 //! is true, `int(1.5)` rounds. Each check takes exactly the kinds of value
 //! the keyword means and names the keyword otherwise.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// What kind of value the caller gave, as the bindings classify it.
 #[derive(Debug, Clone, PartialEq)]

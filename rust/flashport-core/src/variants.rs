@@ -45,8 +45,9 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::problem::{Dropout, MaskDType};
-use crate::{DType, Error, Problem, Result, Slice};
+use crate::array::Slice;
+use crate::error::{Error, Result};
+use crate::problem::{DType, Dropout, KvCacheProblem, MaskDType, Problem};
 
 /// The boolean or float data of a mask argument, contiguous, in the
 /// caller's (unbroadcast) shape.
@@ -66,7 +67,7 @@ pub struct VariantArrays<'a> {
     /// `(heads_q,)` sink logits.
     pub sinks: Option<&'a [f64]>,
     /// The sequences of a packed batch (`Problem::varlen`).
-    pub segments: Option<&'a crate::varlen::Segments>,
+    pub segments: Option<&'a crate::problem::Segments>,
 }
 
 impl VariantArrays<'_> {
@@ -106,6 +107,28 @@ impl VariantArrays<'_> {
         let sinks_len = problem.sinks.then_some(problem.heads_q);
         if sinks_len != self.sinks.map(<[f64]>::len) {
             return mismatch("sinks");
+        }
+        Ok(())
+    }
+
+    /// Checks the arrays of an `attention_with_kvcache` call against its
+    /// problem: no mask (the cache's lengths are the mask), slopes and
+    /// sinks of the validated sizes.
+    pub(crate) fn check_kvcache(&self, problem: &KvCacheProblem) -> Result<()> {
+        let a = &problem.attention;
+        let slopes = match a.alibi_per_batch {
+            None => None,
+            Some(true) => Some(a.batch * a.heads_q),
+            Some(false) => Some(a.heads_q),
+        };
+        let sinks = a.sinks.then_some(a.heads_q);
+        if self.mask.is_some()
+            || slopes != self.alibi_slopes.map(<[f64]>::len)
+            || sinks != self.sinks.map(<[f64]>::len)
+        {
+            return Err(Error::Shape(
+                "the variant arrays do not match the validated problem".to_string(),
+            ));
         }
         Ok(())
     }

@@ -7,164 +7,28 @@
 //! keys are cut into **segments**: row `r` of sequence `b` sees only keys
 //! in `cu_k[b]..cu_k[b + 1]`, causal and windows aligned bottom-right
 //! within the sequence and ALiBi distances measured there too. The
-//! [`Segments`] give each row its visible keys (the CPU's tile loops and
-//! the GPU's row table read them), so no work crosses a sequence except
-//! in tiles that straddle two (see docs/design.md#variable-length-batches).
+//! [`Segments`], which validation makes, give each row its visible keys
+//! (the CPU's tile loops and the GPU's row table read them), so no work
+//! crosses a sequence except in tiles that straddle two (see
+//! docs/design.md#variable-length-batches).
 //!
-//! This module also moves the packed arrays into the kernels' head-major
-//! layout and the results back: a copy on the host for host arrays, a
-//! transpose pass on the GPU for device arrays.
-
-use std::ops::Range;
+//! This module runs such a batch: it moves the packed arrays into the
+//! kernels' head-major layout and the results back (a copy on the host for
+//! host arrays, a transpose pass on the GPU for device arrays) around the
+//! main operation's dispatch.
 
 use rayon::prelude::*;
 
-use crate::{
-    attention_arrays, attention_backward_arrays, Array, Buffer, Device, DeviceArray, ForwardOutput,
-    Gradients, Input, Placement, Problem, Result, Slice, VariantArrays,
-};
+use crate::problem::Segments;
 
-/// Where each sequence of a packed batch lies: its rows `cu_q[b]..cu_q[b +
-/// 1]` and keys `cu_k[b]..cu_k[b + 1]` (validated prefix sums, see
-/// [`crate::problem::validate_varlen_forward`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Segments {
-    cu_q: Vec<usize>,
-    cu_k: Vec<usize>,
-}
-
-/// The rows of one sequence and its keys.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Sequence {
-    pub rows: Range<usize>,
-    pub keys: Range<usize>,
-}
-
-impl Segments {
-    /// From validated prefix sums (same length, from 0, non-decreasing).
-    pub(crate) fn new(cu_q: Vec<usize>, cu_k: Vec<usize>) -> Self {
-        debug_assert!(cu_q.len() == cu_k.len() && !cu_q.is_empty());
-        Segments { cu_q, cu_k }
-    }
-
-    pub fn sequences(&self) -> usize {
-        self.cu_q.len() - 1
-    }
-
-    pub fn cu_seqlens_q(&self) -> &[usize] {
-        &self.cu_q
-    }
-
-    pub fn cu_seqlens_k(&self) -> &[usize] {
-        &self.cu_k
-    }
-
-    pub fn sequence(&self, b: usize) -> Sequence {
-        Sequence {
-            rows: self.cu_q[b]..self.cu_q[b + 1],
-            keys: self.cu_k[b]..self.cu_k[b + 1],
-        }
-    }
-
-    /// The sequence that packed row `row` belongs to (empty sequences own
-    /// no row).
-    pub fn sequence_of_row(&self, row: usize) -> usize {
-        self.cu_q.partition_point(|&c| c <= row) - 1
-    }
-
-    /// Sequence `b` as a problem of its own: `p`'s heads, dimensions and
-    /// variants, its own lengths and the default (bottom-right) positions.
-    fn local(&self, p: &Problem, b: usize) -> Problem {
-        let s = self.sequence(b);
-        let (seq_q, seq_k) = (s.rows.len(), s.keys.len());
-        Problem {
-            seq_q,
-            seq_k,
-            q_offset: seq_k as i64 - seq_q as i64,
-            k_offset: 0,
-            varlen: None,
-            ..*p
-        }
-    }
-
-    /// Where the diagonal of sequence `b`'s rows lies: row `r` is at the
-    /// position of key `r + diagonal(b)` (`cu_k[b + 1] - cu_q[b + 1]`, the
-    /// bottom-right alignment within the sequence). ALiBi measures
-    /// `|r + diagonal(b) - j|`, the distance within the sequence.
-    pub fn diagonal(&self, b: usize) -> i64 {
-        self.cu_k[b + 1] as i64 - self.cu_q[b + 1] as i64
-    }
-
-    /// The keys packed row `row` sees (causal and the window within its
-    /// sequence), as packed key indices: a subrange of its sequence's keys.
-    pub fn visible_keys(&self, p: &Problem, row: usize) -> Range<usize> {
-        let b = self.sequence_of_row(row);
-        let start = self.cu_q[b];
-        let local = self.local(p, b).visible_keys(row - start);
-        self.cu_k[b] + local.start..self.cu_k[b] + local.end
-    }
-
-    /// Every row's visible keys and sequence, computed once per call. Both
-    /// ends of the ranges are non-decreasing in the row, across sequences
-    /// too: a sequence's keys all lie before the next one's.
-    pub fn rows(&self, p: &Problem) -> RowTable {
-        let total = self.cu_q[self.sequences()];
-        let mut table = RowTable {
-            visible: Vec::with_capacity(total),
-            sequence: Vec::with_capacity(total),
-        };
-        for b in 0..self.sequences() {
-            let s = self.sequence(b);
-            let local = self.local(p, b);
-            for i in 0..s.rows.len() {
-                let keys = local.visible_keys(i);
-                table
-                    .visible
-                    .push(s.keys.start + keys.start..s.keys.start + keys.end);
-                table.sequence.push(b);
-            }
-        }
-        table
-    }
-
-    /// The (query, key) pairs the rows see, per head: what the work of a
-    /// call follows.
-    pub fn visible_pairs(&self, p: &Problem) -> u64 {
-        (0..self.sequences())
-            .map(|b| {
-                let local = self.local(p, b);
-                if local.has_range_mask() {
-                    (0..local.seq_q)
-                        .map(|i| local.visible_keys(i).len() as u64)
-                        .sum()
-                } else {
-                    (local.seq_q * local.seq_k) as u64
-                }
-            })
-            .sum()
-    }
-
-    pub(crate) fn check(&self, p: &Problem) -> Result<()> {
-        let fits = p.varlen.map(|v| v.sequences) == Some(self.sequences())
-            && self.cu_q.last() == Some(&p.seq_q)
-            && self.cu_k.last() == Some(&p.seq_k)
-            && p.batch == 1;
-        if fits {
-            Ok(())
-        } else {
-            Err(crate::Error::Shape(
-                "the segments do not match the validated problem".to_string(),
-            ))
-        }
-    }
-}
-
-/// Each packed row's visible keys and sequence ([`Segments::rows`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RowTable {
-    pub visible: Vec<Range<usize>>,
-    pub sequence: Vec<usize>,
-}
+use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::attention::{attention_arrays, attention_backward_arrays};
+use crate::device::Device;
+use crate::error::Result;
+use crate::gpu::DeviceArray;
+use crate::output::{ForwardOutput, Gradients};
+use crate::problem::Problem;
+use crate::variants::VariantArrays;
 
 /// `x` of shape `(a, b, w)` as `(b, a, w)`: the packed `(total, heads,
 /// dim)` layout to the kernels' `(heads, total, dim)` and back.
@@ -390,71 +254,6 @@ pub fn attention_varlen_backward_arrays(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::{validate_varlen_forward, SeqLens};
-    use crate::{ArrayInfo, Options};
-
-    fn packed(cu_q: &[i128], cu_k: &[i128], options: Options<'_>) -> (Problem, Segments) {
-        let (tq, tk) = (
-            *cu_q.last().unwrap() as usize,
-            *cu_k.last().unwrap() as usize,
-        );
-        let shape_q = [cu_q.len()];
-        let shape_k = [cu_k.len()];
-        validate_varlen_forward(
-            ArrayInfo::new(&[tq, 2, 8], "float32"),
-            ArrayInfo::new(&[tk, 1, 8], "float32"),
-            ArrayInfo::new(&[tk, 1, 4], "float32"),
-            SeqLens {
-                info: ArrayInfo::new(&shape_q, "int32"),
-                values: cu_q,
-            },
-            SeqLens {
-                info: ArrayInfo::new(&shape_k, "int64"),
-                values: cu_k,
-            },
-            &options,
-        )
-        .unwrap()
-    }
-
-    /// Rows see their own sequence's keys only, causal bottom-right within
-    /// it, and empty sequences own nothing.
-    #[test]
-    fn rows_see_their_sequence() {
-        let causal = Options {
-            causal: true,
-            ..Options::default()
-        };
-        // Sequences: (q 2, k 3), (q 0, k 4), (q 3, k 1), (q 1, k 0).
-        let (p, s) = packed(&[0, 2, 2, 5, 6], &[0, 3, 7, 8, 8], causal);
-        assert_eq!((p.batch, p.seq_q, p.seq_k), (1, 6, 8));
-        assert_eq!(
-            (0..6).map(|r| s.sequence_of_row(r)).collect::<Vec<_>>(),
-            vec![0, 0, 2, 2, 2, 3]
-        );
-        let rows = s.rows(&p);
-        assert_eq!(rows.visible, vec![0..2, 0..3, 7..7, 7..7, 7..8, 8..8]);
-        for r in 0..6 {
-            assert_eq!(s.visible_keys(&p, r), rows.visible[r]);
-        }
-        assert_eq!(p.varlen.unwrap().visible_pairs, 2 + 3 + 1);
-        assert_eq!(s.diagonal(2), 8 - 5);
-        let (p, s) = packed(&[0, 2, 2, 5, 6], &[0, 3, 7, 8, 8], Options::default());
-        assert_eq!(s.rows(&p).visible, vec![0..3, 0..3, 7..8, 7..8, 7..8, 8..8]);
-        assert_eq!(p.varlen.unwrap().visible_pairs, 2 * 3 + 3);
-        assert!((p.forward_flops() - 9.0 * 2.0 * 2.0 * 12.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn windows_stay_within_the_sequence() {
-        let window = Options {
-            window: Some((1, 0)),
-            ..Options::default()
-        };
-        let (p, s) = packed(&[0, 3, 6], &[0, 3, 8], window);
-        // Sequence 1: q 3, k 5: row i's diagonal is key 3 + i + 2.
-        assert_eq!(s.rows(&p).visible, vec![0..1, 0..2, 1..3, 4..6, 5..7, 6..8]);
-    }
 
     #[test]
     fn swapping_the_leading_axes_twice_is_the_identity() {

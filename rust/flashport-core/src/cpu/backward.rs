@@ -9,9 +9,10 @@ use std::ops::Range;
 use super::element::{Element, Packing};
 use super::scores::{ScoreRules, TileVisibility};
 use super::tiles::TileSizes;
+use crate::error::Result;
+use crate::problem::Problem;
 use crate::runtime::buffers::{self, spare, zero_init};
 use crate::runtime::parallel;
-use crate::{Problem, Result};
 
 /// One key/value tile as the tile products read it: rows, and the same
 /// transposed (with its row stride) when the kernels prefer that.

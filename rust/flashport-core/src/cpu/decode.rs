@@ -24,9 +24,12 @@ use super::num_threads;
 use super::scores::{ScoreRules, TileVisibility};
 use super::softmax::RowState;
 use super::threads::run_with;
-use crate::problem::CacheLayout;
+use crate::array::{Buffer, Slice};
+use crate::error::Result;
+use crate::output::ForwardOutput;
+use crate::problem::{CacheLayout, DType, KvCacheProblem, Problem};
 use crate::splits::{cpu_splits, split_keys};
-use crate::{Buffer, DType, ForwardOutput, KvCacheProblem, Problem, Result, Slice, VariantArrays};
+use crate::variants::VariantArrays;
 
 mod kernels;
 use crate::runtime::parallel;
@@ -623,8 +626,7 @@ struct Head<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::{validate_kvcache, IntArray, KvCacheOptions};
-    use crate::ArrayInfo;
+    use crate::problem::{validate_kvcache, ArrayInfo, IntArray, KvCacheOptions};
 
     /// 8 key/value heads, 4096 keys a sequence, contiguous or in blocks of
     /// 16.

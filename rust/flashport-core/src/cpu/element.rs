@@ -6,11 +6,11 @@ use super::kernels;
 use super::real::Real;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
+use crate::array::{Buffer, Slice};
+use crate::error::Result;
 use crate::runtime::buffers::{self, BufferPool, Pooled};
 #[cfg(target_arch = "x86_64")]
 use crate::runtime::parallel;
-use crate::Result;
-use crate::{Buffer, Slice};
 
 /// float32 or float64: the types the tile kernels are generic over. Their
 /// arithmetic is [`Real`]'s; an element adds where its buffers are kept,
@@ -535,7 +535,9 @@ mod tests {
             packing: Packing::Transposed,
         };
         match f32::pack_inputs([input]) {
-            Err(crate::Error::TooLarge(msg)) => assert!(msg.contains("packed copy"), "{msg}"),
+            Err(crate::error::Error::TooLarge(msg)) => {
+                assert!(msg.contains("packed copy"), "{msg}")
+            }
             other => panic!("expected TooLarge, got {:?}", other.map(|_| ())),
         }
     }

@@ -10,9 +10,10 @@ use super::element::{Element, PackInput, Packing};
 use super::scores::{ScoreRules, TileVisibility};
 use super::softmax::RowState;
 use super::tiles::TileSizes;
+use crate::error::Result;
+use crate::problem::Problem;
 use crate::runtime::buffers::{self, spare};
 use crate::runtime::parallel;
-use crate::{Problem, Result};
 
 pub(super) fn forward_typed<T: Element>(
     problem: &Problem,

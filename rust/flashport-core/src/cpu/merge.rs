@@ -7,9 +7,11 @@ use std::borrow::Cow;
 use super::element::Element;
 use super::threads::run_with;
 use super::{narrow, num_threads};
-use crate::problem::PartInputs;
+use crate::array::Slice;
+use crate::error::Result;
+use crate::output::ForwardOutput;
+use crate::problem::{DType, MergeProblem, PartInputs};
 use crate::runtime::parallel;
-use crate::{DType, ForwardOutput, MergeProblem, Result, Slice};
 
 /// Values per task (rows × parts × d_v): enough to outweigh handing a
 /// task to another thread, small enough to spread a few thousand rows.

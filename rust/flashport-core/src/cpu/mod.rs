@@ -24,9 +24,11 @@ mod rows;
 mod scratch;
 mod threads;
 
-use crate::{
-    BackendGradients, Buffer, DType, ForwardOutput, Problem, Result, Slice, VariantArrays,
-};
+use crate::array::{Buffer, Slice};
+use crate::error::Result;
+use crate::output::{BackendGradients, ForwardOutput};
+use crate::problem::{DType, Problem};
+use crate::variants::VariantArrays;
 use element::{Element, PackInput, Packing};
 use scores::ScoreRules;
 
@@ -175,11 +177,12 @@ fn backward_as<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{interrupt, Error};
+    use crate::error::Error;
+    use crate::interrupt;
 
     #[test]
     fn an_interrupted_call_returns_no_result_and_the_next_call_computes() {
-        use crate::{validate_backward, validate_forward, ArrayInfo, Options};
+        use crate::problem::{validate_backward, validate_forward, ArrayInfo, Options};
         use std::cell::Cell;
         use std::rc::Rc;
         use std::time::Duration;

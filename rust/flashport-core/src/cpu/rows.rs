@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::element::Element;
-use crate::Problem;
+use crate::problem::Problem;
 
 /// One unit of parallel work: a tile of rows of one (batch, head) and the
 /// disjoint output rows it owns.

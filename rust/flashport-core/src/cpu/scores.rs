@@ -8,11 +8,10 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use super::element::Element;
+use crate::problem::{Problem, RowTable, Segments};
 use crate::variants::{
     slopes_per_head, DropoutMask, MaskData, MaskLayout, VariantArrays, MASK_BLOCK,
 };
-use crate::varlen::{RowTable, Segments};
-use crate::Problem;
 
 /// The caller's mask as the CPU reads it, without converting a boolean
 /// mask or a float mask already in the compute type (converting a

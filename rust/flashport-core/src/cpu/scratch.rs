@@ -9,7 +9,8 @@ use std::ops::Range;
 use super::element::Element;
 use super::softmax::RowState;
 use super::tiles::TileSizes;
-use crate::{Error, Problem, Result};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
 
 /// Per-thread working memory, reused across tasks.
 pub(super) struct Scratch<T> {

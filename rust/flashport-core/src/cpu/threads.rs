@@ -2,14 +2,14 @@
 //! running a call's work on them (`runtime/parallel.rs`).
 
 #[cfg(target_arch = "x86_64")]
-use super::simd;
-use super::tiles;
+use super::{simd, tiles};
 use std::sync::Arc;
 
 use super::tiles::TileSizes;
+use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
+use crate::problem::Problem;
 use crate::runtime::parallel;
-use crate::{Error, Problem, Result};
 
 /// Environment variable that sets the number of CPU threads.
 pub const NUM_THREADS_ENV: &str = "FLASHPORT_NUM_THREADS";

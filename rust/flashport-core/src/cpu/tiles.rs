@@ -8,7 +8,7 @@
 
 use std::sync::OnceLock;
 
-use crate::Problem;
+use crate::problem::Problem;
 
 /// Rows of a query tile and of a key/value tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,7 +146,7 @@ fn choose_for_cache(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{validate_forward, ArrayInfo, Options};
+    use crate::problem::{validate_forward, ArrayInfo, Options};
 
     fn problem(heads: usize, seq: usize, d: usize) -> Problem {
         let q = [1, heads, seq, d];

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use super::context::Context;
 use super::pool::{padded, Pooled};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Bytes of one arena: a decode call's parameters (two uniforms of under
 /// 128 bytes, its lengths and a block table: 8 sequences of 4096 keys in

@@ -6,9 +6,12 @@ use std::sync::Arc;
 
 use super::context::Context;
 use super::device_array;
+use super::device_array::DeviceArray;
 use super::pool::Pooled;
 use super::transfer::Submission;
-use crate::{Array, Buffer, DType, DeviceArray, Error, Placement, Result};
+use crate::array::{Array, Buffer, Placement};
+use crate::error::{Error, Result};
+use crate::problem::DType;
 
 /// Host results in the output's dtype (float16 rounded here).
 pub(crate) fn to_buffer(values: Vec<f32>, dtype: DType) -> Buffer {

@@ -16,15 +16,15 @@ use super::kernel::{Kernel, Tier};
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::screen;
 use super::select::{check_loop_limit, select_backward, simple_backward};
-use super::timing;
 use super::transfer::Submission;
+use super::{screen, timing};
+use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::error::{Error, Result};
+use crate::output::BackendGradients;
 use crate::overrides::{self, Overrides};
-use crate::{
-    Array, BackendGradients, Buffer, DType, Error, Input, Placement, Problem, Result, Slice,
-    VariantArrays,
-};
+use crate::problem::{DType, Problem};
+use crate::variants::VariantArrays;
 
 /// The backward pass on host inputs `[do, q, k, v, o, lse]`, gradients
 /// read back.

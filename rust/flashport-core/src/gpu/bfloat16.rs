@@ -6,7 +6,9 @@
 //! bfloat16 arrays, so such a call's results are always read back.
 
 use super::assemble::to_buffer;
-use crate::{Array, Buffer, DType, Error, Input, Placement, Result, Slice};
+use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::error::{Error, Result};
+use crate::problem::DType;
 
 /// A bfloat16 call's inputs with float32 copies of its bfloat16 ones.
 pub(crate) struct Widened {

@@ -1,52 +1,10 @@
-//! What the kernel choice depends on from the adapter: the ground floor of
-//! the GPU backend's selection (`select.rs`, `tiles/`, the overrides read
-//! it; it reads none of them).
+//! What the kernel choice depends on from the adapter: [`AdapterCaps`],
+//! defined a floor down in `crate::gpu_choice` (the test knobs name it
+//! too) and re-exported here for the backend, and what the driver tells
+//! of it (its loop limit). The ground floor of the GPU backend's selection:
+//! `select.rs` and `tiles/` read it; it reads none of them.
 
-/// What the choice depends on from the adapter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AdapterCaps {
-    pub workgroup_storage_bytes: u32,
-    pub max_invocations: u32,
-    pub max_workgroup_size_x: u32,
-    /// Subgroup operations with subgroups of at least 8 lanes (a row group
-    /// of the tiled forward reduces within one subgroup).
-    pub subgroups: bool,
-    /// 16x16x16 float16 → float32 cooperative matrices, shader-f16, and
-    /// subgroups of exactly 32 lanes (the cooperative kernels' subgroups
-    /// own 16 rows each, two lanes per row).
-    pub coop: bool,
-    /// The driver takes SPIR-V written here (wgpu's passthrough), so the
-    /// cooperative kernels can be built with the GLSL450 memory model and
-    /// subgroup barriers that order workgroup memory (src/gpu/spirv.rs).
-    pub passthrough: bool,
-    /// wgpu validates `subgroupBarrier()`, which the cooperative backward
-    /// needs where wgpu writes the SPIR-V itself.
-    pub subgroup_barrier: bool,
-    /// The device was opened with NVIDIA's cooperative matrices 2
-    /// (`gpu/cm2.rs`; with `coop` and `passthrough`).
-    pub cm2: bool,
-    /// The driver silently ends every loop of a subgroup once the
-    /// subgroup's loops have run this many iterations in all (Mesa's
-    /// llvmpipe before 25.0: `driver_loop_limit`, src/gpu/tiles/loops.rs).
-    /// Where set, the simple kernels' tiles are chosen to stay within it
-    /// and a call whose kernels would not is refused (`check_loop_limit`).
-    pub loop_limit: Option<u32>,
-}
-
-impl AdapterCaps {
-    /// The limits every WebGPU adapter guarantees, and no optional feature.
-    pub const WEBGPU_DEFAULT: AdapterCaps = AdapterCaps {
-        workgroup_storage_bytes: 16 * 1024,
-        max_invocations: 256,
-        max_workgroup_size_x: 256,
-        subgroups: false,
-        coop: false,
-        passthrough: false,
-        subgroup_barrier: false,
-        cm2: false,
-        loop_limit: None,
-    };
-}
+pub use crate::gpu_choice::AdapterCaps;
 
 /// The loop limit of Mesa's llvmpipe (lavapipe) before 25.0: gallivm's
 /// `LP_MAX_TGSI_LOOP_ITERATIONS`.

@@ -3,7 +3,8 @@
 //! the inputs and the device arrays, which both refuse the same dtypes.
 
 use super::context::Context;
-use crate::{DType, Error, Problem, Result};
+use crate::error::{Error, Result};
+use crate::problem::{DType, Problem};
 
 /// The error for float64 data offered to the GPU, naming the argument.
 pub(crate) fn float64_error(argument: &str) -> Error {

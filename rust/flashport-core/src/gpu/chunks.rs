@@ -3,8 +3,9 @@
 //! and whose grid fits `max_compute_workgroups_per_dimension`.
 
 use super::context::Context;
+use crate::error::{Error, Result};
 use crate::overrides::Overrides;
-use crate::{Error, Problem, Result};
+use crate::problem::Problem;
 
 /// The largest binding a chunk may use: the adapter's (and its largest
 /// buffer's), or less where the overrides say, a multiple of 4 bytes.
@@ -117,7 +118,7 @@ pub(crate) fn plan(p: &Problem, limit: u64, max_dim: u32) -> Result<Vec<Chunk>> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{validate_forward, ArrayInfo, Options};
+    use crate::problem::{validate_forward, ArrayInfo, Options};
 
     fn problem(q: &[usize], k: &[usize]) -> Problem {
         validate_forward(

@@ -11,9 +11,9 @@ use std::time::Instant;
 use super::caps::{driver_loop_limit, AdapterCaps};
 use super::pipeline_cache::PipelineCache;
 use super::pool::{Pooled, Pools};
+use crate::error::{Error, Result};
 use crate::fork::{self, ForkLocal};
 use crate::runtime::lock;
-use crate::{Error, Result};
 
 /// Native backends only: an OpenGL adapter would be a silent correctness
 /// and performance trap, and the browser backend does not apply here.

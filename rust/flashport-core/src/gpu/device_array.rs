@@ -15,11 +15,12 @@ use super::chunks::binding_limit;
 use super::context::Context;
 use super::guard::{guarded, run_on, with_context};
 use super::pool::Pooled;
-use super::screen;
-use super::timing;
 use super::transfer::{submit_and_read, Submission};
+use super::{screen, timing};
+use crate::array::{Buffer, Slice};
+use crate::error::{Error, Result};
 use crate::overrides;
-use crate::{ArrayInfo, Buffer, DType, Error, Result, Slice};
+use crate::problem::{ArrayInfo, DType};
 
 /// An array resident on the GPU: a dense, row-major buffer of the context
 /// that made it, with its shape and dtype (float32 or float16). Immutable:

@@ -5,7 +5,7 @@ use super::arena::Param;
 use super::context::Context;
 use super::params::VariantData;
 use super::transfer::Submission;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The binding of `vx` in the shaders' common fragment.
 const VX_BINDING: u32 = 15;

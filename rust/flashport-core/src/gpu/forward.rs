@@ -15,12 +15,15 @@ use super::kernel::{Kernel, Tier};
 use super::params::{Params, VariantData};
 use super::pool::Pooled;
 use super::run::with_inputs;
-use super::screen;
 use super::select::{check_loop_limit, select_forward, simple_forward};
-use super::timing;
 use super::transfer::Submission;
+use super::{screen, timing};
+use crate::array::{Array, Input, Placement, Slice};
+use crate::error::Result;
+use crate::output::ForwardOutput;
 use crate::overrides::{self, Overrides};
-use crate::{Array, DType, ForwardOutput, Input, Placement, Problem, Result, Slice, VariantArrays};
+use crate::problem::{DType, Problem};
+use crate::variants::VariantArrays;
 
 /// The forward pass on host inputs, outputs read back.
 pub fn forward(
@@ -80,10 +83,10 @@ fn resident(
     shape: Vec<usize>,
 ) -> Result<Array> {
     Ok(match outputs {
-        Placement::Host => Array::Host(crate::Buffer::F32(values)),
+        Placement::Host => Array::Host(crate::array::Buffer::F32(values)),
         Placement::Device => {
             let buffer = sub.upload("lse", bytemuck::cast_slice(&values))?;
-            Array::Device(crate::DeviceArray::from_buffer(
+            Array::Device(super::device_array::DeviceArray::from_buffer(
                 ctx,
                 buffer,
                 DType::F32,

@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use super::context::{self, Context};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Runs `f`, turning a panic into an error.
 pub(crate) fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {

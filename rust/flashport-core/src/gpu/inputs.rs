@@ -6,9 +6,12 @@ use std::sync::Arc;
 // Also named from here by gpu/decode/, which imports them with the inputs.
 pub(crate) use super::checks::{float16_error, float64_error};
 use super::device_array;
+use super::device_array::DeviceArray;
 use super::pool::Pooled;
 use super::transfer::Submission;
-use crate::{DType, DeviceArray, Error, Input, Result, Slice};
+use crate::array::{Input, Slice};
+use crate::error::{Error, Result};
+use crate::problem::DType;
 
 /// An input array as the bytes the shaders read (float16 or float32;
 /// bfloat16 calls were widened to float32 by `bfloat16.rs` before this).

@@ -4,31 +4,9 @@
 //! pass that exists at a single tier (the backward's pre-pass) is written
 //! once, in [`Kernel::new`].
 
-/// The kernel tiers, slowest first: every shape runs on `Simple`; `Tiled`
-/// where its register tiles fit (head dims multiples of 4); `Coop` for
-/// float16 without variants where the adapter has cooperative matrices.
-/// `select` takes the fastest tier a call fits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Tier {
-    /// One query (or key) row per invocation, tiles in workgroup memory
-    /// (shaders/simple/).
-    Simple,
-    /// Register-tiled float32 arithmetic, float16 widened as it is loaded
-    /// (shaders/tiled/).
-    Tiled,
-    /// float16 products on cooperative matrices (tensor cores,
-    /// shaders/coop/).
-    Coop,
-    /// float16 on NVIDIA's cooperative matrices 2, each step inside the
-    /// matrices (GLSL, shaders/cm2/; `gpu/cm2.rs`); the backward's pre-pass
-    /// is the simple one, as for every tier.
-    Cm2,
-}
-
-impl Tier {
-    /// Every tier, in declaration order (the order of `NAMES`' columns).
-    pub const ALL: [Tier; 4] = [Tier::Simple, Tier::Tiled, Tier::Coop, Tier::Cm2];
-}
+// The tiers are defined a floor down, beside the adapter's capabilities
+// and the tiles (the test knobs name them too).
+pub use crate::gpu_choice::Tier;
 
 /// The passes of FlashAttention-2 the backend runs as kernels: the
 /// forward, and the backward as a pre-pass (`D = rowsum(dO ∘ O)`), then dQ

@@ -1,5 +1,5 @@
 //! A KV cache's pools in GPU memory (`KVCache(device="gpu")`), behind
-//! [`crate::kvcache::Storage`]: the same calls as the CPU's storage, on
+//! [`crate::blocks::Storage`]: the same calls as the CPU's storage, on
 //! device buffers.
 //!
 //! Each layer's key pool and value pool is a list of buffers of whole
@@ -33,16 +33,19 @@ use super::checks::{float16_error, float64_error};
 use super::chunks::binding_limit;
 use super::context::Context;
 use super::decode;
+use super::device_array::DeviceArray;
 use super::guard::{guarded, run_on, with_context};
 use super::pool::Pooled;
 use super::shaders::KV_SCATTER;
 use super::transfer::{poison_outputs, Submission, POISON};
-use crate::kvcache::plan::{BlockCopy, WriteRun};
-use crate::kvcache::{CacheShape, Storage};
-use crate::{
-    overrides, Array, Buffer, DType, DeviceArray, Error, ForwardOutput, Input, KvCacheProblem,
-    Placement, Result, Slice, VariantArrays,
-};
+use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::blocks::plan::{BlockCopy, WriteRun};
+use crate::blocks::{CacheShape, Storage};
+use crate::error::{Error, Result};
+use crate::output::ForwardOutput;
+use crate::overrides;
+use crate::problem::{DType, KvCacheProblem};
+use crate::variants::VariantArrays;
 
 /// The scatter's `struct Scatter`, word for word
 /// (`uniform_matches_the_shader`).

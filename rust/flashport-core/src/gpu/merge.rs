@@ -12,16 +12,17 @@ use super::assemble::{check_device_outputs, empty_output, Sink};
 use super::bfloat16::{narrow, Widened};
 use super::chunks::binding_limit;
 use super::context::Context;
-use super::device_array;
 use super::inputs::{source, Source};
 use super::pool::Pooled;
 use super::run::with_inputs;
 use super::shaders::MERGE_STATES;
-use super::timing;
 use super::transfer::Submission;
+use super::{device_array, timing};
+use crate::array::{Array, Input, Placement};
+use crate::error::{Error, Result};
+use crate::output::ForwardOutput;
 use crate::overrides;
-use crate::problem::PartInputs;
-use crate::{Array, DType, Error, ForwardOutput, Input, MergeProblem, Placement, Result};
+use crate::problem::{DType, MergeProblem, PartInputs};
 
 /// Invocations per workgroup of every merge pass (`WG` of lib/merge.wgsl).
 const WORKGROUP: u64 = 64;

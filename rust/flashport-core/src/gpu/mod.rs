@@ -96,7 +96,7 @@ pub use timing::{last_kernel_times, set_kernel_timing};
 pub use varlen::swap_leading;
 
 use crate::auto::GpuModel;
-use crate::Result;
+use crate::error::Result;
 use guard::{guarded, run_on};
 
 /// Waits until the GPU has done every call queued on it (calls on device

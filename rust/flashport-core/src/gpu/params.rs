@@ -5,8 +5,9 @@
 use bytemuck::{Pod, Zeroable};
 
 use super::chunks::Chunk;
-use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask};
-use crate::{Error, Problem, Result, VariantArrays};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+use crate::variants::{slopes_per_head, AdditiveMask, DropoutMask, VariantArrays};
 
 /// The uniform block of every kernel; the shader's `struct Params` has the
 /// same members in the same order (`params_match_the_shader`).
@@ -285,11 +286,11 @@ mod tests {
     use std::mem::{offset_of, size_of};
     use wgpu::naga;
 
-    fn problem(seq_q: usize, seq_k: usize, options: crate::Options<'_>) -> Problem {
-        crate::validate_forward(
-            crate::ArrayInfo::new(&[seq_q, 4][..], "float32"),
-            crate::ArrayInfo::new(&[seq_k, 4][..], "float32"),
-            crate::ArrayInfo::new(&[seq_k, 4][..], "float32"),
+    fn problem(seq_q: usize, seq_k: usize, options: crate::problem::Options<'_>) -> Problem {
+        crate::problem::validate_forward(
+            crate::problem::ArrayInfo::new(&[seq_q, 4][..], "float32"),
+            crate::problem::ArrayInfo::new(&[seq_k, 4][..], "float32"),
+            crate::problem::ArrayInfo::new(&[seq_k, 4][..], "float32"),
             &options,
         )
         .unwrap()
@@ -303,17 +304,17 @@ mod tests {
     fn the_host_screens_what_it_holds() {
         let (mask_info, one) = ([6usize, 10], [1usize]);
         let screened = |mask: Option<&[f32]>, sinks: Option<f64>, slope: Option<f64>, scale| {
-            let options = crate::Options {
-                mask: mask.map(|_| crate::ArrayInfo::new(&mask_info, "float32")),
-                sinks: sinks.map(|_| crate::ArrayInfo::new(&one, "float32")),
-                alibi_slopes: slope.map(|_| crate::ArrayInfo::new(&one, "float32")),
+            let options = crate::problem::Options {
+                mask: mask.map(|_| crate::problem::ArrayInfo::new(&mask_info, "float32")),
+                sinks: sinks.map(|_| crate::problem::ArrayInfo::new(&one, "float32")),
+                alibi_slopes: slope.map(|_| crate::problem::ArrayInfo::new(&one, "float32")),
                 scale,
                 ..Default::default()
             };
             let p = problem(6, 10, options);
             let (sinks, slopes) = (sinks.map(|s| [s]), slope.map(|s| [s]));
-            let arrays = crate::VariantArrays {
-                mask: mask.map(|m| crate::variants::MaskData::Float(crate::Slice::F32(m))),
+            let arrays = crate::variants::VariantArrays {
+                mask: mask.map(|m| crate::variants::MaskData::Float(crate::array::Slice::F32(m))),
                 sinks: sinks.as_ref().map(|s| &s[..]),
                 alibi_slopes: slopes.as_ref().map(|s| &s[..]),
                 segments: None,
@@ -348,7 +349,7 @@ mod tests {
         for (seq_q, seq_k) in [(5, 9), (9, 5), (7, 7), (1, 300)] {
             for window in [None, Some((2, 3)), Some((500, 500)), Some((0, -1))] {
                 for causal in [false, true] {
-                    let options = crate::Options {
+                    let options = crate::problem::Options {
                         causal,
                         window,
                         ..Default::default()
@@ -383,12 +384,12 @@ mod tests {
     fn far_offsets_are_clamped_except_for_alibi() {
         let far = |q_offset: i128, k_offset: i128, alibi: bool| {
             let slopes = [1usize];
-            let options = crate::Options {
+            let options = crate::problem::Options {
                 causal: true,
                 window: Some((3, -1)),
                 q_offset: Some(q_offset),
                 k_offset: Some(k_offset),
-                alibi_slopes: alibi.then(|| crate::ArrayInfo::new(&slopes, "float32")),
+                alibi_slopes: alibi.then(|| crate::problem::ArrayInfo::new(&slopes, "float32")),
                 ..Default::default()
             };
             problem(6, 10, options)

@@ -7,8 +7,8 @@ use super::context::Context;
 use super::kernel::{Kernel, Pass, Tier};
 use super::pipeline_cache::SpecialisedKey;
 use super::select::PipelineKey;
+use crate::error::{Error, Result};
 use crate::runtime::lock;
-use crate::{Error, Result};
 
 /// Whether `kernel` runs without naga's index clamps: the register-tiled
 /// and cooperative-matrix kernels in release builds, unless

@@ -5,9 +5,10 @@
 use std::sync::Arc;
 
 use super::context::{self, Context};
+use super::device_array::DeviceArray;
 use super::guard::{guarded, run_on};
 use super::inputs::Source;
-use crate::{DeviceArray, Error, Result};
+use crate::error::{Error, Result};
 
 /// Runs `f` on the context of the call's device inputs (all of one
 /// context, which must still be alive: an error names the argument

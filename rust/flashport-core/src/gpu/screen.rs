@@ -19,7 +19,7 @@
 use super::context::Context;
 use super::pool::Pooled;
 use super::transfer::Submission;
-use crate::Result;
+use crate::error::Result;
 
 /// Workgroups of the screen: enough to stream the inputs at the device's
 /// bandwidth, each invocation reading at least 8 words of each.

@@ -6,8 +6,9 @@
 pub use super::caps::{driver_loop_limit, AdapterCaps, LLVMPIPE_LOOP_LIMIT};
 use super::kernel::{Kernel, Tier};
 use super::tiles::{self, LoopShape, Tiles};
+use crate::error::{Error, Result};
 pub use crate::overrides::Overrides;
-use crate::{DType, Error, Problem, Result};
+use crate::problem::{DType, Problem};
 
 /// Which attention variants a pipeline is specialised for. Each is an
 /// override of shaders/lib/common.wgsl, so that a plain call's pipeline

@@ -8,7 +8,10 @@ use super::device_array::{to_device, Resident};
 use super::guard::{guarded, run_on};
 use super::select::{select_backward, select_forward, AdapterCaps, BackwardPlan, ForwardPlan};
 use super::transfer::Submission;
-use crate::{overrides, Buffer, DType, Error, KvCacheProblem, Problem, Result, Slice};
+use crate::array::{Buffer, Slice};
+use crate::error::{Error, Result};
+use crate::overrides;
+use crate::problem::{DType, KvCacheProblem, Problem};
 
 /// What the shared context's adapter offers (creating the context).
 pub fn adapter_caps() -> Result<AdapterCaps> {

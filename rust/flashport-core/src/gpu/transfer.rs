@@ -24,7 +24,7 @@ use super::arena::{self, Arena, Param};
 use super::context::Context;
 use super::pool::{padded, Pooled};
 use super::timing::{self, record_host, record_host_seconds, Timer};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The work of one submission: its encoder, the buffers it uses (kept
 /// out of the pool until the work is submitted, or done where the call

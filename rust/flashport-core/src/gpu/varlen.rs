@@ -5,14 +5,15 @@
 //! kernels' (shaders/varlen.wgsl).
 
 use super::chunks::binding_limit;
+use super::device_array::DeviceArray;
 use super::inputs::Source;
 use super::pool::padded;
 use super::run::with_inputs;
 use super::shaders::VARLEN;
 use super::transfer::Submission;
+use crate::error::{Error, Result};
 use crate::overrides;
-use crate::varlen::Segments;
-use crate::{DType, DeviceArray, Error, Problem, Result};
+use crate::problem::{DType, Problem, Segments};
 
 /// Words per row of the row table: the first visible key, the end of the
 /// visible keys, the diagonal offset (i32 bits) and the sequence.

@@ -1,13 +1,17 @@
 //! A KV cache's pools in host memory, for the CPU's
 //! `attention_with_kvcache`.
 
-use super::plan::{BlockCopy, WriteRun};
-use super::shape::CacheShape;
-use super::storage::Storage;
-use crate::{
-    bf16, decode, f16, Array, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem,
-    Placement, Result, Slice, VariantArrays,
-};
+use half::{bf16, f16};
+
+use crate::array::{Array, Buffer, Input, Placement, Slice};
+use crate::blocks::plan::{BlockCopy, WriteRun};
+use crate::blocks::{CacheShape, Storage};
+use crate::decode;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::output::ForwardOutput;
+use crate::problem::{DType, KvCacheProblem};
+use crate::variants::VariantArrays;
 
 #[derive(Debug)]
 pub struct CpuStorage {

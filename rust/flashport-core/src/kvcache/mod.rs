@@ -39,7 +39,7 @@
 //! * **Prefix reuse** (vLLM's prefix caching), for appends given the
 //!   `tokens` of their positions: a sequence's block `i` is identified by
 //!   the hash chained over its prefix, `h_i = H(h_{i-1}, tokens of block
-//!   i)`, rooted in the cache's identity ([`hash`]). Once a block is full
+//!   i)`, rooted in the cache's identity ([`crate::blocks::hash`]). Once a block is full
 //!   on every layer and its tokens are known, it is *cached*: its hash
 //!   maps to it (unless another block already holds that prefix; the
 //!   later one stays an uncached duplicate, as in vLLM). An append that
@@ -85,30 +85,26 @@
 //!
 //! [`KvCache::append_batch`] appends to several sequences in one call (a
 //! decode step of a batch, one call per layer): the same as separate
-//! appends in the batch's order, in one storage write ([`batch`]). A
+//! appends in the batch's order, in one storage write
+//! ([`crate::blocks::batch`]). A
 //! failure of any row leaves the whole cache as it was.
 
-pub mod batch;
 pub mod cpu_storage;
-pub mod free_queue;
-pub mod hash;
-pub mod manager;
-pub mod plan;
-pub mod pool;
-pub mod shape;
-pub mod storage;
 
-pub use manager::{BlockManager, Sequence};
-pub use shape::{CacheArgs, CacheShape};
-pub use storage::Storage;
+// The blocks' bookkeeping and the storage contract live a floor down, in
+// `crate::blocks`, where the GPU's storage implements the contract; the
+// cache's constructor arguments and parts keep their paths here.
+pub use crate::blocks::{BlockManager, CacheArgs, CacheShape, Sequence, Storage};
 
-use crate::error::shape_str;
-use crate::problem::{validate_kvcache, IntArray, KvCacheOptions};
-use crate::{
-    ArrayInfo, Buffer, DType, Device, Error, ForwardOutput, Input, KvCacheProblem, Placement,
-    Result, VariantArrays,
+use crate::array::{Buffer, Input, Placement};
+use crate::blocks::batch::{Batch, Row};
+use crate::device::Device;
+use crate::error::{shape_str, Error, Result};
+use crate::output::ForwardOutput;
+use crate::problem::{
+    validate_kvcache, ArrayInfo, DType, IntArray, KvCacheOptions, KvCacheProblem,
 };
-use batch::{Batch, Row};
+use crate::variants::VariantArrays;
 use cpu_storage::CpuStorage;
 
 /// A KV cache: the bookkeeping and the storage of its blocks.
@@ -414,7 +410,7 @@ impl KvCache {
         options: &KvCacheOptions<'_>,
         variants: &VariantArrays<'_>,
         outputs: Placement,
-    ) -> Result<(ForwardOutput<crate::Array>, KvCacheProblem)> {
+    ) -> Result<(ForwardOutput<crate::array::Array>, KvCacheProblem)> {
         let layer = self.manager.check_layer(layer)?;
         let seqs = self.sequences(seq_ids)?;
         let s = self.shape;

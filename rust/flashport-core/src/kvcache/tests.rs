@@ -2,8 +2,8 @@
 //! forks, copy-on-write and prefix reuse, and the errors of bad arguments.
 
 use super::*;
-use crate::problem::validate_forward;
-use crate::{Array, Options, Slice};
+use crate::array::{Array, Slice};
+use crate::problem::{validate_forward, Options};
 
 fn cache(layers: i64, block_size: i64, num_blocks: i64) -> KvCache {
     KvCache::new(
@@ -129,7 +129,7 @@ fn check_attention(c: &KvCache, ids: &[u64], layer: i64, models: &[&Model]) {
             },
         )
         .unwrap();
-        let want = crate::attention(
+        let want = crate::attention::attention(
             Device::Cpu,
             &p,
             Slice::F64(qb),

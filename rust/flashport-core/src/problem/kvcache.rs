@@ -72,27 +72,6 @@ pub struct KvCacheProblem {
 }
 
 impl KvCacheProblem {
-    /// Checks the variant arrays against the problem: no mask (the cache's
-    /// lengths are the mask), slopes and sinks of the validated sizes.
-    pub(crate) fn check_variant_arrays(&self, variants: &crate::VariantArrays<'_>) -> Result<()> {
-        let a = &self.attention;
-        let slopes = match a.alibi_per_batch {
-            None => None,
-            Some(true) => Some(a.batch * a.heads_q),
-            Some(false) => Some(a.heads_q),
-        };
-        let sinks = a.sinks.then_some(a.heads_q);
-        if variants.mask.is_some()
-            || slopes != variants.alibi_slopes.map(<[f64]>::len)
-            || sinks != variants.sinks.map(<[f64]>::len)
-        {
-            return Err(Error::Shape(
-                "the variant arrays do not match the validated problem".to_string(),
-            ));
-        }
-        Ok(())
-    }
-
     pub fn batch(&self) -> usize {
         self.attention.batch
     }

@@ -221,7 +221,7 @@ impl Problem {
     /// sliding window, as a half-open range (empty when it sees none). Both
     /// ends are non-decreasing in the row. A mask array may hide more. The
     /// rows of a packed batch (`varlen`) see their sequence's keys instead:
-    /// [`crate::varlen::Segments::visible_keys`].
+    /// [`Segments::visible_keys`].
     pub fn visible_keys(&self, query_row: usize) -> std::ops::Range<usize> {
         // In i128, every sum below is exact.
         let diagonal = query_row as i128 + self.causal_offset();

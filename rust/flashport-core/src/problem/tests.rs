@@ -382,7 +382,7 @@ fn varlen(
     cu_k: (&str, &[i128]),
     totals: (usize, usize),
     options: Options<'_>,
-) -> Result<(Problem, crate::varlen::Segments)> {
+) -> Result<(Problem, Segments)> {
     let (tq, tk) = totals;
     let (sq, sk) = ([cu_q.1.len()], [cu_k.1.len()]);
     validate_varlen_forward(
@@ -567,6 +567,69 @@ fn varlen_backward_checks_the_packed_output_and_lse() {
         backward(&[10, 4, 6], &[4, 10], "float16").unwrap_err(),
         Error::DType { .. }
     ));
+}
+
+fn packed(cu_q: &[i128], cu_k: &[i128], options: Options<'_>) -> (Problem, Segments) {
+    let (tq, tk) = (
+        *cu_q.last().unwrap() as usize,
+        *cu_k.last().unwrap() as usize,
+    );
+    let shape_q = [cu_q.len()];
+    let shape_k = [cu_k.len()];
+    validate_varlen_forward(
+        ArrayInfo::new(&[tq, 2, 8], "float32"),
+        ArrayInfo::new(&[tk, 1, 8], "float32"),
+        ArrayInfo::new(&[tk, 1, 4], "float32"),
+        SeqLens {
+            info: ArrayInfo::new(&shape_q, "int32"),
+            values: cu_q,
+        },
+        SeqLens {
+            info: ArrayInfo::new(&shape_k, "int64"),
+            values: cu_k,
+        },
+        &options,
+    )
+    .unwrap()
+}
+
+/// Rows see their own sequence's keys only, causal bottom-right within
+/// it, and empty sequences own nothing.
+#[test]
+fn rows_see_their_sequence() {
+    let causal = Options {
+        causal: true,
+        ..Options::default()
+    };
+    // Sequences: (q 2, k 3), (q 0, k 4), (q 3, k 1), (q 1, k 0).
+    let (p, s) = packed(&[0, 2, 2, 5, 6], &[0, 3, 7, 8, 8], causal);
+    assert_eq!((p.batch, p.seq_q, p.seq_k), (1, 6, 8));
+    assert_eq!(
+        (0..6).map(|r| s.sequence_of_row(r)).collect::<Vec<_>>(),
+        vec![0, 0, 2, 2, 2, 3]
+    );
+    let rows = s.rows(&p);
+    assert_eq!(rows.visible, vec![0..2, 0..3, 7..7, 7..7, 7..8, 8..8]);
+    for r in 0..6 {
+        assert_eq!(s.visible_keys(&p, r), rows.visible[r]);
+    }
+    assert_eq!(p.varlen.unwrap().visible_pairs, 2 + 3 + 1);
+    assert_eq!(s.diagonal(2), 8 - 5);
+    let (p, s) = packed(&[0, 2, 2, 5, 6], &[0, 3, 7, 8, 8], Options::default());
+    assert_eq!(s.rows(&p).visible, vec![0..3, 0..3, 7..8, 7..8, 7..8, 8..8]);
+    assert_eq!(p.varlen.unwrap().visible_pairs, 2 * 3 + 3);
+    assert!((p.forward_flops() - 9.0 * 2.0 * 2.0 * 12.0).abs() < 1e-9);
+}
+
+#[test]
+fn windows_stay_within_the_sequence() {
+    let window = Options {
+        window: Some((1, 0)),
+        ..Options::default()
+    };
+    let (p, s) = packed(&[0, 3, 6], &[0, 3, 8], window);
+    // Sequence 1: q 3, k 5: row i's diagonal is key 3 + i + 2.
+    assert_eq!(s.rows(&p).visible, vec![0..1, 0..2, 1..3, 4..6, 5..7, 6..8]);
 }
 
 fn merge_err(outs: Parts<'_>, lses: Parts<'_>) -> String {

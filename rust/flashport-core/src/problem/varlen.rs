@@ -1,12 +1,16 @@
 //! Validation of `attention_varlen` and its backward: packed sequences
-//! described by cumulative lengths.
+//! described by cumulative lengths, and the [`Segments`] it makes of
+//! them, which give each packed row its visible keys (both backends' tile
+//! loops read them; see `crate::varlen` for the packed layout).
+
+use std::ops::Range;
 
 use super::*;
 
 /// A packed batch of variable-length sequences, flash-attn's varlen layout:
 /// the [`Problem`] is the whole batch packed as one (`batch = 1`, `seq_q =
 /// total_q`, `seq_k = total_k`, head-major as the kernels take it), and
-/// [`crate::varlen::Segments`] (from `cu_seqlens_q` and `cu_seqlens_k`)
+/// [`Segments`] (from `cu_seqlens_q` and `cu_seqlens_k`)
 /// cut its rows and keys into `sequences` independent attentions.
 /// Causal, the window and ALiBi are aligned within each sequence; there
 /// are no `q_offset`/`k_offset` and no mask.
@@ -16,6 +20,148 @@ pub struct Varlen {
     /// The (query, key) pairs the sequences' rows see: the work, which
     /// follows the real lengths, not the longest.
     pub visible_pairs: u64,
+}
+
+/// Where each sequence of a packed batch lies: its rows `cu_q[b]..cu_q[b +
+/// 1]` and keys `cu_k[b]..cu_k[b + 1]` (validated prefix sums, see
+/// [`validate_varlen_forward`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segments {
+    cu_q: Vec<usize>,
+    cu_k: Vec<usize>,
+}
+
+/// The rows of one sequence and its keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sequence {
+    pub rows: Range<usize>,
+    pub keys: Range<usize>,
+}
+
+impl Segments {
+    /// From validated prefix sums (same length, from 0, non-decreasing).
+    pub(crate) fn new(cu_q: Vec<usize>, cu_k: Vec<usize>) -> Self {
+        debug_assert!(cu_q.len() == cu_k.len() && !cu_q.is_empty());
+        Segments { cu_q, cu_k }
+    }
+
+    pub fn sequences(&self) -> usize {
+        self.cu_q.len() - 1
+    }
+
+    pub fn cu_seqlens_q(&self) -> &[usize] {
+        &self.cu_q
+    }
+
+    pub fn cu_seqlens_k(&self) -> &[usize] {
+        &self.cu_k
+    }
+
+    pub fn sequence(&self, b: usize) -> Sequence {
+        Sequence {
+            rows: self.cu_q[b]..self.cu_q[b + 1],
+            keys: self.cu_k[b]..self.cu_k[b + 1],
+        }
+    }
+
+    /// The sequence that packed row `row` belongs to (empty sequences own
+    /// no row).
+    pub fn sequence_of_row(&self, row: usize) -> usize {
+        self.cu_q.partition_point(|&c| c <= row) - 1
+    }
+
+    /// Sequence `b` as a problem of its own: `p`'s heads, dimensions and
+    /// variants, its own lengths and the default (bottom-right) positions.
+    fn local(&self, p: &Problem, b: usize) -> Problem {
+        let s = self.sequence(b);
+        let (seq_q, seq_k) = (s.rows.len(), s.keys.len());
+        Problem {
+            seq_q,
+            seq_k,
+            q_offset: seq_k as i64 - seq_q as i64,
+            k_offset: 0,
+            varlen: None,
+            ..*p
+        }
+    }
+
+    /// Where the diagonal of sequence `b`'s rows lies: row `r` is at the
+    /// position of key `r + diagonal(b)` (`cu_k[b + 1] - cu_q[b + 1]`, the
+    /// bottom-right alignment within the sequence). ALiBi measures
+    /// `|r + diagonal(b) - j|`, the distance within the sequence.
+    pub fn diagonal(&self, b: usize) -> i64 {
+        self.cu_k[b + 1] as i64 - self.cu_q[b + 1] as i64
+    }
+
+    /// The keys packed row `row` sees (causal and the window within its
+    /// sequence), as packed key indices: a subrange of its sequence's keys.
+    pub fn visible_keys(&self, p: &Problem, row: usize) -> Range<usize> {
+        let b = self.sequence_of_row(row);
+        let start = self.cu_q[b];
+        let local = self.local(p, b).visible_keys(row - start);
+        self.cu_k[b] + local.start..self.cu_k[b] + local.end
+    }
+
+    /// Every row's visible keys and sequence, computed once per call. Both
+    /// ends of the ranges are non-decreasing in the row, across sequences
+    /// too: a sequence's keys all lie before the next one's.
+    pub fn rows(&self, p: &Problem) -> RowTable {
+        let total = self.cu_q[self.sequences()];
+        let mut table = RowTable {
+            visible: Vec::with_capacity(total),
+            sequence: Vec::with_capacity(total),
+        };
+        for b in 0..self.sequences() {
+            let s = self.sequence(b);
+            let local = self.local(p, b);
+            for i in 0..s.rows.len() {
+                let keys = local.visible_keys(i);
+                table
+                    .visible
+                    .push(s.keys.start + keys.start..s.keys.start + keys.end);
+                table.sequence.push(b);
+            }
+        }
+        table
+    }
+
+    /// The (query, key) pairs the rows see, per head: what the work of a
+    /// call follows.
+    pub fn visible_pairs(&self, p: &Problem) -> u64 {
+        (0..self.sequences())
+            .map(|b| {
+                let local = self.local(p, b);
+                if local.has_range_mask() {
+                    (0..local.seq_q)
+                        .map(|i| local.visible_keys(i).len() as u64)
+                        .sum()
+                } else {
+                    (local.seq_q * local.seq_k) as u64
+                }
+            })
+            .sum()
+    }
+
+    pub(crate) fn check(&self, p: &Problem) -> Result<()> {
+        let fits = p.varlen.map(|v| v.sequences) == Some(self.sequences())
+            && self.cu_q.last() == Some(&p.seq_q)
+            && self.cu_k.last() == Some(&p.seq_k)
+            && p.batch == 1;
+        if fits {
+            Ok(())
+        } else {
+            Err(Error::Shape(
+                "the segments do not match the validated problem".to_string(),
+            ))
+        }
+    }
+}
+
+/// Each packed row's visible keys and sequence ([`Segments::rows`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowTable {
+    pub visible: Vec<Range<usize>>,
+    pub sequence: Vec<usize>,
 }
 
 /// A `cu_seqlens_*` argument as validation reads it: shape and dtype, and
@@ -123,7 +269,7 @@ pub fn validate_varlen_forward(
     cu_seqlens_q: SeqLens<'_>,
     cu_seqlens_k: SeqLens<'_>,
     options: &Options<'_>,
-) -> Result<(Problem, crate::varlen::Segments)> {
+) -> Result<(Problem, Segments)> {
     for (name, info) in [("q", &q), ("k", &k), ("v", &v)] {
         if info.shape.len() != 3 {
             return Err(Error::Shape(format!(
@@ -233,7 +379,7 @@ pub fn validate_varlen_forward(
             }
         });
     }
-    let segments = crate::varlen::Segments::new(cu_q, cu_k);
+    let segments = Segments::new(cu_q, cu_k);
     problem.varlen = Some(Varlen {
         sequences,
         visible_pairs: segments.visible_pairs(&problem),
@@ -255,7 +401,7 @@ pub fn validate_varlen_backward(
     cu_seqlens_q: SeqLens<'_>,
     cu_seqlens_k: SeqLens<'_>,
     options: &Options<'_>,
-) -> Result<(Problem, crate::varlen::Segments)> {
+) -> Result<(Problem, Segments)> {
     let (problem, segments) =
         validate_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options)?;
     let out_shape = [problem.seq_q, problem.heads_q, problem.value_dim];

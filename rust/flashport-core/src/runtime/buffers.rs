@@ -55,7 +55,7 @@ impl<T: Copy + Default> BufferPool<T> {
     /// spare capacity to be initialised by parallel tasks (see [`spare`]).
     /// The room is reserved fallibly: an error naming `what` when it
     /// cannot be had.
-    pub fn take(&'static self, len: usize, what: &str) -> crate::Result<Pooled<T>> {
+    pub fn take(&'static self, len: usize, what: &str) -> crate::error::Result<Pooled<T>> {
         let mut data = self.reuse(len);
         if data.len() >= len {
             data.truncate(len);
@@ -63,7 +63,7 @@ impl<T: Copy + Default> BufferPool<T> {
             data.clear();
             let bytes = len as u128 * std::mem::size_of::<T>() as u128;
             if !crate::host_memory::admits(bytes) || data.try_reserve_exact(len).is_err() {
-                return Err(crate::Error::TooLarge(format!(
+                return Err(crate::error::Error::TooLarge(format!(
                     "{what} needs {bytes} bytes of host memory, which could not be allocated{}",
                     crate::host_memory::why()
                 )));
@@ -106,20 +106,20 @@ impl<T: Copy + Default + 'static> Pooled<T> {
 /// An empty vector with room for `len` elements, or an error naming
 /// `what` when the memory cannot be had: an output of a problem larger
 /// than memory is a ProblemTooLargeError, not an abort.
-pub fn try_with_capacity<T>(len: usize, what: &str) -> crate::Result<Vec<T>> {
+pub fn try_with_capacity<T>(len: usize, what: &str) -> crate::error::Result<Vec<T>> {
     let mut v = Vec::new();
     let bytes = len as u128 * std::mem::size_of::<T>() as u128;
     if crate::host_memory::admits(bytes) && v.try_reserve_exact(len).is_ok() {
         return Ok(v);
     }
-    Err(crate::Error::TooLarge(format!(
+    Err(crate::error::Error::TooLarge(format!(
         "{what} needs {bytes} bytes of host memory, which could not be allocated{}",
         crate::host_memory::why()
     )))
 }
 
 /// `len` zeros, or an error naming `what` (see [`try_with_capacity`]).
-pub fn try_zeros<T: Copy + Default>(len: usize, what: &str) -> crate::Result<Vec<T>> {
+pub fn try_zeros<T: Copy + Default>(len: usize, what: &str) -> crate::error::Result<Vec<T>> {
     let mut v = try_with_capacity(len, what)?;
     v.resize(len, T::default());
     Ok(v)

@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
+use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::interrupt;
-use crate::{Error, Result};
 
 /// The threads beyond the calling one that serve a call: `count` of the
 /// pool's threads (the pool may have more, for calls that ask for more).

@@ -52,12 +52,13 @@ use super::shaders::{
 };
 use super::timing;
 use super::transfer::Submission;
+use crate::array::{Array, Input, Placement};
+use crate::error::{Error, Result};
+use crate::gpu::device_array::DeviceArray;
+use crate::output::ForwardOutput;
 use crate::overrides::{self, Overrides};
-use crate::problem::CacheLayout;
-use crate::{
-    Array, DType, DeviceArray, Error, ForwardOutput, Input, KvCacheProblem, Placement, Result,
-    VariantArrays,
-};
+use crate::problem::{CacheLayout, DType, KvCacheProblem};
+use crate::variants::VariantArrays;
 use plan::{
     block_too_large, plan, runs_of, seq_data_of, whole, window, window_blocks, Bind, HeadRows,
     Heads, Limits,
@@ -147,8 +148,8 @@ pub(crate) fn attention_with_kvcache_pools(
     if problem.dtype() == DType::F64 {
         return Err(float64_error("q"));
     }
-    crate::check_len("q", &q, problem.q_len(), problem.dtype())?;
-    problem.check_variant_arrays(variants)?;
+    crate::array::check_len("q", &q, problem.q_len(), problem.dtype())?;
+    variants.check_kvcache(problem)?;
     check_positions(problem)?;
     let (Some(k0), Some(v0)) = (keys.first(), values.first()) else {
         return Err(Error::Shape("a KV cache without blocks".to_string()));

@@ -10,11 +10,13 @@ use std::sync::Arc;
 
 use super::select::DecodeKernel;
 use super::{MIN_WINDOW, NONE};
+use crate::error::{Error, Result};
+use crate::gpu::device_array::DeviceArray;
 use crate::gpu::inputs::Source;
 use crate::gpu::pool::Pooled;
 use crate::gpu::transfer::Submission;
-use crate::problem::CacheLayout;
-use crate::{DeviceArray, Error, KvCacheProblem, Result, VariantArrays};
+use crate::problem::{CacheLayout, KvCacheProblem};
+use crate::variants::VariantArrays;
 
 /// A run of sequences decoded by one dispatch, and the cache blocks it
 /// binds (bound as one window: `Bind::Blocks`).

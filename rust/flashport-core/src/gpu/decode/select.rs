@@ -4,10 +4,10 @@
 //! on a table of adapters without a GPU. Nothing here reads the
 //! environment or measures anything.
 
+use crate::error::{Error, Result};
 use crate::gpu::tiles::{decode_iterations, subgroup_decode_iterations};
-use crate::problem::MAX_SPLITS;
+use crate::problem::{KvCacheProblem, MAX_SPLITS};
 use crate::splits::split_keys;
-use crate::{Error, KvCacheProblem, Result};
 
 // The layouts live with the other tiers' tiles; the choice is here.
 pub use crate::gpu::tiles::decode::{
@@ -160,8 +160,7 @@ mod tests {
     use super::*;
     use crate::gpu::select::LLVMPIPE_LOOP_LIMIT;
     use crate::gpu::tiles::decode::SPARE_BYTES;
-    use crate::problem::{validate_kvcache, IntArray, KvCacheOptions};
-    use crate::ArrayInfo;
+    use crate::problem::{validate_kvcache, ArrayInfo, IntArray, KvCacheOptions};
 
     const H100: DecodeCaps = DecodeCaps {
         kind: AdapterKind::Discrete,

@@ -32,24 +32,9 @@ pub use tiled::{
 };
 
 use super::kernel::{Kernel, Tier};
-
-/// Tiles of one kernel: `q_rows` query rows and `k_rows` key rows staged
-/// together, `workgroup` threads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Tiles {
-    pub q_rows: u32,
-    pub k_rows: u32,
-    pub workgroup: u32,
-    /// Tiled kernels: the two streamed tiles share workgroup memory, the
-    /// second loaded over the first once the products that read it are
-    /// done, instead of side by side (for head dimensions that do not fit).
-    /// The forward streams K then V; dQ streams V then K; dK/dV streams dO,
-    /// then Q, then dO again.
-    pub kv_shared: bool,
-    /// Tiled kernels: vec4s of the next streamed tiles each invocation
-    /// prefetches into registers during the current tile (0: none).
-    pub prefetch: u32,
-}
+// `Tiles` is defined a floor down, beside the adapter's capabilities and
+// the tiers (the test knobs name it too).
+pub use crate::gpu_choice::Tiles;
 
 /// Room left for whatever the backend compiler adds to workgroup memory
 /// (alignment, its own scratch) in the simple and tiled kernels.

@@ -17,7 +17,7 @@
 
 use std::hash::{DefaultHasher, Hasher};
 
-use crate::DType;
+use crate::problem::DType;
 
 /// The hash of a block's whole prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

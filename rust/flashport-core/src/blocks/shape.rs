@@ -4,8 +4,8 @@
 //! block_size, head_dim_v)`, the paged layout of `attention_with_kvcache`.
 
 use super::hash::CacheIdentity;
-use crate::error::shape_str;
-use crate::{DType, Error, Result};
+use crate::error::{shape_str, Error, Result};
+use crate::problem::DType;
 
 /// What a KV cache holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

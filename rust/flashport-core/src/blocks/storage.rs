@@ -3,17 +3,20 @@
 //! blocks (copy-on-write), run paged attention over one layer's pools, and
 //! read a layer back.
 //!
-//! The CPU keeps the pools in host memory ([`super::cpu_storage`]). A GPU
-//! storage implements the same calls on device buffers: the writes as a
+//! The CPU keeps the pools in host memory
+//! ([`crate::kvcache::cpu_storage`]). The GPU's storage (`gpu/kv_pool.rs`)
+//! implements the same calls on device buffers: the writes as a
 //! scatter shader over the plan's [`WriteRun`]s, the copies as buffer
 //! copies between block ranges, and the attention as the GPU's
 //! `attention_with_kvcache` on the layer's pools with the block table the
 //! cache builds; nothing above this trait changes.
 
 use super::plan::{BlockCopy, WriteRun};
-use crate::{
-    Array, Buffer, ForwardOutput, Input, KvCacheProblem, Placement, Result, VariantArrays,
-};
+use crate::array::{Array, Buffer, Input, Placement};
+use crate::error::Result;
+use crate::output::ForwardOutput;
+use crate::problem::KvCacheProblem;
+use crate::variants::VariantArrays;
 
 /// The pools of every layer: per layer a key pool `(num_blocks, heads_kv,
 /// block_size, head_dim)` and a value pool `(..., head_dim_v)`, row-major.

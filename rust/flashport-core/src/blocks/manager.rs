@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use super::hash::{chain, BlockHash, CacheIdentity};
 use super::plan::{AppendPlan, BlockCopy, WriteRun};
 use super::pool::{BlockPool, Undo};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// What [`BlockManager::commit`] replaced: the pool's changes in order,
 /// and the sequence's count of blocks offered to the prefix cache (the
@@ -518,7 +518,7 @@ impl BlockManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DType;
+    use crate::problem::DType;
 
     fn manager(num_blocks: usize, block_size: usize, layers: usize) -> BlockManager {
         BlockManager::new(

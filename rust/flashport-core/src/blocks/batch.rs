@@ -18,7 +18,7 @@
 
 use super::manager::{BlockManager, Committed};
 use super::plan::{AppendPlan, BlockCopy, WriteRun};
-use crate::Result;
+use crate::error::Result;
 
 /// One sequence's part of a batch: its id and the token ids of its new
 /// positions, if given.

@@ -4,7 +4,7 @@
 //! whose later row fails, a storage that refuses), and the storage carries
 //! out the copies and the writes. A plan that cannot be carried out (too
 //! few free blocks) is never made: planning fails with
-//! [`crate::Error::CacheFull`] instead.
+//! [`crate::error::Error::CacheFull`] instead.
 
 use std::ops::Range;
 
