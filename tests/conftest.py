@@ -104,9 +104,15 @@ def gpu() -> str:
 def cache_state(cache: flashport.KVCache) -> dict:
     """Everything observable about a KV cache, its pools as their bytes (so
     that a pool poisoned with NaN compares by its bits)."""
-    ids = cache.sequences
+    swapped = cache.swapped
+    ids = [s for s in cache.sequences if s not in swapped]
     return {
         "ids": ids,
+        "swapped": swapped,
+        "swap": (cache.num_swap_blocks, cache.num_free_swap_blocks),
+        "swapped_lengths": [
+            [cache.length(s, layer=layer) for layer in range(cache.layers)] for s in swapped
+        ],
         "table": cache.block_table(ids).tolist(),
         "counts": cache.ref_counts().tolist(),
         "usage": (cache.num_free_blocks, cache.num_used_blocks, cache.num_cached_blocks),

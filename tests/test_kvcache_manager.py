@@ -117,7 +117,7 @@ class Model:
     """The rules of flashport.KVCache on block ids, with prefixes compared
     by their tokens (the cache compares their chained hashes)."""
 
-    def __init__(self, num_blocks: int, block_size: int, layers: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, layers: int, swap_blocks: int = 0) -> None:
         self.bs = block_size
         self.layers = layers
         self.num_blocks = num_blocks
@@ -127,6 +127,10 @@ class Model:
         self.cached: dict[tuple, int] = {}
         self.seqs: dict[int, Seq] = {}
         self.next_id = 0
+        # The swap space: sequences swapped out hold host blocks.
+        self.swap_free = list(range(swap_blocks))
+        self.swap_count = [0] * swap_blocks
+        self.swapped: dict[int, Seq] = {}
 
     def new_sequence(self) -> int:
         sid = self.next_id
@@ -144,10 +148,73 @@ class Model:
         return new
 
     def free(self, sid: int) -> None:
+        if sid in self.swapped:
+            for b in reversed(self.swapped.pop(sid).blocks):
+                self._release_host(b)
+            return
         for b in reversed(self.seqs.pop(sid).blocks):
             self.count[b] -= 1
             if self.count[b] == 0:
                 self.free_queue.append(b)
+
+    def _release_host(self, b: int) -> None:
+        self.swap_count[b] -= 1
+        if self.swap_count[b] == 0:
+            self.swap_free.append(b)
+
+    def swap_out(self, ids: list[int]) -> None:
+        """One host block per distinct block, in table order; then the
+        sequences leave the pool as free() leaves it. CacheFull having
+        changed nothing when the swap space is short."""
+        distinct: list[int] = []
+        for sid in ids:
+            distinct += [b for b in self.seqs[sid].blocks if b not in distinct]
+        if len(distinct) > len(self.swap_free):
+            raise CacheFull
+        host = dict(zip(distinct, self.swap_free[: len(distinct)], strict=True))
+        del self.swap_free[: len(distinct)]
+        for sid in ids:
+            seq = self.seqs.pop(sid)
+            for b in reversed(seq.blocks):
+                self.count[b] -= 1
+                if self.count[b] == 0:
+                    self.free_queue.append(b)
+            seq.blocks = [host[b] for b in seq.blocks]
+            for h in seq.blocks:
+                self.swap_count[h] += 1
+            seq.registered = 0
+            self.swapped[sid] = seq
+
+    def swap_in(self, ids: list[int]) -> None:
+        """A fresh block from the queue's front per distinct host block;
+        the full blocks with known tokens offered to the prefix cache again.
+        CacheFull having changed nothing when the pool is short."""
+        distinct: list[int] = []
+        for sid in ids:
+            distinct += [h for h in self.swapped[sid].blocks if h not in distinct]
+        if len(distinct) > len(self.free_queue):
+            raise CacheFull
+        fresh = dict(zip(distinct, self.free_queue[: len(distinct)], strict=True))
+        for b in fresh.values():
+            self.free_queue.remove(b)
+            if self.key_of[b] is not None:
+                del self.cached[self.key_of[b]]
+                self.key_of[b] = None
+        for sid in ids:
+            seq = self.swapped.pop(sid)
+            for h in seq.blocks:
+                self._release_host(h)
+                self.count[fresh[h]] += 1
+            seq.blocks = [fresh[h] for h in seq.blocks]
+            full = min(min(seq.lengths) // self.bs, len(seq.tokens) // self.bs)
+            for i in range(full):
+                b = seq.blocks[i]
+                prefix = tuple(seq.tokens[: (i + 1) * self.bs])
+                if self.key_of[b] is None and prefix not in self.cached:
+                    self.cached[prefix] = b
+                    self.key_of[b] = prefix
+            seq.registered = full
+            self.seqs[sid] = seq
 
     def append(self, sid: int, layer: int, n: int, tokens: list[int] | None, kv: list) -> None:
         """Appends by the rules, or raises CacheFull / TokensRefused having
@@ -224,7 +291,8 @@ class Model:
 def assert_same(before: dict, after: dict) -> None:
     # GPU pools are poisoned with NaN in the test suite until written: the
     # pools compare by their bytes.
-    for name in ("ids", "table", "counts", "usage", "lengths", "pools"):
+    names = ("ids", "swapped", "swap", "swapped_lengths", "table", "counts", "usage", "lengths")
+    for name in (*names, "pools"):
         assert before[name] == after[name], name
 
 
@@ -240,12 +308,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         dv=st.integers(1, 9),
         layers=st.integers(1, 3),
         dtype=st.sampled_from(["float32", "float32", "float64", "float16"]),
+        swap_blocks=st.sampled_from([0, 2, 6, 24]),
     )
-    def setup(self, num_blocks, block_size, heads_kv, group, d, dv, layers, dtype):
+    def setup(self, num_blocks, block_size, heads_kv, group, d, dv, layers, dtype, swap_blocks):
         if self.device == "gpu" and dtype == "float64":
             # The GPU refuses float64 (test_gpu_cache_errors).
             dtype = "float32"
-        note(f"KVCache({num_blocks}, {block_size}, {heads_kv}, {d}, {dv}, {layers}, {dtype})")
+        note(
+            f"KVCache({num_blocks}, {block_size}, {heads_kv}, {d}, {dv}, {layers}, {dtype}, "
+            f"swap_blocks={swap_blocks})"
+        )
         self.cache = make_cache(
             num_blocks,
             block_size,
@@ -255,9 +327,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             layers=layers,
             dtype=dtype,
             device=self.device,
+            swap_blocks=swap_blocks,
         )
         assert self.cache.device == self.device
-        self.model = Model(num_blocks, block_size, layers)
+        self.model = Model(num_blocks, block_size, layers, swap_blocks)
         self.shape = (heads_kv, heads_kv * group, d, dv)
         self.dtype = np.dtype(dtype)
         self.rng = np.random.default_rng(num_blocks * 1000 + block_size)
@@ -281,12 +354,55 @@ class KVCacheMachine(RuleBasedStateMachine):
         sid = self._live(data)
         assert self.cache.fork(sid) == self.model.fork(sid)
 
-    @precondition(lambda self: self.model.seqs)
+    @precondition(lambda self: self.model.seqs or self.model.swapped)
     @rule(data=st.data())
     def free(self, data):
-        sid = self._live(data)
+        sid = data.draw(st.sampled_from(sorted({*self.model.seqs, *self.model.swapped})))
         self.cache.free(sid)
         self.model.free(sid)
+
+    def _swap(self, data, pool, do, undo_model) -> None:
+        """Swaps 1-3 distinct sequences of ``pool`` out or in, as the model
+        says: done, or refused with CacheFullError and nothing changed."""
+        ids = data.draw(
+            st.lists(st.sampled_from(sorted(pool)), min_size=1, max_size=3, unique=True),
+            label="seq_ids",
+        )
+        before = cache_state(self.cache)
+        saved = self._snapshot_model(list(self.model.seqs))
+        saved_swap = (
+            list(self.model.swap_free),
+            list(self.model.swap_count),
+            {s: q.copy() for s, q in self.model.swapped.items()},
+        )
+        try:
+            undo_model(ids)
+        except CacheFull:
+            event("swap refused: full")
+            with pytest.raises(CacheFullError, match="nothing was changed"):
+                do(ids)
+            assert_same(before, cache_state(self.cache))
+            assert (self.model.swap_free, self.model.swap_count) == saved_swap[:2]
+            self._restore_model(saved)
+            return
+        event(f"swap of {len(ids)}")
+        do(ids)
+
+    @precondition(lambda self: self.model.seqs and self.model.swap_count)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        self._swap(data, self.model.seqs, self.cache.swap_out, self.model.swap_out)
+
+    @precondition(lambda self: self.model.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        sid = sorted(self.model.swapped)[0]
+        # A swapped sequence refuses attention (and appends) until then.
+        _, heads_q, d, _ = self.shape
+        q = np.zeros((1, heads_q, 1, d), self.dtype) + 1
+        with pytest.raises(InvalidArgumentError, match="is swapped out"):
+            self.cache.attention(q, [sid])
+        self._swap(data, self.model.swapped, self.cache.swap_in, self.model.swap_in)
 
     def _next_append(self, sid: int, data, n: int | None = None) -> tuple[int, int]:
         """The layer and positions of the next append of a model's forward on
@@ -566,7 +682,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         m, cache = self.model, self.cache
         ids = sorted(m.seqs)
-        assert cache.sequences == ids
+        assert cache.sequences == sorted({*ids, *m.swapped})
+        assert cache.swapped == sorted(m.swapped)
+        assert cache.num_free_swap_blocks == len(m.swap_free)
+        for s, seq in m.swapped.items():
+            assert cache.is_swapped(s)
+            assert [cache.length(s, layer=layer) for layer in range(m.layers)] == seq.lengths
         table = cache.block_table(ids)
         width = max((len(m.seqs[s].blocks) for s in ids), default=0)
         want = np.full((len(ids), width), -1)

@@ -21,6 +21,14 @@ from ._kvcache import _kvcache_variants
 __all__ = ["KVCache"]
 
 
+def _ids(seq_ids: int | Iterable[int]) -> Iterable[int]:
+    """A swap's sequence ids as the core takes them: one id becomes a list
+    of one (the core checks every id, and refuses a bool)."""
+    if isinstance(seq_ids, int | np.integer) and not isinstance(seq_ids, bool):
+        return [seq_ids]
+    return seq_ids
+
+
 def _tokens(tokens: npt.ArrayLike | None) -> np.ndarray | None:
     """An append's token ids as the core takes them (which checks their
     dtype and shape): NumPy only, since the host reads them."""
@@ -120,6 +128,25 @@ class KVCache:
     reuse a prefix; tokens given only on later layers still let the
     sequence's full blocks be cached for others.
 
+    Swapping
+    --------
+    With ``swap_blocks > 0`` the cache has a swap space in host memory
+    (PagedAttention's swapping; a budget of its own, on the CPU too), for a
+    scheduler that preempts sequences when the pool runs short.
+    :meth:`swap_out` moves sequences (a request's forks together) out of
+    the pool: each distinct block they hold is copied to a host block once
+    (one device read for the whole call), then they leave the pool as
+    :meth:`free` would leave it. :meth:`swap_in` brings them back into
+    fresh blocks (one device write): every key, value, length, token and
+    prefix hash is as before. A block shared with a sequence that stays
+    keeps serving it and is copied for the swapped one, which gets its own
+    copy back (sharing resumes only through prefix reuse). A swapped
+    sequence may be swapped in, freed, measured (:meth:`length`) or asked
+    about (:meth:`is_swapped`); attention, appends, forks and block tables
+    raise :class:`InvalidArgumentError` until it is swapped in. Either swap
+    raises :class:`CacheFullError` with nothing changed when the swap space
+    (out) or the pool (in) has too few free blocks.
+
     Errors and threads
     ------------------
     Each mutating call checks its arguments and plans all of its work (blocks
@@ -146,6 +173,9 @@ class KVCache:
         Layers whose keys and values each block holds (default 1).
     dtype : float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or float64
         Of the pools, and of every ``k``, ``v`` and ``q`` passed (not cast).
+    swap_blocks : int
+        Host blocks of the swap space (default 0: no swapping), each one
+        block of every layer's keys and values.
     device : None, "auto", "cpu" or "gpu"
         Where the pools live. ``None`` follows ``FLASHPORT_DEVICE`` like
         every flashport call; ``"auto"`` and ``"cpu"`` keep them in host
@@ -172,6 +202,7 @@ class KVCache:
         layers: int = 1,
         dtype: npt.DTypeLike = np.float32,
         device: Literal["cpu", "gpu", "auto"] | None = None,
+        swap_blocks: int = 0,
     ) -> None:
         try:
             dtype_name = np.dtype(dtype).name
@@ -191,6 +222,7 @@ class KVCache:
             layers,
             dtype_name,
             device,
+            swap_blocks,
         )
         self._config = self._cache.config()
 
@@ -213,6 +245,26 @@ class KVCache:
         0 return to the free queue (cached ones stay adoptable until reused).
         The id is unknown from then on."""
         self._cache.free(sid)
+
+    def swap_out(self, seq_ids: int | Iterable[int]) -> None:
+        """Moves sequence(s) ``seq_ids`` (an id, or ids swapped together:
+        a request's forks) out of the pool into the swap space; see
+        Swapping. Raises :class:`CacheFullError`, changing nothing, when the
+        swap space has fewer free blocks than the distinct blocks they
+        hold."""
+        self._cache.swap_out(_ids(seq_ids))
+
+    def swap_in(self, seq_ids: int | Iterable[int]) -> None:
+        """Brings swapped sequence(s) ``seq_ids`` back into fresh blocks of
+        the pool, every value as it was; see Swapping. Raises
+        :class:`CacheFullError`, changing nothing, when the pool has fewer
+        free blocks than the distinct host blocks they hold."""
+        self._cache.swap_in(_ids(seq_ids))
+
+    def is_swapped(self, sid: int) -> bool:
+        """Whether sequence ``sid`` is swapped out (an unknown id raises
+        :class:`UnknownSequenceError`)."""
+        return self._cache.is_swapped(sid)
 
     def append(
         self,
@@ -375,8 +427,14 @@ class KVCache:
 
     @property
     def sequences(self) -> list[int]:
-        """The live sequences' ids, in increasing order."""
-        return self._cache.sequences()
+        """The live sequences' ids (in the pool or swapped out), in
+        increasing order."""
+        return sorted(self._cache.sequences() + self._cache.swapped())
+
+    @property
+    def swapped(self) -> list[int]:
+        """The swapped-out sequences' ids, in increasing order."""
+        return self._cache.swapped()
 
     def __contains__(self, sid: object) -> bool:
         # The ids every method takes: integers, never a bool (which the
@@ -384,7 +442,7 @@ class KVCache:
         # of a live sequence, as a dict answers for a key of another type.
         if isinstance(sid, bool) or not isinstance(sid, int | np.integer):
             return False
-        return int(sid) in self._cache.sequences()
+        return int(sid) in self.sequences
 
     @property
     def num_free_blocks(self) -> int:
@@ -403,6 +461,16 @@ class KVCache:
         """Blocks holding a cached prefix (adoptable by prefix), used or
         free."""
         return self._cache.usage()[2]
+
+    @property
+    def num_swap_blocks(self) -> int:
+        """Host blocks of the swap space (``swap_blocks``)."""
+        return self._cache.swap_usage()[0]
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        """Host blocks of the swap space no swapped sequence holds."""
+        return self._cache.swap_usage()[1]
 
     @property
     def num_blocks(self) -> int:

@@ -71,7 +71,7 @@ fn with_appended<R>(
 }
 
 /// KVCache(num_blocks, block_size, heads_kv, head_dim, head_dim_v, layers,
-/// dtype, device): the private class behind `flashport.KVCache`; see its
+/// dtype, device, swap_blocks): the private class behind `flashport.KVCache`; see its
 /// docstrings for the contract.
 #[pyclass(frozen, module = "flashport._core", name = "KVCache")]
 pub struct KvCacheHandle {
@@ -122,7 +122,7 @@ impl KvCacheHandle {
 #[pymethods]
 impl KvCacheHandle {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, heads_kv, head_dim, head_dim_v, layers, dtype, device))]
+    #[pyo3(signature = (num_blocks, block_size, heads_kv, head_dim, head_dim_v, layers, dtype, device, swap_blocks))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -134,6 +134,7 @@ impl KvCacheHandle {
         layers: &Bound<'_, PyAny>,
         dtype: &str,
         device: Option<&str>,
+        swap_blocks: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
         let args = CacheArgs {
             num_blocks: scalars::index("num_blocks", num_blocks)?,
@@ -145,6 +146,7 @@ impl KvCacheHandle {
                 .transpose()?,
             layers: scalars::index("layers", layers)?,
             dtype,
+            swap_blocks: scalars::index("swap_blocks", swap_blocks)?,
         };
         let cache = run_detached(py, || core::KvCache::new(&args, device))?;
         Ok(KvCacheHandle {
@@ -165,6 +167,36 @@ impl KvCacheHandle {
     fn free(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<()> {
         let sid = scalars::seq_id("sid", sid)?;
         self.write(py, |c| c.free(sid))
+    }
+
+    /// swap_out(seq_ids): the sequences' blocks to the swap space, together.
+    fn swap_out(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = scalars::indices("seq_ids", seq_ids)?;
+        self.write(py, |c| c.swap_out(&ids))
+    }
+
+    /// swap_in(seq_ids): the sequences back into the pools, together.
+    fn swap_in(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = scalars::indices("seq_ids", seq_ids)?;
+        self.write(py, |c| c.swap_in(&ids))
+    }
+
+    fn is_swapped(&self, py: Python<'_>, sid: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let sid = scalars::seq_id("sid", sid)?;
+        self.read(py, |c| c.is_swapped(sid))
+    }
+
+    /// swapped() -> list[int]: the swapped-out sequences' ids, increasing.
+    fn swapped(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.read(py, |c| Ok(c.manager().swapped_ids().collect()))
+    }
+
+    /// (swap blocks, free swap blocks).
+    fn swap_usage(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        self.read(py, |c| {
+            let swap = c.manager().swap_pool();
+            Ok((swap.num_blocks(), swap.num_free()))
+        })
     }
 
     #[pyo3(signature = (sid, k, v, layer, tokens))]

@@ -6,8 +6,9 @@
 use std::collections::BTreeMap;
 
 use super::hash::{chain, BlockHash, CacheIdentity};
-use super::plan::{AppendPlan, BlockCopy, WriteRun};
+use super::plan::{AppendPlan, BlockCopy, SwapPlan, WriteRun};
 use super::pool::{BlockPool, Undo};
+use super::swap_pool::SwapPool;
 use crate::error::{Error, Result};
 
 /// What [`BlockManager::commit`] replaced: the pool's changes in order,
@@ -44,14 +45,31 @@ impl Sequence {
     }
 }
 
-/// The bookkeeping of a KV cache: the pool and the sequences.
+/// The bookkeeping of a KV cache: the pool, the sequences, and the
+/// sequences swapped out to the host (their `blocks` then name host
+/// blocks of `swap`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockManager {
     identity: CacheIdentity,
     root: BlockHash,
     pool: BlockPool,
     sequences: BTreeMap<u64, Sequence>,
+    swap: SwapPool,
+    swapped: BTreeMap<u64, Sequence>,
     next_id: u64,
+}
+
+/// A swapped-out sequence where only one in the pools will do.
+fn swapped_out(argument: &str, id: i64) -> Error {
+    Error::Value {
+        argument: argument.to_string(),
+        value: id.to_string(),
+        reason: format!(
+            "sequence {id} is swapped out: its keys and values are in the host swap space, \
+             not the pools; swap_in({id}) before it attends, appends, forks or gives a block \
+             table (free works either way)"
+        ),
+    }
 }
 
 fn unknown(argument: &str, id: impl std::fmt::Display, reason: String) -> Error {
@@ -63,18 +81,25 @@ fn unknown(argument: &str, id: impl std::fmt::Display, reason: String) -> Error 
 }
 
 impl BlockManager {
-    pub fn new(identity: CacheIdentity, num_blocks: usize) -> Self {
+    /// `num_blocks` pool blocks and `swap_blocks` host blocks, all free.
+    pub fn new(identity: CacheIdentity, num_blocks: usize, swap_blocks: usize) -> Self {
         BlockManager {
             identity,
             root: identity.root(),
             pool: BlockPool::new(num_blocks),
             sequences: BTreeMap::new(),
+            swap: SwapPool::new(swap_blocks),
+            swapped: BTreeMap::new(),
             next_id: 0,
         }
     }
 
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+
+    pub fn swap_pool(&self) -> &SwapPool {
+        &self.swap
     }
 
     pub fn identity(&self) -> &CacheIdentity {
@@ -85,9 +110,35 @@ impl BlockManager {
         self.identity.block_size
     }
 
-    /// The live sequences' ids, in increasing order.
+    /// The ids of the sequences in the pools, in increasing order.
     pub fn sequence_ids(&self) -> impl Iterator<Item = u64> + '_ {
         self.sequences.keys().copied()
+    }
+
+    /// The ids of the sequences swapped out, in increasing order.
+    pub fn swapped_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.swapped.keys().copied()
+    }
+
+    /// Whether sequence `id` is swapped out (an error if it is neither
+    /// swapped out nor in the pools).
+    pub fn is_swapped(&self, argument: &str, id: i64) -> Result<bool> {
+        if u64::try_from(id).is_ok_and(|key| self.swapped.contains_key(&key)) {
+            return Ok(true);
+        }
+        self.sequence(argument, id).map(|_| false)
+    }
+
+    /// Sequence `id`, in the pools or swapped out (its lengths and tokens:
+    /// what swapping keeps).
+    pub fn any_sequence(&self, argument: &str, id: i64) -> Result<&Sequence> {
+        match u64::try_from(id)
+            .ok()
+            .and_then(|key| self.swapped.get(&key))
+        {
+            Some(seq) => Ok(seq),
+            None => self.sequence(argument, id),
+        }
     }
 
     /// Sequence `id`, or an error naming `argument`: ids are never
@@ -103,6 +154,9 @@ impl BlockManager {
         let found = u64::try_from(id)
             .ok()
             .and_then(|key| self.sequences.get(&key));
+        if found.is_none() && u64::try_from(id).is_ok_and(|key| self.swapped.contains_key(&key)) {
+            return Err(swapped_out(&argument(), id));
+        }
         found.ok_or_else(|| {
             let reason = match u64::try_from(id) {
                 Ok(key) if key < self.next_id => "that sequence was freed".to_string(),
@@ -167,6 +221,15 @@ impl BlockManager {
     /// prefix's later blocks are evicted before its earlier ones (which
     /// more prompts share).
     pub fn free(&mut self, id: i64) -> Result<()> {
+        if let Some(seq) = u64::try_from(id)
+            .ok()
+            .and_then(|key| self.swapped.remove(&key))
+        {
+            for &block in seq.blocks.iter().rev() {
+                self.swap.release(block);
+            }
+            return Ok(());
+        }
         self.sequence("sid", id)?;
         let seq = self.sequences.remove(&(id as u64)).expect("checked above");
         for &block in seq.blocks.iter().rev() {
@@ -451,6 +514,184 @@ impl BlockManager {
         }
     }
 
+    /// `ids` as distinct sequence keys, each found by `find` (the errors
+    /// name `seq_ids[i]`).
+    fn distinct_ids(
+        &self,
+        ids: &[i64],
+        find: impl Fn(&str, i64) -> Result<()>,
+    ) -> Result<Vec<u64>> {
+        let mut keys = Vec::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            find(&format!("seq_ids[{i}]"), id)?;
+            let key = id as u64;
+            if keys.contains(&key) {
+                return Err(Error::Value {
+                    argument: format!("seq_ids[{i}]"),
+                    value: id.to_string(),
+                    reason: "a sequence may be named once per swap".to_string(),
+                });
+            }
+            keys.push(key);
+        }
+        Ok(keys)
+    }
+
+    /// Plans swapping sequences `ids` out of the pools together: one host
+    /// block for each distinct block they hold, in the order of their
+    /// tables. Changes nothing; fails with [`Error::CacheFull`] when the
+    /// swap space has too few free blocks.
+    pub fn plan_swap_out(&self, ids: &[i64]) -> Result<SwapPlan> {
+        let sequences = self.distinct_ids(ids, |name, id| self.sequence(name, id).map(|_| ()))?;
+        let mut blocks: Vec<usize> = Vec::new();
+        for key in &sequences {
+            for &b in &self.sequences[key].blocks {
+                if !blocks.contains(&b) {
+                    blocks.push(b);
+                }
+            }
+        }
+        let host = self.swap.next_free(blocks.len()).ok_or_else(|| {
+            Error::CacheFull(format!(
+                "the swap space is full: swapping out sequence(s) {ids:?} needs {} host \
+                 block(s) but {} of {} are free; nothing was changed (free or swap in swapped \
+                 sequences, or make the cache with more swap_blocks)",
+                blocks.len(),
+                self.swap.num_free(),
+                self.swap.num_blocks()
+            ))
+        })?;
+        Ok(SwapPlan {
+            sequences,
+            moves: blocks.into_iter().zip(host).collect(),
+        })
+    }
+
+    /// Carries out the bookkeeping of [`Self::plan_swap_out`]'s plan, once
+    /// the storage has copied the blocks out: the sequences leave the pools
+    /// (each block's count down, as [`Self::free`] does: a block at 0 joins
+    /// the free queue, a cached one stays adoptable) and hold host blocks.
+    pub fn commit_swap_out(&mut self, plan: &SwapPlan) {
+        let mut taken = Vec::with_capacity(plan.moves.len());
+        for key in &plan.sequences {
+            let mut seq = self
+                .sequences
+                .remove(key)
+                .expect("a plan names live sequences");
+            for &block in seq.blocks.iter().rev() {
+                self.pool.release(block);
+            }
+            for block in seq.blocks.iter_mut() {
+                let host = plan
+                    .moves
+                    .iter()
+                    .find(|&&(pool, _)| pool == *block)
+                    .map(|&(_, host)| host)
+                    .expect("planned");
+                if taken.contains(&host) {
+                    self.swap.share(host);
+                } else {
+                    let got = self.swap.take();
+                    debug_assert_eq!(got, host);
+                    taken.push(host);
+                }
+                *block = host;
+            }
+            // Swapped in, its blocks are fresh: offered to the prefix cache
+            // again then.
+            seq.registered = 0;
+            self.swapped.insert(*key, seq);
+        }
+    }
+
+    /// Plans swapping sequences `ids` back into the pools: a fresh pool
+    /// block for each distinct host block they hold. Changes nothing;
+    /// fails with [`Error::CacheFull`] when the pool has too few free
+    /// blocks.
+    pub fn plan_swap_in(&self, ids: &[i64]) -> Result<SwapPlan> {
+        let sequences = self.distinct_ids(ids, |name, id| match self.is_swapped(name, id)? {
+            true => Ok(()),
+            false => Err(Error::Value {
+                argument: name.to_string(),
+                value: id.to_string(),
+                reason: format!("sequence {id} is in the pools, not swapped out"),
+            }),
+        })?;
+        let mut host: Vec<usize> = Vec::new();
+        for key in &sequences {
+            for &b in &self.swapped[key].blocks {
+                if !host.contains(&b) {
+                    host.push(b);
+                }
+            }
+        }
+        let fresh = self.pool.next_fresh(host.len(), &[]).ok_or_else(|| {
+            Error::CacheFull(format!(
+                "the KV cache is full: swapping in sequence(s) {ids:?} needs {} free block(s) \
+                 but {} of {} are free; nothing was changed (free or swap out sequences, or \
+                 make a cache with more blocks)",
+                host.len(),
+                self.pool.num_free(),
+                self.pool.num_blocks()
+            ))
+        })?;
+        Ok(SwapPlan {
+            sequences,
+            moves: fresh.into_iter().zip(host).collect(),
+        })
+    }
+
+    /// Carries out the bookkeeping of [`Self::plan_swap_in`]'s plan, once
+    /// the storage has copied the blocks in: the sequences hold the fresh
+    /// blocks (one count per sequence holding each), their host blocks are
+    /// counted down, and their full blocks with known tokens are offered to
+    /// the prefix cache as an append's would be.
+    pub fn commit_swap_in(&mut self, plan: &SwapPlan) {
+        let bs = self.block_size();
+        let mut taken = Vec::with_capacity(plan.moves.len());
+        for key in &plan.sequences {
+            let mut seq = self
+                .swapped
+                .remove(key)
+                .expect("a plan names swapped sequences");
+            for block in seq.blocks.iter_mut() {
+                let host = *block;
+                self.swap.release(host);
+                let pool = plan
+                    .moves
+                    .iter()
+                    .find(|&&(_, h)| h == host)
+                    .map(|&(pool, _)| pool)
+                    .expect("planned");
+                if taken.contains(&pool) {
+                    self.pool.share(pool);
+                } else {
+                    self.pool.take(pool);
+                    taken.push(pool);
+                }
+                *block = pool;
+            }
+            let full = (seq.length() / bs).min(seq.hashes.len());
+            for i in 0..full {
+                let block = seq.blocks[i];
+                if self.pool.hash_of(block).is_none() {
+                    self.pool.register(block, seq.hashes[i]);
+                }
+            }
+            seq.registered = full;
+            self.sequences.insert(*key, seq);
+        }
+    }
+
+    /// After a swap-in's storage work failed part way: the fresh blocks may
+    /// hold partial data, so any cached prefix they held is forgotten
+    /// (losing a cached prefix never changes a result).
+    pub fn abandon_swap_in(&mut self, plan: &SwapPlan) {
+        for &(block, _) in &plan.moves {
+            self.pool.evict(block);
+        }
+    }
+
     /// Checks the bookkeeping's invariants: each block's count is the
     /// number of sequences holding it, the free queue holds exactly the
     /// blocks at 0, the cache map and the blocks' hashes agree, and no
@@ -511,6 +752,46 @@ impl BlockManager {
                 self.pool.num_cached()
             ));
         }
+        // The swapped sequences and their host blocks, likewise.
+        let mut host_holders = vec![0usize; self.swap.num_blocks()];
+        for (id, seq) in &self.swapped {
+            if self.sequences.contains_key(id) {
+                return Err(format!("sequence {id} is in the pools and swapped out"));
+            }
+            let mut seen = seq.blocks.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            if seen.len() != seq.blocks.len() {
+                return Err(format!("swapped sequence {id} holds a host block twice"));
+            }
+            if seq
+                .lengths
+                .iter()
+                .any(|&l| l.div_ceil(bs) > seq.blocks.len())
+                || seq.hashes.len() != seq.tokens.len() / bs
+            {
+                return Err(format!("swapped sequence {id} is inconsistent"));
+            }
+            for &b in &seq.blocks {
+                host_holders[b] += 1;
+            }
+        }
+        if self.swap.ref_counts() != host_holders.as_slice() {
+            return Err(format!(
+                "host block counts {:?}, holders {host_holders:?}",
+                self.swap.ref_counts()
+            ));
+        }
+        let mut free: Vec<usize> = self.swap.free_order().collect();
+        free.sort_unstable();
+        let zero: Vec<usize> = (0..self.swap.num_blocks())
+            .filter(|&b| host_holders[b] == 0)
+            .collect();
+        if free != zero {
+            return Err(format!(
+                "host free queue {free:?}, host blocks at 0 {zero:?}"
+            ));
+        }
         Ok(())
     }
 }
@@ -531,6 +812,7 @@ mod tests {
                 dtype: DType::F32,
             },
             num_blocks,
+            3,
         )
     }
 
@@ -967,5 +1249,124 @@ mod tests {
                     .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
             }
         }
+    }
+
+    fn swap_out(m: &mut BlockManager, ids: &[i64]) -> SwapPlan {
+        let plan = m.plan_swap_out(ids).unwrap();
+        m.commit_swap_out(&plan);
+        m.check_invariants().unwrap();
+        plan
+    }
+
+    fn swap_in(m: &mut BlockManager, ids: &[i64]) -> SwapPlan {
+        let plan = m.plan_swap_in(ids).unwrap();
+        m.commit_swap_in(&plan);
+        m.check_invariants().unwrap();
+        plan
+    }
+
+    #[test]
+    fn swapping_moves_each_block_once_and_restores_the_sequence() {
+        // Blocks of 2, 2 layers, 3 host blocks; a sequence of 5 tokens
+        // (three blocks, the last partly filled) and a fork of it.
+        let mut m = manager(8, 2, 2);
+        let a = m.new_sequence();
+        let tokens = [1, 2, 3, 4, 5];
+        append_all(&mut m, a, 5, Some(&tokens));
+        let b = m.fork(a as i64).unwrap();
+        let before = m.sequence("sid", a as i64).unwrap().clone();
+        // Swapped out together: three moves, not six.
+        let plan = swap_out(&mut m, &[a as i64, b as i64]);
+        assert_eq!(plan.moves.len(), 3);
+        assert_eq!(m.swap_pool().num_free(), 0);
+        assert_eq!(m.pool().num_free(), 8, "every pool block is free again");
+        assert_eq!(m.swapped_ids().collect::<Vec<_>>(), vec![a, b]);
+        assert!(m.is_swapped("sid", a as i64).unwrap());
+        assert_eq!(m.swap_pool().ref_counts(), &[2, 2, 2]);
+        // Back in, together: three fresh blocks, each held twice; lengths,
+        // tokens and hashes as before, and the full blocks cached again.
+        let plan = swap_in(&mut m, &[a as i64, b as i64]);
+        assert_eq!(plan.moves.len(), 3);
+        let after = m.sequence("sid", a as i64).unwrap();
+        assert_eq!(
+            (&after.lengths, &after.tokens, &after.hashes),
+            (&before.lengths, &before.tokens, &before.hashes)
+        );
+        assert_eq!(blocks(&m, a), blocks(&m, b));
+        assert!(blocks(&m, a).iter().all(|&x| m.pool().ref_count(x) == 2));
+        assert_eq!(m.swap_pool().num_free(), 3);
+    }
+
+    #[test]
+    fn a_sequence_swapped_alone_leaves_its_fork_its_blocks() {
+        let mut m = manager(8, 2, 1);
+        let a = m.new_sequence();
+        append_all(&mut m, a, 4, None);
+        let b = m.fork(a as i64).unwrap();
+        let shared = blocks(&m, a);
+        swap_out(&mut m, &[a as i64]);
+        // The fork keeps the pool blocks (counts down to 1); the swapped
+        // sequence has host copies of them.
+        assert_eq!(blocks(&m, b), shared);
+        assert!(shared.iter().all(|&x| m.pool().ref_count(x) == 1));
+        swap_in(&mut m, &[a as i64]);
+        // Back as its own blocks: no longer shared with the fork.
+        assert!(blocks(&m, a).iter().all(|x| !shared.contains(x)));
+        assert_eq!(m.sequence("sid", a as i64).unwrap().lengths, vec![4]);
+    }
+
+    #[test]
+    fn a_full_swap_space_or_pool_changes_nothing() {
+        let mut m = manager(4, 2, 1);
+        let a = m.new_sequence();
+        append_all(&mut m, a, 8, None);
+        // Four blocks, three host blocks.
+        let before = m.clone();
+        let e = m.plan_swap_out(&[a as i64]).unwrap_err().to_string();
+        assert!(
+            e.contains("the swap space is full") && e.contains("needs 4"),
+            "{e}"
+        );
+        assert_eq!(m, before);
+        let mut m2 = manager(4, 2, 1);
+        let x = m2.new_sequence();
+        append_all(&mut m2, x, 6, None);
+        swap_out(&mut m2, &[x as i64]);
+        let y = m2.new_sequence();
+        append_all(&mut m2, y, 3, None);
+        let before = m2.clone();
+        let e = m2.plan_swap_in(&[x as i64]).unwrap_err();
+        assert!(matches!(e, Error::CacheFull(_)), "{e}");
+        assert!(
+            e.to_string().contains("needs 3 free block(s) but 2 of 4"),
+            "{e}"
+        );
+        assert_eq!(m2, before);
+    }
+
+    #[test]
+    fn a_swapped_sequence_may_only_be_swapped_in_measured_or_freed() {
+        let mut m = manager(4, 2, 1);
+        let a = m.new_sequence();
+        append_all(&mut m, a, 3, None);
+        swap_out(&mut m, &[a as i64]);
+        let id = a as i64;
+        for e in [
+            m.fork(id).unwrap_err(),
+            m.plan_append(id, 0, 1, None).unwrap_err(),
+            m.plan_swap_out(&[id]).unwrap_err(),
+        ] {
+            assert!(e.to_string().contains("is swapped out"), "{e}");
+        }
+        assert_eq!(m.any_sequence("sid", id).unwrap().length(), 3);
+        let e = m.plan_swap_in(&[id, id]).unwrap_err().to_string();
+        assert!(e.contains("seq_ids[1]") && e.contains("once"), "{e}");
+        let live = m.new_sequence() as i64;
+        let e = m.plan_swap_in(&[live]).unwrap_err().to_string();
+        assert!(e.contains("not swapped out"), "{e}");
+        m.free(id).unwrap();
+        m.check_invariants().unwrap();
+        assert_eq!(m.swap_pool().num_free(), 3);
+        assert!(m.is_swapped("sid", id).is_err(), "freed: unknown");
     }
 }

@@ -1,7 +1,8 @@
 //! The blocks of a paged KV cache, on block ids alone: the pool of blocks
 //! with their reference counts and free queue (`pool`, `free_queue`), the
 //! prefix hashes (`hash`), the sequences and the plan of each append
-//! (`manager`, `plan`), batches of appends (`batch`), the geometry of a
+//! (`manager`, `plan`), batches of appends (`batch`), the host blocks of
+//! sequences swapped out (`swap_pool`), the geometry of a
 //! cache's pools (`shape`), and the contract of a storage that holds the
 //! blocks' keys and values (`storage`).
 //!
@@ -19,6 +20,7 @@ pub mod plan;
 pub mod pool;
 pub mod shape;
 pub mod storage;
+pub mod swap_pool;
 
 pub use manager::{BlockManager, Sequence};
 pub use shape::{CacheArgs, CacheShape};

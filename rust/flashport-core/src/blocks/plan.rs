@@ -65,3 +65,25 @@ impl AppendPlan {
         self.fresh.len() + self.adopted.len()
     }
 }
+
+/// Sequences swapped out of the pools together, or back in: the sequences
+/// and each distinct block moved, `(pool block, host block)`, in the order
+/// the storage copies them (out: pool to host; in: host to fresh pool
+/// blocks). A block the sequences share moves once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwapPlan {
+    pub sequences: Vec<u64>,
+    pub moves: Vec<(usize, usize)>,
+}
+
+impl SwapPlan {
+    /// The pool blocks, in the order of the moves.
+    pub fn pool_blocks(&self) -> Vec<usize> {
+        self.moves.iter().map(|&(pool, _)| pool).collect()
+    }
+
+    /// The host blocks, in the order of the moves.
+    pub fn host_blocks(&self) -> Vec<usize> {
+        self.moves.iter().map(|&(_, host)| host).collect()
+    }
+}

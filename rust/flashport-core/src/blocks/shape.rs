@@ -17,6 +17,9 @@ pub struct CacheShape {
     pub head_dim_v: usize,
     pub layers: usize,
     pub dtype: DType,
+    /// Host blocks of the swap space (0: none), each one block of every
+    /// layer's keys and values.
+    pub swap_blocks: usize,
 }
 
 /// The constructor's arguments as the caller gave them.
@@ -31,6 +34,8 @@ pub struct CacheArgs<'a> {
     pub layers: i64,
     /// The NumPy dtype name.
     pub dtype: &'a str,
+    /// Host blocks of the swap space, 0 or more.
+    pub swap_blocks: i64,
 }
 
 fn at_least_one(argument: &str, value: i64, what: &str) -> Result<usize> {
@@ -64,6 +69,11 @@ impl CacheShape {
                 dtype: args.dtype.to_string(),
                 reason: "a KV cache holds float16, float32 or float64".to_string(),
             })?,
+            swap_blocks: usize::try_from(args.swap_blocks).map_err(|_| Error::Value {
+                argument: "swap_blocks".to_string(),
+                value: args.swap_blocks.to_string(),
+                reason: "the swap space's block count must be 0 or more".to_string(),
+            })?,
         };
         shape.nbytes().ok_or_else(|| {
             Error::TooLarge(format!(
@@ -72,6 +82,13 @@ impl CacheShape {
                 shape.layers,
                 shape_str(&shape.k_pool_shape()),
                 shape_str(&shape.v_pool_shape())
+            ))
+        })?;
+        shape.swap_nbytes().ok_or_else(|| {
+            Error::TooLarge(format!(
+                "a swap space of {} block(s) of {} layer(s) is larger than this machine can \
+                 address",
+                shape.swap_blocks, shape.layers
             ))
         })?;
         Ok(shape)
@@ -113,8 +130,26 @@ impl CacheShape {
 
     /// Bytes of every layer's pools, if they fit an `isize`.
     pub fn nbytes(&self) -> Option<usize> {
-        let per_layer = Self::elements(self.k_pool_shape())?
-            .checked_add(Self::elements(self.v_pool_shape())?)?;
+        self.bytes_of(self.num_blocks)
+    }
+
+    /// Bytes of the swap space (`swap_blocks` blocks of every layer's keys
+    /// and values), if they fit an `isize`.
+    pub fn swap_nbytes(&self) -> Option<usize> {
+        self.bytes_of(self.swap_blocks)
+    }
+
+    /// Elements of one block of one layer's keys and of its values.
+    pub fn block_lens(&self) -> (usize, usize) {
+        let per_head = self.heads_kv * self.block_size;
+        (per_head * self.head_dim, per_head * self.head_dim_v)
+    }
+
+    fn bytes_of(&self, blocks: usize) -> Option<usize> {
+        let block = [1, self.heads_kv, self.block_size, 1];
+        let per_layer = Self::elements([blocks, block[1], block[2], self.head_dim])?.checked_add(
+            Self::elements([blocks, block[1], block[2], self.head_dim_v])?,
+        )?;
         let element = match self.dtype {
             DType::F16 | DType::BF16 => 2,
             DType::F32 => 4,
@@ -150,6 +185,7 @@ mod tests {
             head_dim_v: None,
             layers: 2,
             dtype: "float16",
+            swap_blocks: 0,
         }
     }
 

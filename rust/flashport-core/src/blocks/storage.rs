@@ -75,4 +75,15 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
 
     /// Copies of `layer`'s key and value pools, in host memory.
     fn read(&self, layer: usize) -> Result<(Buffer, Buffer)>;
+
+    /// Host copies of `blocks` on every layer (swapping out): per layer the
+    /// keys and the values of the blocks in order, each block `(heads_kv,
+    /// block_size, dim)` row-major. The GPU reads them in one submission.
+    fn read_blocks(&self, blocks: &[usize]) -> Result<Vec<(Buffer, Buffer)>>;
+
+    /// Writes `data`, laid out as [`Self::read_blocks`] gives it, into
+    /// `blocks` on every layer (swapping in). The GPU records it in one
+    /// submission, queued without waiting; when recording fails nothing is
+    /// written.
+    fn write_blocks(&mut self, blocks: &[usize], data: &[(Buffer, Buffer)]) -> Result<()>;
 }

@@ -73,6 +73,26 @@ pub(crate) fn blocks_per_buffer(block_bytes: u64, limit: u64, align: u64) -> Opt
     (blocks >= 1).then_some(usize::try_from(blocks).unwrap_or(usize::MAX))
 }
 
+/// One block's words copied into a gather buffer for a swap-out: from
+/// byte `from` of `buffer` (a word boundary) to byte `to` of the gather,
+/// `words` bytes of whole words, the block's own `bytes` starting `skip`
+/// bytes in.
+struct Piece<'p> {
+    buffer: &'p DeviceArray,
+    from: u64,
+    to: u64,
+    words: u64,
+    skip: u64,
+    bytes: u64,
+}
+
+/// The pieces of one gather buffer, and its length in bytes.
+#[derive(Default)]
+struct Gather<'p> {
+    pieces: Vec<Piece<'p>>,
+    bytes: u64,
+}
+
 /// A KV cache's pools on one GPU context.
 pub struct GpuStorage {
     shape: CacheShape,
@@ -507,6 +527,34 @@ impl GpuStorage {
         })
     }
 
+    /// Where block `b` of a pool of `dim`-element tokens lies: its buffer,
+    /// its first byte there, and its bytes.
+    fn locate<'p>(
+        &self,
+        pool: &'p [DeviceArray],
+        dim: usize,
+        b: usize,
+    ) -> (&'p DeviceArray, u64, u64) {
+        let s = self.shape;
+        let block_bytes = (s.heads_kv * s.block_size * dim) as u64 * element_bytes(s.dtype);
+        (
+            &pool[b / self.per_buffer],
+            (b % self.per_buffer) as u64 * block_bytes,
+            block_bytes,
+        )
+    }
+
+    /// Every layer's key and value pools with their token widths, in the
+    /// order swapping lays them out.
+    fn pools(&self) -> Vec<(&[DeviceArray], usize)> {
+        let s = self.shape;
+        self.keys
+            .iter()
+            .zip(&self.values)
+            .flat_map(|(k, v)| [(k.as_slice(), s.head_dim), (v.as_slice(), s.head_dim_v)])
+            .collect()
+    }
+
     /// One pool's buffers read back and joined, in block order.
     fn read_pool(&self, pool: &[DeviceArray]) -> Result<Buffer> {
         let mut out = match self.shape.dtype {
@@ -615,6 +663,165 @@ impl Storage for GpuStorage {
             self.read_pool(&self.keys[layer])?,
             self.read_pool(&self.values[layer])?,
         ))
+    }
+
+    /// Each block's 4-byte words (wgpu copies whole words) copied into
+    /// gather buffers of at most a binding each, read back in one
+    /// submission; the blocks' bytes cut out of the words on the host.
+    fn read_blocks(&self, blocks: &[usize]) -> Result<Vec<(Buffer, Buffer)>> {
+        self.alive()?;
+        let s = self.shape;
+        let limit = self.limit();
+        let pools = self.pools();
+        // The word spans to copy, in pool-major order (each pool's blocks in
+        // order), cut into gathers of at most a binding each.
+        let mut gathers: Vec<Gather> = vec![Gather::default()];
+        for &(pool, dim) in &pools {
+            for &b in blocks {
+                let (buffer, at, bytes) = self.locate(pool, dim, b);
+                let words = (at + bytes).next_multiple_of(4) - at / 4 * 4;
+                if words > limit {
+                    return Err(Error::TooLarge(format!(
+                        "a KV cache block of {bytes} bytes is larger than the GPU's largest \
+                         buffer"
+                    )));
+                }
+                if gathers.last().expect("one").bytes + words > limit {
+                    gathers.push(Gather::default());
+                }
+                let g = gathers.last_mut().expect("one");
+                g.pieces.push(Piece {
+                    buffer,
+                    from: at / 4 * 4,
+                    to: g.bytes,
+                    words,
+                    skip: at % 4,
+                    bytes,
+                });
+                g.bytes += words;
+            }
+        }
+        self.on_device("swapping a KV cache's blocks out", &[], |ctx| {
+            ctx.scoped("swapping a KV cache's blocks out", || {
+                let mut sub = Submission::new(ctx);
+                let mut targets = Vec::with_capacity(gathers.len());
+                for g in &gathers {
+                    let target = sub.scratch(g.bytes.max(4));
+                    for piece in &g.pieces {
+                        sub.keep(piece.buffer.buffer());
+                        sub.encoder().copy_buffer_to_buffer(
+                            piece.buffer.buffer().buffer(),
+                            piece.from,
+                            target.buffer(),
+                            piece.to,
+                            piece.words,
+                        );
+                    }
+                    targets.push(target);
+                }
+                let reads: Vec<(&Pooled, usize)> = targets
+                    .iter()
+                    .zip(&gathers)
+                    .map(|(t, g)| (t.as_ref(), (g.bytes / 4) as usize))
+                    .collect();
+                let words = sub.submit(&reads)?;
+                // Per pool, its blocks' bytes in order.
+                let mut out: Vec<Vec<u8>> = vec![Vec::new(); pools.len()];
+                let pieces = gathers.iter().zip(&words).flat_map(|(g, w)| {
+                    let all: &[u8] = bytemuck::cast_slice(w);
+                    g.pieces.iter().map(move |piece| {
+                        let start = (piece.to + piece.skip) as usize;
+                        &all[start..start + piece.bytes as usize]
+                    })
+                });
+                for (i, bytes) in pieces.enumerate() {
+                    out[i / blocks.len()].extend_from_slice(bytes);
+                }
+                let buffer = |bytes: &[u8]| match s.dtype {
+                    DType::F16 => Buffer::F16(bytemuck::pod_collect_to_vec(bytes)),
+                    _ => Buffer::F32(bytemuck::pod_collect_to_vec(bytes)),
+                };
+                Ok(out
+                    .chunks(2)
+                    .map(|kv| (buffer(&kv[0]), buffer(&kv[1])))
+                    .collect())
+            })
+        })
+    }
+
+    /// The blocks' bytes uploaded (each from a 4-byte boundary, in upload
+    /// buffers of at most a binding each) and copied into their blocks in
+    /// one submission; a float16 block that does not start and end on a
+    /// word of its pool goes through the scatter shader, as a
+    /// copy-on-write's does.
+    fn write_blocks(&mut self, blocks: &[usize], data: &[(Buffer, Buffer)]) -> Result<()> {
+        self.alive()?;
+        let s = self.shape;
+        let limit = self.limit();
+        let eb = element_bytes(s.dtype);
+        let layers: Vec<&Buffer> = data.iter().flat_map(|(k, v)| [k, v]).collect();
+        self.on_device("swapping a KV cache's blocks in", &[], |ctx| {
+            ctx.scoped("swapping a KV cache's blocks in", || {
+                let pools = self.pools();
+                let mut sub = Submission::new(ctx);
+                let mut staged: Vec<u8> = Vec::new();
+                // (pool index, block, first byte in the upload, bytes).
+                let mut pending: Vec<(usize, usize, u64, u64)> = Vec::new();
+                let flush = |sub: &mut Submission<'_>,
+                             staged: &mut Vec<u8>,
+                             pending: &mut Vec<(usize, usize, u64, u64)>|
+                 -> Result<()> {
+                    if pending.is_empty() {
+                        return Ok(());
+                    }
+                    let up = sub.upload("swapped blocks", staged)?;
+                    for &(p, b, from, bytes) in pending.iter() {
+                        let (pool, dim) = pools[p];
+                        let (dst, at, _) = self.locate(pool, dim, b);
+                        if at % 4 == 0 && bytes % 4 == 0 {
+                            sub.keep(dst.buffer());
+                            sub.encoder().copy_buffer_to_buffer(
+                                up.buffer(),
+                                from,
+                                dst.buffer().buffer(),
+                                at,
+                                bytes,
+                            );
+                        } else {
+                            let block = (b % self.per_buffer) as u32;
+                            let slots: Vec<u32> = (0..s.block_size as u32)
+                                .flat_map(|t| [t, block, t])
+                                .collect();
+                            self.scatter(sub, &up, dst, (s.block_size, from / eb), dim, &slots)?;
+                        }
+                    }
+                    staged.clear();
+                    pending.clear();
+                    Ok(())
+                };
+                for (p, layer) in layers.iter().enumerate() {
+                    let bytes_all: &[u8] = match layer {
+                        Buffer::F16(x) => bytemuck::cast_slice(x),
+                        Buffer::F32(x) => bytemuck::cast_slice(x),
+                        _ => return Err(float64_error("swapped blocks")),
+                    };
+                    let per = bytes_all.len() / blocks.len().max(1);
+                    for (i, &b) in blocks.iter().enumerate() {
+                        let chunk = &bytes_all[i * per..(i + 1) * per];
+                        let padded = (chunk.len() as u64).next_multiple_of(4);
+                        if staged.len() as u64 + padded > limit {
+                            flush(&mut sub, &mut staged, &mut pending)?;
+                        }
+                        pending.push((p, b, staged.len() as u64, chunk.len() as u64));
+                        staged.extend_from_slice(chunk);
+                        staged.resize(staged.len().next_multiple_of(4), 0);
+                    }
+                }
+                flush(&mut sub, &mut staged, &mut pending)?;
+                sub.submit_queued()?;
+                Ok(())
+            })
+        })
     }
 }
 

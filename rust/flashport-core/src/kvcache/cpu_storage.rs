@@ -34,7 +34,9 @@ fn zeros<T: bytemuck::Zeroable>(len: usize, bytes: usize) -> Result<Vec<T>> {
         })
 }
 
-fn pool(dtype: DType, len: usize) -> Result<Buffer> {
+/// A zeroed buffer of `len` elements of `dtype`, taking memory as it is
+/// written (the pools, and the swap space's).
+pub(crate) fn pool(dtype: DType, len: usize) -> Result<Buffer> {
     Ok(match dtype {
         DType::F16 => Buffer::F16(zeros::<f16>(len, len * 2)?),
         DType::BF16 => Buffer::BF16(zeros::<bf16>(len, len * 2)?),
@@ -99,6 +101,40 @@ fn scatter_buffer(
         }
     }
     Ok(())
+}
+
+/// Copies `len` elements from `src[from..]` to `dst[to..]` (the same
+/// dtype: both are the cache's).
+pub(crate) fn copy_span(dst: &mut Buffer, to: usize, src: &Buffer, from: usize, len: usize) {
+    match (dst, src) {
+        (Buffer::F16(d), Buffer::F16(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
+        (Buffer::BF16(d), Buffer::BF16(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
+        (Buffer::F32(d), Buffer::F32(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
+        (Buffer::F64(d), Buffer::F64(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
+        _ => unreachable!("a cache's buffers share its dtype"),
+    }
+}
+
+/// Blocks `blocks` of `pool` (`span` elements each), gathered in order.
+pub(crate) fn gather_blocks(
+    pool: &Buffer,
+    dtype: DType,
+    span: usize,
+    blocks: &[usize],
+) -> Result<Buffer> {
+    let mut out = self::pool(dtype, span * blocks.len())?;
+    for (i, &b) in blocks.iter().enumerate() {
+        copy_span(&mut out, i * span, pool, b * span, span);
+    }
+    Ok(out)
+}
+
+/// Block `i` of `data` (gathered as [`gather_blocks`] does) into block
+/// `blocks[i]` of `pool`.
+pub(crate) fn scatter_blocks(pool: &mut Buffer, span: usize, blocks: &[usize], data: &Buffer) {
+    for (i, &b) in blocks.iter().enumerate() {
+        copy_span(pool, b * span, data, i * span, span);
+    }
 }
 
 fn copy_block(buffer: &mut Buffer, span: usize, copy: BlockCopy) {
@@ -216,6 +252,30 @@ impl Storage for CpuStorage {
     fn read(&self, layer: usize) -> Result<(Buffer, Buffer)> {
         Ok((self.keys[layer].clone(), self.values[layer].clone()))
     }
+
+    fn read_blocks(&self, blocks: &[usize]) -> Result<Vec<(Buffer, Buffer)>> {
+        let (ks, vs) = self.shape.block_lens();
+        let dtype = self.shape.dtype;
+        self.keys
+            .iter()
+            .zip(&self.values)
+            .map(|(k, v)| {
+                Ok((
+                    gather_blocks(k, dtype, ks, blocks)?,
+                    gather_blocks(v, dtype, vs, blocks)?,
+                ))
+            })
+            .collect()
+    }
+
+    fn write_blocks(&mut self, blocks: &[usize], data: &[(Buffer, Buffer)]) -> Result<()> {
+        let (ks, vs) = self.shape.block_lens();
+        for ((k, v), (dk, dv)) in self.keys.iter_mut().zip(self.values.iter_mut()).zip(data) {
+            scatter_blocks(k, ks, blocks, dk);
+            scatter_blocks(v, vs, blocks, dv);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -231,6 +291,7 @@ mod tests {
             head_dim_v: 1,
             layers: 2,
             dtype: DType::F32,
+            swap_blocks: 0,
         }
     }
 

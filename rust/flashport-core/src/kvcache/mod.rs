@@ -81,6 +81,24 @@
 //! [`Error::CacheFull`] and leaves the cache, its counts and every
 //! sequence as they were.
 //!
+//! # Swapping
+//!
+//! A cache made with `swap_blocks > 0` has a swap space in host memory
+//! ([`swap_space`], a budget of its own on every device) for a scheduler
+//! that preempts sequences by swapping (PagedAttention's, vLLM's CPU swap
+//! space). [`KvCache::swap_out`] of a group of sequences (a request's forks
+//! together) copies each distinct block they hold to a host block once (one
+//! storage read), then they leave the pool as `free` leaves it (blocks at 0
+//! join the free queue; cached ones stay adoptable). [`KvCache::swap_in`]
+//! takes a fresh block for each distinct host block (one storage write) and
+//! gives the sequences back their tables over them, every value, length,
+//! token and hash as before; their full blocks are offered to the prefix
+//! cache again. A block shared with a sequence that stays in the pool keeps
+//! serving that one and is copied for the swapped one, which comes back
+//! with its own copy. Swapped sequences can be swapped in, freed and
+//! measured; everything else refuses them by name. Either direction plans
+//! first and fails with [`Error::CacheFull`] having changed nothing.
+//!
 //! # Batches
 //!
 //! [`KvCache::append_batch`] appends to several sequences in one call (a
@@ -90,6 +108,7 @@
 //! failure of any row leaves the whole cache as it was.
 
 pub mod cpu_storage;
+pub mod swap_space;
 
 // The blocks' bookkeeping and the storage contract live a floor down, in
 // `crate::blocks`, where the GPU's storage implements the contract; the
@@ -106,6 +125,7 @@ use crate::problem::{
 };
 use crate::variants::VariantArrays;
 use cpu_storage::CpuStorage;
+use swap_space::SwapSpace;
 
 /// A KV cache: the bookkeeping and the storage of its blocks.
 #[derive(Debug)]
@@ -113,6 +133,7 @@ pub struct KvCache {
     shape: CacheShape,
     manager: BlockManager,
     storage: Box<dyn Storage>,
+    swap: SwapSpace,
 }
 
 /// An array argument: its shape and dtype name, and its data.
@@ -135,14 +156,16 @@ impl KvCache {
     /// `FLASHPORT_DEVICE` says otherwise).
     pub fn new(args: &CacheArgs<'_>, device: Option<&str>) -> Result<KvCache> {
         let shape = CacheShape::new(args)?;
+        let swap = SwapSpace::new(shape)?;
         let storage: Box<dyn Storage> = match Device::parse(device)? {
             Device::Cpu | Device::Auto => Box::new(CpuStorage::new(shape)?),
             Device::Gpu => Box::new(crate::gpu::GpuStorage::new(shape)?),
         };
         Ok(KvCache {
             shape,
-            manager: BlockManager::new(shape.identity(), shape.num_blocks),
+            manager: BlockManager::new(shape.identity(), shape.num_blocks, shape.swap_blocks),
             storage,
+            swap,
         })
     }
 
@@ -174,9 +197,49 @@ impl KvCache {
         self.manager.free(sid)
     }
 
-    /// Positions written on `layer`, or on every layer when `None`.
+    /// Swaps sequences `seq_ids` out of the pools together, into the swap
+    /// space: each distinct block they hold is copied to a host block once
+    /// (in one storage read), then they leave the pools as `free` would
+    /// leave them (blocks at 0 join the free queue). Fails with
+    /// [`Error::CacheFull`] when the swap space has too few free blocks,
+    /// and changes nothing on any error.
+    pub fn swap_out(&mut self, seq_ids: &[i64]) -> Result<()> {
+        let plan = self.manager.plan_swap_out(seq_ids)?;
+        if !plan.moves.is_empty() {
+            let data = self.storage.read_blocks(&plan.pool_blocks())?;
+            self.swap.store(&plan.host_blocks(), &data);
+        }
+        self.manager.commit_swap_out(&plan);
+        Ok(())
+    }
+
+    /// Swaps sequences `seq_ids` back into the pools: a fresh block for
+    /// each distinct host block they hold, written in one storage write;
+    /// every value, length, token and hash is as before the swap-out.
+    /// Fails with [`Error::CacheFull`] when the pool has too few free
+    /// blocks, and changes nothing on any error.
+    pub fn swap_in(&mut self, seq_ids: &[i64]) -> Result<()> {
+        let plan = self.manager.plan_swap_in(seq_ids)?;
+        if !plan.moves.is_empty() {
+            let data = self.swap.load(&plan.host_blocks())?;
+            if let Err(e) = self.storage.write_blocks(&plan.pool_blocks(), &data) {
+                self.manager.abandon_swap_in(&plan);
+                return Err(e);
+            }
+        }
+        self.manager.commit_swap_in(&plan);
+        Ok(())
+    }
+
+    /// Whether sequence `sid` is swapped out.
+    pub fn is_swapped(&self, sid: i64) -> Result<bool> {
+        self.manager.is_swapped("sid", sid)
+    }
+
+    /// Positions written on `layer`, or on every layer when `None` (of a
+    /// sequence in the pools or swapped out).
     pub fn length(&self, sid: i64, layer: Option<i64>) -> Result<usize> {
-        let seq = self.manager.sequence("sid", sid)?;
+        let seq = self.manager.any_sequence("sid", sid)?;
         match layer {
             None => Ok(seq.length()),
             Some(l) => Ok(seq.lengths[self.manager.check_layer(l)?]),

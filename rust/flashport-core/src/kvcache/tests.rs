@@ -15,6 +15,7 @@ fn cache(layers: i64, block_size: i64, num_blocks: i64) -> KvCache {
             head_dim_v: Some(2),
             layers,
             dtype: "float64",
+            swap_blocks: 0,
         },
         Some("cpu"),
     )
@@ -358,6 +359,7 @@ fn the_device_is_chosen_by_name_and_float64_stays_on_the_cpu() {
         head_dim_v: None,
         layers: 1,
         dtype: "float64",
+        swap_blocks: 0,
     };
     // Refused before any adapter is looked for, as the GPU refuses float64.
     let e = KvCache::new(&args, Some("gpu")).unwrap_err();

@@ -38,6 +38,7 @@ fn blocks_cache(g: Geometry, dtype: DType, device: &str, num_blocks: i64) -> KvC
             head_dim_v: Some(dv as i64),
             layers: 2,
             dtype: dtype.numpy_name(),
+            swap_blocks: 0,
         },
         Some(device),
     )
