@@ -35,6 +35,7 @@ from ._errors import (
 )
 from ._kvcache import attention_with_kvcache
 from ._merge import merge_states
+from ._scheduler import Scheduler
 from ._varlen import attention_varlen, attention_varlen_backward
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "InvalidArgumentError",
     "KVCache",
     "ProblemTooLargeError",
+    "Scheduler",
     "ShapeError",
     "UnknownSequenceError",
     "__version__",
