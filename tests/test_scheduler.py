@@ -10,6 +10,16 @@ import flashport
 import numpy as np
 import pytest
 from flashport import CacheFullError, InvalidArgumentError, KVCache, Scheduler
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 
 class TinyLM:
@@ -205,3 +215,88 @@ def test_errors_are_clear():
     with pytest.raises(CacheFullError, match="larger KVCache"):
         s.run()
     assert flashport.Scheduler is Scheduler
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests arriving between steps, against two models: the cache's
+    bookkeeping (every block used belongs to a running request's sequences;
+    swapped ones hold only host blocks; nothing leaks when all finish), and
+    each request run alone (its outputs, once finished)."""
+
+    model = TinyLM()
+
+    request = st.tuples(
+        st.lists(st.integers(0, 23), min_size=1, max_size=8),
+        st.integers(1, 16),
+        st.sampled_from([1, 1, 2]),
+    )
+    requests = st.lists(request, min_size=1, max_size=4)
+
+    @initialize(
+        # A request of 2 sequences of up to 24 positions fits 12 blocks of 4.
+        blocks=st.integers(12, 14),
+        swap=st.sampled_from([0, 3, 32]),
+        preemption=st.sampled_from(["swap", "recompute", "auto"]),
+        max_tokens=st.sampled_from([2, 5, 64]),
+        max_batch=st.sampled_from([2, 4, 256]),
+        # Enough at once that their outputs outgrow the pool.
+        first=st.lists(request, min_size=4, max_size=8),
+    )
+    def setup(self, blocks, swap, preemption, max_tokens, max_batch, first):
+        if preemption == "swap" and swap == 0:
+            preemption = "auto"
+        self.cache = self.model.cache(blocks, swap_blocks=swap)
+        self.s = Scheduler(
+            self.cache, self.model, preemption=preemption, max_tokens=max_tokens,
+            max_batch=max_batch,
+        )  # fmt: skip
+        self.want: dict[int, list[list[int]]] = {}
+        for request in first:
+            self._add(*request)
+
+    def _add(self, prompt, max_new, n):
+        seed = len(self.want)
+        rid = self.s.add(prompt, max_new, n=n, temperature=0.7, seed=seed)
+        alone = Scheduler(self.model.cache(64), self.model)
+        alone.add(prompt, max_new, n=n, temperature=0.7, seed=seed)
+        self.want[rid] = alone.run()[0]
+
+    @rule(more=requests)
+    def add(self, more):
+        for request in more:
+            self._add(*request)
+
+    @precondition(lambda self: self.s.unfinished)
+    @rule()
+    def step(self):
+        before = {rid for rid, r in self.s.requests.items() if r.state != "finished"}
+        done = self.s.step()
+        for rid in done:
+            assert rid in before and self.s.requests[rid].outputs == self.want[rid]
+
+    @invariant()
+    def blocks_belong_to_running_requests(self):
+        s, cache = self.s, self.cache
+        live = [q.sid for rid in s.running for q in s.requests[rid].seqs if q.sid is not None]
+        swapped = [q.sid for rid in s.swapped for q in s.requests[rid].seqs if q.sid is not None]
+        assert sorted(cache.swapped) == sorted(swapped)
+        assert sorted(cache.sequences) == sorted(live + swapped)
+        held = set(cache.block_table(live).ravel().tolist()) - {-1} if live else set()
+        assert cache.num_used_blocks == len(held)
+        # Queues partition the unfinished requests; running ones in order.
+        queued = [*s.waiting, *s.running, *s.swapped]
+        assert len(queued) == len(set(queued)) == s.unfinished
+
+    def teardown(self):
+        if hasattr(self, "s"):
+            self.s.run()
+            for rid, r in self.s.requests.items():
+                assert r.outputs == self.want[rid]
+            assert self.cache.num_used_blocks == 0 and self.cache.sequences == []
+
+
+def test_scheduler_state_machine():
+    run_state_machine_as_test(
+        SchedulerMachine,
+        settings=settings(stateful_step_count=30, max_examples=25, deadline=None),
+    )
