@@ -305,6 +305,10 @@ def main(argv: list[str]) -> int:
         from . import _bench_kvcache
 
         return _bench_kvcache.main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from . import _bench_serve
+
+        return _bench_serve.main(argv[1:])
     if argv[:1] == ["dask"]:
         from . import _bench_dask
 
@@ -318,6 +322,7 @@ def main(argv: list[str]) -> int:
         description=__doc__,
         epilog="python -m flashport bench varlen: packed batches against padding; "
         "decode: decoding over KV caches; kvcache: a decode step through flashport.KVCache; "
+        "serve: PagedAttention's serving experiment; "
         "dask: sequence-parallel attention on Dask; "
         "torch: a training step of a small Llama-style model, flashport against sdpa "
         "(see their --help)",

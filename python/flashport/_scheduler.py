@@ -40,6 +40,9 @@ class _Seq:
     # Generated tokens are drawn from this stream: a sequence's outputs do
     # not depend on the others or on the schedule.
     rng: np.random.Generator | None = None
+    # Whether it may share a partly filled block with a fork (its request
+    # has several sequences).
+    forked: bool = False
 
 
 @dataclasses.dataclass
@@ -202,7 +205,9 @@ class Scheduler:
             return -(-n // bs)
         held = -(-seq.cached // bs)
         need = -(-(seq.cached + n) // bs) - held
-        if seq.cached % bs and n:
+        # Only forks share a partly filled block (prefix reuse shares full
+        # ones): a request of one sequence needs no look at its table.
+        if seq.cached % bs and n and seq.forked:
             last = self.cache.block_table([seq.sid])[0, held - 1]
             need += int(counts[last] > 1)
         return need
@@ -344,7 +349,8 @@ class Scheduler:
         ]
         logits = np.asarray(self.model(cache, entries))
         finished = []
-        owner = {id(s): r for r in self.requests.values() for s in r.seqs}
+        # Only the batch's requests: a step costs its batch, not the history.
+        owner = {id(s): r for r in map(self.requests.get, self.running) for s in r.seqs}
         for (s, n), row in zip(batch, logits, strict=True):
             s.cached += n
             if s.cached == len(s.tokens):
@@ -357,11 +363,13 @@ class Scheduler:
                 # draw their first token from the same logits.
                 first = logits[next(k for k, (s, _) in enumerate(batch) if s is parent)]
                 for index in range(1, r.n):
+                    parent.forked = True
                     child = _Seq(
                         cache.fork(parent.sid),
                         list(r.prompt),
                         parent.cached,
                         self._rng(rid, index),
+                        forked=True,
                     )
                     child.cached = len(r.prompt)
                     child.tokens = [*r.prompt, self._draw(r, child, first)]
