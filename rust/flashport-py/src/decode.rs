@@ -67,12 +67,15 @@ pub(crate) fn attention_with_kvcache<'py>(
     let sinks_meta = read("sinks", &variants.sinks)?;
     let num_splits = scalars::integer("num_splits", num_splits)?;
     let options = core::KvCacheOptions {
-        causal: scalars::flag("causal", causal)?,
-        scale: scalars::optional_real("scale", scale)?,
-        window: scalars::window(&variants.window)?,
-        softcap: scalars::optional_real("softcap", &variants.softcap)?,
-        alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
-        sinks: sinks_meta.as_ref().map(ArgMeta::info),
+        variants: core::VariantOptions {
+            causal: scalars::flag("causal", causal)?,
+            scale: scalars::optional_real("scale", scale)?,
+            window: scalars::window(&variants.window)?,
+            softcap: scalars::optional_real("softcap", &variants.softcap)?,
+            alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
+            sinks: sinks_meta.as_ref().map(ArgMeta::info),
+            ..core::VariantOptions::default()
+        },
         num_splits,
     };
     fn int_array<'a>(meta: &'a ArgMeta, values: &'a [i64]) -> core::IntArray<'a> {

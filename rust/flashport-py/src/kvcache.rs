@@ -235,12 +235,15 @@ impl KvCacheHandle {
         let sinks_meta = read("sinks", &variants.sinks)?;
         let num_splits = scalars::integer("num_splits", num_splits)?;
         let options = core::KvCacheOptions {
-            causal: scalars::flag("causal", causal)?,
-            scale: scalars::optional_real("scale", scale)?,
-            window: scalars::window(&variants.window)?,
-            softcap: scalars::optional_real("softcap", &variants.softcap)?,
-            alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
-            sinks: sinks_meta.as_ref().map(ArgMeta::info),
+            variants: core::VariantOptions {
+                causal: scalars::flag("causal", causal)?,
+                scale: scalars::optional_real("scale", scale)?,
+                window: scalars::window(&variants.window)?,
+                softcap: scalars::optional_real("softcap", &variants.softcap)?,
+                alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
+                sinks: sinks_meta.as_ref().map(ArgMeta::info),
+                ..core::VariantOptions::default()
+            },
             num_splits,
         };
         let alibi_slopes = variants.alibi_slopes.as_ref().map(as_f64_vec).transpose()?;

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use flashport_core as core;
 use flashport_core::problem::MaskDType;
-use flashport_core::{MaskData, Options, Problem, VariantArrays};
+use flashport_core::{MaskData, Options, Problem, VariantArrays, VariantOptions};
 
 use crate::arrays::{contiguous, ArgMeta, Contiguous, Held};
 use crate::scalars;
@@ -55,7 +55,7 @@ impl VariantArgs<'_> {
         causal: &Bound<'_, PyAny>,
         scale: &Bound<'_, PyAny>,
     ) -> PyResult<Options<'m>> {
-        Ok(Options {
+        let variants = VariantOptions {
             causal: scalars::flag("causal", causal)?,
             scale: scalars::optional_real("scale", scale)?,
             window: scalars::window(&self.window)?,
@@ -67,8 +67,8 @@ impl VariantArgs<'_> {
             mask: metas.mask.as_ref().map(ArgMeta::info),
             alibi_slopes: metas.alibi_slopes.as_ref().map(ArgMeta::info),
             sinks: metas.sinks.as_ref().map(ArgMeta::info),
-            return_dmask: false,
-        })
+        };
+        Ok(Options::from(variants))
     }
 }
 
