@@ -47,19 +47,28 @@ Window = tuple[int | None, int | None]
 
 
 def _variants(
-    window: Window | None,
-    mask: npt.ArrayLike | None,
-    alibi_slopes: npt.ArrayLike | None,
-    softcap: float | None,
-    sinks: npt.ArrayLike | None,
-    dropout_p: float,
-    seed: int | None,
-    q_offset: int | None,
-    k_offset: int | None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Window | None = None,
+    mask: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    q_offset: int | None = None,
+    k_offset: int | None = None,
 ) -> dict[str, Any]:
-    """The variant and position keywords as the caller gave them: the core
-    checks each (its type too), naming it."""
+    """The variant keywords of one call, by name, as the caller gave them: the
+    dict the binding reads as its one ``VariantArgs``, for every entry point
+    (the core checks each keyword, its type too, and names it). An entry
+    point passes the keywords its signature has; the others keep these
+    defaults, the values that leave a variant off (the core refuses any
+    other for an operation that does not take the keyword)."""
     return {
+        "causal": causal,
+        "scale": scale,
         "window": window,
         "mask": _variant_array("mask", mask),
         "alibi_slopes": _variant_array("alibi_slopes", alibi_slopes),
@@ -318,10 +327,20 @@ def attention(
         _main_array(q),
         _main_array(k),
         _main_array(v),
-        causal,
-        scale,
         device,
-        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, q_offset, k_offset),
+        _variants(
+            causal=causal,
+            scale=scale,
+            window=window,
+            mask=mask,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            seed=seed,
+            q_offset=q_offset,
+            k_offset=k_offset,
+        ),
         return_lse,
     )
     return (_result(out), _result(lse)) if return_lse else _result(out)
@@ -462,10 +481,20 @@ def attention_backward(
         _main_array(v),
         _main_array(o),
         _main_array(lse),
-        causal,
-        scale,
         device,
-        _variants(window, mask, alibi_slopes, softcap, sinks, dropout_p, seed, q_offset, k_offset),
+        _variants(
+            causal=causal,
+            scale=scale,
+            window=window,
+            mask=mask,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            seed=seed,
+            q_offset=q_offset,
+            k_offset=k_offset,
+        ),
         return_dmask,
     )
     grads = [_result(dq), _result(dk), _result(dv)]

@@ -13,10 +13,9 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
-from ._attention import Tensor, Window, _main_array, _result
+from ._attention import Tensor, Window, _main_array, _result, _variants
 from ._device import DeviceArray, as_native_array
 from ._errors import DTypeError, InvalidArgumentError
-from ._kvcache import _kvcache_variants
 
 __all__ = ["KVCache"]
 
@@ -392,9 +391,14 @@ class KVCache:
             _main_array(q),
             seq_ids,
             layer,
-            causal,
-            scale,
-            _kvcache_variants(window, alibi_slopes, softcap, sinks),
+            _variants(
+                causal=causal,
+                scale=scale,
+                window=window,
+                alibi_slopes=alibi_slopes,
+                softcap=softcap,
+                sinks=sinks,
+            ),
             num_splits,
             return_lse,
         )

@@ -4,7 +4,7 @@ paged. The computation and all validation happen in the Rust core
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -26,13 +26,6 @@ def _int_array(name: str, x: npt.ArrayLike) -> np.ndarray:
             f"the host and must be NumPy integer arrays"
         )
     return as_native_array(x)
-
-
-def _kvcache_variants(window, alibi_slopes, softcap, sinks) -> dict[str, Any]:
-    """The variant keywords as the caller gave them, for the core to check
-    as :func:`attention`'s."""
-    converted = _variants(window, None, alibi_slopes, softcap, sinks, 0.0, None, None, None)
-    return {name: converted[name] for name in ("window", "alibi_slopes", "softcap", "sinks")}
 
 
 @overload
@@ -191,10 +184,15 @@ def attention_with_kvcache(
         _main_array(v_cache),
         _int_array("cache_seqlens", cache_seqlens),
         None if block_table is None else _int_array("block_table", block_table),
-        causal,
-        scale,
         device,
-        _kvcache_variants(window, alibi_slopes, softcap, sinks),
+        _variants(
+            causal=causal,
+            scale=scale,
+            window=window,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            sinks=sinks,
+        ),
         num_splits,
         return_lse,
     )

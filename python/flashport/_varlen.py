@@ -28,10 +28,6 @@ def _seqlens(name: str, x: npt.ArrayLike) -> np.ndarray:
     return as_native_array(x)
 
 
-def _varlen_variants(window, alibi_slopes, softcap, sinks, dropout_p, seed) -> dict:
-    return _variants(window, None, alibi_slopes, softcap, sinks, dropout_p, seed, None, None)
-
-
 # Static types follow q, as for flashport.attention.
 @overload
 def attention_varlen(
@@ -190,10 +186,17 @@ def attention_varlen(
         _main_array(v),
         _seqlens("cu_seqlens_q", cu_seqlens_q),
         _seqlens("cu_seqlens_k", cu_seqlens_k),
-        causal,
-        scale,
         device,
-        _varlen_variants(window, alibi_slopes, softcap, sinks, dropout_p, seed),
+        _variants(
+            causal=causal,
+            scale=scale,
+            window=window,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            seed=seed,
+        ),
         return_lse,
     )
     return (_result(out), _result(lse)) if return_lse else _result(out)
@@ -291,10 +294,17 @@ def attention_varlen_backward(
         _main_array(lse),
         _seqlens("cu_seqlens_q", cu_seqlens_q),
         _seqlens("cu_seqlens_k", cu_seqlens_k),
-        causal,
-        scale,
         device,
-        _varlen_variants(window, alibi_slopes, softcap, sinks, dropout_p, seed),
+        _variants(
+            causal=causal,
+            scale=scale,
+            window=window,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            seed=seed,
+        ),
     )
     grads = [_result(dq), _result(dk), _result(dv)]
     if sinks is not None:

@@ -76,13 +76,13 @@ pub fn read_once(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::{validate_forward, ArrayInfo, DType, MaskDType, Options};
+    use crate::problem::{validate_forward, ArrayInfo, DType, MaskDType, Options, VariantOptions};
 
     fn problem(mask: Option<&[usize]>, return_dmask: bool) -> Problem {
-        let options = Options {
+        let options = Options::from(VariantOptions {
             mask: mask.map(|shape| ArrayInfo::new(shape, "bool")),
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         let mut p = validate_forward(
             ArrayInfo::new(&[2, 4, 5, 8], "float32"),
             ArrayInfo::new(&[2, 4, 7, 8], "float32"),

@@ -15,12 +15,13 @@
 //!
 //! ```
 //! use flashport_core::{attention, validate_forward, ArrayInfo, Device, Options, Buffer, Slice};
+//! use flashport_core::VariantOptions;
 //! let (q, k, v) = (vec![0.5f32; 4 * 8], vec![0.25f32; 6 * 8], vec![1.0f32; 6 * 8]);
 //! let problem = validate_forward(
 //!     ArrayInfo::new(&[4, 8], "float32"),
 //!     ArrayInfo::new(&[6, 8], "float32"),
 //!     ArrayInfo::new(&[6, 8], "float32"),
-//!     &Options { causal: true, ..Options::default() },
+//!     &Options::from(VariantOptions { causal: true, ..VariantOptions::default() }),
 //! ).unwrap();
 //! let out = attention(
 //!     Device::Cpu, &problem, Slice::F32(&q), Slice::F32(&k), Slice::F32(&v), &Default::default(),
@@ -73,7 +74,7 @@ pub use merge::{merge_states, merge_states_arrays};
 pub use output::{BackendGradients, ForwardOutput, Gradients};
 pub use problem::{
     validate_backward, validate_forward, validate_merge, ArrayInfo, DType, MergeProblem, Options,
-    Parts, Problem,
+    Parts, Problem, VariantOptions,
 };
 pub use problem::{validate_kvcache, CacheLayout, IntArray, KvCacheOptions, KvCacheProblem};
 pub use problem::{validate_varlen_backward, validate_varlen_forward, Segments, SeqLens};

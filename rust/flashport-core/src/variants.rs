@@ -41,6 +41,37 @@
 //! in this call's arrays, so a problem cut into key blocks draws another
 //! dropout mask than the whole.
 
+// Adding a variant: these places, for a keyword every operation takes
+// (where one does not, skip its lines and refuse the keyword there).
+//
+// python/flashport/
+//   _attention.py         _variants: the keyword, its off value the default;
+//                         attention, attention_backward: the keyword in the
+//                         signature and its overloads, the call, the docstring
+//   _varlen.py, _kvcache.py, _cache.py      the same for their operations
+//   reference.py          the float64 oracle
+//   torch/_sdpa.py, dask/_api.py, dask/_tasks.py   where they offer it
+// rust/flashport-py/src/
+//   variants.rs           VariantArgs: the field, its line in options()
+//                         (an array: metas, HeldVariants, variant_arrays)
+// rust/flashport-core/src/
+//   problem/variants.rs   VariantOptions' field, validate_variants, variant_names
+//   problem/mod.rs        the Problem field that records it, off in Sizes::problem
+//   problem/varlen.rs, problem/kvcache.rs   the refusal, where not taken
+//   variants.rs           the score above (an array: VariantArrays, its checks)
+//   cpu/scores.rs         ScoreRules (cpu/backward.rs: a gradient beyond dS)
+//   gpu/select.rs         Variants, variants_of, the tiers that lack it
+//   gpu/params.rs         Params' field (gpu/decode/mod.rs: DecodeUniform's)
+//   gpu/shaders.rs        its override (gpu/cm2.rs, gpu/pipelines.rs: its
+//                         cooperative-matrix-2 constant)
+// shaders/ (not yet one score function)
+//   lib/variants.wgsl, lib/common.wgsl      the override; Params, score()
+//   decode/shared.wgsl, decode/decode.wgsl, gen/decode_subgroup.wgsl.in
+//                                           decoding's uniform and scores
+//   cm2/common.glsl       then scripts/cm2.sh
+// Tests: tests/test_variants.py against the oracle on every backend,
+// tests/test_fuzz_api.py, rust/flashport-core/tests/fuzz_validation.rs.
+
 use std::ops::Range;
 
 use rayon::prelude::*;

@@ -15,6 +15,7 @@ use flashport_core::{
     attention, attention_backward, validate_backward, validate_forward, validate_kvcache,
     validate_merge, validate_varlen_backward, validate_varlen_forward, ArrayInfo, Buffer, DType,
     Device, Error, IntArray, KvCacheOptions, Options, Parts, SeqLens, Slice, VariantArrays,
+    VariantOptions,
 };
 use proptest::prelude::*;
 
@@ -204,6 +205,12 @@ fn as_info<'a>((shape, dtype): &'a (Vec<usize>, &'static str)) -> ArrayInfo<'a> 
 impl Keywords {
     fn options(&self) -> Options<'_> {
         Options {
+            variants: self.variants(),
+            return_dmask: self.return_dmask,
+        }
+    }
+    fn variants(&self) -> VariantOptions<'_> {
+        VariantOptions {
             causal: self.causal,
             scale: self.scale,
             window: self.window,
@@ -215,17 +222,19 @@ impl Keywords {
             mask: self.mask.as_ref().map(as_info),
             alibi_slopes: self.alibi.as_ref().map(as_info),
             sinks: self.sinks.as_ref().map(as_info),
-            return_dmask: self.return_dmask,
         }
     }
+    /// The KV cache takes no mask, dropout or positions.
     fn kvcache_options(&self) -> KvCacheOptions<'_> {
         KvCacheOptions {
-            causal: self.causal,
-            scale: self.scale,
-            window: self.window,
-            softcap: self.softcap,
-            alibi_slopes: self.alibi.as_ref().map(as_info),
-            sinks: self.sinks.as_ref().map(as_info),
+            variants: VariantOptions {
+                mask: None,
+                dropout_p: 0.0,
+                seed: None,
+                q_offset: None,
+                k_offset: None,
+                ..self.variants()
+            },
             num_splits: self.num_splits,
         }
     }
@@ -385,7 +394,8 @@ proptest! {
         let sq = SeqLens { info: ArrayInfo::new(&cu_q_shape, cu_dtype), values: &cu_q };
         let sk = SeqLens { info: ArrayInfo::new(&cu_k_shape, cu_dtype), values: &cu_k };
         // attention_varlen has no mask or position keywords.
-        let options = Options { mask: None, q_offset: None, k_offset: None, ..kw.options() };
+        let variants = VariantOptions { mask: None, q_offset: None, k_offset: None, ..kw.variants() };
+        let options = Options { variants, ..kw.options() };
         if let Err(e) = validate_varlen_forward(
             ArrayInfo::new(&q, dt), ArrayInfo::new(&k, dt), ArrayInfo::new(&v, dt), sq, sk,
             &options,
@@ -462,9 +472,12 @@ fn forward_inputs_reach_the_kernels() {
     for _ in 0..draws {
         let ([q, k, v, ..], kw) = strategy.new_tree(&mut runner).unwrap().current();
         let options = Options {
-            mask: None,
-            alibi_slopes: None,
-            sinks: None,
+            variants: VariantOptions {
+                mask: None,
+                alibi_slopes: None,
+                sinks: None,
+                ..kw.variants()
+            },
             ..kw.options()
         };
         let infos = [&q, &k, &v].map(|s| ArrayInfo::new(s, "float32"));

@@ -15,20 +15,17 @@ use crate::variants::{variant_arrays, HeldVariants, VariantArgs};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-/// attention(q, k, v, causal, scale, device, variants) -> (o, lse)
+/// attention(q, k, v, device, variants, return_lse) -> (o, lse)
 ///
 /// The private entry point behind `flashport.attention`; see its docstring
 /// for the contract. `variants` holds the variant keywords by name.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, causal, scale, device, variants, return_lse))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (q, k, v, device, variants, return_lse))]
 pub(crate) fn attention<'py>(
     py: Python<'py>,
     q: &Bound<'py, PyAny>,
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
-    causal: &Bound<'py, PyAny>,
-    scale: &Bound<'py, PyAny>,
     device: &Bound<'py, PyAny>,
     variants: VariantArgs<'py>,
     return_lse: &Bound<'py, PyAny>,
@@ -41,7 +38,7 @@ pub(crate) fn attention<'py>(
         ArgMeta::read_main("v", v)?,
     ];
     let variant_metas = variants.metas()?;
-    let options = variants.options(&variant_metas, causal, scale)?;
+    let options = Options::from(variants.options(&variant_metas)?);
     let problem = validated(
         py,
         core::validate_forward(metas[0].info(), metas[1].info(), metas[2].info(), &options),
@@ -51,7 +48,7 @@ pub(crate) fn attention<'py>(
     let held = [q, k, v].map(|a| Held::new(a, problem.dtype));
     let [q, k, v] = held;
     let (q, k, v) = (q?, k?, v?);
-    let held_variants = HeldVariants::new(&variants, &problem)?;
+    let held_variants = HeldVariants::new(&variants, problem.mask)?;
     let (problem, once) = core::broadcast::read_once(
         &problem,
         held_variants.mask_repeated_axes().as_deref(),
@@ -85,12 +82,12 @@ type BackwardOutputs<'py> = (
     Option<Bound<'py, PyAny>>,
 );
 
-/// attention_backward(do, q, k, v, o, lse, causal, scale, device, variants,
-/// return_dmask) -> (dq, dk, dv, dsinks or None, dmask or None)
+/// attention_backward(do, q, k, v, o, lse, device, variants, return_dmask)
+/// -> (dq, dk, dv, dsinks or None, dmask or None)
 ///
 /// The private entry point behind `flashport.attention_backward`.
 #[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, out, lse, causal, scale, device, variants, return_dmask))]
+#[pyo3(signature = (d_out, q, k, v, out, lse, device, variants, return_dmask))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward<'py>(
     py: Python<'py>,
@@ -100,8 +97,6 @@ pub(crate) fn attention_backward<'py>(
     v: &Bound<'py, PyAny>,
     out: &Bound<'py, PyAny>,
     lse: &Bound<'py, PyAny>,
-    causal: &Bound<'py, PyAny>,
-    scale: &Bound<'py, PyAny>,
     device: &Bound<'py, PyAny>,
     variants: VariantArgs<'py>,
     return_dmask: &Bound<'py, PyAny>,
@@ -116,7 +111,7 @@ pub(crate) fn attention_backward<'py>(
     let variant_metas = variants.metas()?;
     let options = Options {
         return_dmask: scalars::flag("return_dmask", return_dmask)?,
-        ..variants.options(&variant_metas, causal, scale)?
+        variants: variants.options(&variant_metas)?,
     };
     let problem: Problem = validated(
         py,
@@ -135,7 +130,7 @@ pub(crate) fn attention_backward<'py>(
     let held = hold_backward(&arrays, &metas[5], problem.dtype)?;
     let contiguous = backward_contiguous(&held, &names)?;
     let inputs = contiguous.each_ref().map(Contiguous::input);
-    let held_variants = HeldVariants::new(&variants, &problem)?;
+    let held_variants = HeldVariants::new(&variants, problem.mask)?;
     let (problem, once) = core::broadcast::read_once(
         &problem,
         held_variants.mask_repeated_axes().as_deref(),

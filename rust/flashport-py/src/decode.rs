@@ -1,21 +1,21 @@
 //! `attention_with_kvcache`: decoding over a contiguous or paged cache.
 
 use flashport_core as core;
-use flashport_core::{Placement, VariantArrays};
+use flashport_core::Placement;
 
 use crate::arrays::{device_of, int_values, is_device, to_python, ArgMeta, Held};
 use crate::detach::run_detached;
 use crate::errors::validated;
 use crate::scalars;
-use crate::variants::{as_f64_vec, KvCacheVariantArgs};
+use crate::variants::{variant_arrays, HeldVariants, VariantArgs};
 use pyo3::prelude::*;
 
 /// attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-/// causal, scale, device, variants, num_splits) -> (o, lse)
+/// device, variants, num_splits, return_lse) -> (o, lse)
 ///
 /// The private entry point behind `flashport.attention_with_kvcache`.
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, device, variants, num_splits, return_lse))]
+#[pyo3(signature = (q, k_cache, v_cache, cache_seqlens, block_table, device, variants, num_splits, return_lse))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_with_kvcache<'py>(
     py: Python<'py>,
@@ -24,10 +24,8 @@ pub(crate) fn attention_with_kvcache<'py>(
     v_cache: &Bound<'py, PyAny>,
     cache_seqlens: &Bound<'py, PyAny>,
     block_table: Option<&Bound<'py, PyAny>>,
-    causal: &Bound<'py, PyAny>,
-    scale: &Bound<'py, PyAny>,
     device: &Bound<'py, PyAny>,
-    variants: KvCacheVariantArgs<'py>,
+    variants: VariantArgs<'py>,
     num_splits: &Bound<'py, PyAny>,
     return_lse: &Bound<'py, PyAny>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
@@ -60,19 +58,10 @@ pub(crate) fn attention_with_kvcache<'py>(
         }
         _ => Vec::new(),
     };
-    let read = |name: &str, a: &Option<Bound<'_, PyAny>>| {
-        a.as_ref().map(|a| ArgMeta::read(name, a)).transpose()
-    };
-    let slopes_meta = read("alibi_slopes", &variants.alibi_slopes)?;
-    let sinks_meta = read("sinks", &variants.sinks)?;
+    let variant_metas = variants.metas()?;
     let num_splits = scalars::integer("num_splits", num_splits)?;
     let options = core::KvCacheOptions {
-        causal: scalars::flag("causal", causal)?,
-        scale: scalars::optional_real("scale", scale)?,
-        window: scalars::window(&variants.window)?,
-        softcap: scalars::optional_real("softcap", &variants.softcap)?,
-        alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
-        sinks: sinks_meta.as_ref().map(ArgMeta::info),
+        variants: variants.options(&variant_metas)?,
         num_splits,
     };
     fn int_array<'a>(meta: &'a ArgMeta, values: &'a [i64]) -> core::IntArray<'a> {
@@ -104,14 +93,9 @@ pub(crate) fn attention_with_kvcache<'py>(
         v.contiguous("v_cache")?,
     );
     let inputs = [qc.input(), kc.input(), vc.input()];
-    let alibi_slopes = variants.alibi_slopes.as_ref().map(as_f64_vec).transpose()?;
-    let sinks = variants.sinks.as_ref().map(as_f64_vec).transpose()?;
-    let arrays = VariantArrays {
-        mask: None,
-        alibi_slopes: alibi_slopes.as_deref(),
-        sinks: sinks.as_deref(),
-        segments: None,
-    };
+    // The KV cache takes no mask (validation refused one).
+    let held_variants = HeldVariants::new(&variants, None)?;
+    let arrays = variant_arrays(&held_variants, &None, &None);
     let placement = Placement::of_inputs(&inputs);
     let result = run_detached(py, || {
         core::attention_with_kvcache_arrays(device, &problem, inputs, &arrays, placement)

@@ -8,7 +8,7 @@ use std::sync::{PoisonError, RwLock};
 
 use flashport_core as core;
 use flashport_core::kvcache::{ArrayArg, CacheArgs, CacheShape};
-use flashport_core::{DType, Input, Placement, VariantArrays};
+use flashport_core::{DType, Input, Placement};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -18,7 +18,7 @@ use crate::detach::run_detached;
 use crate::errors::raise;
 use crate::numpy_out::to_numpy;
 use crate::scalars;
-use crate::variants::{as_f64_vec, KvCacheVariantArgs};
+use crate::variants::{variant_arrays, HeldVariants, VariantArgs};
 
 /// An array the cache reads (k, v, q): held in its own float dtype, or
 /// not at all when it has no float dtype (the core then names the
@@ -235,7 +235,7 @@ impl KvCacheHandle {
         })
     }
 
-    #[pyo3(signature = (q, seq_ids, layer, causal, scale, variants, num_splits, return_lse))]
+    #[pyo3(signature = (q, seq_ids, layer, variants, num_splits, return_lse))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -243,9 +243,7 @@ impl KvCacheHandle {
         q: &Bound<'py, PyAny>,
         seq_ids: &Bound<'py, PyAny>,
         layer: &Bound<'py, PyAny>,
-        causal: &Bound<'py, PyAny>,
-        scale: &Bound<'py, PyAny>,
-        variants: KvCacheVariantArgs<'py>,
+        variants: VariantArgs<'py>,
         num_splits: &Bound<'py, PyAny>,
         return_lse: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
@@ -260,29 +258,15 @@ impl KvCacheHandle {
             info: q_meta.info(),
             data: data(&q_data),
         };
-        let read = |name: &str, a: &Option<Bound<'_, PyAny>>| {
-            a.as_ref().map(|a| ArgMeta::read(name, a)).transpose()
-        };
-        let slopes_meta = read("alibi_slopes", &variants.alibi_slopes)?;
-        let sinks_meta = read("sinks", &variants.sinks)?;
+        let variant_metas = variants.metas()?;
         let num_splits = scalars::integer("num_splits", num_splits)?;
         let options = core::KvCacheOptions {
-            causal: scalars::flag("causal", causal)?,
-            scale: scalars::optional_real("scale", scale)?,
-            window: scalars::window(&variants.window)?,
-            softcap: scalars::optional_real("softcap", &variants.softcap)?,
-            alibi_slopes: slopes_meta.as_ref().map(ArgMeta::info),
-            sinks: sinks_meta.as_ref().map(ArgMeta::info),
+            variants: variants.options(&variant_metas)?,
             num_splits,
         };
-        let alibi_slopes = variants.alibi_slopes.as_ref().map(as_f64_vec).transpose()?;
-        let sinks = variants.sinks.as_ref().map(as_f64_vec).transpose()?;
-        let arrays = VariantArrays {
-            mask: None,
-            alibi_slopes: alibi_slopes.as_deref(),
-            sinks: sinks.as_deref(),
-            segments: None,
-        };
+        // The KV cache takes no mask (validation refuses one).
+        let held_variants = HeldVariants::new(&variants, None)?;
+        let arrays = variant_arrays(&held_variants, &None, &None);
         let placement = Placement::of_inputs(&[q.data]);
         let (out, problem) = self.read(py, |c| {
             c.attention(q, &ids, layer, &options, &arrays, placement)

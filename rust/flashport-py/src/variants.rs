@@ -1,29 +1,35 @@
-//! The variant keywords (window, mask, ALiBi slopes, softcap, sinks,
-//! dropout, positions) as the Python layer hands them over, held for the
-//! call.
+//! The variant keywords (causal, scale, window, mask, ALiBi slopes,
+//! softcap, sinks, dropout, positions) as the Python layer hands them
+//! over, one argument type for every entry point, and their arrays held
+//! for the call.
 
 use std::borrow::Cow;
 
 use flashport_core as core;
-use flashport_core::problem::MaskDType;
-use flashport_core::{MaskData, Options, Problem, VariantArrays};
+use flashport_core::problem::{MaskDType, MaskSpec};
+use flashport_core::{MaskData, VariantArrays, VariantOptions};
 
 use crate::arrays::{contiguous, ArgMeta, Contiguous, Held};
 use crate::scalars;
 use numpy::PyReadonlyArrayDyn;
 use pyo3::prelude::*;
 
-/// The variant and position keywords of both entry points: a dict that
-/// `flashport._attention` builds, keyed by the keyword names, each value
-/// as the caller gave it (`scalars` has the core check it).
+/// The variant keywords of every entry point (attention and its backward,
+/// varlen, attention_with_kvcache, KVCache.attention): the dict that
+/// `flashport._attention._variants` builds, keyed by the keyword names,
+/// each value as the caller gave it (`scalars` has the core check it). A
+/// keyword an operation does not take arrives at its off value, and the
+/// core refuses it otherwise.
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
 pub(crate) struct VariantArgs<'py> {
-    pub(crate) window: Bound<'py, PyAny>,
-    pub(crate) mask: Option<Bound<'py, PyAny>>,
-    pub(crate) alibi_slopes: Option<Bound<'py, PyAny>>,
-    pub(crate) softcap: Bound<'py, PyAny>,
-    pub(crate) sinks: Option<Bound<'py, PyAny>>,
+    causal: Bound<'py, PyAny>,
+    scale: Bound<'py, PyAny>,
+    window: Bound<'py, PyAny>,
+    mask: Option<Bound<'py, PyAny>>,
+    alibi_slopes: Option<Bound<'py, PyAny>>,
+    softcap: Bound<'py, PyAny>,
+    sinks: Option<Bound<'py, PyAny>>,
     dropout_p: Bound<'py, PyAny>,
     seed: Bound<'py, PyAny>,
     q_offset: Bound<'py, PyAny>,
@@ -49,15 +55,12 @@ impl VariantArgs<'_> {
         })
     }
 
-    pub(crate) fn options<'m>(
-        &self,
-        metas: &'m VariantMetas,
-        causal: &Bound<'_, PyAny>,
-        scale: &Bound<'_, PyAny>,
-    ) -> PyResult<Options<'m>> {
-        Ok(Options {
-            causal: scalars::flag("causal", causal)?,
-            scale: scalars::optional_real("scale", scale)?,
+    /// The keywords as the core takes them, each checked in this order
+    /// (the first wrong one is named).
+    pub(crate) fn options<'m>(&self, metas: &'m VariantMetas) -> PyResult<VariantOptions<'m>> {
+        Ok(VariantOptions {
+            causal: scalars::flag("causal", &self.causal)?,
+            scale: scalars::optional_real("scale", &self.scale)?,
             window: scalars::window(&self.window)?,
             q_offset: scalars::integer("q_offset", &self.q_offset)?,
             k_offset: scalars::integer("k_offset", &self.k_offset)?,
@@ -67,7 +70,6 @@ impl VariantArgs<'_> {
             mask: metas.mask.as_ref().map(ArgMeta::info),
             alibi_slopes: metas.alibi_slopes.as_ref().map(ArgMeta::info),
             sinks: metas.sinks.as_ref().map(ArgMeta::info),
-            return_dmask: false,
         })
     }
 }
@@ -80,16 +82,19 @@ pub(crate) struct HeldVariants<'py> {
     pub(crate) sinks: Option<Vec<f64>>,
 }
 
-pub(crate) fn as_f64_vec(array: &Bound<'_, PyAny>) -> PyResult<Vec<f64>> {
+fn as_f64_vec(array: &Bound<'_, PyAny>) -> PyResult<Vec<f64>> {
     let converted = array.call_method1("astype", ("float64",))?;
     let held: PyReadonlyArrayDyn<'_, f64> = converted.extract()?;
     Ok(held.as_array().iter().copied().collect())
 }
 
 impl<'py> HeldVariants<'py> {
-    pub(crate) fn new(args: &VariantArgs<'py>, problem: &Problem) -> PyResult<Self> {
+    /// The arrays of `args`, the mask as validation found it (`mask`:
+    /// the problem's; `None` where the operation takes no mask, which
+    /// validation refuses).
+    pub(crate) fn new(args: &VariantArgs<'py>, mask: Option<MaskSpec>) -> PyResult<Self> {
         let (mut mask_bool, mut mask_float) = (None, None);
-        if let (Some(mask), Some(spec)) = (&args.mask, problem.mask) {
+        if let (Some(mask), Some(spec)) = (&args.mask, mask) {
             match spec.dtype {
                 MaskDType::Bool => mask_bool = Some(mask.extract()?),
                 MaskDType::Float(dtype) => mask_float = Some(Held::host(mask, dtype)?),
@@ -151,15 +156,4 @@ pub(crate) fn variant_arrays<'a>(
         sinks: held.sinks.as_deref(),
         segments: None,
     }
-}
-
-/// The variant keywords of attention_with_kvcache: a dict that
-/// `flashport._kvcache` builds, keyed by the keyword names.
-#[derive(FromPyObject)]
-#[pyo3(from_item_all)]
-pub(crate) struct KvCacheVariantArgs<'py> {
-    pub(crate) window: Bound<'py, PyAny>,
-    pub(crate) alibi_slopes: Option<Bound<'py, PyAny>>,
-    pub(crate) softcap: Bound<'py, PyAny>,
-    pub(crate) sinks: Option<Bound<'py, PyAny>>,
 }

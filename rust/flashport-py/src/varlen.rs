@@ -1,7 +1,7 @@
 //! `attention_varlen` and its backward: packed batches of sequences.
 
 use flashport_core as core;
-use flashport_core::{Placement, SeqLens};
+use flashport_core::{Options, Placement, SeqLens};
 
 use crate::arrays::{
     as_dtype, backward_contiguous, device_of, dtype_name, hold_backward, is_device, to_python,
@@ -40,14 +40,14 @@ impl HeldSeqLens {
     }
 }
 
-/// attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
-/// device, variants) -> (o, lse)
+/// attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, device, variants,
+/// return_lse) -> (o, lse)
 ///
 /// The private entry point behind `flashport.attention_varlen`: packed
 /// `(total, heads, dim)` arrays, `variants` as for `attention` (no mask and
 /// no positions).
 #[pyfunction]
-#[pyo3(signature = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, device, variants, return_lse))]
+#[pyo3(signature = (q, k, v, cu_seqlens_q, cu_seqlens_k, device, variants, return_lse))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_varlen<'py>(
     py: Python<'py>,
@@ -56,8 +56,6 @@ pub(crate) fn attention_varlen<'py>(
     v: &Bound<'py, PyAny>,
     cu_seqlens_q: &Bound<'py, PyAny>,
     cu_seqlens_k: &Bound<'py, PyAny>,
-    causal: &Bound<'py, PyAny>,
-    scale: &Bound<'py, PyAny>,
     device: &Bound<'py, PyAny>,
     variants: VariantArgs<'py>,
     return_lse: &Bound<'py, PyAny>,
@@ -72,7 +70,7 @@ pub(crate) fn attention_varlen<'py>(
     let cu_q = HeldSeqLens::read("cu_seqlens_q", cu_seqlens_q)?;
     let cu_k = HeldSeqLens::read("cu_seqlens_k", cu_seqlens_k)?;
     let variant_metas = variants.metas()?;
-    let options = variants.options(&variant_metas, causal, scale)?;
+    let options = Options::from(variants.options(&variant_metas)?);
     let (problem, segments) = validated(
         py,
         core::validate_varlen_forward(
@@ -90,7 +88,7 @@ pub(crate) fn attention_varlen<'py>(
     let (q, k, v) = (q?, k?, v?);
     let (qc, kc, vc) = (q.contiguous("q")?, k.contiguous("k")?, v.contiguous("v")?);
     let inputs = [qc.input(), kc.input(), vc.input()];
-    let held_variants = HeldVariants::new(&variants, &problem)?;
+    let held_variants = HeldVariants::new(&variants, problem.mask)?;
     let arrays = variant_arrays(&held_variants, &None, &None);
     let placement = Placement::of_inputs(&inputs);
     let result = run_detached(py, || {
@@ -111,12 +109,11 @@ type VarlenGradients<'py> = (
 );
 
 /// attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q,
-/// cu_seqlens_k, causal, scale, device, variants) -> (dq, dk, dv, dsinks or
-/// None)
+/// cu_seqlens_k, device, variants) -> (dq, dk, dv, dsinks or None)
 ///
 /// The private entry point behind `flashport.attention_varlen_backward`.
 #[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, device, variants))]
+#[pyo3(signature = (d_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, device, variants))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_varlen_backward<'py>(
     py: Python<'py>,
@@ -128,8 +125,6 @@ pub(crate) fn attention_varlen_backward<'py>(
     lse: &Bound<'py, PyAny>,
     cu_seqlens_q: &Bound<'py, PyAny>,
     cu_seqlens_k: &Bound<'py, PyAny>,
-    causal: &Bound<'py, PyAny>,
-    scale: &Bound<'py, PyAny>,
     device: &Bound<'py, PyAny>,
     variants: VariantArgs<'py>,
 ) -> PyResult<VarlenGradients<'py>> {
@@ -143,7 +138,7 @@ pub(crate) fn attention_varlen_backward<'py>(
     let cu_q = HeldSeqLens::read("cu_seqlens_q", cu_seqlens_q)?;
     let cu_k = HeldSeqLens::read("cu_seqlens_k", cu_seqlens_k)?;
     let variant_metas = variants.metas()?;
-    let options = variants.options(&variant_metas, causal, scale)?;
+    let options = Options::from(variants.options(&variant_metas)?);
     let (problem, segments) = validated(
         py,
         core::validate_varlen_backward(
@@ -163,7 +158,7 @@ pub(crate) fn attention_varlen_backward<'py>(
     let held = hold_backward(&arrays, &metas[5], problem.dtype)?;
     let contiguous = backward_contiguous(&held, &names)?;
     let inputs = contiguous.each_ref().map(Contiguous::input);
-    let held_variants = HeldVariants::new(&variants, &problem)?;
+    let held_variants = HeldVariants::new(&variants, problem.mask)?;
     let variant_data = variant_arrays(&held_variants, &None, &None);
     let placement = Placement::of_inputs(&inputs);
     let grads = run_detached(py, || {

@@ -304,13 +304,13 @@ mod tests {
     fn the_host_screens_what_it_holds() {
         let (mask_info, one) = ([6usize, 10], [1usize]);
         let screened = |mask: Option<&[f32]>, sinks: Option<f64>, slope: Option<f64>, scale| {
-            let options = crate::problem::Options {
+            let options = crate::problem::Options::from(crate::problem::VariantOptions {
                 mask: mask.map(|_| crate::problem::ArrayInfo::new(&mask_info, "float32")),
                 sinks: sinks.map(|_| crate::problem::ArrayInfo::new(&one, "float32")),
                 alibi_slopes: slope.map(|_| crate::problem::ArrayInfo::new(&one, "float32")),
                 scale,
                 ..Default::default()
-            };
+            });
             let p = problem(6, 10, options);
             let (sinks, slopes) = (sinks.map(|s| [s]), slope.map(|s| [s]));
             let arrays = crate::variants::VariantArrays {
@@ -349,11 +349,11 @@ mod tests {
         for (seq_q, seq_k) in [(5, 9), (9, 5), (7, 7), (1, 300)] {
             for window in [None, Some((2, 3)), Some((500, 500)), Some((0, -1))] {
                 for causal in [false, true] {
-                    let options = crate::problem::Options {
+                    let options = crate::problem::Options::from(crate::problem::VariantOptions {
                         causal,
                         window,
                         ..Default::default()
-                    };
+                    });
                     let p = problem(seq_q, seq_k, options);
                     let off = seq_k as i64 - seq_q as i64;
                     let right = match (causal, p.window.right) {
@@ -384,14 +384,14 @@ mod tests {
     fn far_offsets_are_clamped_except_for_alibi() {
         let far = |q_offset: i128, k_offset: i128, alibi: bool| {
             let slopes = [1usize];
-            let options = crate::problem::Options {
+            let options = crate::problem::Options::from(crate::problem::VariantOptions {
                 causal: true,
                 window: Some((3, -1)),
                 q_offset: Some(q_offset),
                 k_offset: Some(k_offset),
                 alibi_slopes: alibi.then(|| crate::problem::ArrayInfo::new(&slopes, "float32")),
                 ..Default::default()
-            };
+            });
             problem(6, 10, options)
         };
         let p = far(1 << 62, -(1 << 62), false);

@@ -352,7 +352,7 @@ pub fn check_loop_limit(p: &Problem, caps: AdapterCaps, keys: &[PipelineKey]) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{validate_backward, ArrayInfo, Options};
+    use crate::{validate_backward, ArrayInfo, Options, VariantOptions};
 
     /// An NVIDIA H100 through Vulkan (driver 580).
     const H100: AdapterCaps = AdapterCaps {
@@ -449,14 +449,14 @@ mod tests {
         let no = Overrides::default();
         // (problem, [h100, lavapipe, webgpu-16k, no-subgroups]) for
         // (forward, backward).
-        let causal = Options {
+        let causal = Options::from(VariantOptions {
             causal: true,
-            ..Options::default()
-        };
-        let softcap = Options {
+            ..VariantOptions::default()
+        });
+        let softcap = Options::from(VariantOptions {
             softcap: Some(30.0),
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         let table: [(Problem, [(Tier, Tier); 4]); 7] = [
             (
                 plain("float16", 64, 64),
@@ -569,30 +569,30 @@ mod tests {
         coop_only(&plain("float32", 64, 64), &none, "float32");
         coop_only(&plain("float16", 72, 72), &none, "d not a multiple of 16");
         coop_only(&plain("float16", 256, 256), &none, "d above 128");
-        let softcap = Options {
+        let softcap = Options::from(VariantOptions {
             softcap: Some(30.0),
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         // Every variant on cm2 but dropout (and a mask's gradient).
-        let window = Options {
+        let window = Options::from(VariantOptions {
             window: Some((100, 3)),
             causal: true,
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         let heads = [8];
-        let alibi = Options {
+        let alibi = Options::from(VariantOptions {
             alibi_slopes: Some(ArrayInfo::new(&heads, "float32")),
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         let keys = [70];
-        let mask = Options {
+        let mask = Options::from(VariantOptions {
             mask: Some(ArrayInfo::new(&keys, "bool")),
-            ..Options::default()
-        };
-        let sinks = Options {
+            ..VariantOptions::default()
+        });
+        let sinks = Options::from(VariantOptions {
             sinks: Some(ArrayInfo::new(&heads, "float32")),
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         for (options, why) in [
             (softcap, "softcap"),
             (window, "window"),
@@ -615,11 +615,11 @@ mod tests {
                 "{why}"
             );
         }
-        let dropout = Options {
+        let dropout = Options::from(VariantOptions {
             dropout_p: 0.1,
             seed: Some(1),
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         coop_only(&problem("float16", 64, 64, dropout), &none, "dropout");
         coop_only(
             &f16,
@@ -728,9 +728,11 @@ mod tests {
     fn the_forward_never_specialises_for_the_mask_gradient() {
         let mask = [100, 70];
         let options = Options {
-            mask: Some(ArrayInfo::new(&mask, "float32")),
             return_dmask: true,
-            ..Options::default()
+            ..Options::from(VariantOptions {
+                mask: Some(ArrayInfo::new(&mask, "float32")),
+                ..VariantOptions::default()
+            })
         };
         let p = problem("float32", 64, 64, options);
         let f = select_forward(&p, H100, &Overrides::default());
@@ -863,11 +865,11 @@ mod tests {
     #[test]
     fn the_screen_sends_fast_plans_to_the_simple_kernels_of_the_same_problem() {
         let no = Overrides::default();
-        let causal = Options {
+        let causal = Options::from(VariantOptions {
             causal: true,
             softcap: Some(20.0),
-            ..Options::default()
-        };
+            ..VariantOptions::default()
+        });
         for (p, caps) in [
             (plain("float16", 64, 64), H100),
             (problem("float32", 64, 48, causal), LAVAPIPE),
@@ -967,10 +969,10 @@ mod tests {
                     info: ArrayInfo::new(&[4], "int32"),
                     values: &cu_k,
                 },
-                &Options {
+                &Options::from(VariantOptions {
                     causal,
-                    ..Options::default()
-                },
+                    ..VariantOptions::default()
+                }),
             )
             .unwrap()
             .0
@@ -987,10 +989,10 @@ mod tests {
                     dtype,
                     d,
                     d,
-                    Options {
+                    Options::from(VariantOptions {
                         causal,
-                        ..Options::default()
-                    },
+                        ..VariantOptions::default()
+                    }),
                 )
             } else {
                 plain(dtype, d, d)

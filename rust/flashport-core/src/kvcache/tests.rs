@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::array::{Array, Slice};
-use crate::problem::{validate_forward, Options};
+use crate::problem::{validate_forward, Options, VariantOptions};
 
 fn cache(layers: i64, block_size: i64, num_blocks: i64) -> KvCache {
     KvCache::new(
@@ -95,10 +95,10 @@ fn check_attention(c: &KvCache, ids: &[u64], layer: i64, models: &[&Model]) {
     let q = values(99, ids.len() * heads_q, 1, 3);
     let q_shape = [ids.len(), heads_q, 1, 3];
     let seq_ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-    let options = KvCacheOptions {
+    let options = KvCacheOptions::from(VariantOptions {
         causal: true,
-        ..Default::default()
-    };
+        ..VariantOptions::default()
+    });
     let (out, problem) = c
         .attention(
             arg(&q_shape, &q),
@@ -124,10 +124,10 @@ fn check_attention(c: &KvCache, ids: &[u64], layer: i64, models: &[&Model]) {
             ArrayInfo::new(&qs, "float64"),
             ArrayInfo::new(&ks, "float64"),
             ArrayInfo::new(&vs, "float64"),
-            &Options {
+            &Options::from(VariantOptions {
                 causal: true,
-                ..Options::default()
-            },
+                ..VariantOptions::default()
+            }),
         )
         .unwrap();
         let want = crate::attention::attention(

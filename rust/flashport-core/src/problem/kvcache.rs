@@ -18,21 +18,26 @@ pub struct IntArray<'a> {
 
 /// The keyword options of `attention_with_kvcache`, as the caller gave
 /// them. Positions come from `cache_seqlens`: query row `i` of sequence
-/// `b` is at `cache_seqlens[b] - seq_q + i`, its keys at `0..len`.
+/// `b` is at `cache_seqlens[b] - seq_q + i`, its keys at `0..len`; so
+/// `causal` is bottom-right against each sequence's cached length, the
+/// window is `(left, right)` around each row's position, and the
+/// variants' mask, dropout and positions are refused.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct KvCacheOptions<'a> {
-    /// Query row `i` sees keys up to its own position (bottom-right
-    /// against the sequence's cached length).
-    pub causal: bool,
-    pub scale: Option<f64>,
-    /// `(left, right)` around each row's position; `-1` is unbounded.
-    pub window: Option<(i64, i64)>,
-    pub softcap: Option<f64>,
-    pub alibi_slopes: Option<ArrayInfo<'a>>,
-    pub sinks: Option<ArrayInfo<'a>>,
+    pub variants: VariantOptions<'a>,
     /// Key splits per sequence (Flash-Decoding); `None` lets the backend
     /// choose from the shape.
     pub num_splits: Option<i128>,
+}
+
+/// The KV cache's options with only the variants given.
+impl<'a> From<VariantOptions<'a>> for KvCacheOptions<'a> {
+    fn from(variants: VariantOptions<'a>) -> Self {
+        KvCacheOptions {
+            variants,
+            num_splits: None,
+        }
+    }
 }
 
 /// The most key splits a call may ask for (the GPU's grid allows more;
@@ -412,7 +417,8 @@ pub fn validate_kvcache(
             }
         }
     }
-    let scale = checked_scale(options.scale, d, dtype)?;
+    let variants = &options.variants;
+    let scale = checked_scale(variants.scale, d, dtype)?;
     let num_splits = match options.num_splits {
         None => None,
         Some(n) if (1..=MAX_SPLITS as i128).contains(&n) => Some(n as usize),
@@ -424,7 +430,7 @@ pub fn validate_kvcache(
             ))
         }
     };
-    let mut attention = Problem {
+    let sizes = Sizes {
         batch,
         heads_q,
         heads_kv,
@@ -432,33 +438,31 @@ pub fn validate_kvcache(
         seq_k: 0,
         head_dim: d,
         value_dim: dv,
-        scale,
-        causal: options.causal,
         dtype,
         ndim: 4,
-        window: Window::default(),
-        softcap: None,
-        dropout: None,
-        mask: None,
-        alibi_per_batch: None,
-        sinks: false,
-        return_dmask: false,
-        q_offset: -(seq_q as i64),
-        k_offset: 0,
-        varlen: None,
     };
+    let mut attention = sizes.problem(scale, variants.causal, -(seq_q as i64), 0);
+    // The lengths are the mask and the positions, and decoding is
+    // inference: the variants' other keywords have no meaning here.
+    for (name, given) in [
+        ("mask", variants.mask.is_some()),
+        ("dropout_p", variants.dropout_p != 0.0),
+        ("seed", variants.seed.is_some()),
+        ("q_offset", variants.q_offset.is_some()),
+        ("k_offset", variants.k_offset.is_some()),
+    ] {
+        if given {
+            return Err(value_error(
+                name,
+                "given",
+                "attention_with_kvcache takes no mask, dropout or positions (the cached \
+                 lengths are the mask and the positions)",
+            ));
+        }
+    }
     // The variants mean here what they mean for attention: the same
     // checks and messages.
-    validate_variants(
-        &mut attention,
-        &Options {
-            window: options.window,
-            softcap: options.softcap,
-            alibi_slopes: options.alibi_slopes,
-            sinks: options.sinks,
-            ..Options::default()
-        },
-    )?;
+    validate_variants(&mut attention, variants)?;
     Ok(KvCacheProblem {
         attention,
         layout,

@@ -127,22 +127,74 @@ fn shapes_dtypes_and_options_are_checked_by_name() {
         let e = contiguous(&[2, 2, 5, 16], &[1, 1], options).unwrap_err();
         assert_eq!(value_argument(e).0, "num_splits");
     }
-    let options = KvCacheOptions {
+    let options = KvCacheOptions::from(VariantOptions {
         window: Some((-3, 0)),
-        ..KvCacheOptions::default()
-    };
+        ..VariantOptions::default()
+    });
     let e = contiguous(&[2, 2, 5, 16], &[1, 1], options).unwrap_err();
     assert_eq!(value_argument(e).0, "window");
 }
 
 #[test]
+fn the_variants_the_cache_does_not_take_are_refused() {
+    let mask = [1usize, 1];
+    let refused = [
+        (
+            "mask",
+            VariantOptions {
+                mask: Some(ArrayInfo::new(&mask, "bool")),
+                ..VariantOptions::default()
+            },
+        ),
+        (
+            "dropout_p",
+            VariantOptions {
+                dropout_p: 0.5,
+                seed: Some(1),
+                ..VariantOptions::default()
+            },
+        ),
+        (
+            "seed",
+            VariantOptions {
+                seed: Some(1),
+                ..VariantOptions::default()
+            },
+        ),
+        (
+            "q_offset",
+            VariantOptions {
+                q_offset: Some(0),
+                ..VariantOptions::default()
+            },
+        ),
+        (
+            "k_offset",
+            VariantOptions {
+                k_offset: Some(0),
+                ..VariantOptions::default()
+            },
+        ),
+    ];
+    for (name, variants) in refused {
+        let e = contiguous(&[2, 2, 5, 16], &[1, 1], variants.into()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("takes no mask, dropout or positions"),
+            "{e}"
+        );
+        assert_eq!(value_argument(e), (name.to_string(), "given".to_string()));
+    }
+}
+
+#[test]
 fn positions_are_bottom_right_against_each_length() {
     let q = [2, 2, 3, 4];
-    let options = KvCacheOptions {
+    let options = KvCacheOptions::from(VariantOptions {
         causal: true,
         window: Some((1, -1)),
-        ..KvCacheOptions::default()
-    };
+        ..VariantOptions::default()
+    });
     let p = validate_kvcache(
         ArrayInfo::new(&q, "float64"),
         ArrayInfo::new(&[2, 1, 8, 4], "float64"),

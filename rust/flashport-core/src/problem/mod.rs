@@ -68,90 +68,23 @@ impl<'a> ArrayInfo<'a> {
     }
 }
 
-/// Keyword options shared by the forward and the backward pass, as the
-/// caller gave them (validation turns them into a [`Problem`]).
-///
-/// The score of query row `i` and key `j` is built in this order (see
-/// [`crate::variants`] for the full definition):
-/// `u = scale·q_i·k_j`, `t = softcap·tanh(u/softcap)`,
-/// `s = t + alibi + mask`, then `-inf` where causal, the window or a
-/// boolean mask hides the key.
+/// The options of `attention` and `attention_backward` (and of
+/// `attention_varlen`, which refuses a mask and positions), as the caller
+/// gave them (validation turns them into a [`Problem`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Options<'a> {
-    /// Causal mask: query `i` sees keys `j` whose position is at most its
-    /// own, `k_offset + j <= q_offset + i` (by default bottom-right
-    /// aligned: `j <= i + seq_k - seq_q`).
-    pub causal: bool,
-    /// Multiplier of `q·kᵀ`; `None` means `1/sqrt(d)`.
-    pub scale: Option<f64>,
-    /// Sliding window `(left, right)`: query `i` sees keys
-    /// `i + off - left <= j <= i + off + right` with
-    /// `off = q_offset - k_offset`; `-1` leaves a side unbounded.
-    pub window: Option<(i64, i64)>,
-    /// Global position of query row 0; `None` means `seq_k - seq_q`.
-    pub q_offset: Option<i128>,
-    /// Global position of key 0; `None` means 0.
-    pub k_offset: Option<i128>,
-    /// Logit soft-capping; `None` or `0` disables it.
-    pub softcap: Option<f64>,
-    /// Dropout probability on the attention probabilities, in `[0, 1)`.
-    pub dropout_p: f64,
-    /// Seed of the dropout generator; required when `dropout_p > 0`.
-    pub seed: Option<i128>,
-    /// Boolean (True = attend) or additive float mask, broadcastable to
-    /// `(batch, heads_q, seq_q, seq_k)`.
-    pub mask: Option<ArrayInfo<'a>>,
-    /// ALiBi slopes, `(heads_q,)` or `(batch, heads_q)`.
-    pub alibi_slopes: Option<ArrayInfo<'a>>,
-    /// One sink logit per query head, `(heads_q,)`.
-    pub sinks: Option<ArrayInfo<'a>>,
+    pub variants: VariantOptions<'a>,
     /// Backward only: also return the gradient of a float mask.
     pub return_dmask: bool,
 }
 
-/// A sliding window; `None` leaves a side unbounded.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Window {
-    pub left: Option<usize>,
-    pub right: Option<usize>,
-}
-
-/// Dropout on the attention probabilities.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Dropout {
-    pub p: f64,
-    pub seed: u64,
-}
-
-/// The element type of a mask array.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum MaskDType {
-    Bool,
-    Float(DType),
-}
-
-/// The shape of a mask array: its own dimensions, right-aligned against
-/// `(batch, heads_q, seq_q, seq_k)` and padded with 1s on the left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MaskSpec {
-    /// Canonical 4-d shape; a 1 broadcasts.
-    pub dims: [usize; 4],
-    /// The caller's number of dimensions (1 to 4), so that the mask's
-    /// gradient can be returned in the caller's shape.
-    pub ndim: usize,
-    pub dtype: MaskDType,
-}
-
-impl MaskSpec {
-    pub fn len(&self) -> usize {
-        self.dims.iter().product()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// The caller's shape.
-    pub fn shape(&self) -> Vec<usize> {
-        self.dims[4 - self.ndim..].to_vec()
+/// Attention's options with only the variants given.
+impl<'a> From<VariantOptions<'a>> for Options<'a> {
+    fn from(variants: VariantOptions<'a>) -> Self {
+        Options {
+            variants,
+            return_dmask: false,
+        }
     }
 }
 
@@ -201,6 +134,53 @@ pub struct Problem {
 /// differences then stay exact in 64-bit integers for any sequence length
 /// an array can have.
 pub const POSITION_LIMIT: i64 = 1 << 62;
+
+/// A problem's checked sizes, before its options.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    seq_q: usize,
+    seq_k: usize,
+    head_dim: usize,
+    value_dim: usize,
+    dtype: DType,
+    ndim: usize,
+}
+
+impl Sizes {
+    /// The problem of these sizes with `scale`, `causal` and the
+    /// positions, and every other variant off: where each operation's
+    /// validation starts before [`validate_variants`] records the variants
+    /// asked for. The one literal of a `Problem`, so that a new variant's
+    /// field is off in one place.
+    fn problem(self, scale: f64, causal: bool, q_offset: i64, k_offset: i64) -> Problem {
+        Problem {
+            batch: self.batch,
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            seq_q: self.seq_q,
+            seq_k: self.seq_k,
+            head_dim: self.head_dim,
+            value_dim: self.value_dim,
+            scale,
+            causal,
+            dtype: self.dtype,
+            ndim: self.ndim,
+            window: Window::default(),
+            softcap: None,
+            dropout: None,
+            mask: None,
+            alibi_per_batch: None,
+            sinks: false,
+            return_dmask: false,
+            varlen: None,
+            q_offset,
+            k_offset,
+        }
+    }
+}
 
 impl Problem {
     /// Query heads that share one key/value head (GQA / MQA group size).
@@ -277,40 +257,6 @@ impl Problem {
     /// Whether causal or the window hide any score.
     pub fn has_range_mask(&self) -> bool {
         self.causal || self.window.left.is_some() || self.window.right.is_some()
-    }
-
-    /// Whether anything beyond plain (causal) attention is asked for.
-    pub fn has_variants(&self) -> bool {
-        self.window != Window::default()
-            || self.softcap.is_some()
-            || self.dropout.is_some()
-            || self.mask.is_some()
-            || self.alibi_per_batch.is_some()
-            || self.sinks
-    }
-
-    /// The variants in use, by their keyword names, for error messages.
-    pub fn variant_names(&self) -> Vec<&'static str> {
-        let mut names = Vec::new();
-        if self.window != Window::default() {
-            names.push("window");
-        }
-        if self.mask.is_some() {
-            names.push("mask");
-        }
-        if self.alibi_per_batch.is_some() {
-            names.push("alibi_slopes");
-        }
-        if self.softcap.is_some() {
-            names.push("softcap");
-        }
-        if self.sinks {
-            names.push("sinks");
-        }
-        if self.dropout.is_some() {
-            names.push("dropout_p");
-        }
-        names
     }
 
     pub fn q_len(&self) -> usize {
@@ -521,8 +467,9 @@ pub fn validate_forward(
         &[qb, qh, seq_q, dv],
         "the output (batch, heads_q, seq_q, d_v)",
     )?;
-    let scale = checked_scale(options.scale, d, dtype)?;
-    let mut problem = Problem {
+    let variants = &options.variants;
+    let scale = checked_scale(variants.scale, d, dtype)?;
+    let sizes = Sizes {
         batch: qb,
         heads_q: qh,
         heads_kv: kh,
@@ -530,22 +477,16 @@ pub fn validate_forward(
         seq_k,
         head_dim: d,
         value_dim: dv,
-        scale,
-        causal: options.causal,
         dtype,
         ndim: q.shape.len(),
-        window: Window::default(),
-        softcap: None,
-        dropout: None,
-        mask: None,
-        alibi_per_batch: None,
-        sinks: false,
-        return_dmask: false,
-        varlen: None,
-        q_offset: position("q_offset", options.q_offset, seq_k as i128 - seq_q as i128)?,
-        k_offset: position("k_offset", options.k_offset, 0)?,
     };
-    validate_variants(&mut problem, options)?;
+    let mut problem = sizes.problem(
+        scale,
+        variants.causal,
+        position("q_offset", variants.q_offset, seq_k as i128 - seq_q as i128)?,
+        position("k_offset", variants.k_offset, 0)?,
+    );
+    validate_variants(&mut problem, variants)?;
     if options.return_dmask {
         return Err(Error::Value {
             argument: "return_dmask".to_string(),
@@ -611,146 +552,6 @@ fn value_error(argument: &str, value: impl ToString, reason: impl ToString) -> E
         value: value.to_string(),
         reason: reason.to_string(),
     }
-}
-
-/// A float dtype for an optional parameter array (slopes, sinks).
-fn float_parameter(argument: &str, info: &ArrayInfo<'_>) -> Result<DType> {
-    DType::from_numpy_name(info.dtype).ok_or_else(|| Error::DType {
-        argument: argument.to_string(),
-        dtype: info.dtype.to_string(),
-        reason: "expected float16, bfloat16, float32 or float64".to_string(),
-    })
-}
-
-/// Checks the variant keywords against the validated shapes and records
-/// them in the problem.
-fn validate_variants(problem: &mut Problem, options: &Options<'_>) -> Result<()> {
-    if let Some((left, right)) = options.window {
-        let side = |name: &str, value: i64| -> Result<Option<usize>> {
-            match value {
-                -1 => Ok(None),
-                v if v >= 0 => Ok(Some(v as usize)),
-                v => Err(value_error(
-                    "window",
-                    format!("({left}, {right})"),
-                    format!(
-                        "the {name} extent is {v}; each side must be >= 0, or None / -1 for unbounded"
-                    ),
-                )),
-            }
-        };
-        problem.window = Window {
-            left: side("left", left)?,
-            right: side("right", right)?,
-        };
-    }
-    match options.softcap {
-        None => {}
-        Some(0.0) => {}
-        Some(c) if c.is_finite() && c > 0.0 => {
-            problem.softcap = Some(within_compute_range("softcap", c, problem.dtype)?)
-        }
-        Some(c) => {
-            return Err(value_error(
-                "softcap",
-                c,
-                "softcap must be a positive finite number (None or 0 disables it)",
-            ))
-        }
-    }
-    let p = options.dropout_p;
-    if !(0.0..1.0).contains(&p) {
-        return Err(value_error(
-            "dropout_p",
-            p,
-            "dropout_p must be in [0, 1) (1 would drop every probability)",
-        ));
-    }
-    if p > 0.0 {
-        let seed = match options.seed {
-            None => {
-                return Err(value_error(
-                    "seed",
-                    "None",
-                    format!(
-                        "dropout_p={p} needs an integer seed, so that attention_backward can \
-                         regenerate the same dropout mask"
-                    ),
-                ))
-            }
-            Some(seed) => u64::try_from(seed)
-                .map_err(|_| value_error("seed", seed, "seed must be in [0, 2**64)"))?,
-        };
-        problem.dropout = Some(Dropout { p, seed });
-    } else if let Some(seed) = options.seed {
-        u64::try_from(seed).map_err(|_| value_error("seed", seed, "seed must be in [0, 2**64)"))?;
-    }
-
-    let target = [problem.batch, problem.heads_q, problem.seq_q, problem.seq_k];
-    if let Some(mask) = options.mask {
-        let dtype = match mask.dtype {
-            "bool" => MaskDType::Bool,
-            name => match DType::from_numpy_name(name) {
-                Some(d) => MaskDType::Float(d),
-                None => {
-                    return Err(Error::DType {
-                        argument: "mask".to_string(),
-                        dtype: name.to_string(),
-                        reason: "a mask is bool (True = attend) or float16/32/64 or bfloat16 \
-                                 (added to the scores)"
-                            .to_string(),
-                    })
-                }
-            },
-        };
-        let ndim = mask.shape.len();
-        let broadcastable = ndim <= 4
-            && mask
-                .shape
-                .iter()
-                .zip(&target[4 - ndim.min(4)..])
-                .all(|(&m, &t)| m == 1 || m == t);
-        if !broadcastable {
-            return Err(Error::Shape(format!(
-                "mask has shape {} which does not broadcast to (batch, heads_q, seq_q, seq_k) \
-                 = {}",
-                shape_str(mask.shape),
-                shape_str(&target)
-            )));
-        }
-        let mut dims = [1; 4];
-        dims[4 - ndim..].copy_from_slice(mask.shape);
-        problem.mask = Some(MaskSpec { dims, ndim, dtype });
-    }
-    if let Some(slopes) = options.alibi_slopes {
-        float_parameter("alibi_slopes", &slopes)?;
-        problem.alibi_per_batch = Some(match *slopes.shape {
-            [h] if h == problem.heads_q => false,
-            [b, h] if b == problem.batch && h == problem.heads_q => true,
-            _ => {
-                return Err(Error::Shape(format!(
-                    "alibi_slopes has shape {}; expected (heads_q,) = ({},) or (batch, heads_q) \
-                     = ({}, {})",
-                    shape_str(slopes.shape),
-                    problem.heads_q,
-                    problem.batch,
-                    problem.heads_q
-                )))
-            }
-        });
-    }
-    if let Some(sinks) = options.sinks {
-        float_parameter("sinks", &sinks)?;
-        if sinks.shape != [problem.heads_q] {
-            return Err(Error::Shape(format!(
-                "sinks has shape {}; expected one logit per query head, ({},)",
-                shape_str(sinks.shape),
-                problem.heads_q
-            )));
-        }
-        problem.sinks = true;
-    }
-    Ok(())
 }
 
 /// Validates the arguments of the backward pass: q, k, v as in the forward,
@@ -842,10 +643,12 @@ pub fn validate_backward(
 
 mod kvcache;
 mod merge;
+mod variants;
 mod varlen;
 
 pub use kvcache::*;
 pub use merge::*;
+pub use variants::*;
 pub use varlen::*;
 
 #[cfg(test)]

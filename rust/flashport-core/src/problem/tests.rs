@@ -146,10 +146,10 @@ fn rejects_non_finite_scale() {
         ArrayInfo::new(&q, "float32"),
         ArrayInfo::new(&q, "float32"),
         ArrayInfo::new(&q, "float32"),
-        &Options {
+        &Options::from(VariantOptions {
             scale: Some(f64::NAN),
-            ..Options::default()
-        },
+            ..VariantOptions::default()
+        }),
     )
     .unwrap_err();
     assert!(matches!(e, Error::Value { .. }));
@@ -186,12 +186,12 @@ fn offsets_default_to_bottom_right_and_move_the_diagonal() {
             ArrayInfo::new(&[3, 4], "float32"),
             ArrayInfo::new(&[5, 4], "float32"),
             ArrayInfo::new(&[5, 4], "float32"),
-            &Options {
+            &Options::from(VariantOptions {
                 causal: true,
                 q_offset,
                 k_offset,
-                ..Options::default()
-            },
+                ..VariantOptions::default()
+            }),
         )
         .unwrap()
     };
@@ -219,11 +219,11 @@ fn offsets_out_of_range_are_refused_by_name() {
         (Some(i128::MAX), None, "q_offset"),
     ] {
         let e = with(
-            Options {
+            Options::from(VariantOptions {
                 q_offset,
                 k_offset,
-                ..Options::default()
-            },
+                ..VariantOptions::default()
+            }),
             &q,
             &k,
         )
@@ -247,19 +247,19 @@ fn with(options: Options<'_>, q: &[usize], k: &[usize]) -> Result<Problem> {
 #[test]
 fn window_is_aligned_like_causal_and_combines_with_it() {
     // seq_q = 4, seq_k = 6: the diagonal of row i is key i + 2.
-    let window = Options {
+    let window = Options::from(VariantOptions {
         window: Some((1, 0)),
-        ..Options::default()
-    };
+        ..VariantOptions::default()
+    });
     let p = with(window, &[4, 8], &[6, 8]).unwrap();
     let ranges: Vec<_> = (0..4).map(|i| p.visible_keys(i)).collect();
     assert_eq!(ranges, vec![1..3, 2..4, 3..5, 4..6]);
     let p = with(
-        Options {
+        Options::from(VariantOptions {
             window: Some((-1, 1)),
             causal: true,
-            ..Options::default()
-        },
+            ..VariantOptions::default()
+        }),
         &[4, 8],
         &[6, 8],
     )
@@ -267,10 +267,10 @@ fn window_is_aligned_like_causal_and_combines_with_it() {
     // causal wins over the wider right side.
     assert_eq!(p.visible_keys(0), 0..3);
     let p = with(
-        Options {
+        Options::from(VariantOptions {
             window: Some((0, 0)),
-            ..Options::default()
-        },
+            ..VariantOptions::default()
+        }),
         &[6, 8],
         &[2, 8],
     )
@@ -286,46 +286,46 @@ fn variant_arguments_are_checked_by_name() {
     let q = [2, 3, 5, 8];
     let k = [2, 3, 7, 8];
     let err = |options: Options<'_>| with(options, &q, &k).unwrap_err().to_string();
-    assert!(err(Options {
+    assert!(err(Options::from(VariantOptions {
         window: Some((-2, 0)),
-        ..Options::default()
-    })
+        ..VariantOptions::default()
+    }))
     .contains("window"));
-    assert!(err(Options {
+    assert!(err(Options::from(VariantOptions {
         softcap: Some(-1.0),
-        ..Options::default()
-    })
+        ..VariantOptions::default()
+    }))
     .contains("softcap"));
-    assert!(err(Options {
+    assert!(err(Options::from(VariantOptions {
         dropout_p: 1.0,
-        ..Options::default()
-    })
+        ..VariantOptions::default()
+    }))
     .contains("dropout_p"));
-    assert!(err(Options {
+    assert!(err(Options::from(VariantOptions {
         dropout_p: 0.1,
-        ..Options::default()
-    })
+        ..VariantOptions::default()
+    }))
     .contains("seed"));
     let bad_mask = [5, 6];
-    let e = err(Options {
+    let e = err(Options::from(VariantOptions {
         mask: Some(ArrayInfo::new(&bad_mask, "bool")),
-        ..Options::default()
-    });
+        ..VariantOptions::default()
+    }));
     assert!(e.contains("(5, 6)") && e.contains("(2, 3, 5, 7)"), "{e}");
-    let e = err(Options {
+    let e = err(Options::from(VariantOptions {
         mask: Some(ArrayInfo::new(&[5, 7], "int8")),
-        ..Options::default()
-    });
+        ..VariantOptions::default()
+    }));
     assert!(e.contains("mask") && e.contains("int8"), "{e}");
-    let e = err(Options {
+    let e = err(Options::from(VariantOptions {
         sinks: Some(ArrayInfo::new(&[2], "float32")),
-        ..Options::default()
-    });
+        ..VariantOptions::default()
+    }));
     assert!(e.contains("sinks") && e.contains("(3,)"), "{e}");
-    let e = err(Options {
+    let e = err(Options::from(VariantOptions {
         alibi_slopes: Some(ArrayInfo::new(&[3, 3], "float32")),
-        ..Options::default()
-    });
+        ..VariantOptions::default()
+    }));
     assert!(e.contains("alibi_slopes"), "{e}");
 }
 
@@ -335,10 +335,10 @@ fn masks_broadcast_from_the_right() {
     let k = [2, 3, 7, 8];
     for shape in [&[7][..], &[5, 1], &[3, 1, 7], &[2, 1, 5, 7], &[1, 1, 1, 1]] {
         let p = with(
-            Options {
+            Options::from(VariantOptions {
                 mask: Some(ArrayInfo::new(shape, "float32")),
-                ..Options::default()
-            },
+                ..VariantOptions::default()
+            }),
             &q,
             &k,
         )
@@ -361,9 +361,11 @@ fn return_dmask_needs_a_float_mask_and_the_backward() {
             info(&q),
             info(&lse),
             &Options {
-                mask: Some(ArrayInfo::new(&mask_shape, mask)),
                 return_dmask: dmask,
-                ..Options::default()
+                ..Options::from(VariantOptions {
+                    mask: Some(ArrayInfo::new(&mask_shape, mask)),
+                    ..VariantOptions::default()
+                })
             },
         )
     };
@@ -511,10 +513,10 @@ fn varlen_errors_name_the_argument_and_the_entry() {
             ("int32", ok),
             ("int32", ok),
             (10, 10),
-            Options {
+            Options::from(VariantOptions {
                 alibi_slopes: Some(ArrayInfo::new(shape, "float32")),
-                ..Options::default()
-            },
+                ..VariantOptions::default()
+            }),
         )
     };
     assert_eq!(slopes(&[2, 4]).unwrap().0.alibi_per_batch, Some(true));
@@ -597,10 +599,10 @@ fn packed(cu_q: &[i128], cu_k: &[i128], options: Options<'_>) -> (Problem, Segme
 /// it, and empty sequences own nothing.
 #[test]
 fn rows_see_their_sequence() {
-    let causal = Options {
+    let causal = Options::from(VariantOptions {
         causal: true,
-        ..Options::default()
-    };
+        ..VariantOptions::default()
+    });
     // Sequences: (q 2, k 3), (q 0, k 4), (q 3, k 1), (q 1, k 0).
     let (p, s) = packed(&[0, 2, 2, 5, 6], &[0, 3, 7, 8, 8], causal);
     assert_eq!((p.batch, p.seq_q, p.seq_k), (1, 6, 8));
@@ -623,10 +625,10 @@ fn rows_see_their_sequence() {
 
 #[test]
 fn windows_stay_within_the_sequence() {
-    let window = Options {
+    let window = Options::from(VariantOptions {
         window: Some((1, 0)),
-        ..Options::default()
-    };
+        ..VariantOptions::default()
+    });
     let (p, s) = packed(&[0, 3, 6], &[0, 3, 8], window);
     // Sequence 1: q 3, k 5: row i's diagonal is key 3 + i + 2.
     assert_eq!(s.rows(&p).visible, vec![0..1, 0..2, 1..3, 4..6, 5..7, 6..8]);

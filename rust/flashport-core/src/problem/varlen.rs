@@ -339,10 +339,11 @@ pub fn validate_varlen_forward(
     }
     // Positions are those within each sequence, and a mask would have to
     // be one per sequence: attention_varlen has neither keyword.
+    let variants = &options.variants;
     for (name, given) in [
-        ("mask", options.mask.is_some()),
-        ("q_offset", options.q_offset.is_some()),
-        ("k_offset", options.k_offset.is_some()),
+        ("mask", variants.mask.is_some()),
+        ("q_offset", variants.q_offset.is_some()),
+        ("k_offset", variants.k_offset.is_some()),
     ] {
         if given {
             return Err(value_error(
@@ -359,12 +360,15 @@ pub fn validate_varlen_forward(
         ArrayInfo::new(&kh, k.dtype),
         ArrayInfo::new(&vh, v.dtype),
         &Options {
-            alibi_slopes: None,
+            variants: VariantOptions {
+                alibi_slopes: None,
+                ..*variants
+            },
             ..*options
         },
     )?;
     let sequences = cu_q.len() - 1;
-    if let Some(slopes) = options.alibi_slopes {
+    if let Some(slopes) = variants.alibi_slopes {
         float_parameter("alibi_slopes", &slopes)?;
         problem.alibi_per_batch = Some(match *slopes.shape {
             [h] if h == hq => false,

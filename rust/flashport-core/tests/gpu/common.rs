@@ -7,7 +7,7 @@ use flashport_core::gpu::kernel::Tier;
 use flashport_core::overrides::{self, Overrides};
 use flashport_core::{
     bf16, cpu, f16, gpu, validate_forward, ArrayInfo, Buffer, DType, ForwardOutput, Options,
-    Problem, Slice, VariantArrays,
+    Problem, Slice, VariantArrays, VariantOptions,
 };
 
 /// Deterministic values in [-1, 1), never exactly 0.
@@ -47,10 +47,10 @@ pub fn problem(s: Shape, causal: bool, dtype: &str) -> Problem {
         ArrayInfo::new(&[b, hq, sq, d], dtype),
         ArrayInfo::new(&[b, hkv, sk, d], dtype),
         ArrayInfo::new(&[b, hkv, sk, dv], dtype),
-        &Options {
+        &Options::from(VariantOptions {
             causal,
-            ..Options::default()
-        },
+            ..VariantOptions::default()
+        }),
     )
     .unwrap()
 }

@@ -12,7 +12,7 @@
 use super::common::*;
 use flashport_core::gpu::decode::select::DecodeKernel;
 use flashport_core::overrides::{self, Overrides};
-use flashport_core::problem::{validate_kvcache, IntArray, KvCacheOptions};
+use flashport_core::problem::{validate_kvcache, IntArray, KvCacheOptions, VariantOptions};
 use flashport_core::{
     attention_with_kvcache_arrays, cpu, gpu, ArrayInfo, Buffer, DType, Device, Error, Input,
     KvCacheProblem, Placement, VariantArrays,
@@ -80,9 +80,11 @@ fn paged(
             values: &table,
         }),
         &KvCacheOptions {
-            causal: true,
             num_splits,
-            ..KvCacheOptions::default()
+            ..KvCacheOptions::from(VariantOptions {
+                causal: true,
+                ..VariantOptions::default()
+            })
         },
     )
     .unwrap();

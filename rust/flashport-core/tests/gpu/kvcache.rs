@@ -9,7 +9,7 @@
 use super::common::*;
 use flashport_core::kvcache::{ArrayArg, CacheArgs};
 use flashport_core::overrides;
-use flashport_core::problem::KvCacheOptions;
+use flashport_core::problem::{KvCacheOptions, VariantOptions};
 use flashport_core::{gpu, ArrayInfo, Buffer, DType, Error, KvCache, Placement, VariantArrays};
 
 /// (heads_q, heads_kv, block_size, d, d_v)
@@ -141,10 +141,10 @@ fn attend(
             },
             ids,
             layer,
-            &KvCacheOptions {
+            &KvCacheOptions::from(VariantOptions {
                 causal: true,
-                ..KvCacheOptions::default()
-            },
+                ..VariantOptions::default()
+            }),
             &VariantArrays::default(),
             Placement::Host,
         )

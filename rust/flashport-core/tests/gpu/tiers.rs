@@ -9,7 +9,9 @@ use flashport_core::gpu::kernel::{Kernel, Tier};
 use flashport_core::gpu::select::{BackwardPlan, ForwardPlan};
 use flashport_core::gpu::testing::{adapter_caps, plans};
 use flashport_core::overrides::{self, Overrides};
-use flashport_core::{gpu, validate_forward, ArrayInfo, DType, Options, Problem, VariantArrays};
+use flashport_core::{
+    gpu, validate_forward, ArrayInfo, DType, Options, Problem, VariantArrays, VariantOptions,
+};
 
 #[test]
 fn adapters_are_listed_consistently() {
@@ -103,10 +105,10 @@ fn softcap_case(dtype: DType) -> Case {
         ArrayInfo::new(&[b, hq, sq, d], name),
         ArrayInfo::new(&[b, hkv, sk, d], name),
         ArrayInfo::new(&[b, hkv, sk, dv], name),
-        &Options {
+        &Options::from(VariantOptions {
             softcap: Some(0.5),
-            ..Options::default()
-        },
+            ..VariantOptions::default()
+        }),
     )
     .unwrap();
     Case {

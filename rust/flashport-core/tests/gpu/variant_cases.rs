@@ -8,6 +8,7 @@ use flashport_core::overrides::{self, Overrides};
 use flashport_core::variants::MaskData;
 use flashport_core::{
     cpu, gpu, validate_forward, ArrayInfo, DType, Options, Problem, Slice, VariantArrays,
+    VariantOptions,
 };
 
 #[derive(Clone, Default)]
@@ -107,7 +108,7 @@ pub fn check_spec(
         .map(|x| (2.0 * x) as f32 as f64)
         .collect();
     let sinks_shape = [hq];
-    let options = Options {
+    let options = Options::from(VariantOptions {
         causal: spec.causal,
         window: spec.window,
         softcap: spec.softcap,
@@ -121,8 +122,8 @@ pub fn check_spec(
             .as_ref()
             .map(|shape| ArrayInfo::new(shape, "float32")),
         sinks: spec.sinks.then(|| ArrayInfo::new(&sinks_shape, "float32")),
-        ..Options::default()
-    };
+        ..VariantOptions::default()
+    });
     let p = validate_forward(
         ArrayInfo::new(&[b, hq, sq, d], dt_name),
         ArrayInfo::new(&[b, hkv, sk, d], dt_name),

@@ -6,7 +6,9 @@ use super::variant_cases::*;
 use flashport_core::gpu::kernel::Tier;
 use flashport_core::overrides;
 use flashport_core::variants::DropoutMask;
-use flashport_core::{gpu, validate_forward, ArrayInfo, DType, Options, Slice, VariantArrays};
+use flashport_core::{
+    gpu, validate_forward, ArrayInfo, DType, Options, Slice, VariantArrays, VariantOptions,
+};
 
 #[test]
 fn variant_window() {
@@ -150,11 +152,11 @@ fn dropout_mask_matches_the_cpu_exactly() {
         return;
     }
     let (b, h, sq, sk) = (2, 3, 21, 40);
-    let options = Options {
+    let options = Options::from(VariantOptions {
         dropout_p: 0.4,
         seed: Some(0xdead_beef_1234_5678),
-        ..Options::default()
-    };
+        ..VariantOptions::default()
+    });
     let p = validate_forward(
         ArrayInfo::new(&[b, h, sq, 4], "float32"),
         ArrayInfo::new(&[b, h, sk, 4], "float32"),
