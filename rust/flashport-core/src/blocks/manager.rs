@@ -59,6 +59,19 @@ pub struct BlockManager {
     next_id: u64,
 }
 
+/// The blocks `seqs` hold, each once, in the order of their tables.
+fn distinct_blocks<'s>(seqs: impl Iterator<Item = &'s Sequence>) -> Vec<usize> {
+    let mut blocks: Vec<usize> = Vec::new();
+    for seq in seqs {
+        for &b in &seq.blocks {
+            if !blocks.contains(&b) {
+                blocks.push(b);
+            }
+        }
+    }
+    blocks
+}
+
 /// A swapped-out sequence where only one in the pools will do.
 fn swapped_out(argument: &str, id: i64) -> Error {
     Error::Value {
@@ -543,14 +556,7 @@ impl BlockManager {
     /// swap space has too few free blocks.
     pub fn plan_swap_out(&self, ids: &[i64]) -> Result<SwapPlan> {
         let sequences = self.distinct_ids(ids, |name, id| self.sequence(name, id).map(|_| ()))?;
-        let mut blocks: Vec<usize> = Vec::new();
-        for key in &sequences {
-            for &b in &self.sequences[key].blocks {
-                if !blocks.contains(&b) {
-                    blocks.push(b);
-                }
-            }
-        }
+        let blocks = distinct_blocks(sequences.iter().map(|key| &self.sequences[key]));
         let host = self.swap.next_free(blocks.len()).ok_or_else(|| {
             Error::CacheFull(format!(
                 "the swap space is full: swapping out sequence(s) {ids:?} needs {} host \
@@ -617,14 +623,7 @@ impl BlockManager {
                 reason: format!("sequence {id} is in the pools, not swapped out"),
             }),
         })?;
-        let mut host: Vec<usize> = Vec::new();
-        for key in &sequences {
-            for &b in &self.swapped[key].blocks {
-                if !host.contains(&b) {
-                    host.push(b);
-                }
-            }
-        }
+        let host = distinct_blocks(sequences.iter().map(|key| &self.swapped[key]));
         let fresh = self.pool.next_fresh(host.len(), &[]).ok_or_else(|| {
             Error::CacheFull(format!(
                 "the KV cache is full: swapping in sequence(s) {ids:?} needs {} free block(s) \

@@ -129,6 +129,42 @@ pub(crate) fn gather_blocks(
     Ok(out)
 }
 
+/// Blocks `blocks` of every layer's key and value buffers, gathered per
+/// layer (`lens`: the elements of a block of keys and of values): the
+/// layout [`crate::blocks::Storage::read_blocks`] gives, for the pools
+/// and the swap space alike.
+pub(crate) fn gather_layers(
+    keys: &[Buffer],
+    values: &[Buffer],
+    dtype: DType,
+    (ks, vs): (usize, usize),
+    blocks: &[usize],
+) -> Result<Vec<(Buffer, Buffer)>> {
+    keys.iter()
+        .zip(values)
+        .map(|(k, v)| {
+            Ok((
+                gather_blocks(k, dtype, ks, blocks)?,
+                gather_blocks(v, dtype, vs, blocks)?,
+            ))
+        })
+        .collect()
+}
+
+/// [`gather_layers`]' layout written back into blocks `blocks`.
+pub(crate) fn scatter_layers(
+    keys: &mut [Buffer],
+    values: &mut [Buffer],
+    (ks, vs): (usize, usize),
+    blocks: &[usize],
+    data: &[(Buffer, Buffer)],
+) {
+    for ((k, v), (dk, dv)) in keys.iter_mut().zip(values.iter_mut()).zip(data) {
+        scatter_blocks(k, ks, blocks, dk);
+        scatter_blocks(v, vs, blocks, dv);
+    }
+}
+
 /// Block `i` of `data` (gathered as [`gather_blocks`] does) into block
 /// `blocks[i]` of `pool`.
 pub(crate) fn scatter_blocks(pool: &mut Buffer, span: usize, blocks: &[usize], data: &Buffer) {
@@ -254,26 +290,13 @@ impl Storage for CpuStorage {
     }
 
     fn read_blocks(&self, blocks: &[usize]) -> Result<Vec<(Buffer, Buffer)>> {
-        let (ks, vs) = self.shape.block_lens();
-        let dtype = self.shape.dtype;
-        self.keys
-            .iter()
-            .zip(&self.values)
-            .map(|(k, v)| {
-                Ok((
-                    gather_blocks(k, dtype, ks, blocks)?,
-                    gather_blocks(v, dtype, vs, blocks)?,
-                ))
-            })
-            .collect()
+        let lens = self.shape.block_lens();
+        gather_layers(&self.keys, &self.values, self.shape.dtype, lens, blocks)
     }
 
     fn write_blocks(&mut self, blocks: &[usize], data: &[(Buffer, Buffer)]) -> Result<()> {
-        let (ks, vs) = self.shape.block_lens();
-        for ((k, v), (dk, dv)) in self.keys.iter_mut().zip(self.values.iter_mut()).zip(data) {
-            scatter_blocks(k, ks, blocks, dk);
-            scatter_blocks(v, vs, blocks, dv);
-        }
+        let lens = self.shape.block_lens();
+        scatter_layers(&mut self.keys, &mut self.values, lens, blocks, data);
         Ok(())
     }
 }

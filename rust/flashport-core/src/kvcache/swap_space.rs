@@ -9,7 +9,7 @@
 //! gives a process: a separate budget from the pools, as vLLM's CPU swap
 //! space is, on the CPU too.
 
-use super::cpu_storage::{gather_blocks, pool, scatter_blocks};
+use super::cpu_storage::{gather_layers, pool, scatter_layers};
 use crate::array::Buffer;
 use crate::blocks::CacheShape;
 use crate::error::{Error, Result};
@@ -56,26 +56,13 @@ impl SwapSpace {
     /// [`crate::blocks::Storage::read_blocks`] gives them) in host blocks
     /// `blocks`.
     pub fn store(&mut self, blocks: &[usize], data: &[(Buffer, Buffer)]) {
-        let (ks, vs) = self.shape.block_lens();
-        for ((k, v), (dk, dv)) in self.keys.iter_mut().zip(self.values.iter_mut()).zip(data) {
-            scatter_blocks(k, ks, blocks, dk);
-            scatter_blocks(v, vs, blocks, dv);
-        }
+        let lens = self.shape.block_lens();
+        scatter_layers(&mut self.keys, &mut self.values, lens, blocks, data);
     }
 
     /// Host blocks `blocks`, laid out as [`Self::store`] takes them.
     pub fn load(&self, blocks: &[usize]) -> Result<Vec<(Buffer, Buffer)>> {
-        let (ks, vs) = self.shape.block_lens();
-        let dtype = self.shape.dtype;
-        self.keys
-            .iter()
-            .zip(&self.values)
-            .map(|(k, v)| {
-                Ok((
-                    gather_blocks(k, dtype, ks, blocks)?,
-                    gather_blocks(v, dtype, vs, blocks)?,
-                ))
-            })
-            .collect()
+        let lens = self.shape.block_lens();
+        gather_layers(&self.keys, &self.values, self.shape.dtype, lens, blocks)
     }
 }
