@@ -18,6 +18,7 @@ from flashport._generate.model import Config, Model, rope
 from flashport._generate.report import Progress
 from flashport._generate.run import TOLERANCE, Workload, generate
 from flashport._generate.search import BeamSearch, Sampling, log_softmax
+from flashport._generate.serve import serve
 
 SMALL = Config(vocab=64, d_model=64, heads_q=4, heads_kv=2, head_dim=16, hidden=96, layers=2)
 
@@ -182,3 +183,14 @@ def test_progress_only_on_a_terminal():
     assert tty.getvalue() == "\r  cpu: step 3/4"
     p.close()
     assert tty.getvalue().endswith("\r\033[K")
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_serving_through_the_scheduler_keeps_every_logit(backend, preemption):
+    """--serve: requests in a cache a third of their size, preempted and
+    resumed, every step's logits against the no-cache recompute."""
+    r = serve(Model(SMALL, seed=4), backend, 8, 12, 10, 4, preemption, seed=2)
+    assert r["ok"] and r["preemptions"] > 0, r
+    kind = "swaps" if preemption == "swap" else "recomputations"
+    assert r[kind] == r["preemptions"]
+    assert r["checked_positions"] >= r["tokens_generated"]

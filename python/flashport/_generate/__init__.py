@@ -7,7 +7,9 @@ side, one batched ``cache.attention`` call per layer per step over the 12
 live sequences. It prints tokens/s, the KV memory against contiguous
 per-request caches, the memory saved by sharing, and the largest deviation
 of every step's logits from recomputing the whole sequence without a cache;
-it exits 1 if that check fails. See docs/generate.md.
+it exits 1 if that check fails. With ``--serve N`` it serves N requests
+at once through :class:`flashport.Scheduler` instead, in a cache too small
+for all of them, with the same check. See docs/generate.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import flashport
 from .model import Config, Model
 from .report import Progress, table
 from .run import Workload, generate
+from .serve import serve
 
 
 def _positive(text: str) -> int:
@@ -42,6 +45,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layers", type=_positive, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write each run's numbers to this JSON file")
+    parser.add_argument(
+        "--serve",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve N requests at once through flashport.Scheduler instead (prompts of 1 to "
+        "--prompt-len tokens, 1 to --new-tokens each), in a cache a third of their size",
+    )
+    parser.add_argument("--preemption", choices=("swap", "recompute", "auto"), default="auto")
     args = parser.parse_args(argv)
 
     model = Model(Config(layers=args.layers), seed=args.seed)
@@ -75,6 +87,28 @@ def main(argv: list[str]) -> int:
                 return 1
 
     results, failed = [], False
+    if args.serve > 0:
+        for device, label in runs:
+            r = serve(
+                model, device, args.serve, args.prompt_len, args.new_tokens,
+                args.block_size, args.preemption, args.seed,
+            )  # fmt: skip
+            print(
+                f"{label}: served {r['requests']} requests ({r['tokens_generated']} tokens) "
+                f"in {r['seconds']:.2f} s, {r['num_blocks']} blocks for "
+                f"{r['blocks_wanted_at_once']} wanted at once: {r['preemptions']} "
+                f"preemptions ({r['swaps']} swaps, {r['recomputations']} recomputations); "
+                f"logits of {r['checked_positions']} positions against the no-cache "
+                f"recompute: max relative deviation {r['max_rel_deviation']:.1e} "
+                f"({'ok' if r['ok'] else 'FAILED'})",
+                flush=True,
+            )
+            results.append({"label": label, **r})
+            failed |= not r["ok"]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 1 if failed else 0
     for device, label in runs:
         progress = Progress(label)
         try:
