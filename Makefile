@@ -22,7 +22,10 @@ run: setup
 test: setup lint test-rust test-python test-wheel
 
 # Clippy twice: with the test hooks (what the tests and tools build) and
-# as the release wheel builds the extension, without them.
+# as the release wheel builds the extension, without them. actionlint checks
+# the release workflow, which runs on GitHub only; shellcheck and pyflakes
+# are left out of it so that its verdict does not hang on what else a
+# machine has installed.
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
@@ -30,6 +33,7 @@ lint:
 	.venv/bin/ruff check python tests benchmarks examples shaders/gen scripts
 	.venv/bin/ruff format --check python tests benchmarks examples shaders/gen scripts
 	scripts/cm2.sh --check
+	.venv/bin/actionlint -shellcheck= -pyflakes=
 
 test-rust:
 	FLASHPORT_REQUIRE_GPU=1 cargo test --workspace --all-features --quiet

@@ -9,10 +9,10 @@
 # not), so CPython 3.11 is built inside the root, by bullseye's compiler
 # against bullseye's glibc, from the pristine upstream tarball of Debian 12's
 # python3.11 source package (apt-get source checks it against the signed
-# archive). NumPy comes from PyPI as a wheel pip picks for the root's Python
-# and glibc, downloaded on the host (the root has no network configuration
-# of its own). The root has no Vulkan loader, so flashport computes on the
-# CPU there and the smoke test checks that it says so.
+# archive). NumPy: the PyPI wheel for the root's Python and glibc, which
+# the host's pip downloads and the root's pip installs offline (--no-index),
+# so the root needs no PyPI access. The root has no Vulkan loader: flashport
+# computes on the CPU there, and the smoke test checks that it says so.
 #
 # Usage (as root, Linux x86-64): scripts/old_glibc.sh WHEEL [PLAIN_WHEEL]
 #   PLAIN_WHEEL: optionally a wheel pip must refuse there (the manylinux_2_35
@@ -29,7 +29,9 @@ die() {
     exit 1
 }
 
-[ $# -ge 1 ] && [ -f "$1" ] || die "usage: $0 WHEEL [PLAIN_WHEEL]"
+if [ $# -lt 1 ] || [ ! -f "$1" ]; then
+    die "usage: $0 WHEEL [PLAIN_WHEEL]"
+fi
 WHEEL=$(realpath "$1")
 PLAIN=${2:+$(realpath "$2")}
 [ "$(id -u)" -eq 0 ] || die "needs root: debootstrap and chroot"
@@ -76,6 +78,7 @@ if [ ! -x "$ROOT$PYTHON" ]; then
     rm -rf "$ROOT/build"
 fi
 
+# shellcheck disable=SC2016 # $PRETTY_NAME is the root's, expanded there
 say "the root: $(in_root sh -c '. /etc/os-release; echo "$PRETTY_NAME"'), $(in_root ldd --version | head -1)"
 say "its Python: $(in_root $PYTHON -c 'import platform, sys; print(sys.version.split()[0], "linked against", *platform.libc_ver())')"
 say "its Vulkan loader: $(in_root sh -c 'ldconfig -p | grep libvulkan || echo none')"
@@ -88,7 +91,7 @@ if [ -n "$PLAIN" ]; then
 fi
 TAGS=$(in_root $PYTHON -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
 # The NumPy wheel pip would pick there: its Python and glibc 2.31.
-python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+.venv/bin/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
     --python-version "$TAGS" --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
     -d "$ROOT/work/wheels" "$NUMPY"
