@@ -70,7 +70,7 @@ test-wheel: setup
 		-c requirements-dev.txt $(WHEEL_CHECK)/dist/*.whl
 	cd $(WHEEL_CHECK) && FLASHPORT_REQUIRE_GPU=1 venv/bin/python $(CURDIR)/scripts/wheel_smoke.py
 
-## Opt-in (root, about 10 minutes the first time, 1 GiB in target/old-glibc):
+## Opt-in (root; about 3 minutes the first time here, 1.3 GiB in target/old-glibc):
 ## the manylinux wheel installed and smoke-tested on Debian 11 (glibc 2.31,
 ## older than this machine's), without a Vulkan loader: CPU only. A plain
 ## `maturin build` wheel goes along, which pip there must refuse.
@@ -81,7 +81,7 @@ test-old-glibc: setup
 	.venv/bin/maturin build --release --quiet --out $(OLD_GLIBC)/plain
 	scripts/old_glibc.sh $(OLD_GLIBC)/dist/*.whl $(OLD_GLIBC)/plain/*.whl
 
-## Opt-in (about 5 minutes: everything compiles from the sdist): the source
+## Opt-in (about 3.5 minutes here: everything compiles from the sdist): the source
 ## distribution holds what a build needs (check_sdist.py), and pip builds and
 ## installs it in a fresh virtual environment, as where no wheel fits, then
 ## the smoke test. maturin, the build backend, comes from PyPI at the

@@ -18,7 +18,7 @@
 #   PLAIN_WHEEL: optionally a wheel pip must refuse there (the manylinux_2_35
 #   one a plain `maturin build` makes on Debian 12), to show the root tells
 #   the two apart.
-# The root stays in target/old-glibc (about 1 GiB, kept between runs so that
+# The root stays in target/old-glibc (about 1.3 GiB, kept between runs so that
 # later runs skip debootstrap and the Python build); OLD_GLIBC_DIR moves it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
