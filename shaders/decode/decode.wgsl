@@ -82,17 +82,15 @@ fn score(x: f32, b: u32, h: u32, len: u32, r: u32, key: u32, key_end: u32) -> f3
     if r >= u.rows || key >= key_end || key < seen.x || key >= seen.y || !bound(b, key) {
         return NEG_BIG;
     }
-    var s = x;
-    if SOFTCAP {
-        s = u.softcap * tanh_f32(x / u.softcap);
-    }
+    var slope = 0.0;
+    var distance = 0;
     if ALIBI {
         let head = h * u.group + r / u.seq_q;
-        let slope = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + head]);
+        slope = bitcast<f32>(seq_data[u.slopes_off + b * u.heads_q + head]);
         let pos = i32(len) - i32(u.seq_q) + i32(i);
-        s -= slope * f32(abs(pos - i32(key)));
+        distance = abs(pos - i32(key));
     }
-    return s;
+    return variant_score(x, u.softcap, slope, distance);
 }
 
 @compute @workgroup_size(WG)

@@ -89,19 +89,6 @@ fn slot_lane(s: u32) -> u32 {
     return reverseBits(s) >> (32u - SB);
 }
 
-// A score from u = scale * q . k: softcap, then ALiBi (`pos` the row's
-// position).
-fn variant_score(x: f32, key: u32, slope: f32, pos: i32) -> f32 {
-    var s = x;
-    if SOFTCAP {
-        s = u.softcap * tanh_f32(x / u.softcap);
-    }
-    if ALIBI {
-        s -= slope * f32(abs(pos - i32(key)));
-    }
-    return s;
-}
-
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -1408,7 +1395,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -1680,7 +1667,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -1697,7 +1684,7 @@ fn main(
                     let j = my_j + 1u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x1, key, slope, pos);
+                        let y = variant_score(x1, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc1 = y;
                         } else {
@@ -2005,7 +1992,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -2022,7 +2009,7 @@ fn main(
                     let j = my_j + 1u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x1, key, slope, pos);
+                        let y = variant_score(x1, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc1 = y;
                         } else {
@@ -2369,7 +2356,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -2386,7 +2373,7 @@ fn main(
                     let j = my_j + 1u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x1, key, slope, pos);
+                        let y = variant_score(x1, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc1 = y;
                         } else {
@@ -2404,7 +2391,7 @@ fn main(
                     let j = my_j + 2u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x2, key, slope, pos);
+                        let y = variant_score(x2, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc2 = y;
                         } else {
@@ -2422,7 +2409,7 @@ fn main(
                     let j = my_j + 3u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x3, key, slope, pos);
+                        let y = variant_score(x3, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc3 = y;
                         } else {
@@ -2845,7 +2832,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -2862,7 +2849,7 @@ fn main(
                     let j = my_j + 1u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x1, key, slope, pos);
+                        let y = variant_score(x1, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc1 = y;
                         } else {
@@ -2880,7 +2867,7 @@ fn main(
                     let j = my_j + 2u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x2, key, slope, pos);
+                        let y = variant_score(x2, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc2 = y;
                         } else {
@@ -2898,7 +2885,7 @@ fn main(
                     let j = my_j + 3u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x3, key, slope, pos);
+                        let y = variant_score(x3, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc3 = y;
                         } else {
@@ -3404,7 +3391,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -3421,7 +3408,7 @@ fn main(
                     let j = my_j + 1u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x1, key, slope, pos);
+                        let y = variant_score(x1, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc1 = y;
                         } else {
@@ -3439,7 +3426,7 @@ fn main(
                     let j = my_j + 2u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x2, key, slope, pos);
+                        let y = variant_score(x2, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc2 = y;
                         } else {
@@ -3457,7 +3444,7 @@ fn main(
                     let j = my_j + 3u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x3, key, slope, pos);
+                        let y = variant_score(x3, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc3 = y;
                         } else {
@@ -3475,7 +3462,7 @@ fn main(
                     let j = my_j + 4u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x4, key, slope, pos);
+                        let y = variant_score(x4, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc4 = y;
                         } else {
@@ -3493,7 +3480,7 @@ fn main(
                     let j = my_j + 5u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x5, key, slope, pos);
+                        let y = variant_score(x5, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc5 = y;
                         } else {
@@ -3511,7 +3498,7 @@ fn main(
                     let j = my_j + 6u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x6, key, slope, pos);
+                        let y = variant_score(x6, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc6 = y;
                         } else {
@@ -3529,7 +3516,7 @@ fn main(
                     let j = my_j + 7u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x7, key, slope, pos);
+                        let y = variant_score(x7, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc7 = y;
                         } else {
@@ -4201,7 +4188,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -4218,7 +4205,7 @@ fn main(
                     let j = my_j + 1u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x1, key, slope, pos);
+                        let y = variant_score(x1, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc1 = y;
                         } else {
@@ -4236,7 +4223,7 @@ fn main(
                     let j = my_j + 2u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x2, key, slope, pos);
+                        let y = variant_score(x2, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc2 = y;
                         } else {
@@ -4254,7 +4241,7 @@ fn main(
                     let j = my_j + 3u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x3, key, slope, pos);
+                        let y = variant_score(x3, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc3 = y;
                         } else {
@@ -5040,7 +5027,7 @@ fn main(
                 let j = my_j + 0u;
                 let key = kb + j;
                 if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                    let y = variant_score(x0, key, slope, pos);
+                    let y = variant_score(x0, u.softcap, slope, abs(pos - i32(key)));
                     if finite_f32(y) {
                         sc0 = y;
                     } else {
@@ -5057,7 +5044,7 @@ fn main(
                     let j = my_j + 1u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x1, key, slope, pos);
+                        let y = variant_score(x1, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc1 = y;
                         } else {
@@ -5075,7 +5062,7 @@ fn main(
                     let j = my_j + 2u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x2, key, slope, pos);
+                        let y = variant_score(x2, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc2 = y;
                         } else {
@@ -5093,7 +5080,7 @@ fn main(
                     let j = my_j + 3u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x3, key, slope, pos);
+                        let y = variant_score(x3, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc3 = y;
                         } else {
@@ -5111,7 +5098,7 @@ fn main(
                     let j = my_j + 4u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x4, key, slope, pos);
+                        let y = variant_score(x4, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc4 = y;
                         } else {
@@ -5129,7 +5116,7 @@ fn main(
                     let j = my_j + 5u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x5, key, slope, pos);
+                        let y = variant_score(x5, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc5 = y;
                         } else {
@@ -5147,7 +5134,7 @@ fn main(
                     let j = my_j + 6u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x6, key, slope, pos);
+                        let y = variant_score(x6, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc6 = y;
                         } else {
@@ -5165,7 +5152,7 @@ fn main(
                     let j = my_j + 7u;
                     let key = kb + j;
                     if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {
-                        let y = variant_score(x7, key, slope, pos);
+                        let y = variant_score(x7, u.softcap, slope, abs(pos - i32(key)));
                         if finite_f32(y) {
                             sc7 = y;
                         } else {

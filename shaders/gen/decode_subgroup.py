@@ -194,7 +194,7 @@ def pass_block(rb, kpi):
             f"let j = my_j + {e}u;",
             "let key = kb + j;",
             "if ((ok >> j) & 1u) != 0u && key >= lo && key < hi {",
-            f"    let y = variant_score(x{e}, key, slope, pos);",
+            f"    let y = variant_score(x{e}, u.softcap, slope, abs(pos - i32(key)));",
             "    if finite_f32(y) {",
             f"        sc{e} = y;",
             "    } else {",

@@ -207,21 +207,20 @@ fn softcap_tanh(u: f32) -> f32 {
 // crate::variants defines it: softcap, ALiBi, then the mask; NEG_BIG where
 // a -inf mask entry hides the key.
 fn score(u: f32, bh: u32, row: u32, key: u32) -> f32 {
-    var s = u;
-    if SOFTCAP {
-        s = p.softcap * softcap_tanh(u);
-    }
+    var slope = 0.0;
+    var distance = 0;
     if ALIBI {
         if VARLEN {
             // Distances within the row's sequence, with its slopes.
-            let slope = bitcast<f32>(vx[p.slopes_off + varlen_row(row, 3u) * p.heads_q + bh]);
+            slope = bitcast<f32>(vx[p.slopes_off + varlen_row(row, 3u) * p.heads_q + bh]);
             let diagonal = bitcast<i32>(varlen_row(row, 2u));
-            s -= slope * f32(abs(i32(row) + diagonal - i32(key)));
+            distance = abs(i32(row) + diagonal - i32(key));
         } else {
-            let slope = bitcast<f32>(vx[p.slopes_off + bh]);
-            s -= slope * f32(abs(i32(row) + p.diag_offset - i32(key)));
+            slope = bitcast<f32>(vx[p.slopes_off + bh]);
+            distance = abs(i32(row) + p.diag_offset - i32(key));
         }
     }
+    var s = variant_score(u, p.softcap, slope, distance);
     if MASK {
         // The tiled kernels score padding rows and keys too, and run
         // without bounds checks: only real ones read the mask.

@@ -64,11 +64,15 @@
 //   gpu/params.rs         Params' field (gpu/decode/mod.rs: DecodeUniform's)
 //   gpu/shaders.rs        its override (gpu/cm2.rs, gpu/pipelines.rs: its
 //                         cooperative-matrix-2 constant)
-// shaders/ (not yet one score function)
-//   lib/variants.wgsl, lib/common.wgsl      the override; Params, score()
-//   decode/shared.wgsl, decode/decode.wgsl, gen/decode_subgroup.wgsl.in
-//                                           decoding's uniform and scores
-//   cm2/common.glsl       then scripts/cm2.sh
+// shaders/
+//   lib/variants.wgsl     the override and `variant_score`, the score of
+//                         every WGSL kernel (the attention kernels' and
+//                         decoding's); its inputs come from:
+//   lib/common.wgsl, decode/shared.wgsl     Params, decoding's uniform
+//                         (and the call sites of variant_score where it
+//                         takes a new input: lib/common.wgsl's score(),
+//                         decode/decode.wgsl, gen/decode_subgroup.py)
+//   cm2/common.glsl       score_of, the GLSL port; then scripts/cm2.sh
 // Tests: tests/test_variants.py against the oracle on every backend,
 // tests/test_fuzz_api.py, rust/flashport-core/tests/fuzz_validation.rs.
 
