@@ -325,7 +325,13 @@ def test_a_gpu_lost_leaves_the_other_working(two_gpus):
     a0, a1 = (to_device(q, g) for g in two_gpus)
     want = flashport.attention(q, k, v, device=g0)
     flashport.attention(a1, k, v)
+    queued = flashport.attention(a1, to_device(k, g1), to_device(v, g1))  # not waited for
     _core._testing_lose_device(1)
+    # Waiting on gpu:1 finds it lost and drops its context, and only its.
+    with pytest.raises(GpuError, match="gpu:1 .* was lost"):
+        flashport.synchronize(g1)
+    with pytest.raises(GpuError, match="lost"):
+        queued.numpy()
     with pytest.raises(GpuError) as info:
         flashport.attention(a1, k, v)
     assert re.match(r"q is a device array on gpu:1 \(.*\), which was lost", str(info.value))
