@@ -7,6 +7,7 @@ while their calls are queued, and the queue is bounded."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import flashport
 import numpy as np
@@ -104,6 +105,34 @@ def test_a_chain_of_queued_calls_gives_the_bits_of_calls_that_wait(gpu, dtype):
             assert got_s.tobytes() == want.tobytes(), f"synchronized chain, step {step}, {name}"
     # The chain moves: the decode saw rows appended during the chain.
     assert not np.array_equal(numpy[0][1], numpy[-1][1])
+
+
+def test_queued_calls_from_two_threads_give_the_bits_of_calls_that_wait(gpu):
+    """Two threads queue dependent chains at once: the context's submitter
+    takes both threads' calls as they come, and each chain still runs in
+    its own order, with the bits of calls that wait."""
+    arrays = chain_inputs()
+    want = run_chain(arrays, device=False)
+    got: list = [None, None]
+    failures: list = []
+
+    def work(i):
+        try:
+            got[i] = run_chain(arrays, device=True)
+        except BaseException as e:  # surfaced by the assertion below
+            failures.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures, failures
+    for chain in got:
+        assert chain is not None and len(chain) == STEPS
+        for step, (a, b) in enumerate(zip(chain, want, strict=True)):
+            for g, w, name in zip(a, b, ("t", "x"), strict=True):
+                assert g.tobytes() == w.tobytes(), f"step {step}, {name}"
 
 
 def test_calls_on_device_arrays_do_not_wait_and_the_others_do(gpu):

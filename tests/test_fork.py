@@ -133,6 +133,69 @@ def test_a_raw_forked_child_that_used_the_gpu_exits(gpu):
     assert lines[-1] == "child exit status 3", done.stdout
 
 
+QUEUED_FORK = """
+    import os, sys, threading
+    import numpy as np, flashport
+
+    rng = np.random.default_rng(1)
+    q = flashport.to_device(rng.standard_normal((1, 2, 64, 16), dtype=np.float32))
+    want = flashport.attention(q, q, q).numpy()
+    stop = threading.Event()
+
+    def queue_calls():
+        # Calls queued without a wait, back to back: this thread is in
+        # the driver much of the time.
+        while not stop.is_set():
+            x = q
+            for _ in range(8):
+                x = flashport.attention(x, q, q)
+            flashport.synchronize()
+
+    busy = threading.Thread(target=queue_calls)
+    busy.start()
+    statuses = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            a = np.ones((1, 2, 64, 16), np.float32)
+            try:
+                flashport.attention(a, a, a, device="gpu")
+            except flashport.BackendUnavailableError:
+                pass  # NVIDIA opens no device in a forked child
+            flashport.attention(a, a, a, device="cpu")
+            os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        statuses.append(os.waitstatus_to_exitcode(status))
+    stop.set()
+    busy.join()
+    print("statuses", *statuses, flush=True)
+    print("parent", bool(np.array_equal(flashport.attention(q, q, q).numpy(), want)), flush=True)
+"""
+
+
+def test_a_fork_while_another_thread_runs_gpu_calls(gpu):
+    """Forks while another thread queues GPU calls back to back: every
+    child computes (or, where the driver refuses a forked child a device,
+    says so) and exits, and the parent's results are unchanged.
+
+    On NVIDIA's driver (580.159.04, H200) the first child never exited
+    (the test's 150 s timeout), with or without a pthread_atfork handler
+    that held each fork until no flashport thread was inside a GPU call,
+    so it is not a flashport thread's lock the child inherits; the cause
+    was not found. Not fixed; docs/design.md says to start workers with
+    "spawn" there. Run where the adapter is a software one."""
+    if not software_gpu():
+        pytest.skip("a child forked during GPU calls hangs on NVIDIA (see the docstring)")
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(QUEUED_FORK)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["statuses 3 3 3 3", "parent True"], done.stdout
+
+
 LIVE_CACHE = """
     import os, sys
     import numpy as np, flashport

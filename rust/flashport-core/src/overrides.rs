@@ -44,6 +44,9 @@ pub struct Overrides {
     /// The cooperative forward with these tiles where they fit (one of
     /// `tiles::coop_forward_candidates`; else the next tier runs).
     pub coop_forward: Option<Tiles>,
+    /// The cooperative-matrix-2 forward with these tiles (query rows and
+    /// keys a step), where its head dimensions fit at all.
+    pub cm2_forward: Option<Tiles>,
     /// Poll for GPU work this long before sleeping, instead of the
     /// context's own time (which is zero on a software adapter).
     pub spin: Option<std::time::Duration>,
@@ -64,6 +67,7 @@ impl Overrides {
         decode_prefetch: None,
         decode_checked: false,
         coop_forward: None,
+        cm2_forward: None,
         spin: None,
     };
 

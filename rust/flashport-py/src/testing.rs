@@ -18,7 +18,7 @@ use pyo3::prelude::*;
                     binding_limit=None, naga_spirv=false, portable_cpu=false,
                     decode_workgroup=None, decode_keys=None, decode_lanes=None,
                     decode_prefetch=None, decode_checked=false, coop_forward=None,
-                    spin_us=None))]
+                    cm2_forward=None, spin_us=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn _testing_set_overrides(
     max_tier: Option<&str>,
@@ -33,6 +33,7 @@ pub fn _testing_set_overrides(
     decode_prefetch: Option<bool>,
     decode_checked: bool,
     coop_forward: Option<(u32, u32)>,
+    cm2_forward: Option<(u32, u32)>,
     spin_us: Option<u64>,
 ) -> PyResult<()> {
     let max_tier = match max_tier {
@@ -64,6 +65,14 @@ pub fn _testing_set_overrides(
             q_rows: 16 * w,
             k_rows: bk,
             workgroup: 32 * w,
+            kv_shared: false,
+            prefetch: 0,
+        }),
+        // (query rows, keys a step); the shaders' workgroups are fixed
+        cm2_forward: cm2_forward.map(|(q_rows, k_rows)| Tiles {
+            q_rows,
+            k_rows,
+            workgroup: flashport_core::gpu::tiles::CM2_WORKGROUP,
             kv_shared: false,
             prefetch: 0,
         }),

@@ -201,7 +201,7 @@ pub fn select_forward(p: &Problem, caps: AdapterCaps, ov: &Overrides) -> Forward
     let at = |tier, t| (tier, keys.key(Kernel::forward(tier), t));
     let cm2 = keys
         .cm2(p, ov)
-        .then(|| tiles::cm2_forward_tiles(d, dv))
+        .then(|| tiles::cm2_forward_tiles(d, dv).map(|t| ov.cm2_forward.unwrap_or(t)))
         .flatten()
         .map(|t| at(Tier::Cm2, t));
     let coop = || {

@@ -15,7 +15,7 @@ mod loops;
 mod simple;
 mod tiled;
 
-pub use cm2::{cm2_backward_tiles, cm2_forward_tiles};
+pub use cm2::{cm2_backward_tiles, cm2_forward_tiles, CM2_WORKGROUP};
 pub use coop::{
     coop_backward_tiles, coop_elems, coop_forward_candidates, coop_forward_tiles, coop_o_columns,
     coop_staged_words, coop_workgroup_bytes, CoopBackwardLayout, COOP_BACKWARD_MAX_STAGED_WORDS,
