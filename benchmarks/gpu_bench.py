@@ -224,7 +224,7 @@ def torch_rows(torch, shape, dtype, causal, reps):
 
 
 def machine():
-    gpu = [d for d in flashport.devices() if d["device"] == "gpu"]
+    gpu = [d for d in flashport.devices() if d["device"].startswith("gpu")]
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "flashport": flashport.__version__,

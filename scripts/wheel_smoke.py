@@ -72,7 +72,7 @@ def main() -> None:
 
     devices = flashport.devices()
     check(devices[0]["device"] == "cpu", f"devices() starts with {devices[0]}")
-    gpus = [d for d in devices if d["device"] == "gpu"]
+    gpus = [d for d in devices if d["device"].startswith("gpu")]
     errors = {
         "cpu float64": forward_and_backward(np.float64, "cpu", 1e-10),
         "cpu float32": forward_and_backward(np.float32, "cpu", 1e-4),

@@ -57,7 +57,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def gpu_adapters() -> list[dict]:
-    return [d for d in flashport.devices() if d["device"] == "gpu"]
+    return [d for d in flashport.devices() if d["device"].startswith("gpu")]
 
 
 def _gpu_param():

@@ -53,7 +53,7 @@ def _leaky_llvmpipe() -> bool:
     """llvmpipe from Mesa before 25.0: the driver leaks (see above)."""
     for entry in flashport.devices():
         found = re.search(r"llvmpipe \(Mesa (\d+)\.", entry.get("driver", ""))
-        if entry["device"] == "gpu" and found:
+        if entry["device"].startswith("gpu") and found:
             return int(found.group(1)) < 25
     return False
 

@@ -329,7 +329,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             device=self.device,
             swap_blocks=swap_blocks,
         )
-        assert self.cache.device == self.device
+        assert self.cache.device == {"gpu": "gpu:0"}.get(self.device, self.device)
         self.model = Model(num_blocks, block_size, layers, swap_blocks)
         self.shape = (heads_kv, heads_kv * group, d, dv)
         self.dtype = np.dtype(dtype)
@@ -1214,7 +1214,7 @@ def test_properties_and_repr(monkeypatch):
     # device=None follows FLASHPORT_DEVICE, as every entry point does.
     monkeypatch.setenv("FLASHPORT_DEVICE", "gpu")
     if gpu_adapters():
-        assert flashport.KVCache(1, 1, 1, 1).device == "gpu"
+        assert flashport.KVCache(1, 1, 1, 1).device == "gpu:0"
     else:
         with pytest.raises(BackendUnavailableError):
             flashport.KVCache(1, 1, 1, 1)
@@ -1302,7 +1302,7 @@ def test_gpu_cache_errors(gpu):
     ):
         make_cache(4, 16, 2, 64, device=gpu)
     cache = make_cache(4, 2, 2, 4, device=gpu)
-    assert cache.device == "gpu"
+    assert cache.device == "gpu:0"
 
 
 def test_gpu_cache_without_an_adapter_is_refused_by_name(tmp_path):

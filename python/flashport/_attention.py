@@ -14,7 +14,8 @@ from ._errors import InvalidArgumentError
 
 __all__ = ["attention", "attention_backward", "devices"]
 
-Device = Literal["cpu", "gpu", "auto"]
+# "cpu", "gpu", "gpu:N" or "auto" (a string: "gpu:N" is no Literal).
+Device = str
 
 # A main array argument (q, k, v; do, o, lse).
 Tensor = npt.ArrayLike | DeviceArray
@@ -266,16 +267,20 @@ def attention(
         (``ProblemTooLargeError`` otherwise).
     return_lse : bool
         Also return the log-sum-exp, which ``attention_backward`` needs.
-    device : "cpu", "gpu" or "auto", optional
+    device : "cpu", "gpu", "gpu:N" or "auto", optional
         Where to compute. ``None`` means ``$FLASHPORT_DEVICE`` if set, else
-        ``"auto"``: a hardware GPU where a cost model of the two devices
-        (their rates, the GPU's fixed cost per call and the copies of NumPy
-        arrays to it and back) expects the call to finish sooner, otherwise
-        the CPU (never a software adapter).
+        ``"auto"``: the default GPU where it is a hardware one and a cost
+        model of the two devices (their rates, the GPU's fixed cost per call
+        and the copies of NumPy arrays to it and back) expects the call to
+        finish sooner, otherwise the CPU (never a software adapter).
+        ``"gpu:N"`` is entry ``N`` of :func:`devices`; ``"gpu"`` the default
+        GPU: the one ``$FLASHPORT_DEVICE="gpu:N"`` names, else the best
+        (``gpu:0``, or the next one where its driver refuses a device).
         The CPU uses ``$FLASHPORT_NUM_THREADS`` threads (default: all cores).
-        When ``q``, ``k`` or ``v`` is a DeviceArray, ``None`` and ``"auto"``
-        mean the GPU (whatever ``$FLASHPORT_DEVICE`` says) and ``"cpu"`` is an
-        error.
+        When ``q``, ``k`` or ``v`` is a DeviceArray, ``None``, ``"gpu"`` and
+        ``"auto"`` mean its GPU (whatever ``$FLASHPORT_DEVICE`` says), a
+        ``"gpu:N"`` must be that one, ``"cpu"`` is an error, and so are
+        DeviceArrays of two GPUs (:meth:`DeviceArray.to` copies one over).
 
     Returns
     -------
@@ -507,7 +512,15 @@ def attention_backward(
 
 def devices() -> list[dict[str, Any]]:
     """What flashport can compute on: the CPU (thread count, per-core cache)
-    and each GPU adapter (backend API, name, type — ``"discrete"``,
-    ``"integrated"``, ``"virtual"`` or ``"software"`` —, driver, and the
-    limits and features flashport uses)."""
+    and each GPU adapter: ``"device"`` (``"gpu:N"``, what ``device=`` takes),
+    ``"index"`` (N), backend API, name, type (``"discrete"``,
+    ``"integrated"``, ``"virtual"`` or ``"software"``), ``"pci_bus_id"``
+    (``domain:bus:device.function``; empty where the backend does not say),
+    driver, and the limits and features flashport uses.
+
+    The GPUs are numbered the same way in every process on one machine:
+    hardware before software adapters (discrete, integrated, virtual), then
+    by PCI bus address (``nvidia-smi``'s order), then by name; a card that
+    two backends show (Vulkan and DX12) is listed once. ``gpu:0`` is the
+    best, what ``device="gpu"`` uses by default."""
     return _core.devices()

@@ -236,7 +236,7 @@ def copy_references(
 
 
 def _max_buffer_size() -> int:
-    gpus = [d for d in flashport.devices() if d["device"] == "gpu"]
+    gpus = [d for d in flashport.devices() if d["device"].startswith("gpu")]
     return gpus[0]["limits"]["max_buffer_size"]
 
 
@@ -921,7 +921,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     devices = flashport.devices()
-    gpus = [d for d in devices if d["device"] == "gpu"]
+    gpus = [d for d in devices if d["device"].startswith("gpu")]
     if args.device == "gpu" and not gpus:
         print("no GPU adapter: nothing to measure on --device gpu")
         return 1

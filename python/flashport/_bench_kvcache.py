@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     batches, contexts = args.batch or BATCHES, args.context or CONTEXTS
     threads = flashport.devices()[0]["threads"]
-    gpus = [d for d in flashport.devices() if d["device"] == "gpu"]
+    gpus = [d for d in flashport.devices() if d["device"].startswith("gpu")]
     if args.device == "gpu" and not gpus:
         print("no GPU adapter")
         return 1

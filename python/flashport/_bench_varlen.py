@@ -189,7 +189,8 @@ def main(argv: list[str]) -> int:
     repeat = args.repeat or preset["repeat"]
     # PyTorch runs on the CPU here; benchmarks/gpu_bench.py compares CUDA.
     torch = torch_or_none() if args.device == "cpu" else None
-    devices = [d for d in flashport.devices() if d["device"] == args.device]
+    kind = "gpu" if args.device.startswith("gpu") else args.device
+    devices = [d for d in flashport.devices() if d["device"].startswith(kind)]
     if not devices:
         raise flashport.BackendUnavailableError(f"no {args.device} device: see flashport.devices()")
     device = devices[0]

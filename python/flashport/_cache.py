@@ -175,10 +175,11 @@ class KVCache:
     swap_blocks : int
         Host blocks of the swap space (default 0: no swapping), each one
         block of every layer's keys and values.
-    device : None, "auto", "cpu" or "gpu"
+    device : None, "auto", "cpu", "gpu" or "gpu:N"
         Where the pools live. ``None`` follows ``FLASHPORT_DEVICE`` like
         every flashport call; ``"auto"`` and ``"cpu"`` keep them in host
-        memory. ``"gpu"`` allocates them in GPU memory (float16 or float32;
+        memory. ``"gpu"`` (the default GPU) and ``"gpu:N"`` (that one of
+        :func:`flashport.devices`) allocate them in GPU memory (float16 or float32;
         float64 raises :class:`DTypeError`; no adapter raises
         :class:`BackendUnavailableError`): appends write on the device
         (``k`` and ``v`` may be NumPy arrays, uploaded token by token, or
@@ -200,7 +201,7 @@ class KVCache:
         head_dim_v: int | None = None,
         layers: int = 1,
         dtype: npt.DTypeLike = np.float32,
-        device: Literal["cpu", "gpu", "auto"] | None = None,
+        device: str | None = None,
         swap_blocks: int = 0,
     ) -> None:
         try:
@@ -211,7 +212,9 @@ class KVCache:
                 "float32 or float64"
             ) from None
         if device is not None and not isinstance(device, str):
-            raise InvalidArgumentError(f'device={device!r}: expected None, "auto", "cpu" or "gpu"')
+            raise InvalidArgumentError(
+                f'device={device!r}: expected None, "auto", "cpu", "gpu" or "gpu:N"'
+            )
         self._cache = _core.KVCache(
             num_blocks,
             block_size,
@@ -506,7 +509,7 @@ class KVCache:
 
     @property
     def device(self) -> str:
-        """Where the pools live: ``"cpu"`` (or ``"gpu"``)."""
+        """Where the pools live: ``"cpu"`` or ``"gpu:N"``."""
         return self._config[7]
 
     @property

@@ -24,6 +24,11 @@ class DeviceArray:
     backward uploads q, k and v once, and the forward's ``o`` and ``lse`` need
     never leave the GPU.
 
+    It lives on one GPU, :attr:`device` (``"gpu:N"``): a call on it runs
+    there, a call mixing arrays of two GPUs raises
+    :class:`flashport.InvalidArgumentError` naming both, and :meth:`to` copies
+    it to another GPU.
+
     Immutable: it has no methods that modify it, and no flashport call writes
     into an array it was given; :meth:`copy` makes a new one on the GPU. To
     read it, call :meth:`numpy` (or
@@ -88,6 +93,12 @@ class DeviceArray:
 
     @property
     def device(self) -> str:
+        """``"gpu:N"``: the GPU that holds the array (an index of
+        :func:`flashport.devices`)."""
+        return self._array.device
+
+    @property
+    def adapter(self) -> str:
         """The name of the GPU adapter that holds the array."""
         return self._array.adapter
 
@@ -99,6 +110,23 @@ class DeviceArray:
         """A new ``DeviceArray`` with the same values, copied on the GPU
         (nothing passes through host memory)."""
         return DeviceArray(self._array.copy())
+
+    def to(self, device: str) -> DeviceArray:
+        """The array on ``device`` (``"gpu:N"``; ``"gpu"`` and ``"auto"`` the
+        default GPU): this array itself where it is there already, else a new
+        one copied through host memory (read back, then uploaded).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``device`` names no GPU of this machine (the message lists them),
+            or is ``"cpu"`` (use :meth:`numpy`).
+        GpuError
+            Either GPU failed, or this array's was lost.
+        """
+        moved = self._array.to(device)
+        # On its own GPU the core hands back the same buffer: keep this object.
+        return self if moved.device == self.device else DeviceArray(moved)
 
     def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         # NumPy's protocol: np.asarray(x) and np.array(x) read the array back.
@@ -114,20 +142,25 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype.name}, device={self.device!r})"
 
 
-def to_device(array: npt.ArrayLike | DeviceArray) -> DeviceArray:
-    """Uploads ``array`` to the GPU, where it stays until garbage-collected.
+def to_device(array: npt.ArrayLike | DeviceArray, device: str | None = None) -> DeviceArray:
+    """Uploads ``array`` to a GPU, where it stays until garbage-collected.
 
     Arguments
     ---------
     array : float32 or float16 array
         Any strides, byte order or writeability (it is copied, never
         modified). A ``DeviceArray`` is returned as it is (they are
-        immutable, so sharing one is safe).
+        immutable, so sharing one is safe), or with ``device`` its copy on
+        that GPU (:meth:`DeviceArray.to`).
+    device : "gpu:N", "gpu", "auto" or None, optional
+        Which GPU: ``"gpu:N"`` is entry ``N`` of :func:`flashport.devices`;
+        ``None``, ``"gpu"`` and ``"auto"`` the default GPU (the one
+        ``$FLASHPORT_DEVICE="gpu:N"`` names, else the best, ``gpu:0``).
 
     Returns
     -------
     DeviceArray
-        On the GPU flashport computes on (``device="gpu"``).
+        On that GPU (:attr:`DeviceArray.device` says which).
 
     Raises
     ------
@@ -137,6 +170,9 @@ def to_device(array: npt.ArrayLike | DeviceArray) -> DeviceArray:
         it keeps no bfloat16: pass bfloat16 NumPy arrays to the calls, which
         widen them to float32 for the GPU), or float16 on an adapter that
         cannot read it.
+    InvalidArgumentError
+        ``device`` names no GPU of this machine (the message lists them),
+        or is ``"cpu"``.
     BackendUnavailableError
         No usable GPU adapter.
     ProblemTooLargeError
@@ -145,12 +181,12 @@ def to_device(array: npt.ArrayLike | DeviceArray) -> DeviceArray:
         The GPU failed while uploading.
     """
     if isinstance(array, DeviceArray):
-        return array
-    return DeviceArray(_core.to_device(as_native_array(array)))
+        return array if device is None else array.to(device)
+    return DeviceArray(_core.to_device(as_native_array(array), device))
 
 
 def synchronize(device: str | None = None) -> None:
-    """Waits until the GPU has finished every flashport call queued on it.
+    """Waits until the GPUs have finished every flashport call queued on them.
 
     Calls whose arrays are all :class:`DeviceArray` s return as soon as their
     work is queued (as PyTorch's CUDA calls do); reading a result
@@ -161,10 +197,11 @@ def synchronize(device: str | None = None) -> None:
 
     Arguments
     ---------
-    device : "gpu", "auto", "cpu" or None, optional
-        ``None`` (the default), ``"gpu"`` and ``"auto"`` wait for the GPU;
-        ``"cpu"`` returns at once (CPU calls return when they are done).
-        Without a GPU in use, there is nothing to wait for.
+    device : "gpu:N", "gpu", "auto", "cpu" or None, optional
+        ``None`` (the default), ``"gpu"`` and ``"auto"`` wait for every GPU
+        in use; ``"gpu:N"`` for that one; ``"cpu"`` returns at once (CPU
+        calls return when they are done). Without a GPU in use, there is
+        nothing to wait for.
 
     Raises
     ------
@@ -174,7 +211,8 @@ def synchronize(device: str | None = None) -> None:
         held, are gone (reading one raises). The next GPU call opens the
         device again.
     InvalidArgumentError
-        ``device`` is not one of the names above.
+        ``device`` is not one of the names above, or names no GPU of this
+        machine.
     """
     _core.synchronize(device)
 

@@ -132,7 +132,7 @@ def attention_with_kvcache(
         keys are empty. The count changes the rounding, not the result.
     return_lse : bool
         Also return the log-sum-exp of each row.
-    device : "cpu", "gpu" or "auto", optional
+    device : "cpu", "gpu", "gpu:N" or "auto", optional
         As for :func:`attention`, except that ``"auto"`` computes NumPy
         arrays on the CPU (decoding reads each cached value once: copying a
         cache to a GPU costs more than reading it). With a DeviceArray ``q``,

@@ -61,7 +61,7 @@ def merge_states(
         (``return_lse=True``): float32, or float64 for float64 ``outs``.
         A row of a part that saw no key has ``lse = -inf``; that part
         contributes nothing to the row and its ``out`` is not read.
-    device : "cpu", "gpu" or "auto", optional
+    device : "cpu", "gpu", "gpu:N" or "auto", optional
         As for :func:`attention`, except that ``"auto"`` computes NumPy
         arrays on the CPU (merging reads each value once: a trip to a GPU
         and back costs more than the merge). DeviceArray arguments (any

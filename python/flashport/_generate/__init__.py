@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     runs = []
     if args.device in ("cpu", "all"):
         runs.append(("cpu", f"cpu ({devices[0]['threads']} threads)"))
-    gpus = [d for d in devices if d["device"] == "gpu"]
+    gpus = [d for d in devices if d["device"].startswith("gpu")]
     if args.device in ("gpu", "all"):
         if gpus:
             runs.append(("gpu", f"gpu: {gpus[0]['name']} ({gpus[0]['backend']})"))

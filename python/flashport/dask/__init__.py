@@ -16,8 +16,12 @@ global positions; each query chunk's partial results merge by
 and ``lse``. docs/dask.md describes the graph, the zig-zag order and a
 scaling model.
 
+On a machine with several GPUs, :func:`gpu_cluster` makes a
+``distributed.LocalCluster`` with one worker per GPU (``FLASHPORT_DEVICE``
+set per worker, dask-cuda's convention): the blocks then run on every GPU.
+
 Needs Dask: ``pip install 'flashport[dask]'`` (plain flashport does not
-import it).
+import it; ``gpu_cluster`` also needs ``distributed``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
     ) from error
 
 from ._api import attention, attention_backward
+from ._cluster import gpu_cluster
 from ._layout import zigzag_index
 from ._zigzag import unzigzag, zigzag
 
-__all__ = ["attention", "attention_backward", "unzigzag", "zigzag", "zigzag_index"]
+__all__ = ["attention", "attention_backward", "gpu_cluster", "unzigzag", "zigzag", "zigzag_index"]

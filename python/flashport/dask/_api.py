@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["attention", "attention_backward"]
 
-Device = Literal["cpu", "gpu", "auto"]
+# "cpu", "gpu", "gpu:N" or "auto".
+Device = str
 Window = tuple[int | None, int | None]
 Schedule = Literal["tree", "ring"]
 
@@ -176,11 +177,13 @@ def attention(
         results differ in rounding.
     return_lse : bool
         Also return the log-sum-exp (for :func:`attention_backward`).
-    device : "cpu", "gpu" or "auto", optional
+    device : "cpu", "gpu", "gpu:N" or "auto", optional
         Passed to each task's flashport call, which resolves it where it
         runs: ``None`` follows flashport's rules on that worker
         (``$FLASHPORT_DEVICE``, else a hardware GPU where its cost model
-        expects one to be faster, else the CPU).
+        expects one to be faster, else the CPU). On a
+        :func:`gpu_cluster` each worker's ``$FLASHPORT_DEVICE`` names its own
+        GPU, so ``None`` and ``"gpu"`` put each block on its worker's GPU.
 
     Returns
     -------

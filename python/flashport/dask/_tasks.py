@@ -9,7 +9,7 @@ finishes first or where it ran.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Options:
     window: tuple[int | None, int | None] | None
     alibi_slopes: np.ndarray | None
     softcap: float | None
-    device: Literal["cpu", "gpu", "auto"] | None
+    device: str | None
 
     def kwargs(self) -> dict[str, Any]:
         return {

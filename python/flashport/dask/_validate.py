@@ -11,6 +11,7 @@ lengths and the chunking, is checked here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,11 +48,16 @@ def dask_arrays(function: str, **arrays: Any) -> None:
 
 
 def check_device(device: Any) -> None:
-    """The device string each task passes on. Checked here rather than by a
-    call, which would open the GPU on the machine that builds the graph
-    (the workers' devices are theirs to resolve)."""
-    if device is not None and device not in ("cpu", "gpu", "auto"):
-        raise InvalidArgumentError(f'device={device!r}: expected "cpu", "gpu", "auto" or None')
+    """The device string each task passes on. Its form is checked here
+    rather than by a call, which would list the GPUs of the machine that
+    builds the graph: the workers' devices are theirs (a ``"gpu:N"`` that a
+    worker does not have fails there, with the core's message)."""
+    if device is None or device in ("cpu", "gpu", "auto"):
+        return
+    if not (isinstance(device, str) and re.fullmatch(r"gpu:[0-9]+", device)):
+        raise InvalidArgumentError(
+            f'device={device!r}: expected "cpu", "gpu", "gpu:N", "auto" or None'
+        )
 
 
 def _known(name: str, x: da.Array) -> None:

@@ -67,7 +67,7 @@ pub fn attention_arrays(
     variants.check(problem)?;
     let named = [("q", q), ("k", k), ("v", v)];
     match resolve(device, || device.resolve(problem), &named, outputs)? {
-        Device::Gpu => gpu::forward_arrays(problem, [q, k, v], variants, outputs),
+        Device::Gpu(g) => gpu::forward_arrays(g, problem, [q, k, v], variants, outputs),
         _ => {
             let r = cpu::forward(
                 problem,
@@ -143,7 +143,7 @@ pub fn attention_backward_arrays(
         ("lse", lse),
     ];
     let grads = match resolve(device, || device.resolve(problem), &named, outputs)? {
-        Device::Gpu => gpu::backward_arrays(problem, inputs, variants, outputs)?,
+        Device::Gpu(g) => gpu::backward_arrays(g, problem, inputs, variants, outputs)?,
         _ => {
             let [d_out, q, k, v, out, lse] = named.map(|(name, input)| on_host(name, input));
             cpu::backward(problem, [d_out?, q?, k?, v?, out?, lse?], variants)?.into_arrays()

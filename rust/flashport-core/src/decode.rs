@@ -61,9 +61,13 @@ pub fn attention_with_kvcache_arrays(
         })
     };
     match resolve(device, on_host, &named, outputs)? {
-        Device::Gpu => {
-            gpu::decode::attention_with_kvcache(problem, [q, k_cache, v_cache], variants, outputs)
-        }
+        Device::Gpu(g) => gpu::decode::attention_with_kvcache(
+            g,
+            problem,
+            [q, k_cache, v_cache],
+            variants,
+            outputs,
+        ),
         _ => {
             let [q, k, v] = named.map(|(name, input)| crate::device::on_host(name, input));
             let r = cpu::decode::attention_with_kvcache(problem, q?, k?, v?, variants)?;

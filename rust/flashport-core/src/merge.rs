@@ -110,7 +110,7 @@ pub fn merge_states_arrays(
         })
     };
     match resolve(device, on_host, &named, outputs)? {
-        Device::Gpu => gpu::merge_states(problem, outs, lses, outputs),
+        Device::Gpu(g) => gpu::merge_states(g, problem, outs, lses, outputs),
         _ => {
             let (out_slices, lse_slices) = (host(outs, "outs")?, host(lses, "lses")?);
             let merged = cpu::merge::merge_states(

@@ -218,7 +218,7 @@ pub fn name(argument: &str, given: &Given) -> Result<Option<String>> {
     match &given.kind {
         Kind::None => Ok(None),
         Kind::Str(s) => Ok(Some(s.clone())),
-        _ => Err(given.error(argument, "\"cpu\", \"gpu\", \"auto\" or None")),
+        _ => Err(given.error(argument, "\"cpu\", \"gpu\", \"gpu:N\", \"auto\" or None")),
     }
 }
 

@@ -5,6 +5,7 @@
 mod require;
 
 use flashport_core::gpu::testing::lose_device;
+use flashport_core::gpu::Gpu;
 use flashport_core::{
     attention_arrays, gpu, validate_forward, ArrayInfo, Buffer, Device, Error, Options, Placement,
     Slice, VariantArrays,
@@ -34,13 +35,13 @@ fn lost_device_arrays_are_errors_naming_them_and_the_cpu_keeps_working() {
     let x = Slice::F32(&values);
     let want = run(Device::Cpu, [x.into(), x.into(), x.into()]).unwrap();
     let tk = gpu::to_device("k", x, &shape).unwrap();
-    let before = run(Device::Gpu, [x.into(), (&tk).into(), x.into()]).unwrap();
+    let before = run(Device::Gpu(Gpu::Best), [x.into(), (&tk).into(), x.into()]).unwrap();
 
     // Work queued (a copy on the device returns without waiting) and not
     // yet waited for when the device goes.
     let queued = tk.copy().unwrap();
-    lose_device();
-    let err = gpu::synchronize().unwrap_err();
+    lose_device(0);
+    let err = gpu::synchronize(None).unwrap_err();
     assert!(
         matches!(&err, Error::Gpu(m) if m.contains("lost")),
         "{err:?}"
@@ -51,8 +52,8 @@ fn lost_device_arrays_are_errors_naming_them_and_the_cpu_keeps_working() {
         "{err:?}"
     );
     // Raised once: the lost device is dropped, nothing is left to wait for.
-    gpu::synchronize().unwrap();
-    let err = run(Device::Gpu, [x.into(), (&tk).into(), x.into()]).unwrap_err();
+    gpu::synchronize(None).unwrap();
+    let err = run(Device::Gpu(Gpu::Best), [x.into(), (&tk).into(), x.into()]).unwrap_err();
     assert!(
         matches!(&err, Error::Gpu(m) if m.starts_with("k is a device array") && m.contains("lost")),
         "{err:?}"
@@ -65,7 +66,7 @@ fn lost_device_arrays_are_errors_naming_them_and_the_cpu_keeps_working() {
 
     // A fresh device for new arrays.
     let tk = gpu::to_device("k", x, &shape).unwrap();
-    let again = run(Device::Gpu, [x.into(), (&tk).into(), x.into()]).unwrap();
+    let again = run(Device::Gpu(Gpu::Best), [x.into(), (&tk).into(), x.into()]).unwrap();
     let (Buffer::F32(a), Buffer::F32(b)) = (&again, &before) else {
         panic!("float32 outputs expected")
     };

@@ -324,10 +324,21 @@ pub(crate) fn int_values(name: &str, array: &Bound<'_, PyAny>, dtype: &str) -> P
     }
 }
 
-/// to_device(array) -> DeviceArray: uploads a float32 or float16 NumPy
-/// array to the GPU. The private entry point behind flashport.to_device.
+/// to_device(array, device=None) -> DeviceArray: uploads a float32 or
+/// float16 NumPy array to a GPU (None, "gpu" and "auto": the default one;
+/// "gpu:N"). The private entry point behind flashport.to_device.
 #[pyfunction]
-pub(crate) fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
+#[pyo3(signature = (array, device=None))]
+pub(crate) fn to_device(
+    py: Python<'_>,
+    array: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<DeviceArray> {
+    let name = match device {
+        Some(device) => scalars::device_name(device)?,
+        None => None,
+    };
+    let gpu = validated(py, core::device::parse_gpu(name.as_deref()))?;
     let meta = ArgMeta::read("array", array)?;
     let dtype = DType::from_numpy_name(&meta.dtype).ok_or_else(|| {
         to_py_err(
@@ -345,12 +356,14 @@ pub(crate) fn to_device(py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<De
     if dtype != DType::F64 {
         let element = if dtype == DType::F16 { 2 } else { 4 };
         let bytes = meta.shape.iter().map(|&n| n as u64).product::<u64>() * element;
-        validated(py, core::gpu::check_array_bytes("array", bytes))?;
+        validated(py, core::gpu::check_array_bytes(gpu, "array", bytes))?;
     }
     let contiguous = held.contiguous("array")?;
     let slice = contiguous
         .slice()
         .ok_or_else(|| PyTypeError::new_err("array must be a numpy.ndarray"))?;
-    let inner = run_detached(py, || core::to_device("array", slice, &meta.shape))?;
+    let inner = run_detached(py, || {
+        core::gpu::to_device_on(gpu, "array", slice, &meta.shape)
+    })?;
     Ok(DeviceArray { inner })
 }

@@ -42,6 +42,20 @@ impl DeviceArray {
     fn adapter(&self) -> String {
         self.inner.adapter_name().to_string()
     }
+    /// "gpu:N": the GPU that holds it.
+    #[getter]
+    fn device(&self) -> String {
+        self.inner.device()
+    }
+    /// to(device) -> DeviceArray: the array on `device` ("gpu:N"; "gpu"
+    /// and "auto" the default GPU): itself where it is there, else a copy
+    /// through host memory.
+    fn to(&self, py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
+        let name = scalars::device_name(device)?;
+        let gpu = validated(py, core::device::parse_gpu(name.as_deref()))?;
+        let inner = run_detached(py, || self.inner.to(gpu))?;
+        Ok(DeviceArray { inner })
+    }
     /// numpy() -> ndarray: a new NumPy array with the tensor's values.
     pub(crate) fn numpy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let buffer = run_detached(py, || self.inner.to_host())?;
@@ -55,17 +69,18 @@ impl DeviceArray {
     }
     fn __repr__(&self) -> String {
         format!(
-            "DeviceArray(shape={:?}, dtype={}, adapter={:?})",
+            "DeviceArray(shape={:?}, dtype={}, device={:?})",
             self.inner.shape(),
             self.inner.dtype().numpy_name(),
-            self.inner.adapter_name()
+            self.inner.device()
         )
     }
 }
 
-/// synchronize(device=None) -> None: waits until the GPU has done every
-/// call queued on it ("cpu": nothing to wait for, CPU calls return done);
-/// GpuError if the device was lost on the way. The private entry point
+/// synchronize(device=None) -> None: waits until the GPUs have done every
+/// call queued on them (None, "gpu", "auto": every GPU in use; "gpu:N":
+/// that one; "cpu": nothing to wait for, CPU calls return done);
+/// GpuError if a device was lost on the way. The private entry point
 /// behind flashport.synchronize.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
@@ -75,16 +90,21 @@ pub(crate) fn synchronize(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> 
         None => None,
     };
     // Not `Device::parse`'s default: FLASHPORT_DEVICE picks where calls
-    // run, while queued work can only be on the GPU.
-    if let Some(name) = name {
-        if validated(py, Device::parse(Some(&name)))? == Device::Cpu {
-            return Ok(());
-        }
-    }
-    run_detached(py, core::gpu::synchronize)
+    // run, while queued work can be on any GPU in use. An index names one,
+    // and is checked as every device= is.
+    let index = match name {
+        None => None,
+        Some(name) => match validated(py, Device::parse_for(Some(&name), true))? {
+            Device::Cpu => return Ok(()),
+            Device::Gpu(core::gpu::Gpu::Index(n)) => Some(n),
+            _ => None,
+        },
+    };
+    run_detached(py, || core::gpu::synchronize(index))
 }
 
-/// devices() -> list[dict]: the CPU and every GPU adapter flashport can use.
+/// devices() -> list[dict]: the CPU and every GPU adapter flashport can
+/// use, in gpu:N order.
 #[pyfunction]
 pub(crate) fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
@@ -104,7 +124,9 @@ pub(crate) fn devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         .unwrap_or_default();
     for adapter in adapters {
         let entry = PyDict::new(py);
-        entry.set_item("device", "gpu")?;
+        entry.set_item("device", core::gpu::device_name(adapter.index))?;
+        entry.set_item("index", adapter.index)?;
+        entry.set_item("pci_bus_id", adapter.pci_bus_id)?;
         entry.set_item("backend", adapter.backend)?;
         entry.set_item("name", adapter.name)?;
         entry.set_item("type", adapter.device_type)?;

@@ -42,6 +42,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(wrap_pyfunction!(testing::_testing_set_overrides, m)?)?;
         m.add_function(wrap_pyfunction!(testing::_testing_lose_device, m)?)?;
         m.add_function(wrap_pyfunction!(testing::_testing_queued_submissions, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_testing_open_gpus, m)?)?;
     }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

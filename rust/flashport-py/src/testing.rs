@@ -81,19 +81,29 @@ pub fn _testing_set_overrides(
     Ok(())
 }
 
-/// _testing_lose_device(): destroys the GPU device flashport holds, as
-/// a driver reset would (the failure-path tests).
+/// _testing_lose_device(index=0): destroys the device of gpu:index, as a
+/// driver reset would (the failure-path tests); nothing where that GPU
+/// has no context.
 #[pyfunction]
-pub fn _testing_lose_device(py: Python<'_>) {
+#[pyo3(signature = (index=0))]
+pub fn _testing_lose_device(py: Python<'_>, index: usize) {
     py.detach(|| {
-        let _ = catch_unwind(core::gpu::testing::lose_device);
+        let _ = catch_unwind(|| core::gpu::testing::lose_device(index));
     });
 }
 
-/// _testing_queued_submissions() -> int: the GPU submissions queued
-/// without a wait that the shared context has not yet seen finish (the
+/// _testing_queued_submissions(index=0) -> int: the GPU submissions queued
+/// without a wait that gpu:index's context has not yet seen finish (the
 /// bound on them is what the tests check).
 #[pyfunction]
-pub fn _testing_queued_submissions() -> usize {
-    core::gpu::testing::queued_submissions()
+#[pyo3(signature = (index=0))]
+pub fn _testing_queued_submissions(index: usize) -> usize {
+    core::gpu::testing::queued_submissions(index)
+}
+
+/// _testing_open_gpus() -> list[int]: the indices of the GPUs with a
+/// context open in this process (which GPU a worker's calls ran on).
+#[pyfunction]
+pub fn _testing_open_gpus() -> Vec<usize> {
+    core::gpu::testing::open_gpus()
 }

@@ -21,8 +21,8 @@ use crate::variants::VariantArrays;
 /// The pools of every layer: per layer a key pool `(num_blocks, heads_kv,
 /// block_size, head_dim)` and a value pool `(..., head_dim_v)`, row-major.
 pub trait Storage: Send + Sync + std::fmt::Debug {
-    /// Where the pools live: `"cpu"` or `"gpu"`.
-    fn device(&self) -> &'static str;
+    /// Where the pools live: `"cpu"` or `"gpu:N"`.
+    fn device(&self) -> String;
 
     /// Copies each `src` block's keys and values, on every layer, into its
     /// `dst` block, in order.

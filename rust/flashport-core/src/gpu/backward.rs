@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::adapters::Gpu;
 use super::assemble::{check_device_outputs, empty_output, Assembled, Sink};
 use super::bfloat16::{narrow, Widened};
 use super::checks::{check_dtype, check_f16, check_sizes};
@@ -33,13 +34,22 @@ pub fn backward(
     inputs: [Slice<'_>; 6],
     variants: &VariantArrays<'_>,
 ) -> Result<BackendGradients> {
-    backward_arrays(problem, inputs.map(Input::Host), variants, Placement::Host)?.into_host()
+    backward_arrays(
+        Gpu::Best,
+        problem,
+        inputs.map(Input::Host),
+        variants,
+        Placement::Host,
+    )?
+    .into_host()
 }
 
 /// The backward pass on host or device inputs `[do, q, k, v, o, lse]`,
-/// `dq`, `dk` and `dv` left where `outputs` says (the score gradient, for
+/// on `gpu` (or where the device inputs are), `dq`, `dk` and `dv` left
+/// where `outputs` says (the score gradient, for
 /// the mask's, is always read back: the host reduces it).
 pub fn backward_arrays(
+    gpu: Gpu,
     problem: &Problem,
     inputs: [Input<'_>; 6],
     variants: &VariantArrays<'_>,
@@ -60,7 +70,7 @@ pub fn backward_arrays(
             dtype: DType::F32,
             ..*problem
         };
-        let g = backward_arrays(&wide_problem, wide.inputs(inputs), variants, outputs)?;
+        let g = backward_arrays(gpu, &wide_problem, wide.inputs(inputs), variants, outputs)?;
         return Ok(BackendGradients {
             dq: narrow(g.dq)?,
             dk: narrow(g.dk)?,
@@ -104,7 +114,7 @@ pub fn backward_arrays(
         ("lse", inputs.lse),
     ];
     let overrides = overrides::current();
-    with_inputs("running the backward pass", &named, |ctx| {
+    with_inputs("running the backward pass", gpu, &named, |ctx| {
         backward_on(ctx, problem, &inputs, &vd, outputs, &overrides)
     })
 }

@@ -1,13 +1,14 @@
-//! The process-wide GPU context: instance, adapter, device and queue, with
-//! what the adapter offers (`AdapterCaps`), its pipeline cache and its
-//! buffer pools; created lazily, shared by every thread, and replaced
-//! after the device is lost.
+//! The GPU contexts: instance, adapter, device and queue, with what the
+//! adapter offers (`AdapterCaps`), its pipeline cache and its buffer pools;
+//! one per adapter (`gpu:N`, in the order of `adapters.rs`), each created
+//! lazily, shared by every thread, and replaced after its device is lost.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use super::adapters::{self, Gpu};
 use super::caps::{driver_loop_limit, AdapterCaps};
 use super::pipeline_cache::PipelineCache;
 use super::pool::{Pooled, Pools};
@@ -37,23 +38,50 @@ pub(crate) fn instance() -> &'static wgpu::Instance {
     })
 }
 
-/// The adapters, best first.
+/// The adapters in `gpu:N` order (`adapters::order`), enumerated once per
+/// process: every `device="gpu:N"` is checked against the list, and an
+/// enumeration costs milliseconds (each adapter's properties queried).
+/// A device lost and opened again comes from the same adapter.
 pub(crate) fn enumerate() -> Vec<wgpu::Adapter> {
-    let mut adapters = pollster::block_on(instance().enumerate_adapters(BACKENDS));
-    adapters.sort_by_key(|a| rank(a.get_info().device_type));
+    static ADAPTERS: ForkLocal<Option<Arc<Vec<wgpu::Adapter>>>> = ForkLocal::new();
+    let listed = ADAPTERS
+        .lock()
+        .get_or_insert_with(|| {
+            let adapters = pollster::block_on(instance().enumerate_adapters(BACKENDS));
+            let infos: Vec<wgpu::AdapterInfo> = adapters.iter().map(|a| a.get_info()).collect();
+            Arc::new(
+                adapters::order(&infos)
+                    .into_iter()
+                    .map(|i| adapters[i].clone())
+                    .collect(),
+            )
+        })
+        .clone();
+    let copies = test_copies();
+    let mut adapters = Vec::with_capacity(listed.len() * copies);
+    for _ in 0..copies {
+        adapters.extend(listed.iter().cloned());
+    }
     adapters
 }
 
-/// Lower is better: a hardware GPU beats a software rasteriser.
-pub(crate) fn rank(kind: wgpu::DeviceType) -> u8 {
-    match kind {
-        wgpu::DeviceType::DiscreteGpu => 0,
-        wgpu::DeviceType::IntegratedGpu => 1,
-        wgpu::DeviceType::VirtualGpu => 2,
-        wgpu::DeviceType::Other => 3,
-        wgpu::DeviceType::Cpu => 4,
+/// The test suites' way to a machine with several GPUs: with the
+/// `testing` feature, `FLASHPORT_TEST_GPU_COPIES=N` (1 to 8) lists every
+/// adapter N times, copy `c` of adapter `a` as `gpu:(c * count + a)`, each
+/// opened as a device of its own (Vulkan lets one physical device have
+/// several). Read at each enumeration, clamped to 1 to 8; a value that is
+/// no number is one copy.
+fn test_copies() -> usize {
+    #[cfg(feature = "testing")]
+    if let Ok(Ok(n)) = std::env::var(TEST_GPU_COPIES).map(|v| v.parse::<usize>()) {
+        return n.clamp(1, 8);
     }
+    1
 }
+
+/// See [`test_copies`].
+#[cfg(feature = "testing")]
+pub const TEST_GPU_COPIES: &str = "FLASHPORT_TEST_GPU_COPIES";
 
 pub(crate) fn type_name(kind: wgpu::DeviceType) -> &'static str {
     match kind {
@@ -68,6 +96,11 @@ pub(crate) fn type_name(kind: wgpu::DeviceType) -> &'static str {
 /// What `flashport.devices()` reports about one adapter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterInfo {
+    /// N of `gpu:N`.
+    pub index: usize,
+    /// `domain:bus:device.function`, where the backend reports it (Vulkan
+    /// and DX12 do): what identifies the card across processes.
+    pub pci_bus_id: String,
     /// "vulkan", "metal", "dx12", ...
     pub backend: String,
     pub name: String,
@@ -81,7 +114,7 @@ pub struct AdapterInfo {
     pub features: Vec<String>,
 }
 
-pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
+pub(crate) fn describe(index: usize, adapter: &wgpu::Adapter) -> AdapterInfo {
     let info = adapter.get_info();
     let limits = adapter.limits();
     let features = adapter.features();
@@ -101,6 +134,8 @@ pub(crate) fn describe(adapter: &wgpu::Adapter) -> AdapterInfo {
         feature_names.push("cooperative-matrix-f16".to_string());
     }
     AdapterInfo {
+        index,
+        pci_bus_id: info.device_pci_bus_id.clone(),
         backend: info.backend.to_string(),
         name: info.name.clone(),
         device_type: type_name(info.device_type).to_string(),
@@ -142,6 +177,8 @@ pub(crate) fn coop_f16_f32(adapter: &wgpu::Adapter) -> bool {
 }
 
 pub(crate) struct Context {
+    /// N of `gpu:N`: the adapter's place in `enumerate()`.
+    pub index: usize,
     pub device: wgpu::Device,
     pub queue: wgpu::Queue,
     pub limits: wgpu::Limits,
@@ -204,78 +241,143 @@ pub(crate) const MAX_QUEUED: usize = 32;
 /// (docs/gpu.md#host-transfers).
 const SPIN: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// A forked child opens a context of its own (`fork.rs`).
-static CONTEXT: ForkLocal<Option<Arc<Context>>> = ForkLocal::new();
+/// The contexts opened so far, by adapter index, and the index `"gpu"`
+/// settled on.
+#[derive(Default)]
+struct Registry {
+    contexts: Vec<Option<Arc<Context>>>,
+    /// The first adapter that opened for [`Gpu::Best`], until its context
+    /// is dropped: a driver that refuses a device is not asked again on
+    /// every call.
+    best: Option<usize>,
+}
 
-/// The shared context, created on first use and recreated after the device
-/// was lost.
-pub(crate) fn get() -> Result<Arc<Context>> {
-    let mut slot = CONTEXT.lock();
-    if let Some(ctx) = slot.as_ref() {
-        if !ctx.is_lost() {
+impl Registry {
+    fn live(&self, index: usize) -> Option<&Arc<Context>> {
+        self.contexts
+            .get(index)
+            .and_then(Option::as_ref)
+            .filter(|ctx| !ctx.is_lost())
+    }
+
+    /// Adapter `index`'s context, opened if it has none (or a lost one).
+    fn open(
+        &mut self,
+        index: usize,
+        adapter: &wgpu::Adapter,
+    ) -> std::result::Result<Arc<Context>, String> {
+        if let Some(ctx) = self.live(index) {
             return Ok(ctx.clone());
         }
+        if self.contexts.len() <= index {
+            self.contexts.resize(index + 1, None);
+        }
+        self.contexts[index] = None;
+        let ctx = Arc::new(Context::open(index, adapter)?);
+        self.contexts[index] = Some(ctx.clone());
+        Ok(ctx)
     }
-    *slot = None;
-    let ctx = Arc::new(Context::create()?);
-    *slot = Some(ctx.clone());
-    Ok(ctx)
 }
 
-/// The shared context if one exists, without creating one (a lost one
-/// too, until a call replaces it).
-pub(crate) fn current() -> Option<Arc<Context>> {
-    CONTEXT.lock().clone()
+/// A forked child opens contexts of its own (`fork.rs`).
+static CONTEXTS: ForkLocal<Registry> = ForkLocal::new();
+
+/// The context of `gpu`, created on first use and recreated after its
+/// device was lost. The registry stays locked while a device opens, so
+/// that two threads asking for one GPU at once open it once.
+pub(crate) fn get(gpu: Gpu) -> Result<Arc<Context>> {
+    let mut registry = CONTEXTS.lock();
+    let known = match gpu {
+        Gpu::Best => registry.best,
+        Gpu::Index(n) => Some(n),
+    };
+    if let Some(ctx) = known.and_then(|i| registry.live(i)) {
+        return Ok(ctx.clone());
+    }
+    // A child forked from a process that used the GPU: the driver's exit
+    // handlers would wait for the parent's threads (fork.rs).
+    crate::fork::end_child_before_driver_exit_handlers();
+    let adapters = enumerate();
+    if adapters.is_empty() {
+        return Err(Error::BackendUnavailable(
+            "no GPU adapter found: flashport needs a Vulkan, Metal or DX12 driver \
+             (on Linux without a GPU, Mesa's lavapipe provides one); use device=\"cpu\""
+                .to_string(),
+        ));
+    }
+    let candidates = match gpu {
+        // The best adapter that opens; a broken driver should not hide a
+        // working one behind it.
+        Gpu::Best => 0..adapters.len(),
+        Gpu::Index(n) if n < adapters.len() => n..n + 1,
+        Gpu::Index(n) => {
+            // `Device::parse` checks indices; one can only get here with
+            // an index made in Rust.
+            return Err(Error::BackendUnavailable(format!(
+                "there is no gpu:{n}: this machine has {} GPU adapter(s)",
+                adapters.len()
+            )));
+        }
+    };
+    let mut failures = Vec::new();
+    for index in candidates {
+        match registry.open(index, &adapters[index]) {
+            Ok(ctx) => {
+                if gpu == Gpu::Best {
+                    registry.best = Some(index);
+                }
+                return Ok(ctx);
+            }
+            Err(e) => failures.push(e),
+        }
+    }
+    // NVIDIA's Vulkan driver refuses a device to a child forked from a
+    // process that had one ("Parent device is lost"), as CUDA does.
+    let forked = if crate::fork::generation() > 0 {
+        " (this process was forked after flashport was first used: some drivers, \
+         NVIDIA's among them, open no device in such a child; start workers with \
+         multiprocessing's \"spawn\" or \"forkserver\" method to use the GPU there)"
+    } else {
+        ""
+    };
+    Err(Error::BackendUnavailable(format!(
+        "no GPU adapter could be opened{}: {}{forked}; use device=\"cpu\"",
+        match gpu {
+            Gpu::Best => String::new(),
+            Gpu::Index(n) => format!(" as gpu:{n}"),
+        },
+        failures.join("; ")
+    )))
 }
 
-/// Forgets a context that failed, so the next call starts afresh.
+/// The context of adapter `index` if one is open, without creating one
+/// (a lost one too, until a call replaces it).
+pub(crate) fn current(index: usize) -> Option<Arc<Context>> {
+    CONTEXTS.lock().contexts.get(index).cloned().flatten()
+}
+
+/// Every context open now, by index (lost ones too, until replaced).
+pub(crate) fn open_contexts() -> Vec<Arc<Context>> {
+    CONTEXTS.lock().contexts.iter().flatten().cloned().collect()
+}
+
+/// Forgets a context that failed, so the next call on its GPU starts
+/// afresh; the other GPUs' contexts are untouched.
 pub(crate) fn discard(ctx: &Arc<Context>) {
     ctx.lost.store(true, Ordering::SeqCst);
-    let mut slot = CONTEXT.lock();
-    if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, ctx)) {
+    let mut registry = CONTEXTS.lock();
+    let slot = registry.contexts.get_mut(ctx.index);
+    if let Some(slot) = slot.filter(|s| s.as_ref().is_some_and(|c| Arc::ptr_eq(c, ctx))) {
         *slot = None;
+        if registry.best == Some(ctx.index) {
+            registry.best = None;
+        }
     }
 }
 
 impl Context {
-    fn create() -> Result<Context> {
-        // A child forked from a process that used the GPU: the driver's
-        // exit handlers would wait for the parent's threads (fork.rs).
-        crate::fork::end_child_before_driver_exit_handlers();
-        let adapters = enumerate();
-        if adapters.is_empty() {
-            return Err(Error::BackendUnavailable(
-                "no GPU adapter found: flashport needs a Vulkan, Metal or DX12 driver \
-                 (on Linux without a GPU, Mesa's lavapipe provides one); use device=\"cpu\""
-                    .to_string(),
-            ));
-        }
-        // The best adapter that opens; a broken driver should not hide a
-        // working one behind it.
-        let mut failures = Vec::new();
-        for adapter in adapters {
-            match Self::open(&adapter) {
-                Ok(ctx) => return Ok(ctx),
-                Err(e) => failures.push(e),
-            }
-        }
-        // NVIDIA's Vulkan driver refuses a device to a child forked from a
-        // process that had one ("Parent device is lost"), as CUDA does.
-        let forked = if crate::fork::generation() > 0 {
-            " (this process was forked after flashport was first used: some drivers, \
-             NVIDIA's among them, open no device in such a child; start workers with \
-             multiprocessing's \"spawn\" or \"forkserver\" method to use the GPU there)"
-        } else {
-            ""
-        };
-        Err(Error::BackendUnavailable(format!(
-            "no GPU adapter could be opened: {}{forked}; use device=\"cpu\"",
-            failures.join("; ")
-        )))
-    }
-
-    fn open(adapter: &wgpu::Adapter) -> std::result::Result<Context, String> {
-        let described = describe(adapter);
+    fn open(index: usize, adapter: &wgpu::Adapter) -> std::result::Result<Context, String> {
+        let described = describe(index, adapter);
         let f16_inputs = adapter
             .get_downlevel_capabilities()
             .flags
@@ -369,6 +471,7 @@ impl Context {
             }
         }));
         Ok(Context {
+            index,
             device,
             queue,
             limits,

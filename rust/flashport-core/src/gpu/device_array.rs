@@ -10,9 +10,10 @@
 
 use std::sync::Arc;
 
+use super::adapters::{name, Gpu};
 use super::checks::{float16_error, float64_error};
 use super::chunks::binding_limit;
-use super::context::Context;
+use super::context::{self, Context};
 use super::guard::{guarded, run_on, with_context};
 use super::pool::Pooled;
 use super::transfer::{submit_and_read, Submission};
@@ -43,6 +44,7 @@ impl std::fmt::Debug for DeviceArray {
         f.debug_struct("DeviceArray")
             .field("shape", &self.shape)
             .field("dtype", &self.dtype)
+            .field("device", &self.device())
             .field("adapter", &self.ctx.adapter.name)
             .finish()
     }
@@ -81,6 +83,37 @@ impl DeviceArray {
     /// The name of the adapter that holds the array.
     pub fn adapter_name(&self) -> &str {
         &self.ctx.adapter.name
+    }
+    /// N of the `gpu:N` that holds the array.
+    pub fn index(&self) -> usize {
+        self.ctx.index
+    }
+    /// `"gpu:N"`: the GPU that holds the array.
+    pub fn device(&self) -> String {
+        name(self.ctx.index)
+    }
+
+    /// The array on `gpu`: itself where it is there already (arrays are
+    /// immutable, so sharing one is safe), else a copy made through host
+    /// memory (read back, then uploaded: GPUs of different drivers share
+    /// no memory wgpu can name). `Gpu::Best` is the GPU `"gpu"` opens.
+    pub fn to(&self, gpu: Gpu) -> Result<DeviceArray> {
+        let target = guarded("copying a device array", || context::get(gpu))?;
+        if target.index == self.ctx.index {
+            self.alive("the device array")?;
+            return Ok(self.clone());
+        }
+        let host = self.to_host()?;
+        let copied = to_device_on(
+            Gpu::Index(target.index),
+            "the device array",
+            host.as_slice(),
+            &self.shape,
+        )?;
+        Ok(DeviceArray {
+            clean: self.clean,
+            ..copied
+        })
     }
 
     /// Reads the array back into host memory. Like a forward or backward
@@ -159,9 +192,10 @@ impl DeviceArray {
     pub(crate) fn was_alive(&self, argument: &str) -> Result<()> {
         if self.ctx.is_lost() {
             return Err(Error::Gpu(format!(
-                "{argument} is a device array on the GPU {}, which was lost or reset since \
+                "{argument} is a device array on {} ({}), which was lost or reset since \
                  the array was made: its data is gone; upload it again (flashport.to_device) \
                  or pass a NumPy array",
+                self.device(),
                 self.ctx.adapter.name
             )));
         }
@@ -197,10 +231,21 @@ impl DeviceArray {
     }
 }
 
-/// Uploads `data` (of `shape`) into a new array on the shared GPU context.
-/// `argument` names it in errors: float64 is refused as the GPU refuses
-/// float64 inputs, float16 where the adapter cannot read it.
+/// Uploads `data` (of `shape`) into a new array on the GPU `"gpu"` opens
+/// ([`to_device_on`]).
 pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<DeviceArray> {
+    to_device_on(Gpu::Best, argument, data, shape)
+}
+
+/// Uploads `data` (of `shape`) into a new array on `gpu`. `argument`
+/// names it in errors: float64 is refused as the GPU refuses float64
+/// inputs, float16 where the adapter cannot read it.
+pub fn to_device_on(
+    gpu: Gpu,
+    argument: &str,
+    data: Slice<'_>,
+    shape: &[usize],
+) -> Result<DeviceArray> {
     let len: usize = shape.iter().product();
     if len != data.len() {
         return Err(Error::Shape(format!(
@@ -216,7 +261,7 @@ pub fn to_device(argument: &str, data: Slice<'_>, shape: &[usize]) -> Result<Dev
         Slice::F64(_) => return Err(float64_error(argument)),
     };
     timing::start_call();
-    with_context("uploading an array", |ctx| {
+    with_context(gpu, "uploading an array", |ctx| {
         if data.dtype() == DType::F16 && !ctx.f16_inputs {
             return Err(float16_error(ctx, argument));
         }
@@ -532,10 +577,10 @@ fn fits_one_buffer(ctx: &Context, argument: &str, bytes: u64) -> Result<()> {
     Ok(())
 }
 
-/// Whether an array of `bytes` bytes could become a device array: checked
-/// before the host makes a contiguous copy of a strided one.
-pub fn check_array_bytes(argument: &str, bytes: u64) -> Result<()> {
-    with_context("checking an array's size", |ctx| {
+/// Whether an array of `bytes` bytes could become a device array on
+/// `gpu`: checked before the host makes a contiguous copy of a strided one.
+pub fn check_array_bytes(gpu: Gpu, argument: &str, bytes: u64) -> Result<()> {
+    with_context(gpu, "checking an array's size", |ctx| {
         fits_one_buffer(ctx, argument, bytes)
     })
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::adapters::Gpu;
 use super::assemble::{check_device_outputs, empty_output, Sink};
 use super::bfloat16::{narrow, Widened};
 use super::checks::{check_dtype, check_f16, check_sizes};
@@ -34,6 +35,7 @@ pub fn forward(
     variants: &VariantArrays<'_>,
 ) -> Result<ForwardOutput> {
     forward_arrays(
+        Gpu::Best,
         problem,
         [q.into(), k.into(), v.into()],
         variants,
@@ -42,9 +44,10 @@ pub fn forward(
     .into_host()
 }
 
-/// The forward pass on host or device inputs, its outputs left where
-/// `outputs` says.
+/// The forward pass on host or device inputs, on `gpu` (or where the
+/// device inputs are), its outputs left where `outputs` says.
 pub fn forward_arrays(
+    gpu: Gpu,
     problem: &Problem,
     [q, k, v]: [Input<'_>; 3],
     variants: &VariantArrays<'_>,
@@ -56,7 +59,13 @@ pub fn forward_arrays(
             dtype: DType::F32,
             ..*problem
         };
-        let r = forward_arrays(&wide_problem, wide.inputs([q, k, v]), variants, outputs)?;
+        let r = forward_arrays(
+            gpu,
+            &wide_problem,
+            wide.inputs([q, k, v]),
+            variants,
+            outputs,
+        )?;
         return Ok(ForwardOutput {
             out: narrow(r.out)?,
             lse: r.lse,
@@ -68,7 +77,7 @@ pub fn forward_arrays(
     let vd = VariantData::new(problem, variants)?;
     let named = [("q", sources[0]), ("k", sources[1]), ("v", sources[2])];
     let overrides = overrides::current();
-    with_inputs("running the forward pass", &named, |ctx| {
+    with_inputs("running the forward pass", gpu, &named, |ctx| {
         forward_on(ctx, problem, sources, &vd, outputs, &overrides)
     })
 }

@@ -6,6 +6,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+use super::adapters::{name, Gpu};
 use super::context::{self, Context};
 use crate::error::{Error, Result};
 
@@ -28,10 +29,14 @@ pub(crate) fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T>
     }
 }
 
-/// Runs `f` on the shared context; a device that failed is dropped so that
-/// the next call creates a new one.
-pub(crate) fn with_context<T>(what: &str, f: impl FnOnce(&Arc<Context>) -> Result<T>) -> Result<T> {
-    guarded(what, || run_on(&context::get()?, f))
+/// Runs `f` on the context of `gpu`; a device that failed is dropped so
+/// that the next call on that GPU creates a new one.
+pub(crate) fn with_context<T>(
+    gpu: Gpu,
+    what: &str,
+    f: impl FnOnce(&Arc<Context>) -> Result<T>,
+) -> Result<T> {
+    guarded(what, || run_on(&context::get(gpu)?, f))
 }
 
 /// Runs `f` on `ctx`, dropping the context if the GPU fails.
@@ -51,7 +56,9 @@ pub(crate) fn run_on<T>(
             context::discard(ctx);
             Err(Error::Gpu(if lost {
                 format!(
-                    "the GPU device {} was lost ({message}); the next GPU call opens it again",
+                    "the GPU device {} ({}) was lost ({message}); the next call on it opens \
+                     it again",
+                    name(ctx.index),
                     ctx.adapter.name
                 )
             } else {

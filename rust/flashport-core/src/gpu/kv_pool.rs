@@ -29,6 +29,7 @@ use bytemuck::{Pod, Zeroable};
 
 use crate::error::shape_str;
 
+use super::adapters::{name, Gpu};
 use super::checks::{float16_error, float64_error};
 use super::chunks::binding_limit;
 use super::context::Context;
@@ -134,11 +135,11 @@ fn element_bytes(dtype: DType) -> u64 {
 }
 
 impl GpuStorage {
-    /// Pools for every layer on the shared GPU context: float32 or
+    /// Pools for every layer on `gpu`: float32 or
     /// float16 (where the adapter reads it), in buffers of whole blocks
     /// that each fit one binding. Filled with NaN where outputs are
     /// poisoned (tests), so that a slot read before it is written shows.
-    pub fn new(shape: CacheShape) -> Result<GpuStorage> {
+    pub fn new(gpu: Gpu, shape: CacheShape) -> Result<GpuStorage> {
         if shape.dtype == DType::F64 {
             return Err(float64_error("dtype"));
         }
@@ -146,7 +147,7 @@ impl GpuStorage {
             return Err(bfloat16_pool_error());
         }
         let overrides = overrides::current();
-        with_context("allocating a KV cache's pools", |ctx| {
+        with_context(gpu, "allocating a KV cache's pools", |ctx| {
             if shape.dtype == DType::F16 && !ctx.f16_inputs {
                 return Err(float16_error(ctx, "dtype"));
             }
@@ -259,20 +260,27 @@ impl GpuStorage {
             for (name, input) in inputs {
                 if let Input::Device(t) = input {
                     t.was_alive(name)?;
-                    if !Arc::ptr_eq(t.context(), &self.ctx) {
-                        return Err(Error::Value {
-                            argument: name.to_string(),
-                            value: "a device array of another GPU context".to_string(),
-                            reason: format!(
-                                "this KV cache's pools are on {}; pass a NumPy array or a \
-                                 device array of the same context",
-                                self.ctx.adapter.name
-                            ),
-                        });
-                    }
+                    self.check_same_gpu(name, t)?;
                 }
             }
             run_on(&self.ctx, f)
+        })
+    }
+
+    /// An error naming `argument` unless device array `t` is on the
+    /// pools' GPU (and context: one made before that GPU was lost is not).
+    fn check_same_gpu(&self, argument: &str, t: &DeviceArray) -> Result<()> {
+        if Arc::ptr_eq(t.context(), &self.ctx) {
+            return Ok(());
+        }
+        let here = name(self.ctx.index);
+        Err(Error::Value {
+            argument: argument.to_string(),
+            value: format!("a device array on {}", t.device()),
+            reason: format!(
+                "this KV cache's pools are on {here}: pass a NumPy array, or the array copied \
+                 there ({argument}.to(\"{here}\"))"
+            ),
         })
     }
 
@@ -594,8 +602,8 @@ fn entry_of(binding: u32, resource: wgpu::BindingResource<'_>) -> wgpu::BindGrou
 }
 
 impl Storage for GpuStorage {
-    fn device(&self) -> &'static str {
-        "gpu"
+    fn device(&self) -> String {
+        name(self.ctx.index)
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
@@ -640,13 +648,7 @@ impl Storage for GpuStorage {
         self.alive()?;
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
         if let Input::Device(t) = q {
-            if !Arc::ptr_eq(t.context(), &self.ctx) {
-                return Err(Error::Value {
-                    argument: "q".to_string(),
-                    value: "a device array of another GPU context".to_string(),
-                    reason: format!("this KV cache's pools are on {}", self.ctx.adapter.name),
-                });
-            }
+            self.check_same_gpu("q", t)?;
         }
         decode::attention_with_kvcache_pools(
             problem,

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use super::adapters::Gpu;
 use super::assemble::{check_device_outputs, empty_output, Sink};
 use super::bfloat16::{narrow, Widened};
 use super::chunks::binding_limit;
@@ -93,9 +94,11 @@ impl<'a> Sources<'a> {
     }
 }
 
-/// Merges the states of `outs` and `lses` on the GPU, leaving the results
+/// Merges the states of `outs` and `lses` on `gpu` (or where the device
+/// inputs are), leaving the results
 /// where `outputs` says.
 pub fn merge_states(
+    gpu: Gpu,
     problem: &MergeProblem,
     outs: PartInputs<'_, Input<'_>>,
     lses: PartInputs<'_, Input<'_>>,
@@ -110,7 +113,7 @@ pub fn merge_states(
             ..problem.clone()
         };
         let outs = PartInputs::new(&wide_outs, outs.part_len());
-        let r = merge_states(&wide_problem, outs, lses, outputs)?;
+        let r = merge_states(gpu, &wide_problem, outs, lses, outputs)?;
         return Ok(ForwardOutput {
             out: narrow(r.out)?,
             lse: r.lse,
@@ -122,7 +125,7 @@ pub fn merge_states(
     out_sources.named("outs", &mut names);
     lse_sources.named("lses", &mut names);
     let named: Vec<(&str, Source<'_>)> = names.iter().map(|(n, s)| (n.as_str(), *s)).collect();
-    with_inputs("merging attention states", &named, |ctx| {
+    with_inputs("merging attention states", gpu, &named, |ctx| {
         merge_on(ctx, problem, &out_sources, &lse_sources, outputs)
     })
 }

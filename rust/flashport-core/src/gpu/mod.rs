@@ -3,8 +3,9 @@
 //! Metal or DX12.
 //!
 //! One context (device, queue, compiled pipelines) is created lazily per
-//! process and shared by all threads; a lost device is dropped so that the
-//! next call opens a new one. A call on device arrays only returns once its
+//! adapter (`gpu:N`, in the order of `adapters.rs`) and shared by all
+//! threads; a lost device is dropped so that the next call on that GPU
+//! opens a new one, and the other GPUs' contexts carry on. A call on device arrays only returns once its
 //! work is queued; reading a result, a call on host arrays and
 //! [`synchronize`] wait (`transfer.rs`). A call selects its kernels (`select`), uploads
 //! its host inputs, runs one submission per chunk of heads (one in all
@@ -30,7 +31,8 @@
 //! - `inputs`, `transfer`, `assemble`: arguments in, bytes across,
 //!   results out; `checks`: what the backend refuses (dtypes, lengths);
 //!   `device_array`: arrays kept on the GPU;
-//! - `context`, `pipelines`, `pool`: the device, its compiled kernels and
+//! - `adapters`: which adapter is `gpu:N` (pure, tested without a GPU);
+//! - `context`, `pipelines`, `pool`: the devices, their compiled kernels and
 //!   its reused buffers (the context owns a `pipeline_cache` and the
 //!   `pool`s, which know nothing of it); `guard`: panics and lost devices
 //!   as errors; `run`: the context a call's device arrays pin it to;
@@ -43,6 +45,7 @@
 //! - `varlen`: packed batches of variable-length sequences, their row table
 //!   in `vx` and the moves of device arrays between layouts.
 
+mod adapters;
 mod arena;
 mod assemble;
 mod backward;
@@ -86,9 +89,10 @@ mod varlen;
 
 use std::sync::OnceLock;
 
+pub use adapters::{name as device_name, Gpu};
 pub use backward::{backward, backward_arrays};
 pub use context::AdapterInfo;
-pub use device_array::{check_array_bytes, to_device, DeviceArray};
+pub use device_array::{check_array_bytes, to_device, to_device_on, DeviceArray};
 pub use forward::{forward, forward_arrays};
 pub use kv_pool::GpuStorage;
 pub use merge::merge_states;
@@ -101,43 +105,73 @@ use guard::{guarded, run_on};
 
 /// Waits until the GPU has done every call queued on it (calls on device
 /// arrays return once their work is queued: `transfer.rs`), and returns
-/// the error of a device lost on the way. Nothing to wait for where no GPU
-/// context exists (none was opened, or a failed one was dropped, its error
-/// raised by the call that found it).
-pub fn synchronize() -> Result<()> {
-    guarded("synchronizing with the GPU", || match context::current() {
-        Some(ctx) => run_on(&ctx, |ctx| ctx.synchronize()),
-        None => Ok(()),
-    })
+/// the error of a device lost on the way: `gpu:N`'s, or with `None` every
+/// GPU's that has a context (the first error, once all were waited for).
+/// Nothing to wait for where no context exists (none was opened, or a
+/// failed one was dropped, its error raised by the call that found it).
+pub fn synchronize(gpu: Option<usize>) -> Result<()> {
+    let contexts = match gpu {
+        Some(index) => context::current(index).into_iter().collect(),
+        None => context::open_contexts(),
+    };
+    let mut first = Ok(());
+    for ctx in contexts {
+        let waited = guarded("synchronizing with the GPU", || {
+            run_on(&ctx, |ctx| ctx.synchronize())
+        });
+        if first.is_ok() {
+            first = waited;
+        }
+    }
+    first
 }
 
-/// Adapters flashport can use, best first, without creating a device.
+/// Adapters flashport can use, `gpu:0` first, without creating a device.
 pub fn adapters() -> Vec<AdapterInfo> {
     guarded("listing adapters", || {
-        Ok(context::enumerate().iter().map(context::describe).collect())
+        Ok(context::enumerate()
+            .iter()
+            .enumerate()
+            .map(|(i, a)| context::describe(i, a))
+            .collect())
     })
     .unwrap_or_default()
 }
 
-/// Whether a non-software adapter exists (what `device="auto"` needs).
-pub fn hardware_adapter_available() -> bool {
-    hardware_gpu().is_some()
+/// How many adapters `gpu:N` can name (N below it).
+pub fn adapter_count() -> usize {
+    guarded("listing adapters", || Ok(context::enumerate().len())).unwrap_or(0)
 }
 
-/// The best non-software adapter as `device="auto"`'s cost model sees it,
-/// enumerated once per process.
-pub fn hardware_gpu() -> Option<GpuModel> {
-    static BEST: OnceLock<Option<GpuModel>> = OnceLock::new();
-    *BEST.get_or_init(|| {
+/// Whether a non-software adapter exists (what `device="auto"` needs).
+pub fn hardware_adapter_available() -> bool {
+    hardware_gpu(Gpu::Best).is_some()
+}
+
+/// `gpu` as `device="auto"`'s cost model sees it, where it is a hardware
+/// adapter (`Best`: the first hardware one); the adapters are described
+/// once per process.
+pub fn hardware_gpu(gpu: Gpu) -> Option<GpuModel> {
+    static MODELS: OnceLock<Vec<Option<GpuModel>>> = OnceLock::new();
+    let models = MODELS.get_or_init(|| {
         guarded("listing adapters", || {
             Ok(context::enumerate()
                 .iter()
-                .find(|a| a.get_info().device_type != wgpu::DeviceType::Cpu)
-                .map(|a| GpuModel {
-                    discrete: a.get_info().device_type == wgpu::DeviceType::DiscreteGpu,
-                    coop: context::coop_f16_f32(a),
-                }))
+                .map(|a| {
+                    let kind = a.get_info().device_type;
+                    (kind != wgpu::DeviceType::Cpu).then(|| GpuModel {
+                        discrete: kind == wgpu::DeviceType::DiscreteGpu,
+                        coop: context::coop_f16_f32(a),
+                    })
+                })
+                .collect())
         })
-        .unwrap_or(None)
-    })
+        .unwrap_or_default()
+    });
+    match gpu {
+        Gpu::Best => models.iter().flatten().next().copied(),
+        // Test copies (`context::enumerate`) repeat the adapters.
+        Gpu::Index(n) if !models.is_empty() => models[n % models.len()],
+        Gpu::Index(_) => None,
+    }
 }

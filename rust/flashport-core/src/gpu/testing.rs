@@ -1,7 +1,9 @@
 //! Hooks for the test suites and benchmark tools (cargo feature `testing`,
-//! never in the release wheel): what the current context would run, a
-//! device to lose on purpose, and the device's float16 rounding.
+//! never in the release wheel): what the default GPU's context would run,
+//! a device to lose on purpose, which GPUs have contexts, and the device's
+//! float16 rounding.
 
+use super::adapters::Gpu;
 use super::context;
 use super::decode::select::DecodeKernel;
 use super::device_array::{to_device, Resident};
@@ -13,9 +15,9 @@ use crate::error::{Error, Result};
 use crate::overrides;
 use crate::problem::{DType, KvCacheProblem, Problem};
 
-/// What the shared context's adapter offers (creating the context).
+/// What the default GPU's adapter offers (creating its context).
 pub fn adapter_caps() -> Result<AdapterCaps> {
-    Ok(context::get()?.caps)
+    Ok(context::get(Gpu::Best)?.caps)
 }
 
 /// The kernels the forward and the backward of `p` would run on the shared
@@ -32,21 +34,21 @@ pub fn plans(p: &Problem) -> Result<(ForwardPlan, BackwardPlan)> {
 /// The lanes of the shared context's subgroups, where it has subgroup
 /// operations and one subgroup size.
 pub fn subgroup_size() -> Result<Option<u32>> {
-    Ok(context::get()?.subgroup_size)
+    Ok(context::get(Gpu::Best)?.subgroup_size)
 }
 
 /// The decode kernel and split count `attention_with_kvcache` of `p` would
 /// run on the shared context with the calling thread's overrides.
 pub fn decode_plan(p: &KvCacheProblem) -> Result<(DecodeKernel, usize)> {
-    super::decode::choose(&*context::get()?, p, &overrides::current())
+    super::decode::choose(&*context::get(Gpu::Best)?, p, &overrides::current())
 }
 
-/// Destroys the shared context's device, as a driver reset or a removed
+/// Destroys the device of `gpu:index`, as a driver reset or a removed
 /// GPU would, so that tests can check that the failure surfaces as an
-/// error, that the CPU keeps working, and that the next GPU call starts
-/// afresh. Does nothing when no context exists yet.
-pub fn lose_device() {
-    if let Some(ctx) = context::current() {
+/// error, that the CPU and the other GPUs keep working, and that the next
+/// call on that GPU starts afresh. Does nothing where it has no context.
+pub fn lose_device(index: usize) {
+    if let Some(ctx) = context::current(index) {
         ctx.device.destroy();
         // wgpu-core reports a destroyed device lost only once its queue is
         // empty, while a driver reports a real loss at its next check of a
@@ -56,10 +58,20 @@ pub fn lose_device() {
     }
 }
 
-/// The submissions queued without a wait on the shared context that are
-/// not yet known to be done (at most `MAX_QUEUED`); 0 without a context.
-pub fn queued_submissions() -> usize {
-    context::current().map_or(0, |ctx| ctx.queued_len())
+/// The submissions queued without a wait on `gpu:index` that are not yet
+/// known to be done (at most `MAX_QUEUED`); 0 without a context.
+pub fn queued_submissions(index: usize) -> usize {
+    context::current(index).map_or(0, |ctx| ctx.queued_len())
+}
+
+/// The indices of the GPUs with a context open in this process, lost
+/// ones included until replaced (what a Dask worker test asks of each
+/// worker: which GPU its blocks ran on).
+pub fn open_gpus() -> Vec<usize> {
+    context::open_contexts()
+        .iter()
+        .map(|ctx| ctx.index)
+        .collect()
 }
 
 /// The most submissions a context keeps queued without a wait.
@@ -94,7 +106,7 @@ pub fn round_to_f16_on_device(values: &[f32]) -> Result<Vec<half::f16>> {
 /// of `block_bytes` (its widest pool's) per pool buffer: one binding holds
 /// them with the slack of the adapter's offset alignment.
 pub fn kv_pool_binding_limit(block_bytes: u64, blocks: u64) -> Result<u64> {
-    let ctx = context::get()?;
+    let ctx = context::get(Gpu::Best)?;
     let align = ctx.limits.min_storage_buffer_offset_alignment.max(16) as u64;
     // Binding limits are whole words (`chunks::binding_limit`).
     Ok((align + 16 + blocks * block_bytes).next_multiple_of(4))
@@ -108,7 +120,7 @@ pub const ARENA_BYTES: u64 = super::arena::ARENA_BYTES;
 /// (`Submission::data`: packed into arenas, or uploaded alone where
 /// large), copied by the GPU out of where it was put, and read back.
 pub fn params_round_trip(params: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
-    let ctx = context::get()?;
+    let ctx = context::get(Gpu::Best)?;
     run_on(&ctx, |ctx| {
         let mut sub = Submission::new(ctx);
         let mut outs = Vec::new();

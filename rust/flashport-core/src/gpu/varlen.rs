@@ -4,6 +4,7 @@
 //! the transposes of device arrays between the packed layout and the
 //! kernels' (shaders/varlen.wgsl).
 
+use super::adapters::Gpu;
 use super::chunks::binding_limit;
 use super::device_array::DeviceArray;
 use super::inputs::Source;
@@ -63,68 +64,73 @@ pub fn swap_leading(arrays: &[(&str, &DeviceArray, [usize; 3])]) -> Result<Vec<D
         .iter()
         .map(|&(name, t, _)| (name, Source::Device(t)))
         .collect();
-    with_inputs("moving device arrays between layouts", &sources, |ctx| {
-        ctx.scoped("moving device arrays between layouts", || {
-            let limit = binding_limit(ctx, &overrides::current());
-            let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1) as u64;
-            let mut sub = Submission::new(ctx);
-            let mut moved = Vec::with_capacity(arrays.len());
-            for &(name, t, [a, b, w]) in arrays {
-                let bytes = padded(t.nbytes() as u64);
-                if bytes > limit {
-                    return Err(Error::TooLarge(format!(
-                        "{name} ({} bytes) is larger than one binding of the GPU {} ({limit} \
+    with_inputs(
+        "moving device arrays between layouts",
+        Gpu::Best,
+        &sources,
+        |ctx| {
+            ctx.scoped("moving device arrays between layouts", || {
+                let limit = binding_limit(ctx, &overrides::current());
+                let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1) as u64;
+                let mut sub = Submission::new(ctx);
+                let mut moved = Vec::with_capacity(arrays.len());
+                for &(name, t, [a, b, w]) in arrays {
+                    let bytes = padded(t.nbytes() as u64);
+                    if bytes > limit {
+                        return Err(Error::TooLarge(format!(
+                            "{name} ({} bytes) is larger than one binding of the GPU {} ({limit} \
                          bytes), which attention_varlen's move to the kernels' layout needs; \
                          pass NumPy arrays (split by heads) or use device=\"cpu\"",
-                        t.nbytes(),
-                        ctx.adapter.name
-                    )));
-                }
-                // Poisoned where outputs are: the move writes every element.
-                let dst = sub.output_bytes(bytes);
-                let count = t.len() as u64;
-                if count > 0 {
-                    let (entry, invocations) = match t.dtype() {
-                        DType::F16 => ("varlen_swap_f16", count.div_ceil(2)),
-                        _ => ("varlen_swap_f32", count),
-                    };
-                    let pipeline = ctx.array_pipeline(entry, VARLEN)?;
-                    let dims = sub.uniform(&[a as u32, b as u32, w as u32, count as u32])?;
-                    sub.keep(t.buffer());
-                    let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                        label: Some(entry),
-                        layout: &pipeline.get_bind_group_layout(0),
-                        entries: &[
-                            wgpu::BindGroupEntry {
-                                binding: 0,
-                                resource: dims.binding(),
-                            },
-                            wgpu::BindGroupEntry {
-                                binding: 1,
-                                resource: t.buffer().binding(),
-                            },
-                            wgpu::BindGroupEntry {
-                                binding: 2,
-                                resource: dst.binding(),
-                            },
-                        ],
-                    });
-                    let groups = invocations.div_ceil(64);
-                    let x = groups.min(max_dim);
-                    let y = groups.div_ceil(x);
-                    if y > max_dim {
-                        return Err(Error::TooLarge(format!(
-                            "moving {name} ({count} elements) needs more workgroups than the \
-                             GPU {} allows",
+                            t.nbytes(),
                             ctx.adapter.name
                         )));
                     }
-                    sub.dispatch(&pipeline, &group, (x as u32, y as u32), entry);
+                    // Poisoned where outputs are: the move writes every element.
+                    let dst = sub.output_bytes(bytes);
+                    let count = t.len() as u64;
+                    if count > 0 {
+                        let (entry, invocations) = match t.dtype() {
+                            DType::F16 => ("varlen_swap_f16", count.div_ceil(2)),
+                            _ => ("varlen_swap_f32", count),
+                        };
+                        let pipeline = ctx.array_pipeline(entry, VARLEN)?;
+                        let dims = sub.uniform(&[a as u32, b as u32, w as u32, count as u32])?;
+                        sub.keep(t.buffer());
+                        let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                            label: Some(entry),
+                            layout: &pipeline.get_bind_group_layout(0),
+                            entries: &[
+                                wgpu::BindGroupEntry {
+                                    binding: 0,
+                                    resource: dims.binding(),
+                                },
+                                wgpu::BindGroupEntry {
+                                    binding: 1,
+                                    resource: t.buffer().binding(),
+                                },
+                                wgpu::BindGroupEntry {
+                                    binding: 2,
+                                    resource: dst.binding(),
+                                },
+                            ],
+                        });
+                        let groups = invocations.div_ceil(64);
+                        let x = groups.min(max_dim);
+                        let y = groups.div_ceil(x);
+                        if y > max_dim {
+                            return Err(Error::TooLarge(format!(
+                                "moving {name} ({count} elements) needs more workgroups than the \
+                             GPU {} allows",
+                                ctx.adapter.name
+                            )));
+                        }
+                        sub.dispatch(&pipeline, &group, (x as u32, y as u32), entry);
+                    }
+                    moved.push(DeviceArray::from_buffer(ctx, dst, t.dtype(), vec![b, a, w]));
                 }
-                moved.push(DeviceArray::from_buffer(ctx, dst, t.dtype(), vec![b, a, w]));
-            }
-            sub.submit(&[])?;
-            Ok(moved)
-        })
-    })
+                sub.submit(&[])?;
+                Ok(moved)
+            })
+        },
+    )
 }

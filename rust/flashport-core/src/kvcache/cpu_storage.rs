@@ -216,8 +216,8 @@ impl CpuStorage {
 }
 
 impl Storage for CpuStorage {
-    fn device(&self) -> &'static str {
-        "cpu"
+    fn device(&self) -> String {
+        "cpu".to_string()
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {

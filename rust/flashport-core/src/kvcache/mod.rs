@@ -159,7 +159,7 @@ impl KvCache {
         let swap = SwapSpace::new(shape)?;
         let storage: Box<dyn Storage> = match Device::parse(device)? {
             Device::Cpu | Device::Auto => Box::new(CpuStorage::new(shape)?),
-            Device::Gpu => Box::new(crate::gpu::GpuStorage::new(shape)?),
+            Device::Gpu(gpu) => Box::new(crate::gpu::GpuStorage::new(gpu, shape)?),
         };
         Ok(KvCache {
             shape,
@@ -173,8 +173,8 @@ impl KvCache {
         &self.shape
     }
 
-    /// `"cpu"` or `"gpu"`: where the pools live.
-    pub fn device(&self) -> &'static str {
+    /// `"cpu"` or `"gpu:N"`: where the pools live.
+    pub fn device(&self) -> String {
         self.storage.device()
     }
 

@@ -11,6 +11,7 @@
 
 use super::common::*;
 use flashport_core::gpu::decode::select::DecodeKernel;
+use flashport_core::gpu::Gpu;
 use flashport_core::overrides::{self, Overrides};
 use flashport_core::problem::{validate_kvcache, IntArray, KvCacheOptions, VariantOptions};
 use flashport_core::{
@@ -100,7 +101,7 @@ fn on_gpu(c: &Paged) -> flashport_core::Result<(Buffer, Buffer)> {
     let dt = c.p.dtype();
     let inputs = [c.q.slice(dt), c.k.slice(dt), c.v.slice(dt)].map(Input::Host);
     let r = attention_with_kvcache_arrays(
-        Device::Gpu,
+        Device::Gpu(Gpu::Best),
         &c.p,
         inputs,
         &VariantArrays::default(),

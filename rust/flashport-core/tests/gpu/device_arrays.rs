@@ -4,6 +4,7 @@
 
 use super::common::*;
 use flashport_core::gpu::testing::round_to_f16_on_device;
+use flashport_core::gpu::Gpu;
 use flashport_core::overrides;
 use flashport_core::{
     attention_arrays, attention_backward_arrays, f16, gpu, Array, Buffer, DType, Device,
@@ -202,7 +203,7 @@ fn check_device_path(c: &Case, seed: u64) {
     assert_eq!(bits(&read(&f.lse)), bits(&host_f.lse), "lse {p:?}");
 
     let g = attention_backward_arrays(
-        Device::Gpu,
+        Device::Gpu(Gpu::Best),
         p,
         [
             (&tdo).into(),
@@ -235,7 +236,7 @@ fn check_device_path(c: &Case, seed: u64) {
 
     // Mixed host and device inputs, outputs read back.
     let g = attention_backward_arrays(
-        Device::Gpu,
+        Device::Gpu(Gpu::Best),
         p,
         [
             d_out.slice(dt).into(),
@@ -253,7 +254,14 @@ fn check_device_path(c: &Case, seed: u64) {
     assert_eq!(bits(&host_buffer(g.dk)), bits(&host_g.dk));
     assert_eq!(bits(&host_buffer(g.dv)), bits(&host_g.dv));
     let inputs = [c.q.slice(dt).into(), (&tk).into(), c.v.slice(dt).into()];
-    let f = attention_arrays(Device::Gpu, p, inputs, &none, Placement::of_inputs(&inputs)).unwrap();
+    let f = attention_arrays(
+        Device::Gpu(Gpu::Best),
+        p,
+        inputs,
+        &none,
+        Placement::of_inputs(&inputs),
+    )
+    .unwrap();
     assert_eq!(bits(&read(&f.out)), bits(&host_f.out));
     assert_eq!(bits(&read(&f.lse)), bits(&host_f.lse));
 

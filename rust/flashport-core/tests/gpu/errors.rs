@@ -1,6 +1,7 @@
 //! Errors: what the GPU refuses, and device arrays where they cannot go.
 
 use super::common::*;
+use flashport_core::gpu::Gpu;
 use flashport_core::{
     attention_arrays, gpu, DType, Device, Error, Placement, Slice, VariantArrays,
 };
@@ -73,7 +74,7 @@ fn device_inputs_on_the_cpu_are_an_error_naming_them() {
     // An array of the wrong size is caught like a slice of the wrong size.
     let small = gpu::to_device("q", Slice::F32(&[1.0; 8]), &[1, 8]).unwrap();
     let err = attention_arrays(
-        Device::Gpu,
+        Device::Gpu(Gpu::Best),
         &c.p,
         [(&small).into(), (&tk).into(), c.v.slice(DType::F32).into()],
         &VariantArrays::default(),

@@ -171,7 +171,7 @@ fn check(per_buffer: Option<u64>) {
                 }
                 None => cache(g, dtype, "gpu"),
             };
-            assert_eq!(gpu.device(), "gpu");
+            assert_eq!(gpu.device(), "gpu:0");
             let mut cpu = cache(g, dtype, "cpu");
             let mut f64 = cache(g, DType::F64, "cpu");
             let ids = script(&mut [&mut gpu, &mut cpu, &mut f64], g, dtype);

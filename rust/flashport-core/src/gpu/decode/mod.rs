@@ -38,6 +38,7 @@ use std::time::Instant;
 
 use bytemuck::{Pod, Zeroable};
 
+use super::adapters::Gpu;
 use super::assemble::{check_device_outputs, empty_output, Sink};
 use super::bfloat16::{narrow, Widened};
 use super::chunks::binding_limit;
@@ -170,13 +171,16 @@ pub(crate) fn attention_with_kvcache_pools(
         ("v_cache", Source::Device(v0)),
     ];
     let overrides = overrides::current();
-    with_inputs("decoding over a KV cache", &named, |ctx| {
+    // The pools pin the call to the cache's GPU.
+    with_inputs("decoding over a KV cache", Gpu::Best, &named, |ctx| {
         decode_on(ctx, problem, q, caches, variants, outputs, &overrides)
     })
 }
 
-/// Decodes on the GPU, leaving the outputs where `outputs` says.
+/// Decodes on `gpu` (or where the device inputs are), leaving the
+/// outputs where `outputs` says.
 pub fn attention_with_kvcache(
+    gpu: Gpu,
     problem: &KvCacheProblem,
     [q, k_cache, v_cache]: [Input<'_>; 3],
     variants: &VariantArrays<'_>,
@@ -188,7 +192,7 @@ pub fn attention_with_kvcache(
         let mut wide_problem = problem.clone();
         wide_problem.attention.dtype = DType::F32;
         let inputs = wide.inputs([q, k_cache, v_cache]);
-        let r = attention_with_kvcache(&wide_problem, inputs, variants, outputs)?;
+        let r = attention_with_kvcache(gpu, &wide_problem, inputs, variants, outputs)?;
         return Ok(ForwardOutput {
             out: narrow(r.out)?,
             lse: r.lse,
@@ -210,7 +214,7 @@ pub fn attention_with_kvcache(
     ];
     let overrides = overrides::current();
     let [q, k, v] = sources;
-    with_inputs("decoding over a KV cache", &named, |ctx| {
+    with_inputs("decoding over a KV cache", gpu, &named, |ctx| {
         decode_on(
             ctx,
             problem,
