@@ -171,21 +171,6 @@ def check_rows(inputs, result, rows) -> float:
     return max(rel(got_o, o), rel(got_dq, dq))
 
 
-_TRANSFER_KEYS = ("upload", "upload_bytes", "download", "download_bytes")
-
-
-def _clear_transfers() -> None:
-    from flashport.dask import _tasks
-
-    _tasks.TRANSFERS.clear()
-
-
-def _read_transfers() -> dict:
-    from flashport.dask import _tasks
-
-    return dict(_tasks.TRANSFERS)
-
-
 class DaskRun:
     """One cluster (``devices``: a number of GPUs, or None for all) and the
     graphs run on it."""
@@ -230,7 +215,6 @@ class DaskRun:
         """Seconds to build, run and persist the forward+backward graph;
         its five results, persisted."""
         q, k, v, do = arrays
-        self.client.run(_clear_transfers)
         t = time.perf_counter()
         kw = {"causal": True, "schedule": self.schedule}
         o, lse = self.fpd.attention(q, k, v, return_lse=True, **kw)
@@ -238,16 +222,6 @@ class DaskRun:
         out = self.client.persist([o, lse, dq, dk, dv])
         self.distributed.wait(out)
         return time.perf_counter() - t, out
-
-    def transfers(self) -> str:
-        """The host<->GPU crossings the last run's tasks made, all workers
-        together (flashport.dask's counter): uploads, downloads, MiB."""
-        counts = self.client.run(_read_transfers).values()
-        total = {k: sum(c.get(k, 0) for c in counts) for k in _TRANSFER_KEYS}
-        return (
-            f"{total['upload']} up {total['upload_bytes'] / 2**20:.1f} MiB, "
-            f"{total['download']} down {total['download_bytes'] / 2**20:.1f} MiB"
-        )
 
     def gather(self, arrays: list) -> list[np.ndarray]:
         return self.client.compute(arrays, sync=True)
@@ -302,8 +276,7 @@ def dask_section(args, gpus: list[str], budget: Budget) -> None:
         log(
             f"  {n} {dt.name}: 1 call gpu:0 {cell(t_single, n)}, dask 1 GPU {cell(t_one, n)}; "
             f"rows: call {check_rows(host, single, rows_of(n)):.1e}, "
-            f"dask 1 GPU {check_rows(host, one_out, rows_of(n)):.1e}; "
-            f"transfers (1 GPU) {one.transfers()}"
+            f"dask 1 GPU {check_rows(host, one_out, rows_of(n)):.1e}"
         )
     one.close()
     if len(gpus) < 2 or not found:
@@ -324,8 +297,7 @@ def dask_section(args, gpus: list[str], budget: Budget) -> None:
             f"  {n} {name}: dask {len(gpus)} GPUs {cell(t_all, n)}: {t_single / t_all:.2f}x the "
             f"call, {t_one / t_all:.2f}x dask 1 GPU (efficiency {t_one / t_all / len(gpus):.0%}); "
             f"bits = dask 1 GPU's: {'yes' if same_bits(all_out, one_out) else 'NO'}; "
-            f"vs call {err_call:.1e}; rows {check_rows(f['host'], all_out, rows_of(n)):.1e}; "
-            f"transfers {every.transfers()}"
+            f"vs call {err_call:.1e}; rows {check_rows(f['host'], all_out, rows_of(n)):.1e}"
         )
     every.close()
 

@@ -60,39 +60,6 @@ def _lse_key(x: da.Array, i: int) -> Key:
     return (x.name, *((0,) * (x.ndim - 1)), i)
 
 
-def _stage(dsk: dict, x: da.Array, i: int, pieces: tuple, axis: int, options: Options) -> Key:
-    """The key of chunk ``i`` of ``x`` as the blocks take it
-    (``_tasks.stage``: uploaded once where the tasks run on a GPU). The key
-    depends only on the array, its layout and the device, so the forward
-    and the backward of the same inputs, computed together, share it."""
-    token = tokenize(x.name, pieces, axis, options.device)
-    key = (f"flashport-stage-{token}", i)
-    source = _lse_key(x, i) if axis == -1 else _chunk_key(x, i)
-    dsk[key] = (_tasks.stage, source, pieces, axis, options)
-    return key
-
-
-# The forward graphs made in this process, by the name of their ``o``:
-# ``(lse name, the forward's own layer, each query chunk's state key)``, so
-# that a backward of those very arrays reads ``o`` and ``lse`` from the
-# forward's states (on the GPU where it ran) rather than from the NumPy
-# chunks. Bounded: the oldest are forgotten.
-_FORWARDS: dict[str, tuple[str, str, list[Any]]] = {}
-_FORWARDS_KEPT = 64
-
-
-def _forward_states(o: da.Array, lse: da.Array) -> tuple[str, list[Any]] | None:
-    """The forward's layer and state keys behind ``o`` and ``lse``, where
-    they are its outputs and their graph still holds it (not persisted)."""
-    found = _FORWARDS.get(o.name)
-    if found is None or found[0] != lse.name:
-        return None
-    layer = found[1]
-    if layer not in o.dask.layers or layer not in lse.dask.layers:
-        return None
-    return layer, found[2]
-
-
 def _tree(
     dsk: dict,
     name: str,
@@ -130,21 +97,12 @@ def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple:
     return (apply, function, list(args), (dict, [[k, v] for k, v in kwargs.items()]))
 
 
-def _graph(
-    name: str,
-    dsk: dict,
-    inputs: list[Any],
-    outputs: dict[str, dict],
-    layers_read: list[str] | None = None,
-) -> HighLevelGraph:
+def _graph(name: str, dsk: dict, inputs: list[Any], outputs: dict[str, dict]) -> HighLevelGraph:
     """One layer of tasks (``name``) over the inputs, and one layer per
-    output array that reads from it, so that each output culls on its own.
-    ``layers_read``: layers of the inputs' graphs whose keys the tasks read
-    directly (the forward's states)."""
+    output array that reads from it, so that each output culls on its own."""
     base = HighLevelGraph.from_collections(name, dsk, dependencies=list(inputs))
     layers = dict(base.layers)
     dependencies = dict(base.dependencies)
-    dependencies[name] = set(dependencies[name]) | set(layers_read or [])
     for out_name, out_dsk in outputs.items():
         layers[out_name] = MaterializedLayer(out_dsk)
         dependencies[out_name] = {name}
@@ -196,10 +154,6 @@ def forward_graph(
     dsk: dict = {}
     o_dsk: dict = {}
     lse_dsk: dict = {}
-    roots: list[Any] = []
-    staged_q = [_stage(dsk, q, i, c, -2, options) for i, c in enumerate(q_layout)]
-    staged_k = [_stage(dsk, k, j, c, -2, options) for j, c in enumerate(k_layout)]
-    staged_v = [_stage(dsk, v, j, c, -2, options) for j, c in enumerate(k_layout)]
     for i in range(len(q_layout)):
         leaves: list[Any] = []
         row = rows.get(i, []) if schedule == "ring" else sorted(rows.get(i, []))
@@ -213,7 +167,6 @@ def forward_graph(
                 v.shape[-1],
                 sinks,
                 options,
-                q_layout[i],
             )
             leaves.append(key)
         if schedule == "ring":
@@ -223,9 +176,9 @@ def forward_graph(
                 key = (block_name, i, j)
                 dsk[key] = (
                     _tasks.forward_ring_block,
-                    staged_q[i],
-                    staged_k[j],
-                    staged_v[j],
+                    _chunk_key(q, i),
+                    _chunk_key(k, j),
+                    _chunk_key(v, j),
                     carry,
                     blocks[i, j],
                     options,
@@ -237,24 +190,19 @@ def forward_graph(
                 key = (block_name, i, j)
                 dsk[key] = (
                     _tasks.forward_block,
-                    staged_q[i],
-                    staged_k[j],
-                    staged_v[j],
+                    _chunk_key(q, i),
+                    _chunk_key(k, j),
+                    _chunk_key(v, j),
                     blocks[i, j],
                     options,
                 )
                 leaves.append(key)
-            on = {"options": options}
-            root = _tree(dsk, merge_name, (i,), leaves, _tasks.merge, on, on)
+            root = _tree(dsk, merge_name, (i,), leaves, _tasks.merge, {}, {})
         lead = (0,) * (q.ndim - 2)
-        o_dsk[(o_name, *lead, i, 0)] = (_tasks.to_host, root, 0, -2)
-        lse_dsk[(lse_name, *lead, i)] = (_tasks.to_host, root, 1, -1)
-        roots.append(root)
+        o_dsk[(o_name, *lead, i, 0)] = (operator.getitem, root, 0)
+        lse_dsk[(lse_name, *lead, i)] = (operator.getitem, root, 1)
 
     graph = _graph(name, dsk, [q, k, v], {o_name: o_dsk, lse_name: lse_dsk})
-    _FORWARDS[o_name] = (lse_name, name, roots)
-    while len(_FORWARDS) > _FORWARDS_KEPT:
-        del _FORWARDS[next(iter(_FORWARDS))]
     seq = (tuple(sum(p.length for p in chunk) for chunk in q_layout),)
     o_chunks = tuple((n,) for n in q.shape[:-2]) + seq + ((v.shape[-1],),)
     lse_chunks = tuple((n,) for n in q.shape[:-2]) + seq
@@ -301,27 +249,14 @@ def backward_graph(
         row_order = {i: js[-1:] for i, js in row_order.items()}
         col_order = {j: is_[-1:] for j, is_ in col_order.items()}
     dsk: dict = {}
-    inputs = (("do", do, q_layout), ("q", q, q_layout), ("k", k, k_layout), ("v", v, k_layout))
-    staged = {
-        x: [_stage(dsk, arr, i, c, -2, options) for i, c in enumerate(layout)]
-        for x, arr, layout in inputs
-    }
-    forward = _forward_states(o, lse)
-    if forward is not None:
-        # The forward's states: o and lse where it left them.
-        staged["o"] = [(operator.getitem, root, 0) for root in forward[1]]
-        staged["lse"] = [(operator.getitem, root, 1) for root in forward[1]]
-    else:
-        staged["o"] = [_stage(dsk, o, i, c, -2, options) for i, c in enumerate(q_layout)]
-        staged["lse"] = [_stage(dsk, lse, i, c, -1, options) for i, c in enumerate(q_layout)]
     for (i, j), block in blocks.items():
         args = (
-            staged["do"][i],
-            staged["q"][i],
-            staged["k"][j],
-            staged["v"][j],
-            staged["o"][i],
-            staged["lse"][i],
+            _chunk_key(do, i),
+            _chunk_key(q, i),
+            _chunk_key(k, j),
+            _chunk_key(v, j),
+            _chunk_key(o, i),
+            _lse_key(lse, i),
         )
         if schedule == "ring":
             a = before_in_row.get((i, j))
@@ -401,9 +336,7 @@ def backward_graph(
         )
         outputs[names["dsinks"]] = {(names["dsinks"], 0): root}
 
-    graph = _graph(
-        name, dsk, [do, q, k, v, o, lse], outputs, [] if forward is None else [forward[0]]
-    )
+    graph = _graph(name, dsk, [do, q, k, v, o, lse], outputs)
     q_seq = (tuple(sum(p.length for p in c) for c in q_layout),)
     k_seq = (tuple(sum(p.length for p in c) for c in k_layout),)
     lead_q_chunks = tuple((n,) for n in lead_q)

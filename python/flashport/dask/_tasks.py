@@ -1,19 +1,5 @@
 """What the tasks of a flashport.dask graph run: plain functions of NumPy
-arrays and :class:`Resident` chunks (no Dask here), importable by worker
-processes.
-
-Where a task's device is a GPU (``device="gpu"``/``"gpu:N"``, or ``None``
-on a worker whose ``$FLASHPORT_DEVICE`` names one, as on
-:func:`flashport.dask.gpu_cluster`), the graph keeps its arrays on that
-GPU: :func:`stage` uploads each input chunk once, as one
-:class:`flashport.DeviceArray` per piece, the blocks compute on those and
-return their states there, and the forward's merges run there too. Data
-crosses the host only where a chunk goes to another worker (a
-:class:`Resident` pickles as NumPy: DeviceArrays never pickle), where the
-graph's results are read (:func:`to_host`), and where the backward's
-gradient shares are summed (flashport has no device-side add). Elsewhere
-(the CPU, ``"auto"``, dtypes the GPU does not keep) the tasks take and
-return NumPy arrays.
+arrays (no Dask here), importable by worker processes.
 
 Every sum and merge takes its parts in the order it is given them, and the
 graph gives them in a fixed order, so results do not depend on which task
@@ -22,8 +8,6 @@ finishes first or where it ran.
 
 from __future__ import annotations
 
-import os
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +18,8 @@ import flashport
 from ._layout import Piece
 
 __all__ = [
-    "TRANSFERS",
     "Block",
     "Options",
-    "Resident",
     "add",
     "backward_block",
     "backward_ring_block",
@@ -46,8 +28,6 @@ __all__ = [
     "forward_no_keys",
     "forward_ring_block",
     "merge",
-    "stage",
-    "to_host",
     "zeros",
 ]
 
@@ -105,134 +85,9 @@ def _rows(x: np.ndarray, piece: Piece, axis: int) -> np.ndarray:
     return np.ascontiguousarray(x[tuple(index)])
 
 
-# Host <-> GPU crossings the tasks make themselves, by kind: "upload" and
-# "download" (calls) and "upload_bytes" and "download_bytes", per process.
-# NumPy-path calls (on the CPU or "auto") cross inside flashport and are
-# not counted here. Tests and benchmarks read it; nothing depends on it.
-TRANSFERS: Counter[str] = Counter()
-
-# The dtypes a DeviceArray keeps.
-_RESIDENT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
-
-
-def _download(x: Any) -> np.ndarray:
-    """``x`` as a NumPy array (a DeviceArray read back, counted)."""
-    if isinstance(x, flashport.DeviceArray):
-        TRANSFERS["download"] += 1
-        TRANSFERS["download_bytes"] += x.nbytes
-        return x.numpy()
-    return np.asarray(x)
-
-
-def _upload(x: Any, gpu: str) -> flashport.DeviceArray:
-    """``x`` on ``gpu``: a DeviceArray there as it is, anything else copied
-    (through the host from another GPU), counted."""
-    if isinstance(x, flashport.DeviceArray):
-        moved = x.to(gpu)
-        if moved is not x:
-            TRANSFERS["download"] += 1
-            TRANSFERS["download_bytes"] += x.nbytes
-            TRANSFERS["upload"] += 1
-            TRANSFERS["upload_bytes"] += x.nbytes
-        return moved
-    x = np.ascontiguousarray(x)
-    TRANSFERS["upload"] += 1
-    TRANSFERS["upload_bytes"] += x.nbytes
-    return flashport.to_device(x, gpu)
-
-
-class Resident:
-    """A chunk (or a block's state) as its pieces on one worker's GPU: one
-    array per piece of its layout, in order (a :class:`flashport.DeviceArray`
-    each, or NumPy once it crossed to another process).
-
-    DeviceArrays do not pickle, and must not: a worker's GPU memory means
-    nothing to another process. A ``Resident`` that Dask moves to another
-    worker (or spills) pickles as NumPy, read back here explicitly, and the
-    task that receives it uploads it to its own GPU."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: Any) -> None:
-        self.parts = tuple(parts)
-
-    def __reduce__(self) -> tuple:
-        return (Resident, (tuple(_download(p) for p in self.parts),))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in self.parts)
-
-    def on(self, gpu: str) -> list[flashport.DeviceArray]:
-        return [_upload(p, gpu) for p in self.parts]
-
-    def host(self, axis: int) -> np.ndarray:
-        """The whole chunk as one NumPy array, pieces joined along ``axis``."""
-        parts = [_download(p) for p in self.parts]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
-
-    def __repr__(self) -> str:
-        return f"Resident({', '.join(repr(p) for p in self.parts)})"
-
-
-try:  # Dask's memory accounting and placement read the bytes held.
-    from dask.sizeof import sizeof as _sizeof
-
-    @_sizeof.register(Resident)
-    def _sizeof_resident(x: Resident) -> int:
-        return x.nbytes + 64
-
-except ImportError:  # pragma: no cover - flashport.dask needs Dask anyway
-    pass
-
-
-def gpu_of(options: Options) -> str | None:
-    """The GPU the tasks keep their arrays on: ``device`` when it names one,
-    ``$FLASHPORT_DEVICE`` when ``device`` is None and that names one (a
-    :func:`flashport.dask.gpu_cluster` worker), else None (NumPy tasks:
-    the CPU, or ``"auto"``'s choice per call)."""
-    device = options.device
-    if device is None:
-        device = os.environ.get("FLASHPORT_DEVICE", "").strip() or None
-    return device if device is not None and device.startswith("gpu") else None
-
-
-def _mode(options: Options, x: Any) -> str | None:
-    """This task's GPU (see :func:`gpu_of`), or None for NumPy: also for
-    a dtype the GPU does not keep (float64; bfloat16, widened per call)."""
-    if isinstance(x, Resident):
-        return gpu_of(options) or None
-    dtype = np.dtype(x.dtype)
-    return gpu_of(options) if dtype in _RESIDENT_DTYPES else None
-
-
-def _host(x: Any, axis: int = -2) -> np.ndarray:
-    return x.host(axis) if isinstance(x, Resident) else x
-
-
-def stage(x: np.ndarray, pieces: tuple[Piece, ...], axis: int, options: Options) -> Any:
-    """An input chunk as the graph's tasks take it: on a GPU, its pieces
-    uploaded once (a :class:`Resident`) for every block that reads it; else
-    the NumPy chunk itself."""
-    gpu = _mode(options, x)
-    if gpu is None:
-        return x
-    return Resident(_upload(_rows(x, p, axis), gpu) for p in pieces)
-
-
-def to_host(state: Any, slot: int, axis: int) -> np.ndarray:
-    """An output chunk, ``state[slot]``, as NumPy (pieces joined)."""
-    return _host(state[slot], axis)
-
-
-def _on(x: Any, pieces: tuple[Piece, ...], used: set[int], axis: int, gpu: str) -> dict:
-    """The used pieces of ``x`` (Resident or NumPy) on ``gpu``."""
-    if isinstance(x, Resident):
-        return {i: _upload(x.parts[i], gpu) for i in sorted(used)}
-    return {i: _upload(_rows(x, pieces[i], axis), gpu) for i in sorted(used)}
-
-
-def _empty_keys(q: Any, k_shape: tuple[int, ...], v_dim: int) -> tuple[np.ndarray, np.ndarray]:
+def _empty_keys(
+    q: np.ndarray, k_shape: tuple[int, ...], v_dim: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Zero-length k and v for ``q``: a call that sees no key."""
     k = np.empty((*k_shape[:-2], 0, k_shape[-1]), dtype=q.dtype)
     v = np.empty((*k_shape[:-2], 0, v_dim), dtype=q.dtype)
@@ -244,16 +99,13 @@ def _pieces(x: np.ndarray, pieces: tuple[Piece, ...], used: set[int], axis: int 
     return {i: _rows(x, pieces[i], axis) for i in sorted(used)}
 
 
-def forward_block(q: Any, k: Any, v: Any, block: Block, options: Options) -> tuple[Any, Any]:
+def forward_block(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, block: Block, options: Options
+) -> tuple[np.ndarray, np.ndarray]:
     """The attention of one query chunk over one key chunk, ``(o, lse)``:
     one flashport call per visible piece pair, at its global positions.
     A query piece that sees several key pieces merges them; one that sees
-    none gets ``o = 0``, ``lse = −inf`` from a call over no keys. On a GPU
-    the state stays there, one array per query piece (two Residents)."""
-    gpu = _mode(options, q)
-    if gpu is not None:
-        return _forward_block_gpu(q, k, v, block, options, gpu)
-    q, k, v = _host(q), _host(k), _host(v)
+    none gets ``o = 0``, ``lse = −inf`` from a call over no keys."""
     kw = options.kwargs()
     used = {b for _, b in block.pairs}
     ks, vs = _pieces(k, block.k_pieces, used), _pieces(v, block.k_pieces, used)
@@ -288,68 +140,19 @@ def forward_block(q: Any, k: Any, v: Any, block: Block, options: Options) -> tup
     return np.concatenate(outs, axis=-2), np.concatenate(lses, axis=-1)
 
 
-def _shape(x: Any, pieces: tuple[Piece, ...]) -> tuple[int, ...]:
-    """The chunk's shape (a Resident's pieces joined)."""
-    if isinstance(x, Resident):
-        return (*x.parts[0].shape[:-2], sum(p.length for p in pieces), x.parts[0].shape[-1])
-    return tuple(x.shape)
-
-
-def _forward_block_gpu(
-    q: Any, k: Any, v: Any, block: Block, options: Options, gpu: str
-) -> tuple[Resident, Resident]:
-    kw = options.kwargs()
-    used = {b for _, b in block.pairs}
-    qs = _on(q, block.q_pieces, set(range(len(block.q_pieces))), -2, gpu)
-    ks = _on(k, block.k_pieces, used, -2, gpu)
-    vs = _on(v, block.k_pieces, used, -2, gpu)
-    outs, lses = [], []
-    for a, qp in enumerate(block.q_pieces):
-        parts = [
-            flashport.attention(
-                qs[a],
-                ks[b],
-                vs[b],
-                q_offset=block.q_offset + qp.position,
-                k_offset=block.k_pieces[b].position,
-                return_lse=True,
-                **kw,
-            )
-            for pa, b in block.pairs
-            if pa == a
-        ]
-        if not parts:
-            k_shape, v_dim = _shape(k, block.k_pieces), _shape(v, block.k_pieces)[-1]
-            k0, v0 = (_upload(x, gpu) for x in _empty_keys(qs[a], k_shape, v_dim))
-            parts = [
-                flashport.attention(
-                    qs[a], k0, v0, scale=options.scale, device=options.device, return_lse=True
-                )
-            ]
-        if len(parts) == 1:
-            o, lse = parts[0]
-        else:
-            o, lse = flashport.merge_states(
-                [p[0] for p in parts], [p[1] for p in parts], device=gpu
-            )
-        outs.append(o)
-        lses.append(lse)
-    return Resident(outs), Resident(lses)
-
-
 def forward_ring_block(
-    q: Any,
-    k: Any,
-    v: Any,
-    carry: tuple[Any, Any] | None,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    carry: tuple[np.ndarray, np.ndarray] | None,
     block: Block,
     options: Options,
-) -> tuple[Any, Any]:
+) -> tuple[np.ndarray, np.ndarray]:
     """``schedule="ring"``: this block's ``(o, lse)`` merged into the state
     the query chunk's previous block (in ring order) passed on, in that
     order: ``merge(carry, own)``."""
     own = forward_block(q, k, v, block, options)
-    return own if carry is None else merge(carry, own, options=options)
+    return own if carry is None else merge(carry, own)
 
 
 def forward_no_keys(
@@ -358,59 +161,33 @@ def forward_no_keys(
     v_dim: int,
     sinks: np.ndarray | None,
     options: Options,
-    pieces: tuple[Piece, ...] | None = None,
-) -> tuple[Any, Any]:
+) -> tuple[np.ndarray, np.ndarray]:
     """A query chunk's state over no keys: with ``sinks``, the sinks' own
     share of the softmax (``o = 0``, ``lse = sink``), merged in once per
     query chunk; without, ``o = 0``, ``lse = −inf`` for a chunk that no
-    block reaches. Computed by flashport itself, on zero-length keys (on a
-    GPU, uploaded as the blocks' states are: per piece of ``pieces``)."""
-    gpu = _mode(options, q)
-    q = np.ascontiguousarray(_host(q))
+    block reaches. Computed by flashport itself, on zero-length keys."""
+    q = np.ascontiguousarray(q)
     k, v = _empty_keys(q, k_shape, v_dim)
     out, lse = flashport.attention(
         q, k, v, sinks=sinks, scale=options.scale, device=options.device, return_lse=True
     )
-    if gpu is None or pieces is None:
-        return out, lse
-    return (
-        Resident(_upload(_rows(out, p, -2), gpu) for p in pieces),
-        Resident(_upload(_rows(lse, p, -1), gpu) for p in pieces),
-    )
+    return out, lse
 
 
-def merge(*states: tuple[Any, Any], options: Options | None = None) -> tuple[Any, Any]:
+def merge(*states: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``merge_states`` of ``(o, lse)`` parts, in the order given. Host
-    arrays merge on the CPU (``merge_states`` reads each value once);
-    Resident states merge on the task's GPU, piece by piece, and stay
-    there."""
-    gpu = None
-    if options is not None and all(isinstance(s[0], Resident) for s in states):
-        gpu = gpu_of(options)
-    if gpu is not None:
-        outs, lses = [], []
-        for p in range(len(states[0][0].parts)):
-            out, lse = flashport.merge_states(
-                [_upload(s[0].parts[p], gpu) for s in states],
-                [_upload(s[1].parts[p], gpu) for s in states],
-                device=gpu,
-            )
-            outs.append(out)
-            lses.append(lse)
-        return Resident(outs), Resident(lses)
-    outs_h = [_host(s[0], -2) for s in states]
-    lses_h = [_host(s[1], -1) for s in states]
-    out, lse = flashport.merge_states(outs_h, lses_h, device="cpu")
+    arrays merge on the CPU (``merge_states`` reads each value once)."""
+    out, lse = flashport.merge_states([s[0] for s in states], [s[1] for s in states], device="cpu")
     return np.asarray(out), np.asarray(lse)
 
 
 def backward_block(
-    do: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    o: Any,
-    lse: Any,
+    do: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
     block: Block,
     options: Options,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -418,25 +195,13 @@ def backward_block(
     per visible piece pair, flashport's backward with the **global** ``o``
     and ``lse`` of the query rows and the pair's positions; each query
     piece's dQ summed over its key pieces in order, each key piece's dK, dV
-    over its query pieces in order. Pieces no pair reaches get zeros. On a
-    GPU the inputs are used where they are (Resident, uploaded once per
-    chunk) and the shares are read back for the sums."""
+    over its query pieces in order. Pieces no pair reaches get zeros."""
     kw = options.kwargs()
+    acc = accumulation_dtype(q.dtype)
     q_used, k_used = {a for a, _ in block.pairs}, {b for _, b in block.pairs}
-    gpu = _mode(options, q)
-    if gpu is not None:
-        dos, qs, os_ = (_on(x, block.q_pieces, q_used, -2, gpu) for x in (do, q, o))
-        lses = _on(lse, block.q_pieces, q_used, -1, gpu)
-        ks, vs = (_on(x, block.k_pieces, k_used, -2, gpu) for x in (k, v))
-    else:
-        do, q, k, v, o = (_host(x) for x in (do, q, k, v, o))
-        lse = _host(lse, -1)
-        dos, qs, os_ = (_pieces(x, block.q_pieces, q_used) for x in (do, q, o))
-        lses = _pieces(lse, block.q_pieces, q_used, axis=-1)
-        ks, vs = (_pieces(x, block.k_pieces, k_used) for x in (k, v))
-    q_shape, k_shape = _shape(q, block.q_pieces), _shape(k, block.k_pieces)
-    v_shape = _shape(v, block.k_pieces)
-    acc = accumulation_dtype(qs[min(q_used)].dtype)
+    dos, qs, os_ = (_pieces(x, block.q_pieces, q_used) for x in (do, q, o))
+    lses = _pieces(lse, block.q_pieces, q_used, axis=-1)
+    ks, vs = (_pieces(x, block.k_pieces, k_used) for x in (k, v))
     dq: list[list[np.ndarray]] = [[] for _ in block.q_pieces]
     dk: list[list[np.ndarray]] = [[] for _ in block.k_pieces]
     dv: list[list[np.ndarray]] = [[] for _ in block.k_pieces]
@@ -452,33 +217,33 @@ def backward_block(
             k_offset=block.k_pieces[b].position,
             **kw,
         )
-        dq[a].append(_download(g[0]))
-        dk[b].append(_download(g[1]))
-        dv[b].append(_download(g[2]))
+        dq[a].append(g[0])
+        dk[b].append(g[1])
+        dv[b].append(g[2])
 
-    def gather(parts: list[list[np.ndarray]], like: tuple[int, ...], pieces: tuple[Piece, ...]):
+    def gather(parts: list[list[np.ndarray]], like: np.ndarray, pieces: tuple[Piece, ...]):
         sums = [
             (p[0] if len(p) == 1 and p[0].dtype == acc else add(*p, dtype=acc))
             if p
-            else np.zeros((*like[:-2], piece.length, like[-1]), acc)
+            else np.zeros((*like.shape[:-2], piece.length, like.shape[-1]), acc)
             for p, piece in zip(parts, pieces, strict=True)
         ]
         return sums[0] if len(sums) == 1 else np.concatenate(sums, axis=-2)
 
     return (
-        gather(dq, q_shape, block.q_pieces),
-        gather(dk, k_shape, block.k_pieces),
-        gather(dv, v_shape, block.k_pieces),
+        gather(dq, q, block.q_pieces),
+        gather(dk, k, block.k_pieces),
+        gather(dv, v, block.k_pieces),
     )
 
 
 def backward_ring_block(
-    do: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    o: Any,
-    lse: Any,
+    do: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
     dq_carry: np.ndarray | None,
     dk_carry: np.ndarray | None,
     dv_carry: np.ndarray | None,
@@ -496,10 +261,10 @@ def backward_ring_block(
 
 
 def dsinks_part(
-    do: Any,
-    q: Any,
-    o: Any,
-    lse: Any,
+    do: np.ndarray,
+    q: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
     k_shape: tuple[int, ...],
     sinks: np.ndarray,
     options: Options,
@@ -507,8 +272,7 @@ def dsinks_part(
     """The gradient of ``sinks`` from one query chunk's rows: it depends on
     ``do``, ``o`` and ``lse`` only, so flashport's backward over zero-length
     keys computes it."""
-    do, q, o = (np.ascontiguousarray(_host(x)) for x in (do, q, o))
-    lse = np.ascontiguousarray(_host(lse, -1))
+    do, q, o, lse = (np.ascontiguousarray(x) for x in (do, q, o, lse))
     k, v = _empty_keys(q, k_shape, o.shape[-1])
     grads = flashport.attention_backward(
         do, q, k, v, o, lse, sinks=sinks, scale=options.scale, device=options.device
