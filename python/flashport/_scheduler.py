@@ -81,10 +81,13 @@ class Request:
     def done(self) -> bool:
         # A beam request starts as one sequence with nothing generated; its
         # beams appear with their first tokens.
-        grown = self.beam_width is not None or len(self.seqs) == self.n
-        return grown and all(
-            len(s.tokens) - len(self.prompt) >= self.max_new_tokens for s in self.seqs
-        )
+        if self.beam_width is None and len(self.seqs) != self.n:
+            return False
+        limit = len(self.prompt) + self.max_new_tokens
+        for s in self.seqs:
+            if len(s.tokens) < limit:
+                return False
+        return True
 
 
 class Scheduler:
@@ -242,21 +245,36 @@ class Scheduler:
             self._counts = self.cache.ref_counts()
         return int(self._counts[block])
 
-    def _blocks_for(self, seq: _Seq, n: int) -> int:
-        """Free blocks appending ``n`` tokens to ``seq`` may take: new
-        blocks, and a copy of a shared, partly filled last block (an upper
-        bound: prefix reuse may adopt some instead)."""
+    def _plan(self, r: Request, budget: int) -> tuple[list[tuple[_Seq, int]], int, int]:
+        """``r``'s sequences with tokens to give the model and how many (at
+        most ``budget`` each; none once a sequence has all its outputs),
+        the free blocks appending them may take, and their tokens in all.
+
+        The blocks: new ones, and a copy of a shared, partly filled last
+        block (an upper bound: prefix reuse may adopt some instead). Only
+        forks share a partly filled block (prefix reuse shares full ones),
+        so a request of one sequence needs no look at its table. This runs
+        for every running request every step: kept to plain arithmetic."""
         bs = self.cache.block_size
-        if seq.sid is None:
-            return _ceil(n, bs)
-        held = _ceil(seq.cached, bs)
-        need = _ceil(seq.cached + n, bs) - held
-        # Only forks share a partly filled block (prefix reuse shares full
-        # ones): a request of one sequence needs no look at its table.
-        if seq.cached % bs and n and seq.forked:
-            last = self.cache.block_table([seq.sid])[0, held - 1]
-            need += int(self._count(last) > 1)
-        return need
+        limit = len(r.prompt) + r.max_new_tokens
+        wants = []
+        need = tokens = 0
+        for s in r.seqs:
+            total = len(s.tokens)
+            n = min(total - s.cached, budget)
+            if total >= limit or n <= 0:
+                continue
+            wants.append((s, n))
+            tokens += n
+            if s.sid is None:
+                need += -(-n // bs)
+                continue
+            held = -(-s.cached // bs)
+            need += -(-(s.cached + n) // bs) - held
+            if s.forked and s.cached % bs:
+                last = self.cache.block_table([s.sid])[0, held - 1]
+                need += int(self._count(last) > 1)
+        return wants, need, tokens
 
     def _blocks_held(self, seqs: list[_Seq]) -> int:
         """The distinct blocks ``seqs`` (in the pool) hold."""
@@ -264,19 +282,6 @@ class Scheduler:
             return _ceil(seqs[0].cached, self.cache.block_size)
         table = self.cache.block_table([s.sid for s in seqs])
         return len(np.unique(table[table >= 0]))
-
-    @staticmethod
-    def _wants(r: Request, budget: int) -> list[tuple[_Seq, int]]:
-        """Each of ``r``'s sequences with tokens to give the model, and how
-        many (at most ``budget``; none once it has all its outputs)."""
-        out = []
-        for s in r.seqs:
-            if len(s.tokens) - len(r.prompt) >= r.max_new_tokens:
-                continue
-            n = min(len(s.tokens) - s.cached, budget)
-            if n > 0:
-                out.append((s, n))
-        return out
 
     def _preempt(self, rid: int) -> None:
         cache = self.cache
@@ -338,6 +343,7 @@ class Scheduler:
         reserved = 0
         free = cache.num_free_blocks
         batch: list[tuple[_Seq, int]] = []
+        owners: list[Request] = []  # each batch entry's request
         tokens = 0
         preempted = False
         # 1. Running requests, in arrival order; preempt from the back.
@@ -345,8 +351,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             r = self.requests[self.running[i]]
-            wants = self._wants(r, max(1, self.max_tokens - tokens))
-            need = sum(self._blocks_for(s, n) for s, n in wants)
+            wants, need, given = self._plan(r, max(1, self.max_tokens - tokens))
             while need > free and self.running[-1] != r.rid:
                 self._preempt(self.running.pop())
                 preempted = True
@@ -359,7 +364,8 @@ class Scheduler:
             free -= need
             reserved += need
             batch += wants
-            tokens += sum(n for _, n in wants)
+            owners += [r] * len(wants)
+            tokens += given
             i += 1
         # 2. Swapped, then waiting requests, first come first served.
         if not preempted:
@@ -379,14 +385,14 @@ class Scheduler:
                 r.state = "running"
                 self.running.append(rid)
                 free = cache.num_free_blocks - reserved
-                wants = self._wants(r, max(1, self.max_tokens - tokens))
-                need = sum(self._blocks_for(s, n) for s, n in wants)
+                wants, need, given = self._plan(r, max(1, self.max_tokens - tokens))
                 if need > free:
                     break
                 free -= need
                 reserved += need
                 batch += wants
-                tokens += sum(n for _, n in wants)
+                owners += [r] * len(wants)
+                tokens += given
             while (
                 self.waiting
                 and not self.swapped
@@ -400,8 +406,7 @@ class Scheduler:
                     rng = None if beams else self._rng(rid, 0)
                     r.seqs = [_Seq(None, list(r.prompt), 0, rng, forked=beams)]
                     r.scores = [0.0] if beams else []
-                wants = self._wants(r, self.max_tokens - tokens)
-                need = sum(self._blocks_for(s, n) for s, n in wants)
+                wants, need, given = self._plan(r, self.max_tokens - tokens)
                 if need > free - self.watermark_blocks or len(batch) + len(wants) > self.max_batch:
                     break
                 self.waiting.popleft()
@@ -412,7 +417,8 @@ class Scheduler:
                 free -= need
                 reserved += need
                 batch += wants
-                tokens += sum(n for _, n in wants)
+                owners += [r] * len(wants)
+                tokens += given
         if not batch:
             if self.unfinished and not self.running:
                 raise CacheFullError(
@@ -420,28 +426,40 @@ class Scheduler:
                     f"than the cache's {cache.num_blocks} (make a larger KVCache)"
                 )
             return []
-        # 3. One model call.
+        # 3. One model call. The decode entries' tokens are views of one
+        # array (an array per entry costs more than the rest of its step).
+        ones = np.array([s.tokens[s.cached] for s, _ in batch], np.int64)
         entries = [
-            (s.sid, np.asarray(s.tokens[s.cached : s.cached + n], np.int64)) for s, n in batch
+            (
+                s.sid,
+                ones[k : k + 1]
+                if n == 1
+                else np.array(s.tokens[s.cached : s.cached + n], np.int64),
+            )
+            for k, (s, n) in enumerate(batch)
         ]
         start = time.perf_counter()
         logits = np.asarray(self.model(cache, entries))
         self.costs.model_call(tokens, time.perf_counter() - start)
         finished = []
-        # Only the batch's requests: a step costs its batch, not the history.
-        owner = {id(s): r for r in map(self.requests.get, self.running) for s in r.seqs}
+        # Greedy tokens for the whole batch at once (most requests').
+        greedy = logits.argmax(axis=1).tolist()
         # A beam's logits wait for its request's other beams (in the batch too).
         beam_rows: dict[int, np.ndarray] = {}
-        for (s, n), row in zip(batch, logits, strict=True):
+        # The requests that drew a token: only they can fork or finish (a
+        # step costs its batch, not the history).
+        drew: dict[int, Request] = {}
+        for k, ((s, n), r) in enumerate(zip(batch, owners, strict=True)):
             s.cached += n
             if s.cached == len(s.tokens):
-                r = owner[id(s)]
-                if r.beam_width is None:
-                    s.tokens.append(self._draw(r, s, row))
+                drew[r.rid] = r
+                if r.beam_width is not None:
+                    beam_rows[id(s)] = logits[k]
+                elif r.temperature == 0:
+                    s.tokens.append(greedy[k])
                 else:
-                    beam_rows[id(s)] = row
-        for rid in list(self.running):
-            r = self.requests[rid]
+                    s.tokens.append(self._draw(r, s, logits[k]))
+        for rid, r in drew.items():
             parent = r.seqs[0]
             if r.beam_width is not None:
                 if id(parent) in beam_rows:
@@ -499,9 +517,9 @@ class Scheduler:
 
     @staticmethod
     def _draw(r: Request, seq: _Seq, logits: np.ndarray) -> int:
-        """The next token: the most likely at temperature 0, else drawn
-        from the softmax of ``logits / temperature`` with the sequence's
-        own stream."""
+        """The next token: the most likely at temperature 0 (as the step's
+        batched argmax picks it), else drawn from the softmax of ``logits /
+        temperature`` with the sequence's own stream."""
         if r.temperature == 0:
             return int(np.argmax(logits))
         z = np.asarray(logits, np.float64) / r.temperature
