@@ -288,12 +288,15 @@ def overhead(
     scheduler's share is the rest (its host work: choosing, counting
     blocks, drawing tokens, bookkeeping)."""
     rng = np.random.default_rng(0)
-    per_seq = -(-(prompt + steps + 2) // block_size)
+    # Every prompt in one step, so that all the sequences then decode
+    # together until after the timed steps.
+    new_tokens = steps + 3
+    per_seq = -(-(prompt + new_tokens) // block_size)
     cache = model.cache(batch * per_seq + 8, block_size, device)
     timed = Timed(model, timer)
-    s = flashport.Scheduler(cache, timed, max_batch=batch, max_tokens=2048, watermark=0)
+    s = flashport.Scheduler(cache, timed, max_batch=batch, max_tokens=batch * prompt, watermark=0)
     for _ in range(batch):
-        s.add(rng.integers(0, 256, prompt).tolist(), steps + 2)
+        s.add(rng.integers(0, 256, prompt).tolist(), new_tokens)
     # The prompts, and one decode step to warm up.
     while timed.last_batch != [1] * batch:
         s.step()
