@@ -212,32 +212,34 @@ def main(argv: list[str]) -> int:
             rows.append(row)
             print(
                 f"| {rate:g} | {system.name} | {row['requests_per_s']:.3f} "
-                f"| {row['tokens_per_s']:.1f} | {row['normalized_latency_s']:.4f} "
+                f"| {row['tokens_per_s']:.1f} | {row['normalized_latency_s']:.3g} "
                 f"| {row['largest_batch']} | {row['kv_waste']:.1%} "
                 f"| {row['preemptions']} ({row['swaps']}) | {row['scheduler_share']:.1%} |",
                 flush=True,
             )
     lowest = [r["normalized_latency_s"] for r in rows if r["rate"] == args.rates[0]]
     bound = args.latency_bound if args.latency_bound else 4 * min(lowest)
-    how = "given" if args.latency_bound else f"4 x {min(lowest):.4f} at {args.rates[0]:g} req/s"
+    how = "given" if args.latency_bound else f"4 x {min(lowest):.3g} at {args.rates[0]:g} req/s"
     rates = sustained(rows, bound)
     result.update(latency_bound_s=bound, sustained=rates)
     base = rates.get(systems(args.block_size, args.max_len)[1].name)
     print(
         f"\nSustained rate: the highest rate of the sweep at and below which the normalized "
-        f"latency stays at most {bound:.4f} s/token ({how})\n\n"
+        f"latency stays at most {bound:.3g} s/token ({how})\n\n"
         "| system | sustained rate req/s | against the max-length reservation |\n|---|---|---|"
     )
     for name, rate in rates.items():
         ratio = f"{rate / base:.2f}x" if rate and base else "-"
         print(f"| {name} | {rate:g} | {ratio} |" if rate else f"| {name} | below the sweep | - |")
-    measured = [r for r in rows if r["swap_bytes_per_s"] or r["recompute_tokens_per_s"]]
+    paged = systems(args.block_size, args.max_len)[0].name
+    measured = [r for r in rows if r["system"] == paged and r["preemptions"]]
     if measured:
         r = measured[-1]
-        swap = f"{r['swap_bytes_per_s'] / 1e9:.2f} GB/s" if r["swap_bytes_per_s"] else "unmeasured"
+        swap, redo = r["swap_bytes_per_s"], r["recompute_tokens_per_s"]
         print(
-            f"\nMeasured by the paged system's scheduler at {r['rate']:g} req/s: swap "
-            f"{swap} (out and back in), recompute {r['recompute_tokens_per_s']:.0f} tokens/s"
+            f"\nWhat preemption={args.preemption!r} measured in the paged run at {r['rate']:g} "
+            f"req/s: swap {f'{swap / 1e9:.2f} GB/s' if swap else 'unmeasured'} (a block out and "
+            f"back in), recompute {f'{redo:.0f} tokens/s' if redo else 'unmeasured'}"
         )
     if args.json:
         with open(args.json, "w") as f:
