@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--overhead-batches", type=_batches, default=_batches("1,8,32,128"),
+        "--overhead-batches", type=_batches, default=_batches("1,8,16,32,64,128"),
         help="decode batches whose step the scheduler's share is measured in ('' for none)",
     )  # fmt: skip
     parser.add_argument(
