@@ -63,6 +63,18 @@ def test_reservations_are_the_papers():
     assert (most.reserve(30, 40), pow2.reserve(30, 40), oracle.reserve(30, 40)) == (1024, 128, 70)
 
 
+def ticks(seconds=1e-3):
+    """A clock for serve() that moves ``seconds`` a reading: runs that do
+    not depend on how fast the machine is."""
+    now = [0.0]
+
+    def read():
+        now[0] += seconds
+        return now[0]
+
+    return read
+
+
 def test_each_system_serves_every_request_within_its_budget():
     model = Decoder(layers=1, heads=2)
     kv, max_len = 256, 64
@@ -72,7 +84,7 @@ def test_each_system_serves_every_request_within_its_budget():
         seen = []
         rows[system.name] = row = serve(
             model, requests, system, kv_tokens=kv, block_size=4, max_batch=256,
-            progress=seen.append,
+            progress=seen.append, timer=ticks(),
         )  # fmt: skip
         assert seen[-1]["finished"] == len(requests) == seen[-1]["requests"]
         assert row["requests_per_s"] > 0 and 0 <= row["kv_waste"] < 1
@@ -96,7 +108,9 @@ def test_waste_follows_what_each_system_reserves():
     requests = trace("alpaca", 5, rate=0.01, max_len=256, seed=4)
     assert any(len(p) + o not in (64, 128, 256) for _, p, o in requests)
     waste = [
-        serve(model, requests, s, kv_tokens=512, block_size=4, max_batch=8)["kv_waste"]
+        serve(model, requests, s, kv_tokens=512, block_size=4, max_batch=8, timer=ticks())[
+            "kv_waste"
+        ]
         for s in systems(4, 256)
     ]
     paged, most, pow2, oracle = waste
