@@ -165,16 +165,30 @@ def test_cli_prints_the_tables_writes_json_and_reports_progress(tmp_path, capsys
     assert result["latency_bound_s"] > 0
 
 
-def test_cli_draws_the_plot(tmp_path):
+def test_cli_draws_the_plot_after_a_run_and_from_its_json(tmp_path):
     pytest.importorskip("matplotlib")
-    png = tmp_path / "serve.png"
+    png, again, raw = tmp_path / "serve.png", tmp_path / "again.png", tmp_path / "serve.json"
     argv = [
         "bench", "serve", "--trace", "alpaca", "--requests", "4", "--rates", "50,100",
         "--kv-tokens", "128", "--max-len", "32", "--block-size", "4", "--layers", "1",
-        "--heads", "2", "--overhead-batches", "", "--plot", str(png),
+        "--heads", "2", "--overhead-batches", "", "--plot", str(png), "--json", str(raw),
     ]  # fmt: skip
     assert cli.main(argv) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.main(["bench", "serve", "--from-json", str(raw), "--plot", str(again)]) == 0
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_refuses_a_plot_without_matplotlib_before_running(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--plot", "x.png", "--requests", "100000"])
+    assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -185,6 +199,7 @@ def test_cli_draws_the_plot(tmp_path):
         (["--overhead-batches", "0"], "at least 1"),
         (["--max-len", "512", "--kv-tokens", "256"], "--max-len 512 is more than --kv-tokens"),
         (["--clock", "process"], "--clock process"),
+        (["--from-json", "x.json"], "give --plot PATH"),
     ],
 )
 def test_cli_refuses_bad_arguments(extra, message, capsys, monkeypatch):

@@ -29,6 +29,7 @@ unloaded server's).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -147,7 +148,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--progress", type=float, metavar="SECONDS", help="a line every SECONDS")
     parser.add_argument("--json", help="write the raw numbers to this file")
     parser.add_argument("--plot", help="draw normalized latency against rate to this PNG")
+    parser.add_argument(
+        "--from-json", metavar="JSON",
+        help="draw --plot from the numbers a run wrote with --json instead of running (for a "
+        "run made where matplotlib is not installed)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Before a run of minutes, not after it.
+        parser.error("--plot needs matplotlib (pip install -r requirements-bench.txt)")
+    if args.from_json:
+        if not args.plot:
+            parser.error("--from-json draws a chart: give --plot PATH")
+        with open(args.from_json) as f:
+            result = json.load(f)
+        plot(result["rows"], result["latency_bound_s"], _title(result["args"]), args.plot)
+        print(f"chart: {args.plot}")
+        return 0
     if args.max_len > args.kv_tokens:
         parser.error(f"--max-len {args.max_len} is more than --kv-tokens {args.kv_tokens}")
     threads = {v: os.environ.get(v) for v in ("FLASHPORT_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
@@ -175,7 +192,8 @@ def main(argv: list[str]) -> int:
             "Python starts (docs/generate.md)",
             flush=True,
         )
-    result: dict = {"args": vars(args), "overhead": [], "rows": []}
+    result: dict = {"args": {**vars(args), "version": flashport.__version__}}
+    result.update(overhead=[], rows=[])
     if args.overhead_batches:
         context = round(mean_in + mean_out / 2)
         print(
@@ -253,10 +271,13 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
-        title = (
-            f"{args.trace}-like, {args.requests} requests, {args.kv_tokens} KV slots, "
-            f"{args.device}, flashport {flashport.__version__}"
-        )
-        plot(rows, bound, title, args.plot)
+        plot(rows, bound, _title(result["args"]), args.plot)
         print(f"\nchart: {args.plot}")
     return 0
+
+
+def _title(args: dict) -> str:
+    return (
+        f"{args['trace']}-like, {args['requests']} requests, {args['kv_tokens']} KV slots, "
+        f"{args['device']}, flashport {args['version']}"
+    )
