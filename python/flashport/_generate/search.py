@@ -13,11 +13,9 @@ import numpy as np
 
 import flashport
 
+from .._beam import log_softmax, select
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+__all__ = ["BeamSearch", "Sampling", "log_softmax"]
 
 
 class BeamSearch:
@@ -46,19 +44,14 @@ class BeamSearch:
     def choose(self, logits: np.ndarray) -> list[tuple[int, int]]:
         """``logits (len(seq_ids), vocab)``: the next beams, returned as
         (sequence, token) to append."""
-        logp = log_softmax(logits)
-        scores = np.array([score for _, score, _ in self.beams])[:, None] + logp
-        # Stable sort over the flattened (beam, token) grid: equal scores keep
-        # the lower beam, then the lower token.
-        best = np.argsort(-scores.ravel(), kind="stable")[: self.width]
-        parents, tokens = np.divmod(best, logp.shape[1])
+        scores = np.array([score for _, score, _ in self.beams])
         taken: set[int] = set()
         forks: list[tuple[int, float, list[int]]] = []
-        for parent, token in zip(parents.tolist(), tokens.tolist(), strict=True):
+        for parent, token, score in select(scores, logits, self.width):
             sid, _, generated = self.beams[parent]
             child = sid if parent not in taken else self.cache.fork(sid)
             taken.add(parent)
-            forks.append((child, float(scores[parent, token]), [*generated, token]))
+            forks.append((child, score, [*generated, token]))
         for parent, (sid, _, _) in enumerate(self.beams):
             if parent not in taken:
                 self.cache.free(sid)

@@ -15,24 +15,16 @@ from .model import Model
 from .run import Check
 
 
-class CheckedStep:
-    """The scheduler's model step: the demo model's cached forward (the
-    decode entries in one batch, each prompt chunk alone), each entry's
-    logits checked against :meth:`Model.forward_full` on the sequence's
-    tokens so far. A sequence's tokens are those given for its id since it
-    was made (a recomputed sequence gets a new id and all its tokens)."""
+class Step:
+    """The demo model as the scheduler's model step: its cached forward,
+    the decode entries in one batch, each prompt chunk alone."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self.check = Check(model)
-        self.history: dict[int, list[int]] = {}
 
-    def _checked(self, sids, tokens, logits) -> None:
-        for sid, t in zip(sids, tokens, strict=True):
-            self.history.setdefault(sid, []).extend(int(x) for x in t)
-        for row, sid in enumerate(sids):
-            n = len(tokens[row])
-            self.check(logits[row : row + 1, -n:], np.array([self.history[sid]]))
+    def _seen(self, sids, tokens, logits) -> None:
+        """What the step gave: ``logits`` of the positions of ``tokens``
+        appended to ``sids``."""
 
     def __call__(self, cache, batch):
         out = np.zeros((len(batch), self.model.config.vocab), np.float32)
@@ -41,14 +33,34 @@ class CheckedStep:
             sids = [batch[i][0] for i in decode]
             tokens = np.array([[batch[i][1][0]] for i in decode])
             logits = self.model.forward_cached(cache, sids, tokens)
-            self._checked(sids, tokens.tolist(), logits)
+            self._seen(sids, tokens.tolist(), logits)
             out[decode] = logits[:, -1]
         for i, (sid, t) in enumerate(batch):
             if len(t) > 1:
                 logits = self.model.forward_cached(cache, [sid], np.asarray(t)[None])
-                self._checked([sid], [t.tolist()], logits)
+                self._seen([sid], [t.tolist()], logits)
                 out[i] = logits[0, -1]
         return out
+
+
+class CheckedStep(Step):
+    """:class:`Step`, each entry's logits checked against
+    :meth:`Model.forward_full` on the sequence's tokens so far. A
+    sequence's tokens are those given for its id since it was made (a
+    recomputed sequence gets a new id and all its tokens; a fork, whose
+    first tokens were given to its parent, is not supported)."""
+
+    def __init__(self, model: Model) -> None:
+        super().__init__(model)
+        self.check = Check(model)
+        self.history: dict[int, list[int]] = {}
+
+    def _seen(self, sids, tokens, logits) -> None:
+        for sid, t in zip(sids, tokens, strict=True):
+            self.history.setdefault(sid, []).extend(int(x) for x in t)
+        for row, sid in enumerate(sids):
+            n = len(tokens[row])
+            self.check(logits[row : row + 1, -n:], np.array([self.history[sid]]))
 
 
 def serve(
