@@ -406,6 +406,65 @@ def test_bitwise_identical_across_runs_and_schedulers(client, zigzag, schedule):
         assert np.isfinite(a).all() and np.abs(a).max() > 0, name
 
 
+@pytest.mark.parametrize("schedule", ["tree", "ring"])
+def test_float16_gradients_are_float32_sums_of_the_block_shares_rounded_once(schedule):
+    """Each gradient chunk is the sum of the blocks' float16 shares (as
+    flashport returns them) taken in float32 in the graph's order (index
+    order for "tree", ring order for "ring") and rounded to float16 once:
+    bit for bit, whichever task widens them. The same sums in float16 differ,
+    so the check tells the two apart."""
+    rng = np.random.default_rng(7)
+    seq, chunk = 96, 32
+    q, k, v, do = (rng.standard_normal((1, 2, seq, 16)).astype(np.float16) for _ in range(4))
+    q_, k_, v_, do_ = (_chunked(x, (chunk,) * 3) for x in (q, k, v, do))
+    o_, lse_ = fpd.attention(q_, k_, v_, return_lse=True, schedule=schedule)
+    grads = fpd.attention_backward(do_, q_, k_, v_, o_, lse_, schedule=schedule)
+    o, lse, dq, dk, dv = dask.compute(o_, lse_, *grads, scheduler="threads")
+
+    def rows(x, i, axis=-2):
+        return np.take(x, range(i * chunk, (i + 1) * chunk), axis=axis)
+
+    shares = {
+        (i, j): flashport.attention_backward(
+            rows(do, i),
+            rows(q, i),
+            rows(k, j),
+            rows(v, j),
+            rows(o, i),
+            rows(lse, i, -1),
+            q_offset=i * chunk,
+            k_offset=j * chunk,
+        )
+        for i in range(3)
+        for j in range(3)
+    }
+    assert all(g.dtype == np.float16 for share in shares.values() for g in share)
+    if schedule == "ring":
+        by_row, by_col = ring_orders(set(shares), 3, 3)
+    else:
+        by_row = by_col = {n: [0, 1, 2] for n in range(3)}
+
+    def total(parts, acc):
+        out = parts[0].astype(acc)
+        for p in parts[1:]:
+            out += p
+        return out.astype(np.float16)
+
+    for n in range(3):
+        for got, parts in (
+            (rows(dq, n), [shares[n, j][0] for j in by_row[n]]),
+            (rows(dk, n), [shares[i, n][1] for i in by_col[n]]),
+            (rows(dv, n), [shares[i, n][2] for i in by_col[n]]),
+        ):
+            assert got.tobytes() == total(parts, np.float32).tobytes()
+    assert (
+        dk.tobytes()
+        != np.concatenate(
+            [total([shares[i, n][1] for i in by_col[n]], np.float16) for n in range(3)], axis=-2
+        ).tobytes()
+    )
+
+
 def test_results_on_the_cluster_match_flashport(client):
     """The processes compute what flashport computes (the sources are sent
     to the workers, results come back)."""

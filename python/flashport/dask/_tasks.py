@@ -191,7 +191,8 @@ def backward_block(
     block: Block,
     options: Options,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One block's share of dQ and its dK, dV (in the accumulation dtype):
+    """One block's share of dQ and its dK, dV (in flashport's dtype, or the
+    accumulation dtype where a piece's share is already a sum):
     per visible piece pair, flashport's backward with the **global** ``o``
     and ``lse`` of the query rows and the pair's positions; each query
     piece's dQ summed over its key pieces in order, each key piece's dK, dV
@@ -222,13 +223,21 @@ def backward_block(
         dv[b].append(g[2])
 
     def gather(parts: list[list[np.ndarray]], like: np.ndarray, pieces: tuple[Piece, ...]):
+        # A piece's lone share stays in flashport's dtype: the sums that
+        # take it (``add``, ``backward_ring_block``) widen it to the
+        # accumulation dtype exactly, so converting it here would only copy
+        # it and double its bytes in memory and between workers.
         sums = [
-            (p[0] if len(p) == 1 and p[0].dtype == acc else add(*p, dtype=acc))
+            (p[0] if len(p) == 1 else add(*p, dtype=acc))
             if p
             else np.zeros((*like.shape[:-2], piece.length, like.shape[-1]), acc)
             for p, piece in zip(parts, pieces, strict=True)
         ]
-        return sums[0] if len(sums) == 1 else np.concatenate(sums, axis=-2)
+        if len(sums) == 1:
+            return sums[0]
+        # Pieces of mixed dtypes (a sum beside a lone share) concatenate in
+        # the wider one, which holds both exactly.
+        return np.concatenate(sums, axis=-2, dtype=np.result_type(*sums))
 
     return (
         gather(dq, q, block.q_pieces),
@@ -252,11 +261,16 @@ def backward_ring_block(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``schedule="ring"``: this block's shares added to the running sums
     its row's previous block (dQ) and its column's previous block (dK, dV)
-    passed on, ``carry + share``, in the accumulation dtype. The carries are
-    not modified (another task may still read them)."""
+    passed on, ``carry + share``, in the accumulation dtype (a chain's
+    first share stays as the block gave it). The carries are not modified
+    (another task may still read them)."""
     shares = backward_block(do, q, k, v, o, lse, block, options)
     carries = (dq_carry, dk_carry, dv_carry)
-    dq, dk, dv = (s if c is None else c + s for c, s in zip(carries, shares, strict=True))
+    acc = accumulation_dtype(q.dtype)
+    dq, dk, dv = (
+        s if c is None else np.add(c, s, dtype=np.result_type(acc, c.dtype, s.dtype))
+        for c, s in zip(carries, shares, strict=True)
+    )
     return dq, dk, dv
 
 
@@ -282,11 +296,20 @@ def dsinks_part(
 
 def add(*parts: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``parts[0] + parts[1] + …`` left to right, in the accumulation dtype
-    of ``dtype``, returned as ``dtype``."""
-    acc = np.result_type(accumulation_dtype(np.dtype(dtype)), parts[0].dtype)
-    total = np.array(parts[0], dtype=acc, copy=True)
-    for p in parts[1:]:
-        total += p
+    of ``dtype`` (or wider, for wider parts), returned as ``dtype``. A lone
+    part already in ``dtype`` is returned as it is; the parts are never
+    modified (another task may still read them)."""
+    dtype = np.dtype(dtype)
+    if len(parts) == 1 and parts[0].dtype == dtype:
+        return parts[0]
+    acc = np.result_type(accumulation_dtype(dtype), *(p.dtype for p in parts))
+    if len(parts) == 1:
+        total = np.array(parts[0], dtype=acc, copy=True)
+    else:
+        # The first sum writes a new array: no copy of parts[0] first.
+        total = np.add(parts[0], parts[1], dtype=acc)
+        for p in parts[2:]:
+            total += p
     return total.astype(dtype, copy=False)
 
 
