@@ -324,11 +324,20 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--split" in argv:
+        from . import _bench_dask_split
+
+        return _bench_dask_split.main(argv)
     parser = argparse.ArgumentParser(prog="python -m flashport bench dask", description=__doc__)
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (median)")
     parser.add_argument("--quick", action="store_true", help=f"a small problem, {QUICK_SHAPE}")
     parser.add_argument("--zigzag", action="store_true", help="also the zig-zag order")
     parser.add_argument("--json", help="write the raw numbers to this file")
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="instead: where one graph's time goes, per task kind (bench dask --split --help)",
+    )
     args = parser.parse_args(argv)
     try:
         from distributed import Client
