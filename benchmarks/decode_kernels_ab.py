@@ -34,7 +34,7 @@ import time
 import flashport as fp
 import numpy as np
 from flashport import _core
-from flashport._bench_decode import paged_cache
+from flashport._bench.decode import paged_cache
 
 HEADS_Q, HEADS_KV, D = 32, 8, 128
 # Configurations: (test overrides, num_splits per batch size or None).

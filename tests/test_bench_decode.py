@@ -13,7 +13,8 @@ import types
 
 import numpy as np
 import pytest
-from flashport import _bench_decode, reference
+from flashport import reference
+from flashport._bench import decode as _bench_decode
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flashport import _bench_kvcache, reference
+from flashport import reference
+from flashport._bench import kvcache as _bench_kvcache
 
 
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["append_batch", "append"])

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flashport import Scheduler
 from flashport import __main__ as cli
-from flashport._bench_serve import sustained
-from flashport._bench_serve_replay import (
+from flashport._bench.serve import sustained
+from flashport._bench.serve_replay import (
     Decoder,
     next_power_of_two,
     overhead,

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("dask.array")
 
 import flashport
-from flashport import _bench_dask_split as split
+from flashport._bench import dask_split as split
 from flashport.dask import _tasks
 
 

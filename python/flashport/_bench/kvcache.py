@@ -42,8 +42,8 @@ import numpy as np
 
 import flashport
 
-from ._bench_decode import HEADS_KV, HEADS_Q, D, make_arrays
-from ._bench_timing import interleaved_medians
+from .decode import HEADS_KV, HEADS_Q, D, make_arrays
+from .timing import interleaved_medians
 
 BATCHES = (1, 8)
 CONTEXTS = (1024, 4096)

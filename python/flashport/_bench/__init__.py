@@ -22,13 +22,13 @@ import numpy as np
 
 import flashport
 
-from ._bench_timing import (
+from .._memory import forward_peak_bytes
+from .timing import (
     interleaved_medians,
     median_seconds,
     torch_or_none,
     torch_sdpa_cases,
 )
-from ._memory import forward_peak_bytes
 
 SHAPES = [
     (1, 8, 1024, 64),
@@ -294,27 +294,27 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["varlen"]:
-        from . import _bench_varlen
+        from . import varlen as _bench_varlen
 
         return _bench_varlen.main(argv[1:])
     if argv[:1] == ["decode"]:
-        from . import _bench_decode
+        from . import decode as _bench_decode
 
         return _bench_decode.main(argv[1:])
     if argv[:1] == ["kvcache"]:
-        from . import _bench_kvcache
+        from . import kvcache as _bench_kvcache
 
         return _bench_kvcache.main(argv[1:])
     if argv[:1] == ["serve"]:
-        from . import _bench_serve
+        from . import serve as _bench_serve
 
         return _bench_serve.main(argv[1:])
     if argv[:1] == ["dask"]:
-        from . import _bench_dask
+        from . import dask as _bench_dask
 
         return _bench_dask.main(argv[1:])
     if argv[:1] == ["torch"]:
-        from . import _bench_torch
+        from . import torch as _bench_torch
 
         return _bench_torch.main(argv[1:])
     parser = argparse.ArgumentParser(

@@ -9,7 +9,7 @@ attention function transformers calls: its forward wall time, and its
 backward from the gradient reaching its output to the gradients leaving for
 query, key and value (autograd runs the attention's backward nodes between
 those two, on this thread). Medians over interleaved rounds (see
-``_bench_timing.interleaved_medians``).
+``timing.interleaved_medians``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import flashport
 
-from ._bench_timing import SETTLE_SECONDS
+from .timing import SETTLE_SECONDS
 
 FULL = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "batch": 2, "seq": 512}
 QUICK = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "batch": 1, "seq": 64}

@@ -28,7 +28,7 @@ import numpy as np
 
 import flashport
 
-from ._bench_timing import interleaved_medians, torch_or_none, torch_sdpa_cases
+from .timing import interleaved_medians, torch_or_none, torch_sdpa_cases
 
 # The mix: sequences from 64 to 4096 tokens.
 FULL = {"sequences": 12, "shortest": 64, "longest": 4096, "heads": 4, "repeat": 3}

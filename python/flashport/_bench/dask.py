@@ -65,7 +65,7 @@ def peak() -> int | None:
 
 
 def _medians(cases: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    from ._bench_timing import interleaved_medians
+    from .timing import interleaved_medians
 
     return interleaved_medians(cases, repeat)
 
@@ -84,7 +84,7 @@ def _warm_up() -> None:
 _PROBE = """
 import json, sys
 import numpy as np
-from flashport._bench_dask import _local_peak
+from flashport._bench.dask import _local_peak
 print(json.dumps(_local_peak(*json.loads(sys.argv[1]))))
 """
 
@@ -325,7 +325,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     if "--split" in argv:
-        from . import _bench_dask_split
+        from . import dask_split as _bench_dask_split
 
         return _bench_dask_split.main(argv)
     parser = argparse.ArgumentParser(prog="python -m flashport bench dask", description=__doc__)

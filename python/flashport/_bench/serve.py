@@ -6,7 +6,7 @@ reports them) is served by :class:`flashport.Scheduler` over a
 rate of a sweep, by paged blocks and by the paper's baselines, contiguous
 reservations of the model's maximum length, of the next power of two of a
 request's prompt plus output, and of exactly that (the oracle); see
-``_bench_serve_replay``.
+``serve_replay``.
 
 First, the scheduler's own time in a decode step at batches up to 32 and
 beyond (the issue's target: at most 5% of the step at batch 32 on the
@@ -37,7 +37,7 @@ import time
 
 import flashport
 
-from ._bench_serve_replay import TRACES, D, Decoder, overhead, serve, systems, trace
+from .serve_replay import TRACES, D, Decoder, overhead, serve, systems, trace
 
 
 def sustained(rows: list[dict], bound: float) -> dict[str, float | None]:

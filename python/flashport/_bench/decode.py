@@ -87,7 +87,7 @@ import numpy as np
 
 import flashport
 
-from ._bench_timing import interleaved_medians
+from .timing import interleaved_medians
 
 HEADS_Q, HEADS_KV, D = 32, 8, 128
 BATCHES = (1, 8, 32)
@@ -371,7 +371,7 @@ def queued_host_time() -> dict[str, dict[str, float]]:
     the work to the driver, and waiting for the oldest call when the queue
     is full) and
     "wall" (the loop and the synchronize, per call)."""
-    from . import _core
+    from .. import _core
 
     batch, context, dtype = (QUEUED_SHAPE[n] for n in ("batch", "context", "dtype"))
     q, k, v = make_arrays(batch, context, dtype)
