@@ -1,7 +1,9 @@
-"""A/B of decoding's two GPU kernels in one process: attention_with_kvcache
+"""A/B of decoding's GPU kernels in one process: attention_with_kvcache
 on DeviceArrays (32 query heads over 8 key/value heads, d = 128, one query
-row per sequence, full caches), the workgroup kernel (overrides
-no_subgroups=True) against the subgroup kernel in the layouts and split
+row per sequence, full caches), the cooperative kernel (float16, where the
+adapter has cooperative matrices: the default there), the subgroup kernel
+and the workgroup kernel (overrides max_tier="tiled", and no_subgroups=True
+for the workgroup kernel) in the layouts and split
 counts given, interleaved round by round after a warm-up (an H100's clocks
 ramp up over its first calls). Prints, per case and configuration, the
 median wall time and the median kernel timestamps (the decode kernel, the
@@ -43,20 +45,33 @@ HEADS_Q, HEADS_KV, D = 32, 8, 128
 WORKGROUP_SPLITS = {1: 128, 8: 16, 32: 4}
 FEWER_SPLITS = {1: 32, 8: 4, 32: 1}
 MORE_SPLITS = {1: 256, 8: 32, 32: 8}
+# The subgroup and workgroup kernels: below the cooperative tier, which
+# decodes float16 where the adapter has cooperative matrices.
+SUB = {"max_tier": "tiled"}
+MOST_SPLITS = {1: 128, 8: 64, 32: 16}
+DECODE_PASSES = ("decode", "decode_subgroup", "decode_coop")
 CONFIGS = {
-    "subgroup": ({}, None),
-    "workgroup": ({"no_subgroups": True}, None),
-    "subgroup-8-keys": ({"decode_keys": 8}, None),
-    "subgroup-8-keys-prefetch": ({"decode_keys": 8, "decode_prefetch": True}, None),
-    "subgroup-prefetch": ({"decode_prefetch": True}, None),
-    "subgroup-no-prefetch": ({"decode_prefetch": False}, None),
-    "subgroup-checked": ({"decode_checked": True}, None),
-    "subgroup-8-lanes": ({"decode_lanes": 8}, None),
-    "subgroup-256-invocations": ({"decode_workgroup": 256}, None),
-    "subgroup-64-invocations": ({"decode_workgroup": 64}, None),
-    "subgroup-workgroup-splits": ({}, WORKGROUP_SPLITS),
-    "subgroup-fewer-splits": ({}, FEWER_SPLITS),
-    "subgroup-more-splits": ({}, MORE_SPLITS),
+    "default": ({}, None),
+    "coop-2-walkers": ({"decode_workgroup": 64}, None),
+    "coop-1-walker": ({"decode_workgroup": 32}, None),
+    "coop-more-splits": ({}, MORE_SPLITS),
+    "coop-most-splits": ({}, MOST_SPLITS),
+    "coop-fewer-splits": ({}, FEWER_SPLITS),
+    "coop-1-walker-most-splits": ({"decode_workgroup": 32}, MOST_SPLITS),
+    "coop-checked": ({"decode_checked": True}, None),
+    "subgroup": (SUB, None),
+    "workgroup": ({"no_subgroups": True, **SUB}, None),
+    "subgroup-8-keys": ({"decode_keys": 8, **SUB}, None),
+    "subgroup-8-keys-prefetch": ({"decode_keys": 8, "decode_prefetch": True, **SUB}, None),
+    "subgroup-prefetch": ({"decode_prefetch": True, **SUB}, None),
+    "subgroup-no-prefetch": ({"decode_prefetch": False, **SUB}, None),
+    "subgroup-checked": ({"decode_checked": True, **SUB}, None),
+    "subgroup-8-lanes": ({"decode_lanes": 8, **SUB}, None),
+    "subgroup-256-invocations": ({"decode_workgroup": 256, **SUB}, None),
+    "subgroup-64-invocations": ({"decode_workgroup": 64, **SUB}, None),
+    "subgroup-workgroup-splits": (SUB, WORKGROUP_SPLITS),
+    "subgroup-fewer-splits": (SUB, FEWER_SPLITS),
+    "subgroup-more-splits": (SUB, MORE_SPLITS),
 }
 
 
@@ -171,7 +186,7 @@ def main() -> None:
             wall = statistics.median(walls[c])
             ks = kernels[c]
             decode = statistics.median(
-                sum(s for n, s in d.items() if n in ("decode", "decode_subgroup")) for d in ks
+                sum(s for n, s in d.items() if n in DECODE_PASSES) for d in ks
             )
             combine = statistics.median(d.get("decode_combine", 0.0) for d in ks)
             total = statistics.median(sum(d.values()) for d in ks)

@@ -37,17 +37,13 @@ override F_ELEMS: u32 = 2304u;
 override DW: u32 = 8u;
 override DVW: u32 = 8u;
 
-// How the subgroups of a workgroup wait for each other inside a tile:
-// only the staging of the streamed tile is shared; the f32 scratch rows
-// and the f16 weight rows a subgroup writes are read by that subgroup
-// alone, so the waits around them are subgroup barriers (the host makes
-// them order workgroup memory: src/gpu/spirv.rs). Their workgroup-wide
-// form kept all subgroups in lockstep, so one's scalar step could not
-// overlap another's products: on the H100 at (4,16,4096,64) the backward
-// took 19.58 ms with workgroup barriers and 18.57 with subgroup ones.
-// False where the host cannot make a subgroup barrier order workgroup
-// memory (wgpu's own SPIR-V): every wait is then workgroup-wide.
-override SUBGROUP_SCRATCH: bool = true;
+// The subgroups of a workgroup wait for each other inside a tile only
+// around the staging of the streamed tile; the f32 scratch rows and the f16
+// weight rows a subgroup writes are read by that subgroup alone, behind
+// lib/coop.wgsl's scratch_barrier(). Its workgroup-wide form kept all
+// subgroups in lockstep, so one's scalar step could not overlap another's
+// products: on the H100 at (4,16,4096,64) the backward took 19.58 ms with
+// workgroup barriers and 18.57 with subgroup ones.
 
 // Streamed blocks of 16 rows per tile: BS / 16 is at most this.
 const MAXSB: u32 = 4u;
@@ -55,16 +51,6 @@ const MAXSB: u32 = 4u;
 const MAXW: u32 = 32u;
 
 var<workgroup> hs: array<f16, H_ELEMS>;
-
-// Waits until this subgroup's writes to its own scratch and weight rows
-// are visible to the whole subgroup (see SUBGROUP_SCRATCH).
-fn scratch_barrier() {
-    if SUBGROUP_SCRATCH {
-        subgroupBarrier();
-    } else {
-        workgroupBarrier();
-    }
-}
 
 // Writes the two halves of word `w` at hs[at], hs[at + 1].
 fn put2(at: u32, w: u32) {

@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use flashport_core::gpu::kernel::{Kernel, Pass, Tier};
 use flashport_core::gpu::select::AdapterCaps;
 use flashport_core::gpu::shaders::{
-    decode_source, decode_subgroup_source, score_variant_overrides, source, tile_overrides,
-    variant_overrides, Variants, DECODE_COMBINE, DECODE_COMBINE_F16, DEVICE_ARRAYS, KV_SCATTER,
-    MERGE_STATES, SCREEN, VARLEN,
+    decode_coop_source, decode_source, decode_subgroup_source, score_variant_overrides, source,
+    tile_overrides, variant_overrides, Variants, DECODE_COMBINE, DECODE_COMBINE_F16, DEVICE_ARRAYS,
+    KV_SCATTER, MERGE_STATES, SCREEN, VARLEN,
 };
 use flashport_core::gpu::tiles::{
     coop_backward_tiles, coop_forward_candidates, coop_forward_tiles, coop_workgroup_bytes,
@@ -702,7 +702,7 @@ fn coop_spirv_uses_the_glsl450_memory_model() {
 }
 
 /// The cooperative backward kernels wait on subgroup barriers around each
-/// subgroup's own scratch rows (shaders/coop/backward_dkdv.wgsl,
+/// subgroup's own scratch rows (lib/coop.wgsl,
 /// SUBGROUP_SCRATCH); in the SPIR-V they are built from, those barriers
 /// order workgroup memory (AcquireRelease | WorkgroupMemory), not naga's
 /// SubgroupMemory, which Vulkan ignores.
@@ -786,6 +786,7 @@ fn decode_kernels_validate_and_specialise() {
                 max_invocations: invocations,
                 loop_limit: None,
                 subgroup_size: None,
+                coop: false,
             };
             for (d, dv, rows) in [
                 (128, 128, 4),
@@ -860,6 +861,7 @@ fn decode_subgroup_kernel_validates_and_specialises() {
                 max_invocations: invocations,
                 loop_limit: None,
                 subgroup_size: Some(subgroup),
+                coop: false,
             };
             for (d, dv, rows) in [
                 (128, 128, 4),
@@ -915,4 +917,93 @@ fn decode_subgroup_kernel_validates_and_specialises() {
         }
     }
     assert!(specialised >= 40, "{specialised}");
+}
+
+/// Decoding's cooperative kernel validates with the capabilities the
+/// device enables for it, specialises for every layout the host picks
+/// (paged or not, with the variants and a pool over several buffers), and
+/// compiles to SPIR-V with the GLSL450 memory model as the passthrough
+/// builds it.
+#[test]
+fn decode_coop_kernel_validates_and_specialises() {
+    use flashport_core::gpu::decode::select::{
+        coop_decode_tiles, AdapterKind, DecodeCaps, COOP_MAX_HEAD_DIM,
+    };
+    let text = decode_coop_source();
+    let module = parse_text("decode/coop.wgsl", &text);
+    let info = coop_validator().validate(&module).unwrap_or_else(|e| {
+        panic!(
+            "decode/coop.wgsl does not validate:\n{}",
+            e.emit_to_string(&text)
+        )
+    });
+    let caps = DecodeCaps {
+        kind: AdapterKind::Discrete,
+        workgroup_storage_bytes: 48 * 1024,
+        max_invocations: 1024,
+        loop_limit: None,
+        subgroup_size: Some(32),
+        coop: true,
+    };
+    let mut specialised = 0;
+    for (d, dv) in [
+        (128, 128),
+        (64, 64),
+        (16, 16),
+        (16, 128),
+        (128, 16),
+        (32, 96),
+    ] {
+        for walkers in [None, Some(1), Some(2), Some(4)] {
+            let t = coop_decode_tiles(d, dv, true, caps, walkers).unwrap_or_else(|| {
+                panic!("no cooperative decode tiles for d={d} dv={dv} {walkers:?}")
+            });
+            assert!(t.workgroup_bytes() <= 48 * 1024);
+            // Paged or not; the variants with a pool over several buffers;
+            // waits workgroup-wide (wgpu's own SPIR-V) or not.
+            for (paged, variants, scratch) in [
+                (false, false, true),
+                (true, false, false),
+                (true, true, true),
+            ] {
+                let flag = |x: bool| if x { 1.0 } else { 0.0 };
+                let constants: Vec<(&str, f64)> = t
+                    .overrides(paged)
+                    .into_iter()
+                    .chain(score_variant_overrides(variants, variants))
+                    .chain([
+                        ("SKIPS", flag(variants)),
+                        ("SUBGROUP_SCRATCH", flag(scratch)),
+                    ])
+                    .collect();
+                let values: naga::back::PipelineConstants =
+                    constants.iter().map(|&(n, v)| (n.to_string(), v)).collect();
+                naga::back::pipeline_constants::process_overrides(
+                    &module,
+                    &info,
+                    Some((naga::ShaderStage::Compute, "main")),
+                    &values,
+                )
+                .unwrap_or_else(|e| panic!("decode/coop.wgsl {t:?} paged={paged}: {e:?}"));
+                flashport_core::gpu::spirv::compile(&text, &constants, true, true)
+                    .unwrap_or_else(|e| panic!("decode/coop.wgsl {t:?} to SPIR-V: {e}"));
+                specialised += 1;
+            }
+        }
+    }
+    assert_eq!(specialised, 72);
+    // Shapes and adapters it does not take.
+    for (d, dv) in [(8, 64), (64, 24), (COOP_MAX_HEAD_DIM + 16, 64), (100, 100)] {
+        assert_eq!(
+            coop_decode_tiles(d, dv, true, caps, None),
+            None,
+            "d={d} dv={dv}"
+        );
+    }
+    assert_eq!(coop_decode_tiles(128, 128, false, caps, None), None);
+    let no_coop = DecodeCaps {
+        coop: false,
+        ..caps
+    };
+    assert_eq!(coop_decode_tiles(128, 128, true, no_coop, None), None);
 }

@@ -287,6 +287,35 @@ impl Context {
         Ok(pipeline)
     }
 
+    /// As [`Context::specialised_pipeline`] for a cooperative-matrix
+    /// kernel: built from SPIR-V written here with the GLSL450 memory
+    /// model where the driver takes passthrough SPIR-V, as the cooperative
+    /// attention kernels are (`Context::pipeline`), unless `naga_spirv`
+    /// (the test knob of that name).
+    pub fn coop_pipeline(
+        &self,
+        label: &'static str,
+        source: impl FnOnce() -> String,
+        constants: &[(&'static str, f64)],
+        unchecked: bool,
+        naga_spirv: bool,
+    ) -> Result<wgpu::ComputePipeline> {
+        if !self.caps.passthrough || naga_spirv {
+            return self.specialised_pipeline(label, source, constants, unchecked);
+        }
+        let key: SpecialisedKey = (
+            label,
+            constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
+            unchecked,
+        );
+        if let Some(p) = lock(&self.cache.specialised).get(&key) {
+            return Ok(p.clone());
+        }
+        let pipeline = self.spirv_pipeline(label, &source(), constants, unchecked)?;
+        lock(&self.cache.specialised).insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
     /// The pipeline for `key`, compiled once per process. Only pipelines
     /// that compiled without error are cached.
     pub fn pipeline(&self, key: PipelineKey) -> Result<wgpu::ComputePipeline> {
@@ -318,7 +347,7 @@ impl Context {
         ) {
             // wgpu's SPIR-V gives subgroupBarrier() SubgroupMemory
             // semantics, which Vulkan ignores: wait workgroup-wide instead
-            // (shaders/coop/backward_dkdv.wgsl, SUBGROUP_SCRATCH).
+            // (lib/coop.wgsl, SUBGROUP_SCRATCH).
             constants.push(("SUBGROUP_SCRATCH", 0.0));
         }
         let pipeline = self.scoped("building a pipeline", || {

@@ -89,6 +89,7 @@ pub const MERGE_STATES: &str = concat!(
 // the kernel, and a combine pass that is a module of its own.
 const DECODE: &str = shader!("decode/decode.wgsl");
 const DECODE_SUBGROUP: &str = shader!("decode/subgroup.wgsl");
+const DECODE_COOP: &str = shader!("decode/coop.wgsl");
 const DECODE_SHARED: &str = shader!("decode/shared.wgsl");
 const DECODE_LOAD_VEC4: &str = shader!("decode/load_vec4.wgsl");
 const DECODE_LOAD_ELEMENTS: &str = shader!("decode/load_elements.wgsl");
@@ -139,6 +140,18 @@ pub fn decode_subgroup_source(f16_inputs: bool, vec4: bool) -> String {
         DECODE_QUADS_ELEMENTS
     };
     decode_kernel_source(f16_inputs, vec4, &[quads, DECODE_SUBGROUP].join("\n"))
+}
+
+/// The WGSL of decoding's cooperative-matrix kernel (decode/coop.wgsl):
+/// lib/coop.wgsl first (its `enable` lines open the module), then what
+/// the other decode kernels take but their cache loads (the kernel binds
+/// the caches as eight halves a word itself).
+pub fn decode_coop_source() -> String {
+    let exp = std::env::var("FLASHPORT_EXPERIMENT_COOP_WGSL")
+        .ok()
+        .map(|p| std::fs::read_to_string(p).unwrap());
+    let kernel = exp.as_deref().unwrap_or(DECODE_COOP);
+    [COOP, INPUT_F16, SCORES, DECODE_SHARED, kernel].join("\n")
 }
 
 fn decode_kernel_source(f16_inputs: bool, vec4: bool, kernel: &str) -> String {

@@ -166,7 +166,7 @@ pub fn subgroup_barrier_semantics(words: &[u32]) -> Vec<u32> {
 /// the letter such a barrier orders no memory at all. The cooperative
 /// backward kernels pass each subgroup's scores and weights through its own
 /// rows of workgroup memory behind subgroup barriers
-/// (shaders/coop/backward_dkdv.wgsl, SUBGROUP_SCRATCH), which is what
+/// (lib/coop.wgsl, SUBGROUP_SCRATCH), which is what
 /// GLSL's `subgroupMemoryBarrierShared(); subgroupBarrier();` expresses.
 pub fn subgroup_barriers_order_workgroup_memory(words: &[u32]) -> (Vec<u32>, usize) {
     let Some((ty, after_type)) = u32_type(words) else {

@@ -18,12 +18,14 @@
 
 use ash::vk;
 use flashport_core::gpu::decode::select::{
-    decode_tiles, subgroup_tiles, AdapterKind, DecodeCaps, SubgroupKnobs,
+    coop_decode_tiles, decode_tiles, subgroup_tiles, AdapterKind, DecodeCaps, SubgroupKnobs,
 };
 use flashport_core::gpu::select::{
     select_backward, select_forward, AdapterCaps, Overrides, PipelineKey,
 };
-use flashport_core::gpu::shaders::{decode_source, decode_subgroup_source, overrides, source};
+use flashport_core::gpu::shaders::{
+    decode_coop_source, decode_source, decode_subgroup_source, overrides, source,
+};
 use flashport_core::gpu::spirv;
 use flashport_core::gpu::tiles::coop_forward_candidates;
 use flashport_core::{validate_forward, ArrayInfo, Options};
@@ -214,6 +216,7 @@ unsafe fn decode_kernels(
         max_invocations: caps.max_invocations,
         loop_limit: None,
         subgroup_size: caps.subgroups.then_some(32),
+        coop: caps.coop,
     };
     for &d in &args.dims {
         let d = d as usize;
@@ -236,6 +239,12 @@ unsafe fn decode_kernels(
                 let source = decode_source(f16, t.vec4);
                 kernels.push((format!("decode {t:?}"), source, t.overrides(true)));
             }
+            for walkers in [None, Some(2), Some(1)] {
+                if let Some(t) = coop_decode_tiles(d, d, f16, decode_caps, walkers) {
+                    let source = decode_coop_source();
+                    kernels.push((format!("decode_coop {t:?}"), source, t.overrides(true)));
+                }
+            }
             for (name, source, mut constants) in kernels {
                 constants.push(("SKIPS", 0.0));
                 println!("\n{name} {dtype} d={d}");
@@ -243,7 +252,9 @@ unsafe fn decode_kernels(
                     "{}-{dtype}-d{d}",
                     name.split(' ').next().unwrap_or("decode")
                 );
-                let compiled = spirv::compile(&source, &constants, false, false)?;
+                // The cooperative kernel as the passthrough builds it.
+                let coop = name.starts_with("decode_coop");
+                let compiled = spirv::compile(&source, &constants, coop, coop)?;
                 for line in pipeline_statistics(device, stats, &compiled, &label, args)? {
                     println!("  {line}");
                 }

@@ -48,14 +48,15 @@ use super::merge;
 use super::pool::Pooled;
 use super::run::with_inputs;
 use super::shaders::{
-    decode_source, decode_subgroup_source, score_variant_overrides, DECODE_COMBINE,
-    DECODE_COMBINE_F16,
+    decode_coop_source, decode_source, decode_subgroup_source, score_variant_overrides,
+    DECODE_COMBINE, DECODE_COMBINE_F16,
 };
 use super::timing;
 use super::transfer::Submission;
 use crate::array::{Array, Input, Placement};
 use crate::error::{Error, Result};
 use crate::gpu::device_array::DeviceArray;
+use crate::gpu_choice::Tier;
 use crate::output::ForwardOutput;
 use crate::overrides::{self, Overrides};
 use crate::problem::{CacheLayout, DType, KvCacheProblem};
@@ -248,6 +249,7 @@ fn caps_of(ctx: &Context, overrides: &Overrides) -> DecodeCaps {
         max_invocations: caps.max_invocations,
         loop_limit: caps.loop_limit,
         subgroup_size: ctx.subgroup_size.filter(|_| caps.subgroups),
+        coop: caps.coop && overrides.allows(Tier::Coop),
     }
 }
 
@@ -395,6 +397,22 @@ fn decode_on(
             let source = || decode_subgroup_source(f16, vec4);
             ctx.specialised_pipeline(label, source, &constants, unchecked)?
         }
+        DecodeKernel::Coop(_) => {
+            // In bounds by construction as the subgroup kernel is (above).
+            let unchecked = super::pipelines::clamps_off() && !overrides.decode_checked;
+            let naga = overrides.naga_spirv || !ctx.caps.passthrough;
+            let label = if naga {
+                "decode_coop_naga"
+            } else {
+                "decode_coop"
+            };
+            if naga {
+                // wgpu's SPIR-V: subgroup barriers do not order workgroup
+                // memory (lib/coop.wgsl, SUBGROUP_SCRATCH).
+                constants.push(("SUBGROUP_SCRATCH", 0.0));
+            }
+            ctx.coop_pipeline(label, decode_coop_source, &constants, unchecked, naga)?
+        }
     };
     // A float16 output kept on the device is rounded by the combine pass
     // itself where it writes whole words of one row (d_v even) of the
@@ -506,6 +524,7 @@ fn decode_on(
                 let name = match kernel {
                     DecodeKernel::Workgroup(_) => "decode",
                     DecodeKernel::Subgroup(_) => "decode_subgroup",
+                    DecodeKernel::Coop(_) => "decode_coop",
                 };
                 sub.dispatch(&pipeline, &group, (splits as u32, y), name);
                 // Every run's words agree on the sinks the combine reads.

@@ -11,9 +11,9 @@ use crate::splits::split_keys;
 
 // The layouts live with the other tiers' tiles; the choice is here.
 pub use crate::gpu::tiles::decode::{
-    decode_tiles, subgroup_tiles, AdapterKind, DecodeCaps, DecodeTiles, SubgroupKnobs,
-    SubgroupTiles, MAX_HEAD_DIM, PREFETCH_WORDS, SUBGROUP_KEYS, SUBGROUP_MAX_LANES,
-    SUBGROUP_MAX_QUADS,
+    coop_decode_tiles, decode_tiles, subgroup_tiles, AdapterKind, CoopDecodeTiles, DecodeCaps,
+    DecodeTiles, SubgroupKnobs, SubgroupTiles, COOP_DECODE_ROWS, COOP_MAX_HEAD_DIM, MAX_HEAD_DIM,
+    PREFETCH_WORDS, SUBGROUP_KEYS, SUBGROUP_MAX_LANES, SUBGROUP_MAX_QUADS,
 };
 
 /// Which decode kernel runs, with its layout.
@@ -25,6 +25,9 @@ pub enum DecodeKernel {
     /// shaders/decode/subgroup.wgsl: walkers of one subgroup each, no
     /// barrier while the keys stream.
     Subgroup(SubgroupTiles),
+    /// shaders/decode/coop.wgsl: float16 on cooperative matrices, walkers
+    /// of one subgroup each multiplying 16 query rows with 16 keys a step.
+    Coop(CoopDecodeTiles),
 }
 
 impl DecodeKernel {
@@ -33,6 +36,7 @@ impl DecodeKernel {
         match self {
             DecodeKernel::Workgroup(t) => t.rows,
             DecodeKernel::Subgroup(t) => t.rows,
+            DecodeKernel::Coop(_) => COOP_DECODE_ROWS,
         }
     }
     /// Whether the caches are read four elements at a time.
@@ -40,6 +44,7 @@ impl DecodeKernel {
         match self {
             DecodeKernel::Workgroup(t) => t.vec4,
             DecodeKernel::Subgroup(t) => t.vec4,
+            DecodeKernel::Coop(_) => true,
         }
     }
     /// Row blocks per (sequence, key/value head).
@@ -51,6 +56,7 @@ impl DecodeKernel {
         match self {
             DecodeKernel::Workgroup(t) => t.overrides(paged),
             DecodeKernel::Subgroup(t) => t.overrides(paged),
+            DecodeKernel::Coop(t) => t.overrides(paged),
         }
     }
     /// Workgroups a call should spread over (the default split count's
@@ -66,7 +72,9 @@ impl DecodeKernel {
     pub fn target_workgroups(&self, kind: AdapterKind) -> usize {
         match self {
             DecodeKernel::Workgroup(_) => kind.target_workgroups(),
-            DecodeKernel::Subgroup(_) => kind.target_workgroups().div_ceil(2),
+            DecodeKernel::Subgroup(_) | DecodeKernel::Coop(_) => {
+                kind.target_workgroups().div_ceil(2)
+            }
         }
     }
     /// The loop passes of a workgroup's first subgroup over a split of
@@ -75,13 +83,19 @@ impl DecodeKernel {
         match self {
             DecodeKernel::Workgroup(t) => decode_iterations(t, keys),
             DecodeKernel::Subgroup(t) => subgroup_decode_iterations(t, keys),
+            // A walker's steps over the split's keys (tiles of 16 from a
+            // multiple of 16). No adapter with a loop limit (llvmpipe) has
+            // cooperative matrices.
+            DecodeKernel::Coop(t) => (keys + 15).div_ceil((COOP_DECODE_ROWS * t.walkers) as u64),
         }
     }
 }
 
-/// The decode kernel for the shape: the subgroup kernel where
-/// [`subgroup_tiles`] fits one, else the workgroup kernel of
-/// [`decode_tiles`]; `None` when neither fits.
+/// The decode kernel for the shape: the cooperative kernel where
+/// [`coop_decode_tiles`] fits one (float16 on cooperative matrices; its
+/// walkers `knobs.workgroup / 32` where given), else the subgroup kernel
+/// where [`subgroup_tiles`] fits one, else the workgroup kernel of
+/// [`decode_tiles`]; `None` when none fits.
 pub fn decode_kernel(
     d: usize,
     dv: usize,
@@ -90,8 +104,10 @@ pub fn decode_kernel(
     caps: DecodeCaps,
     knobs: SubgroupKnobs,
 ) -> Option<DecodeKernel> {
-    subgroup_tiles(d, dv, group_rows, f16, caps, knobs)
-        .map(DecodeKernel::Subgroup)
+    let walkers = knobs.workgroup.map(|w| w / 32);
+    coop_decode_tiles(d, dv, f16, caps, walkers)
+        .map(DecodeKernel::Coop)
+        .or_else(|| subgroup_tiles(d, dv, group_rows, f16, caps, knobs).map(DecodeKernel::Subgroup))
         .or_else(|| decode_tiles(d, dv, group_rows, caps).map(DecodeKernel::Workgroup))
 }
 
@@ -168,6 +184,7 @@ mod tests {
         max_invocations: 1024,
         loop_limit: None,
         subgroup_size: Some(32),
+        coop: false,
     };
     /// Mesa 25 or newer: no loop limit.
     const LAVAPIPE: DecodeCaps = DecodeCaps {
@@ -176,6 +193,7 @@ mod tests {
         max_invocations: 1024,
         loop_limit: None,
         subgroup_size: Some(8),
+        coop: false,
     };
     /// Mesa 22.3 (CI's lavapipe).
     const LAVAPIPE_22: DecodeCaps = DecodeCaps {
@@ -188,6 +206,7 @@ mod tests {
         max_invocations: 256,
         loop_limit: None,
         subgroup_size: None,
+        coop: false,
     };
 
     #[test]
@@ -379,7 +398,58 @@ mod tests {
         max_invocations: 1024,
         loop_limit: None,
         subgroup_size: Some(64),
+        coop: false,
     };
+
+    #[test]
+    fn float16_heads_of_16s_decode_on_cooperative_matrices_where_the_adapter_has_them() {
+        let coop = DecodeCaps { coop: true, ..H100 };
+        let pick = |d, dv, f16, caps, knobs| decode_kernel(d, dv, 4, f16, caps, knobs).unwrap();
+        let knobs = SubgroupKnobs::default();
+        let t = match pick(128, 128, true, coop, knobs) {
+            DecodeKernel::Coop(t) => t,
+            other => panic!("{other:?}"),
+        };
+        // Four walkers fit 48 KiB at d = 128, the most the kernel takes.
+        assert_eq!((t.walkers, t.d, t.dv), (4, 128, 128));
+        assert!(t.workgroup_bytes() + SPARE_BYTES <= 48 * 1024);
+        assert_eq!(DecodeKernel::Coop(t).rows(), 16);
+        // A workgroup knob asks for that many walkers.
+        let one = SubgroupKnobs {
+            workgroup: Some(32),
+            ..knobs
+        };
+        assert!(matches!(pick(64, 32, true, coop, one), DecodeKernel::Coop(t) if t.walkers == 1));
+        // Float32, heads that are not multiples of 16 or wider than 128,
+        // and adapters without the matrices keep the subgroup kernel.
+        for (d, dv, f16, caps) in [
+            (128, 128, false, coop),
+            (100, 100, true, coop),
+            (128, 40, true, coop),
+            (256, 256, true, coop),
+            (128, 128, true, H100),
+        ] {
+            assert!(
+                matches!(pick(d, dv, f16, caps, knobs), DecodeKernel::Subgroup(_)),
+                "d={d} dv={dv} f16={f16} {caps:?}"
+            );
+        }
+        // 16 KiB of workgroup memory holds two walkers at d = 64 (16,080
+        // bytes) and one at d = 128 (15,376); 8 KiB none at d = 128.
+        let walkers = |d, kib: u32| {
+            let caps = DecodeCaps {
+                workgroup_storage_bytes: kib * 1024,
+                ..coop
+            };
+            match pick(d, d, true, caps, knobs) {
+                DecodeKernel::Coop(t) => Some(t.walkers),
+                _ => None,
+            }
+        };
+        assert_eq!(walkers(64, 16), Some(2));
+        assert_eq!(walkers(128, 16), Some(1));
+        assert_eq!(walkers(128, 8), None);
+    }
 
     #[test]
     fn the_subgroup_kernel_runs_where_subgroups_have_a_known_size() {

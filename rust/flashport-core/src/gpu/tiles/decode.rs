@@ -18,6 +18,9 @@ pub struct DecodeCaps {
     /// maximum subgroup sizes agree): the subgroup kernel's walkers must
     /// each lie within one subgroup.
     pub subgroup_size: Option<u32>,
+    /// 16x16x16 float16 → float32 cooperative matrices on subgroups of 32
+    /// lanes (`AdapterCaps::coop`): the cooperative kernel may run.
+    pub coop: bool,
 }
 
 /// The adapter's kind, as wgpu reports it: how many workgroups it needs in
@@ -371,4 +374,108 @@ pub fn subgroup_tiles(
         }
     }
     None
+}
+
+/// The layout of decoding's cooperative-matrix kernel (overrides of
+/// shaders/decode/coop.wgsl): `walkers` subgroups of 32 lanes, each
+/// multiplying the 16 query rows of a row block with its own tiles of 16
+/// keys, for head dimensions `d` and `dv` (multiples of 16 up to
+/// [`COOP_MAX_HEAD_DIM`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CoopDecodeTiles {
+    pub walkers: u32,
+    pub d: u32,
+    pub dv: u32,
+}
+
+/// The widest head dimension the cooperative decode kernel takes: eight
+/// matrices of 16 columns a row.
+pub const COOP_MAX_HEAD_DIM: usize = 128;
+
+/// Query rows per workgroup of the cooperative decode kernel (one matrix's
+/// rows) and keys per tile.
+pub const COOP_DECODE_ROWS: u32 = 16;
+
+/// Walkers per workgroup by default, the most first.
+const COOP_DECODE_WALKERS: [u32; 3] = [4, 2, 1];
+
+impl CoopDecodeTiles {
+    pub fn workgroup(&self) -> u32 {
+        32 * self.walkers
+    }
+    fn tile_rows(&self) -> u32 {
+        self.walkers * COOP_DECODE_ROWS
+    }
+    /// Halves of the staged queries and K and V tiles (rows padded by 8
+    /// halves), the P tiles (24 a row) and floats of the score tiles (20 a
+    /// row), one tile of each per walker.
+    fn q_elems(&self) -> u32 {
+        COOP_DECODE_ROWS * (self.d + 8)
+    }
+    fn k_elems(&self) -> u32 {
+        self.tile_rows() * (self.d + 8)
+    }
+    fn v_elems(&self) -> u32 {
+        self.tile_rows() * (self.dv + 8)
+    }
+    fn p_elems(&self) -> u32 {
+        self.tile_rows() * 24
+    }
+    fn f_elems(&self) -> u32 {
+        self.tile_rows() * 20
+    }
+    /// The workgroup memory the kernel declares: the queries, the tiles,
+    /// the walkers' three statistics a row, the merged sums and a flag.
+    pub fn workgroup_bytes(&self) -> u64 {
+        let halves = self.q_elems() + self.k_elems() + self.v_elems() + self.p_elems();
+        let floats = self.f_elems() + 3 * self.tile_rows() + COOP_DECODE_ROWS + 4;
+        2 * halves as u64 + 4 * floats as u64
+    }
+    /// The overrides of shaders/decode/coop.wgsl for this layout and a
+    /// paged cache or not.
+    pub fn overrides(&self, paged: bool) -> Vec<(&'static str, f64)> {
+        vec![
+            ("W", self.walkers as f64),
+            ("D", self.d as f64),
+            ("DV", self.dv as f64),
+            ("Q_ELEMS", self.q_elems() as f64),
+            ("K_ELEMS", self.k_elems() as f64),
+            ("V_ELEMS", self.v_elems() as f64),
+            ("P_ELEMS", self.p_elems() as f64),
+            ("F_ELEMS", self.f_elems() as f64),
+            ("STATS", self.tile_rows() as f64),
+            ("PAGED", if paged { 1.0 } else { 0.0 }),
+        ]
+    }
+}
+
+/// The cooperative decode kernel's layout for float16 caches with head
+/// dimensions `d` and `d_v` multiples of 16 up to [`COOP_MAX_HEAD_DIM`],
+/// on an adapter with cooperative matrices: the most walkers per
+/// workgroup (4, 2, 1; `walkers` where given) whose workgroup memory and
+/// invocations fit. `None` elsewhere.
+pub fn coop_decode_tiles(
+    d: usize,
+    dv: usize,
+    f16: bool,
+    caps: DecodeCaps,
+    walkers: Option<u32>,
+) -> Option<CoopDecodeTiles> {
+    let fits_dim = |x: usize| x % 16 == 0 && (16..=COOP_MAX_HEAD_DIM).contains(&x);
+    if !(f16 && caps.coop && fits_dim(d) && fits_dim(dv)) {
+        return None;
+    }
+    let (d, dv) = (d as u32, dv as u32);
+    let candidates = match walkers {
+        Some(w) => vec![w],
+        None => COOP_DECODE_WALKERS.to_vec(),
+    };
+    candidates
+        .into_iter()
+        .map(|walkers| CoopDecodeTiles { walkers, d, dv })
+        .find(|t| {
+            t.walkers >= 1
+                && t.workgroup() <= caps.max_invocations
+                && t.workgroup_bytes() + SPARE_BYTES <= caps.workgroup_storage_bytes as u64
+        })
 }

@@ -499,6 +499,7 @@ mod tests {
             max_invocations: 1024,
             loop_limit: Some(LIMIT as u32),
             subgroup_size: None,
+            coop: false,
         };
         // (d, rows, keys that came out right, keys that did not)
         for (d, rows, right, wrong) in [(8, 1, 32256, 32257), (128, 4, 262143, 262144)] {
