@@ -19,24 +19,31 @@
 // a row block (a decoding GQA group's heads, padded with zero rows) are
 // the A operand of every product; walker w takes the key tiles k0 + 16 (n
 // W + w) of the block's keys, with its own online softmax, and the walkers
-// merge at the end as the subgroup kernel's do. A tile's K and V rows pass
-// through the lanes' registers on their way to workgroup memory: loaded a
-// tile ahead (the bytes in flight while the products run), rows past the
-// keys as zeros, V cleaned of NaN and infinities as
-// docs/design.md#non-finite-inputs says (a NaN times a P of 0 would reach
-// every row through the product). K is staged as loaded: a NaN or an
-// infinity reaches only its own key's scores, which the scalar step codes
-// as the other kernels do.
+// merge at the end as the subgroup kernel's do.
 //
-// Per step, each walker on its own tile:
-//   stage K_t, V_t from registers; load K_{t+1}, V_{t+1} into registers;
-//   S = Q K_t^T (scores, to workgroup memory); the scalar step: scores,
-//   variants, visibility, codes, the online softmax (lazy rescale, as the
-//   cooperative forward: a row keeps its maximum until a tile's exceeds
-//   it by TAU in base 2, so P <= 2^TAU stays well inside float16), P to
-//   workgroup memory as float16; O += P V_t.
-// Every workgroup variable is a multiple of 16 bytes, which cooperative
-// loads and stores need (docs/gpu.md#cooperative-matrices-in-wgpu).
+// A tile whose 16 keys lie in one block, below the split's end, and which
+// every row sees (decoding's common case) is multiplied straight from the
+// caches: no staging, no registers held for loads. A NaN or an infinity
+// in such a tile's K reaches only its own key's scores, which the scalar
+// step codes as the other kernels do; one in its V reaches the rows'
+// accumulators (every row sees every key of the tile, and the code of
+// docs/design.md#non-finite-inputs is then 0.5, o = NaN): a row whose
+// accumulators end not finite gets that code (float16 products summed in
+// float32 do not overflow). Any other tile (a split's last, a block
+// boundary inside it, rows that see part of it, a pool over several
+// buffers) is staged through workgroup memory by the lanes, rows past the
+// keys as zeros, V cleaned and its non-finite rows flagged as the
+// subgroup kernel does.
+//
+// Per step, each walker on its own tile: S = Q K^T (scores to workgroup
+// memory); the scalar step: scores, variants, visibility, codes, the
+// online softmax (lazy rescale, as the cooperative forward: a row keeps
+// its maximum until a tile's exceeds it by TAU in base 2, so P <= 2^TAU
+// stays well inside float16), P to workgroup memory as float16; O += P V.
+// Every workgroup variable is a multiple of 16 bytes, and every
+// cooperative load starts on 16 bytes (d and d_v multiples of 16, the
+// caches' deltas multiples of 8 halves), which cooperative loads and
+// stores need (docs/gpu.md#cooperative-matrices-in-wgpu).
 
 override W: u32 = 4u;
 override WG: u32 = 32u * W;
@@ -64,12 +71,9 @@ const FS: u32 = 20u;
 const TAU: f32 = 8.0;
 const LN2: f32 = 0.6931471805599453;
 const LOG2E: f32 = 1.4426950408889634;
-// A lane stages D / 16 (DV / 16) vec4<u32> words of a tile's K (V) rows,
-// 16 rows of D / 8 words over 32 lanes: at most 8 (D <= 128), held in the
-// named registers k0..k7, v0..v7 (docs/gpu.md#named-register-variables).
 
-@group(0) @binding(2) var<storage, read> k_cache: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read> v_cache: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> k_cache: array<f16>;
+@group(0) @binding(3) var<storage, read> v_cache: array<f16>;
 
 var<workgroup> qs: array<f16, Q_ELEMS>;
 var<workgroup> ks: array<f16, K_ELEMS>;
@@ -85,167 +89,72 @@ var<workgroup> merged: array<f32, RB>;
 // Whether any walker's row moved its row_max on this step (a vector: every
 // workgroup variable a multiple of 16 bytes).
 var<workgroup> moved: vec4<u32>;
+// Whether a step multiplies its tiles straight from the caches (main).
+var<workgroup> direct_step: array<u32, 4>;
 
-// Word i of the lane's share of the tile of keys kt .. kt + 15 of
-// sequence b, head h, in a cache of rows of `width` halves (D or DV): word
-// i * 32 + lane of the tile, in row (i * 32 + lane) / (width / 8); zeros
-// past `end`, for a key whose block is not bound here (a pool over several
-// buffers) and for i past the row's words. `entry` is run_entry's for the
-// tile: one table lookup where the tile lies in one block, else one a row.
-fn tile_row(b: u32, h: u32, kt: u32, end: u32, entry: u32, j: u32) -> u32 {
+// The cache row of key kt + j of a tile of sequence b, head h: NONE past
+// `end` and for a key whose block is not bound here (a pool over several
+// buffers).
+fn tile_row(b: u32, h: u32, kt: u32, end: u32, j: u32) -> u32 {
     let key = kt + j;
-    if key >= end {
-        return NONE;
-    }
-    if entry != NONE {
-        return entry_row(entry, h, kt) + j;
-    }
-    if !bound(b, key) {
+    if key >= end || !bound(b, key) {
         return NONE;
     }
     return cache_row(b, h, key);
 }
 
-fn load_k_word(b: u32, h: u32, kt: u32, end: u32, entry: u32, lane: u32, i: u32) -> vec4<u32> {
-    let e = i * 32u + lane;
-    let row = tile_row(b, h, kt, end, entry, e / (D / 8u));
-    if i >= D / 16u || row == NONE {
-        return vec4(0u);
+// Stages the walker's tile of keys kt .. kt + 15 into its rows of ks and
+// vs (from `kb`, `vb`): lane l copies halves 8 e .. 8 e + 7 of the tile,
+// e = i * 32 + l, rows past the keys as zeros, V's NaN and infinities as
+// zeros. Returns bit j where value row j held one.
+fn stage_tile(b: u32, h: u32, kt: u32, end: u32, kb: u32, vb: u32, lane: u32) -> u32 {
+    for (var e = lane; e < BK * D / 8u; e += 32u) {
+        let j = e / (D / 8u);
+        let row = tile_row(b, h, kt, end, j);
+        let at = kb + j * KS + 8u * (e % (D / 8u));
+        let src = row * D + u.k_delta + 8u * (e % (D / 8u));
+        for (var c = 0u; c < 8u; c++) {
+            var x = f16(0.0);
+            if row != NONE {
+                x = k_cache[src + c];
+            }
+            ks[at + c] = x;
+        }
     }
-    return k_cache[(row * D + u.k_delta) / 8u + e % (D / 8u)];
-}
-
-fn load_v_word(b: u32, h: u32, kt: u32, end: u32, entry: u32, lane: u32, i: u32) -> vec4<u32> {
-    let e = i * 32u + lane;
-    let row = tile_row(b, h, kt, end, entry, e / (DV / 8u));
-    if i >= DV / 16u || row == NONE {
-        return vec4(0u);
-    }
-    return v_cache[(row * DV + u.v_delta) / 8u + e % (DV / 8u)];
-}
-
-// Word i of the lane's share of a K (V) tile whose 16 rows are cache rows
-// row0 .. row0 + 15, all below the split's end: the common case, without
-// a branch. (With a test a word, as load_k_word has, the H200 ran the
-// kernel 4.5 times slower: its loads did not overlap.)
-fn load_k_run(row0: u32, lane: u32, i: u32) -> vec4<u32> {
-    if i >= D / 16u {
-        return vec4(0u);
-    }
-    let e = i * 32u + lane;
-    return k_cache[((row0 + e / (D / 8u)) * D + u.k_delta) / 8u + e % (D / 8u)];
-}
-
-fn load_v_run(row0: u32, lane: u32, i: u32) -> vec4<u32> {
-    if i >= DV / 16u {
-        return vec4(0u);
-    }
-    let e = i * 32u + lane;
-    return v_cache[((row0 + e / (DV / 8u)) * DV + u.v_delta) / 8u + e % (DV / 8u)];
-}
-
-// The lane's words of a tile, K then V: named members, not arrays
-// (docs/gpu.md#named-register-variables).
-struct Words {
-    k0: vec4<u32>, k1: vec4<u32>, k2: vec4<u32>, k3: vec4<u32>,
-    k4: vec4<u32>, k5: vec4<u32>, k6: vec4<u32>, k7: vec4<u32>,
-    v0: vec4<u32>, v1: vec4<u32>, v2: vec4<u32>, v3: vec4<u32>,
-    v4: vec4<u32>, v5: vec4<u32>, v6: vec4<u32>, v7: vec4<u32>,
-}
-
-// The lane's words of the tile of keys kt .. kt + 15 of sequence b, head
-// h, rows at or past `end` as zeros.
-fn load_tile(b: u32, h: u32, kt: u32, end: u32, lane: u32) -> Words {
-    var t: Words;
-    let entry = run_entry(b, kt, end, BK);
-    if entry != NONE && kt + BK <= end {
-        let row0 = entry_row(entry, h, kt);
-        t.k0 = load_k_run(row0, lane, 0u);
-        t.k1 = load_k_run(row0, lane, 1u);
-        t.k2 = load_k_run(row0, lane, 2u);
-        t.k3 = load_k_run(row0, lane, 3u);
-        t.k4 = load_k_run(row0, lane, 4u);
-        t.k5 = load_k_run(row0, lane, 5u);
-        t.k6 = load_k_run(row0, lane, 6u);
-        t.k7 = load_k_run(row0, lane, 7u);
-        t.v0 = load_v_run(row0, lane, 0u);
-        t.v1 = load_v_run(row0, lane, 1u);
-        t.v2 = load_v_run(row0, lane, 2u);
-        t.v3 = load_v_run(row0, lane, 3u);
-        t.v4 = load_v_run(row0, lane, 4u);
-        t.v5 = load_v_run(row0, lane, 5u);
-        t.v6 = load_v_run(row0, lane, 6u);
-        t.v7 = load_v_run(row0, lane, 7u);
-    } else {
-        t.k0 = load_k_word(b, h, kt, end, entry, lane, 0u);
-        t.k1 = load_k_word(b, h, kt, end, entry, lane, 1u);
-        t.k2 = load_k_word(b, h, kt, end, entry, lane, 2u);
-        t.k3 = load_k_word(b, h, kt, end, entry, lane, 3u);
-        t.k4 = load_k_word(b, h, kt, end, entry, lane, 4u);
-        t.k5 = load_k_word(b, h, kt, end, entry, lane, 5u);
-        t.k6 = load_k_word(b, h, kt, end, entry, lane, 6u);
-        t.k7 = load_k_word(b, h, kt, end, entry, lane, 7u);
-        t.v0 = load_v_word(b, h, kt, end, entry, lane, 0u);
-        t.v1 = load_v_word(b, h, kt, end, entry, lane, 1u);
-        t.v2 = load_v_word(b, h, kt, end, entry, lane, 2u);
-        t.v3 = load_v_word(b, h, kt, end, entry, lane, 3u);
-        t.v4 = load_v_word(b, h, kt, end, entry, lane, 4u);
-        t.v5 = load_v_word(b, h, kt, end, entry, lane, 5u);
-        t.v6 = load_v_word(b, h, kt, end, entry, lane, 6u);
-        t.v7 = load_v_word(b, h, kt, end, entry, lane, 7u);
-    }
-    return t;
-}
-
-// Writes word i of the lane's K share into the walker's rows of ks (from
-// `kb`), as loaded.
-fn stage_k(w: vec4<u32>, kb: u32, lane: u32, i: u32) {
-    if i >= D / 16u {
-        return;
-    }
-    let e = i * 32u + lane;
-    let at = kb + (e / (D / 8u)) * KS + 8u * (e % (D / 8u));
-    for (var c = 0u; c < 4u; c++) {
-        let x = unpack2x16float(w[c]);
-        ks[at + 2u * c] = f16(x.x);
-        ks[at + 2u * c + 1u] = f16(x.y);
-    }
-}
-
-// Eight halves, each NaN or infinity replaced by +0.
-fn clean8(x: vec4<u32>) -> vec4<u32> {
-    var y = select(x, x & vec4(0xffff0000u), (x & vec4(0x7c00u)) == vec4(0x7c00u));
-    y = select(y, y & vec4(0x0000ffffu), (y & vec4(0x7c000000u)) == vec4(0x7c000000u));
-    return y;
-}
-
-// The non-finite flags of eight halves (lib/nonfinite.wgsl,
-// NONFINITE_FLAGS).
-fn flags8(x: vec4<u32>) -> u32 {
-    let f = (x & vec4(0x7c007c00u)) + vec4(0x04000400u);
-    return f.x | f.y | f.z | f.w;
-}
-
-// Writes word i of the lane's V share into the walker's rows of vs (from
-// `vb`), cleaned where `clean` (some value of the tile is not finite);
-// returns bit j for its row j where it held a NaN or an infinity.
-fn stage_v(w: vec4<u32>, vb: u32, lane: u32, i: u32, clean: bool) -> u32 {
-    if i >= DV / 16u {
-        return 0u;
-    }
-    let e = i * 32u + lane;
-    let at = vb + (e / (DV / 8u)) * VS + 8u * (e % (DV / 8u));
-    var x = w;
     var bad = 0u;
-    if clean {
-        bad = select(0u, 1u << (e / (DV / 8u)), (flags8(w) & NONFINITE_FLAGS) != 0u);
-        x = clean8(w);
+    for (var e = lane; e < BK * DV / 8u; e += 32u) {
+        let j = e / (DV / 8u);
+        let row = tile_row(b, h, kt, end, j);
+        let at = vb + j * VS + 8u * (e % (DV / 8u));
+        let src = row * DV + u.v_delta + 8u * (e % (DV / 8u));
+        for (var c = 0u; c < 8u; c++) {
+            var x = f16(0.0);
+            if row != NONE {
+                x = v_cache[src + c];
+            }
+            // Widening keeps NaN and the infinities, tested on the bits
+            // (naga has no bitcast of halves).
+            if !finite_f32(f32(x)) {
+                bad |= 1u << j;
+                x = f16(0.0);
+            }
+            vs[at + c] = x;
+        }
     }
-    for (var c = 0u; c < 4u; c++) {
-        let y = unpack2x16float(x[c]);
-        vs[at + 2u * c] = f16(y.x);
-        vs[at + 2u * c + 1u] = f16(y.y);
+    return subgroupOr(bad);
+}
+
+// Whether any of the 8 values of `m` the lane looks at (row r, columns
+// 8 half ..) is NaN or an infinity, through the walker's score rows (from
+// `at`; the lane's from `mine`).
+fn nonfinite8(m: C32, mine: u32, at: u32) -> bool {
+    coopStoreT(m, &sf[at], FS);
+    scratch_barrier();
+    var bad = false;
+    for (var i = 0u; i < 8u; i++) {
+        bad = bad || !finite_f32(sf[mine + i]);
     }
+    scratch_barrier();
     return bad;
 }
 
@@ -377,44 +286,54 @@ fn main(
     let vb = walker * RB * VS;
     let pb = walker * RB * PS;
     let fb = walker * RB * FS;
-    // The lane's words of the walker's next tile.
-    var t = load_tile(b, h, tiles_start + walker * BK, key_end, lane);
+    // The keys every row of the block sees: those of its last query
+    // index from the start, of its first to the end (visible() moves both
+    // ends with the index; every index where the block wraps).
+    var i_lo = row0 % u.seq_q;
+    var i_hi = (min(row0 + RB, u.rows) - 1u) % u.seq_q;
+    if i_hi < i_lo || min(RB, u.rows - row0) > u.seq_q {
+        i_lo = 0u;
+        i_hi = u.seq_q - 1u;
+    }
+    let shared_keys = vec2(max(block.x, visible(len, i_hi).x), min(key_end, visible(len, i_lo).y));
+    // A tile of 16 keys from a multiple of 16 lies in one block.
+    let whole_blocks = !SKIPS && (!PAGED || u.block_size % BK == 0u);
     for (var n = 0u; n < steps; n++) {
         let kt = tiles_start + (n * W + walker) * BK;
-        stage_k(t.k0, kb, lane, 0u);
-        stage_k(t.k1, kb, lane, 1u);
-        stage_k(t.k2, kb, lane, 2u);
-        stage_k(t.k3, kb, lane, 3u);
-        stage_k(t.k4, kb, lane, 4u);
-        stage_k(t.k5, kb, lane, 5u);
-        stage_k(t.k6, kb, lane, 6u);
-        stage_k(t.k7, kb, lane, 7u);
-        // V is cleaned only where some value of the tile is not finite.
-        let clean = subgroupAny(((flags8(t.v0) | flags8(t.v1) | flags8(t.v2) | flags8(t.v3) | flags8(t.v4) | flags8(t.v5) | flags8(t.v6) | flags8(t.v7)) & NONFINITE_FLAGS) != 0u);
+        // Multiplied from the caches where every walker's tile is whole,
+        // in one block, and seen by every row; staged otherwise (above).
+        // Decided for the whole workgroup and passed through workgroup
+        // memory, which makes it uniform where naga can see it (it wants
+        // cooperative operations in uniform control flow, and takes the
+        // loop's counter and the lengths for values that may differ);
+        // two slots, so that the next step's cannot overwrite this one's
+        // before every invocation has read it.
+        let k0 = tiles_start + n * W * BK;
+        if lid == 0u {
+            direct_step[n & 1u] = u32(whole_blocks && k0 >= shared_keys.x && k0 + W * BK <= shared_keys.y);
+        }
+        let direct = workgroupUniformLoad(&direct_step[n & 1u]) != 0u;
+        let entry = run_entry(b, kt, key_end, BK);
+        var k_at = 0u;
+        var v_at = 0u;
         var vbad = 0u;
-        vbad |= stage_v(t.v0, vb, lane, 0u, clean);
-        vbad |= stage_v(t.v1, vb, lane, 1u, clean);
-        vbad |= stage_v(t.v2, vb, lane, 2u, clean);
-        vbad |= stage_v(t.v3, vb, lane, 3u, clean);
-        vbad |= stage_v(t.v4, vb, lane, 4u, clean);
-        vbad |= stage_v(t.v5, vb, lane, 5u, clean);
-        vbad |= stage_v(t.v6, vb, lane, 6u, clean);
-        vbad |= stage_v(t.v7, vb, lane, 7u, clean);
-        if clean {
-            vbad = subgroupOr(vbad);
-        }
-        // The next tile's loads, in flight while this one is multiplied.
-        if n + 1u < steps {
-            t = load_tile(b, h, kt + BK * W, key_end, lane);
-        }
-        scratch_barrier();
-
-        // S = Q K^T: K^T is the staged K read column-major.
         var prod = C32();
-        for (var c = 0u; c < D / 16u; c++) {
-            let qa = coopLoadT<A16>(&qs[16u * c], KS);
-            let kt_c = coopLoad<B16>(&ks[kb + 16u * c], KS);
-            prod = coopMultiplyAdd(qa, kt_c, prod);
+        if direct {
+            let row = entry_row(entry, h, kt);
+            k_at = row * D + u.k_delta;
+            v_at = row * DV + u.v_delta;
+            // S = Q K^T: K^T is K's rows read column-major.
+            for (var c = 0u; c < D / 16u; c++) {
+                let qa = coopLoadT<A16>(&qs[16u * c], KS);
+                prod = coopMultiplyAdd(qa, coopLoad<B16>(&k_cache[k_at + 16u * c], D), prod);
+            }
+        } else {
+            vbad = stage_tile(b, h, kt, key_end, kb, vb, lane);
+            scratch_barrier();
+            for (var c = 0u; c < D / 16u; c++) {
+                let qa = coopLoadT<A16>(&qs[16u * c], KS);
+                prod = coopMultiplyAdd(qa, coopLoad<B16>(&ks[kb + 16u * c], KS), prod);
+            }
         }
         coopStoreT(prod, &sf[fb], FS);
         scratch_barrier();
@@ -506,34 +425,92 @@ fn main(
         // forward adds each product made from zero, faster there, but its
         // temporaries are 64 registers a lane more).
         let pa = coopLoadT<A16>(&pp[pb], PS);
-        if DV / 16u > 0u {
-            acc0 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 0u], VS), acc0);
-        }
-        if DV / 16u > 1u {
-            acc1 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 16u], VS), acc1);
-        }
-        if DV / 16u > 2u {
-            acc2 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 32u], VS), acc2);
-        }
-        if DV / 16u > 3u {
-            acc3 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 48u], VS), acc3);
-        }
-        if DV / 16u > 4u {
-            acc4 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 64u], VS), acc4);
-        }
-        if DV / 16u > 5u {
-            acc5 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 80u], VS), acc5);
-        }
-        if DV / 16u > 6u {
-            acc6 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 96u], VS), acc6);
-        }
-        if DV / 16u > 7u {
-            acc7 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 112u], VS), acc7);
+        if direct {
+            if DV / 16u > 0u {
+                acc0 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 0u], DV), acc0);
+            }
+            if DV / 16u > 1u {
+                acc1 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 16u], DV), acc1);
+            }
+            if DV / 16u > 2u {
+                acc2 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 32u], DV), acc2);
+            }
+            if DV / 16u > 3u {
+                acc3 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 48u], DV), acc3);
+            }
+            if DV / 16u > 4u {
+                acc4 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 64u], DV), acc4);
+            }
+            if DV / 16u > 5u {
+                acc5 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 80u], DV), acc5);
+            }
+            if DV / 16u > 6u {
+                acc6 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 96u], DV), acc6);
+            }
+            if DV / 16u > 7u {
+                acc7 = coopMultiplyAdd(pa, coopLoadT<B16>(&v_cache[v_at + 112u], DV), acc7);
+            }
+        } else {
+            if DV / 16u > 0u {
+                acc0 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 0u], VS), acc0);
+            }
+            if DV / 16u > 1u {
+                acc1 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 16u], VS), acc1);
+            }
+            if DV / 16u > 2u {
+                acc2 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 32u], VS), acc2);
+            }
+            if DV / 16u > 3u {
+                acc3 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 48u], VS), acc3);
+            }
+            if DV / 16u > 4u {
+                acc4 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 64u], VS), acc4);
+            }
+            if DV / 16u > 5u {
+                acc5 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 80u], VS), acc5);
+            }
+            if DV / 16u > 6u {
+                acc6 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 96u], VS), acc6);
+            }
+            if DV / 16u > 7u {
+                acc7 = coopMultiplyAdd(pa, coopLoadT<B16>(&vs[vb + 112u], VS), acc7);
+            }
         }
         // The walker's products are done: its ks, vs, pp and sf are free.
         scratch_barrier();
     }
 
+    // A row whose accumulators are not finite met a NaN or an infinity in
+    // a value of a tile multiplied from the cache (above): code 0.5.
+    var acc_bad = false;
+    let mine = fb + r * FS + 8u * half;
+    if DV / 16u > 0u {
+        acc_bad = nonfinite8(acc0, mine, fb) || acc_bad;
+    }
+    if DV / 16u > 1u {
+        acc_bad = nonfinite8(acc1, mine, fb) || acc_bad;
+    }
+    if DV / 16u > 2u {
+        acc_bad = nonfinite8(acc2, mine, fb) || acc_bad;
+    }
+    if DV / 16u > 3u {
+        acc_bad = nonfinite8(acc3, mine, fb) || acc_bad;
+    }
+    if DV / 16u > 4u {
+        acc_bad = nonfinite8(acc4, mine, fb) || acc_bad;
+    }
+    if DV / 16u > 5u {
+        acc_bad = nonfinite8(acc5, mine, fb) || acc_bad;
+    }
+    if DV / 16u > 6u {
+        acc_bad = nonfinite8(acc6, mine, fb) || acc_bad;
+    }
+    if DV / 16u > 7u {
+        acc_bad = nonfinite8(acc7, mine, fb) || acc_bad;
+    }
+    if acc_bad && gr < u.rows {
+        code = max(code, CODE_VALUE);
+    }
     // The row's sum and code over its two lanes; the walkers' states.
     row_sum += subgroupShuffleXor(row_sum, 1u);
     code = max(code, subgroupShuffleXor(code, 1u));

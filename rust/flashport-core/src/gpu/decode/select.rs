@@ -434,8 +434,8 @@ mod tests {
                 "d={d} dv={dv} f16={f16} {caps:?}"
             );
         }
-        // 16 KiB of workgroup memory holds two walkers at d = 64 (16,080
-        // bytes) and one at d = 128 (15,376); 8 KiB none at d = 128.
+        // 16 KiB of workgroup memory holds two walkers at d = 64 (16,096
+        // bytes) and one at d = 128 (15,392); 8 KiB none at d = 128.
         let walkers = |d, kib: u32| {
             let caps = DecodeCaps {
                 workgroup_storage_bytes: kib * 1024,

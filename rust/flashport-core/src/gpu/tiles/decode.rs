@@ -425,10 +425,11 @@ impl CoopDecodeTiles {
         self.tile_rows() * 20
     }
     /// The workgroup memory the kernel declares: the queries, the tiles,
-    /// the walkers' three statistics a row, the merged sums and a flag.
+    /// the walkers' three statistics a row, the merged sums, a flag and
+    /// the steps' choices (four words each).
     pub fn workgroup_bytes(&self) -> u64 {
         let halves = self.q_elems() + self.k_elems() + self.v_elems() + self.p_elems();
-        let floats = self.f_elems() + 3 * self.tile_rows() + COOP_DECODE_ROWS + 4;
+        let floats = self.f_elems() + 3 * self.tile_rows() + COOP_DECODE_ROWS + 8;
         2 * halves as u64 + 4 * floats as u64
     }
     /// The overrides of shaders/decode/coop.wgsl for this layout and a
