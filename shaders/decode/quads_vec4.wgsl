@@ -31,17 +31,17 @@ fn raw_clean(x: Raw4) -> Raw4 {
     return clean_in4(x);
 }
 
-// Quad o of a key row, zeros past d.
+// Quad o of a key row, zeros past d (no test where WHOLE_K).
 fn load_k_raw(row: u32, o: u32) -> Raw4 {
-    if 4u * o >= u.d {
+    if !WHOLE_K && 4u * o >= u.d {
         return raw_zero();
     }
     return k_cache[(row * u.d + u.k_delta) / 4u + o];
 }
 
-// Quad o of a value row, zeros past d_v.
+// Quad o of a value row, zeros past d_v (no test where WHOLE_V).
 fn load_v_raw(row: u32, o: u32) -> Raw4 {
-    if 4u * o >= u.dv {
+    if !WHOLE_V && 4u * o >= u.dv {
         return raw_zero();
     }
     return v_cache[(row * u.dv + u.v_delta) / 4u + o];

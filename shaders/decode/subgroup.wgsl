@@ -79,6 +79,10 @@ override PART_VEC4S: u32 = 512u;
 override STAT_ELEMS: u32 = 52u;
 override CODES: u32 = 2u * W * RB + RB;
 override PREFETCH: bool = false;
+// Every quad a lane holds of a key (value) row lies within d (d_v): 4 *
+// DP4 = d, so its loads need no test of their quad (decode/quads_vec4.wgsl).
+override WHOLE_K: bool = false;
+override WHOLE_V: bool = false;
 
 var<workgroup> part: array<vec4<f32>, PART_VEC4S>;
 var<workgroup> stat: array<f32, STAT_ELEMS>;
@@ -286,321 +290,131 @@ fn main(
         ok_n = 0u;
         {
             let run = run_row(b, h, key_start + walker * KPI, key_end, KPI);
-            {
-                let key = key_start + walker * KPI + 0u;
-                kr0_0 = raw_zero();
-                vr0_0 = raw_zero();
+            if !SKIPS && run != NONE && key_start + walker * KPI + KPI <= key_end {
+                ok_n = (1u << KPI) - 1u;
+                kr0_0 = load_k_raw(run + 0u, lane);
+                vr0_0 = load_v_raw(run + 0u, lane);
                 if NO > 1u {
-                    kr0_1 = raw_zero();
-                    vr0_1 = raw_zero();
+                    kr0_1 = load_k_raw(run + 0u, lane + LPK);
+                    vr0_1 = load_v_raw(run + 0u, lane + LPK);
                 }
                 if NO > 2u {
-                    kr0_2 = raw_zero();
-                    vr0_2 = raw_zero();
+                    kr0_2 = load_k_raw(run + 0u, lane + 2u * LPK);
+                    vr0_2 = load_v_raw(run + 0u, lane + 2u * LPK);
                 }
                 if NO > 3u {
-                    kr0_3 = raw_zero();
-                    vr0_3 = raw_zero();
+                    kr0_3 = load_k_raw(run + 0u, lane + 3u * LPK);
+                    vr0_3 = load_v_raw(run + 0u, lane + 3u * LPK);
                 }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 1u;
-                    var row = run + 0u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr0_0 = load_k_raw(row, lane);
-                    vr0_0 = load_v_raw(row, lane);
-                    if NO > 1u {
-                        kr0_1 = load_k_raw(row, lane + LPK);
-                        vr0_1 = load_v_raw(row, lane + LPK);
-                    }
-                    if NO > 2u {
-                        kr0_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr0_2 = load_v_raw(row, lane + 2u * LPK);
-                    }
-                    if NO > 3u {
-                        kr0_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr0_3 = load_v_raw(row, lane + 3u * LPK);
-                    }
-                }
-            }
-            {
-                let key = key_start + walker * KPI + 1u;
-                kr1_0 = raw_zero();
-                vr1_0 = raw_zero();
+                kr1_0 = load_k_raw(run + 1u, lane);
+                vr1_0 = load_v_raw(run + 1u, lane);
                 if NO > 1u {
-                    kr1_1 = raw_zero();
-                    vr1_1 = raw_zero();
+                    kr1_1 = load_k_raw(run + 1u, lane + LPK);
+                    vr1_1 = load_v_raw(run + 1u, lane + LPK);
                 }
                 if NO > 2u {
-                    kr1_2 = raw_zero();
-                    vr1_2 = raw_zero();
+                    kr1_2 = load_k_raw(run + 1u, lane + 2u * LPK);
+                    vr1_2 = load_v_raw(run + 1u, lane + 2u * LPK);
                 }
                 if NO > 3u {
-                    kr1_3 = raw_zero();
-                    vr1_3 = raw_zero();
+                    kr1_3 = load_k_raw(run + 1u, lane + 3u * LPK);
+                    vr1_3 = load_v_raw(run + 1u, lane + 3u * LPK);
                 }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 2u;
-                    var row = run + 1u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr1_0 = load_k_raw(row, lane);
-                    vr1_0 = load_v_raw(row, lane);
-                    if NO > 1u {
-                        kr1_1 = load_k_raw(row, lane + LPK);
-                        vr1_1 = load_v_raw(row, lane + LPK);
-                    }
-                    if NO > 2u {
-                        kr1_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr1_2 = load_v_raw(row, lane + 2u * LPK);
-                    }
-                    if NO > 3u {
-                        kr1_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr1_3 = load_v_raw(row, lane + 3u * LPK);
-                    }
-                }
-            }
-            {
-                let key = key_start + walker * KPI + 2u;
-                kr2_0 = raw_zero();
-                vr2_0 = raw_zero();
+                kr2_0 = load_k_raw(run + 2u, lane);
+                vr2_0 = load_v_raw(run + 2u, lane);
                 if NO > 1u {
-                    kr2_1 = raw_zero();
-                    vr2_1 = raw_zero();
+                    kr2_1 = load_k_raw(run + 2u, lane + LPK);
+                    vr2_1 = load_v_raw(run + 2u, lane + LPK);
                 }
                 if NO > 2u {
-                    kr2_2 = raw_zero();
-                    vr2_2 = raw_zero();
+                    kr2_2 = load_k_raw(run + 2u, lane + 2u * LPK);
+                    vr2_2 = load_v_raw(run + 2u, lane + 2u * LPK);
                 }
                 if NO > 3u {
-                    kr2_3 = raw_zero();
-                    vr2_3 = raw_zero();
+                    kr2_3 = load_k_raw(run + 2u, lane + 3u * LPK);
+                    vr2_3 = load_v_raw(run + 2u, lane + 3u * LPK);
                 }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 4u;
-                    var row = run + 2u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr2_0 = load_k_raw(row, lane);
-                    vr2_0 = load_v_raw(row, lane);
-                    if NO > 1u {
-                        kr2_1 = load_k_raw(row, lane + LPK);
-                        vr2_1 = load_v_raw(row, lane + LPK);
-                    }
-                    if NO > 2u {
-                        kr2_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr2_2 = load_v_raw(row, lane + 2u * LPK);
-                    }
-                    if NO > 3u {
-                        kr2_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr2_3 = load_v_raw(row, lane + 3u * LPK);
-                    }
-                }
-            }
-            {
-                let key = key_start + walker * KPI + 3u;
-                kr3_0 = raw_zero();
-                vr3_0 = raw_zero();
+                kr3_0 = load_k_raw(run + 3u, lane);
+                vr3_0 = load_v_raw(run + 3u, lane);
                 if NO > 1u {
-                    kr3_1 = raw_zero();
-                    vr3_1 = raw_zero();
+                    kr3_1 = load_k_raw(run + 3u, lane + LPK);
+                    vr3_1 = load_v_raw(run + 3u, lane + LPK);
                 }
                 if NO > 2u {
-                    kr3_2 = raw_zero();
-                    vr3_2 = raw_zero();
+                    kr3_2 = load_k_raw(run + 3u, lane + 2u * LPK);
+                    vr3_2 = load_v_raw(run + 3u, lane + 2u * LPK);
                 }
                 if NO > 3u {
-                    kr3_3 = raw_zero();
-                    vr3_3 = raw_zero();
+                    kr3_3 = load_k_raw(run + 3u, lane + 3u * LPK);
+                    vr3_3 = load_v_raw(run + 3u, lane + 3u * LPK);
                 }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 8u;
-                    var row = run + 3u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr3_0 = load_k_raw(row, lane);
-                    vr3_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    kr4_0 = load_k_raw(run + 4u, lane);
+                    vr4_0 = load_v_raw(run + 4u, lane);
                     if NO > 1u {
-                        kr3_1 = load_k_raw(row, lane + LPK);
-                        vr3_1 = load_v_raw(row, lane + LPK);
+                        kr4_1 = load_k_raw(run + 4u, lane + LPK);
+                        vr4_1 = load_v_raw(run + 4u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr3_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr4_2 = load_k_raw(run + 4u, lane + 2u * LPK);
+                        vr4_2 = load_v_raw(run + 4u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr3_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr4_3 = load_k_raw(run + 4u, lane + 3u * LPK);
+                        vr4_3 = load_v_raw(run + 4u, lane + 3u * LPK);
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = key_start + walker * KPI + 4u;
-                kr4_0 = raw_zero();
-                vr4_0 = raw_zero();
-                if NO > 1u {
-                    kr4_1 = raw_zero();
-                    vr4_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr4_2 = raw_zero();
-                    vr4_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr4_3 = raw_zero();
-                    vr4_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 16u;
-                    var row = run + 4u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr4_0 = load_k_raw(row, lane);
-                    vr4_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    kr5_0 = load_k_raw(run + 5u, lane);
+                    vr5_0 = load_v_raw(run + 5u, lane);
                     if NO > 1u {
-                        kr4_1 = load_k_raw(row, lane + LPK);
-                        vr4_1 = load_v_raw(row, lane + LPK);
+                        kr5_1 = load_k_raw(run + 5u, lane + LPK);
+                        vr5_1 = load_v_raw(run + 5u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr4_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr5_2 = load_k_raw(run + 5u, lane + 2u * LPK);
+                        vr5_2 = load_v_raw(run + 5u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr4_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr5_3 = load_k_raw(run + 5u, lane + 3u * LPK);
+                        vr5_3 = load_v_raw(run + 5u, lane + 3u * LPK);
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = key_start + walker * KPI + 5u;
-                kr5_0 = raw_zero();
-                vr5_0 = raw_zero();
-                if NO > 1u {
-                    kr5_1 = raw_zero();
-                    vr5_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr5_2 = raw_zero();
-                    vr5_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr5_3 = raw_zero();
-                    vr5_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 32u;
-                    var row = run + 5u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr5_0 = load_k_raw(row, lane);
-                    vr5_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    kr6_0 = load_k_raw(run + 6u, lane);
+                    vr6_0 = load_v_raw(run + 6u, lane);
                     if NO > 1u {
-                        kr5_1 = load_k_raw(row, lane + LPK);
-                        vr5_1 = load_v_raw(row, lane + LPK);
+                        kr6_1 = load_k_raw(run + 6u, lane + LPK);
+                        vr6_1 = load_v_raw(run + 6u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr5_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr6_2 = load_k_raw(run + 6u, lane + 2u * LPK);
+                        vr6_2 = load_v_raw(run + 6u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr5_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr6_3 = load_k_raw(run + 6u, lane + 3u * LPK);
+                        vr6_3 = load_v_raw(run + 6u, lane + 3u * LPK);
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = key_start + walker * KPI + 6u;
-                kr6_0 = raw_zero();
-                vr6_0 = raw_zero();
-                if NO > 1u {
-                    kr6_1 = raw_zero();
-                    vr6_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr6_2 = raw_zero();
-                    vr6_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr6_3 = raw_zero();
-                    vr6_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 64u;
-                    var row = run + 6u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr6_0 = load_k_raw(row, lane);
-                    vr6_0 = load_v_raw(row, lane);
+                if KPI > 4u {
+                    kr7_0 = load_k_raw(run + 7u, lane);
+                    vr7_0 = load_v_raw(run + 7u, lane);
                     if NO > 1u {
-                        kr6_1 = load_k_raw(row, lane + LPK);
-                        vr6_1 = load_v_raw(row, lane + LPK);
+                        kr7_1 = load_k_raw(run + 7u, lane + LPK);
+                        vr7_1 = load_v_raw(run + 7u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr6_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                        kr7_2 = load_k_raw(run + 7u, lane + 2u * LPK);
+                        vr7_2 = load_v_raw(run + 7u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr6_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                        kr7_3 = load_k_raw(run + 7u, lane + 3u * LPK);
+                        vr7_3 = load_v_raw(run + 7u, lane + 3u * LPK);
                     }
                 }
-            }
-            if KPI > 4u {
-                let key = key_start + walker * KPI + 7u;
-                kr7_0 = raw_zero();
-                vr7_0 = raw_zero();
-                if NO > 1u {
-                    kr7_1 = raw_zero();
-                    vr7_1 = raw_zero();
-                }
-                if NO > 2u {
-                    kr7_2 = raw_zero();
-                    vr7_2 = raw_zero();
-                }
-                if NO > 3u {
-                    kr7_3 = raw_zero();
-                    vr7_3 = raw_zero();
-                }
-                if key < key_end && bound(b, key) {
-                    ok_n |= 128u;
-                    var row = run + 7u;
-                    if run == NONE {
-                        row = cache_row(b, h, key);
-                    }
-                    kr7_0 = load_k_raw(row, lane);
-                    vr7_0 = load_v_raw(row, lane);
-                    if NO > 1u {
-                        kr7_1 = load_k_raw(row, lane + LPK);
-                        vr7_1 = load_v_raw(row, lane + LPK);
-                    }
-                    if NO > 2u {
-                        kr7_2 = load_k_raw(row, lane + 2u * LPK);
-                        vr7_2 = load_v_raw(row, lane + 2u * LPK);
-                    }
-                    if NO > 3u {
-                        kr7_3 = load_k_raw(row, lane + 3u * LPK);
-                        vr7_3 = load_v_raw(row, lane + 3u * LPK);
-                    }
-                }
-            }
-        }
-        entry = run_entry(b, key_start + STEP + walker * KPI, key_end, KPI);
-    }
-    for (var k0 = key_start; k0 < key_end; k0 += STEP) {
-        let kb = k0 + walker * KPI;
-        if !PREFETCH {
-            ok_n = 0u;
-            {
-                let run = run_row(b, h, kb, key_end, KPI);
+            } else {
                 {
-                    let key = kb + 0u;
+                    let key = key_start + walker * KPI + 0u;
                     kr0_0 = raw_zero();
                     vr0_0 = raw_zero();
                     if NO > 1u {
@@ -638,7 +452,7 @@ fn main(
                     }
                 }
                 {
-                    let key = kb + 1u;
+                    let key = key_start + walker * KPI + 1u;
                     kr1_0 = raw_zero();
                     vr1_0 = raw_zero();
                     if NO > 1u {
@@ -676,7 +490,7 @@ fn main(
                     }
                 }
                 {
-                    let key = kb + 2u;
+                    let key = key_start + walker * KPI + 2u;
                     kr2_0 = raw_zero();
                     vr2_0 = raw_zero();
                     if NO > 1u {
@@ -714,7 +528,7 @@ fn main(
                     }
                 }
                 {
-                    let key = kb + 3u;
+                    let key = key_start + walker * KPI + 3u;
                     kr3_0 = raw_zero();
                     vr3_0 = raw_zero();
                     if NO > 1u {
@@ -752,7 +566,7 @@ fn main(
                     }
                 }
                 if KPI > 4u {
-                    let key = kb + 4u;
+                    let key = key_start + walker * KPI + 4u;
                     kr4_0 = raw_zero();
                     vr4_0 = raw_zero();
                     if NO > 1u {
@@ -790,7 +604,7 @@ fn main(
                     }
                 }
                 if KPI > 4u {
-                    let key = kb + 5u;
+                    let key = key_start + walker * KPI + 5u;
                     kr5_0 = raw_zero();
                     vr5_0 = raw_zero();
                     if NO > 1u {
@@ -828,7 +642,7 @@ fn main(
                     }
                 }
                 if KPI > 4u {
-                    let key = kb + 6u;
+                    let key = key_start + walker * KPI + 6u;
                     kr6_0 = raw_zero();
                     vr6_0 = raw_zero();
                     if NO > 1u {
@@ -866,7 +680,7 @@ fn main(
                     }
                 }
                 if KPI > 4u {
-                    let key = kb + 7u;
+                    let key = key_start + walker * KPI + 7u;
                     kr7_0 = raw_zero();
                     vr7_0 = raw_zero();
                     if NO > 1u {
@@ -900,6 +714,444 @@ fn main(
                         if NO > 3u {
                             kr7_3 = load_k_raw(row, lane + 3u * LPK);
                             vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                        }
+                    }
+                }
+            }
+        }
+        entry = run_entry(b, key_start + STEP + walker * KPI, key_end, KPI);
+    }
+    for (var k0 = key_start; k0 < key_end; k0 += STEP) {
+        let kb = k0 + walker * KPI;
+        if !PREFETCH {
+            ok_n = 0u;
+            {
+                let run = run_row(b, h, kb, key_end, KPI);
+                if !SKIPS && run != NONE && kb + KPI <= key_end {
+                    ok_n = (1u << KPI) - 1u;
+                    kr0_0 = load_k_raw(run + 0u, lane);
+                    vr0_0 = load_v_raw(run + 0u, lane);
+                    if NO > 1u {
+                        kr0_1 = load_k_raw(run + 0u, lane + LPK);
+                        vr0_1 = load_v_raw(run + 0u, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr0_2 = load_k_raw(run + 0u, lane + 2u * LPK);
+                        vr0_2 = load_v_raw(run + 0u, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr0_3 = load_k_raw(run + 0u, lane + 3u * LPK);
+                        vr0_3 = load_v_raw(run + 0u, lane + 3u * LPK);
+                    }
+                    kr1_0 = load_k_raw(run + 1u, lane);
+                    vr1_0 = load_v_raw(run + 1u, lane);
+                    if NO > 1u {
+                        kr1_1 = load_k_raw(run + 1u, lane + LPK);
+                        vr1_1 = load_v_raw(run + 1u, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr1_2 = load_k_raw(run + 1u, lane + 2u * LPK);
+                        vr1_2 = load_v_raw(run + 1u, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr1_3 = load_k_raw(run + 1u, lane + 3u * LPK);
+                        vr1_3 = load_v_raw(run + 1u, lane + 3u * LPK);
+                    }
+                    kr2_0 = load_k_raw(run + 2u, lane);
+                    vr2_0 = load_v_raw(run + 2u, lane);
+                    if NO > 1u {
+                        kr2_1 = load_k_raw(run + 2u, lane + LPK);
+                        vr2_1 = load_v_raw(run + 2u, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr2_2 = load_k_raw(run + 2u, lane + 2u * LPK);
+                        vr2_2 = load_v_raw(run + 2u, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr2_3 = load_k_raw(run + 2u, lane + 3u * LPK);
+                        vr2_3 = load_v_raw(run + 2u, lane + 3u * LPK);
+                    }
+                    kr3_0 = load_k_raw(run + 3u, lane);
+                    vr3_0 = load_v_raw(run + 3u, lane);
+                    if NO > 1u {
+                        kr3_1 = load_k_raw(run + 3u, lane + LPK);
+                        vr3_1 = load_v_raw(run + 3u, lane + LPK);
+                    }
+                    if NO > 2u {
+                        kr3_2 = load_k_raw(run + 3u, lane + 2u * LPK);
+                        vr3_2 = load_v_raw(run + 3u, lane + 2u * LPK);
+                    }
+                    if NO > 3u {
+                        kr3_3 = load_k_raw(run + 3u, lane + 3u * LPK);
+                        vr3_3 = load_v_raw(run + 3u, lane + 3u * LPK);
+                    }
+                    if KPI > 4u {
+                        kr4_0 = load_k_raw(run + 4u, lane);
+                        vr4_0 = load_v_raw(run + 4u, lane);
+                        if NO > 1u {
+                            kr4_1 = load_k_raw(run + 4u, lane + LPK);
+                            vr4_1 = load_v_raw(run + 4u, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr4_2 = load_k_raw(run + 4u, lane + 2u * LPK);
+                            vr4_2 = load_v_raw(run + 4u, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr4_3 = load_k_raw(run + 4u, lane + 3u * LPK);
+                            vr4_3 = load_v_raw(run + 4u, lane + 3u * LPK);
+                        }
+                    }
+                    if KPI > 4u {
+                        kr5_0 = load_k_raw(run + 5u, lane);
+                        vr5_0 = load_v_raw(run + 5u, lane);
+                        if NO > 1u {
+                            kr5_1 = load_k_raw(run + 5u, lane + LPK);
+                            vr5_1 = load_v_raw(run + 5u, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr5_2 = load_k_raw(run + 5u, lane + 2u * LPK);
+                            vr5_2 = load_v_raw(run + 5u, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr5_3 = load_k_raw(run + 5u, lane + 3u * LPK);
+                            vr5_3 = load_v_raw(run + 5u, lane + 3u * LPK);
+                        }
+                    }
+                    if KPI > 4u {
+                        kr6_0 = load_k_raw(run + 6u, lane);
+                        vr6_0 = load_v_raw(run + 6u, lane);
+                        if NO > 1u {
+                            kr6_1 = load_k_raw(run + 6u, lane + LPK);
+                            vr6_1 = load_v_raw(run + 6u, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr6_2 = load_k_raw(run + 6u, lane + 2u * LPK);
+                            vr6_2 = load_v_raw(run + 6u, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr6_3 = load_k_raw(run + 6u, lane + 3u * LPK);
+                            vr6_3 = load_v_raw(run + 6u, lane + 3u * LPK);
+                        }
+                    }
+                    if KPI > 4u {
+                        kr7_0 = load_k_raw(run + 7u, lane);
+                        vr7_0 = load_v_raw(run + 7u, lane);
+                        if NO > 1u {
+                            kr7_1 = load_k_raw(run + 7u, lane + LPK);
+                            vr7_1 = load_v_raw(run + 7u, lane + LPK);
+                        }
+                        if NO > 2u {
+                            kr7_2 = load_k_raw(run + 7u, lane + 2u * LPK);
+                            vr7_2 = load_v_raw(run + 7u, lane + 2u * LPK);
+                        }
+                        if NO > 3u {
+                            kr7_3 = load_k_raw(run + 7u, lane + 3u * LPK);
+                            vr7_3 = load_v_raw(run + 7u, lane + 3u * LPK);
+                        }
+                    }
+                } else {
+                    {
+                        let key = kb + 0u;
+                        kr0_0 = raw_zero();
+                        vr0_0 = raw_zero();
+                        if NO > 1u {
+                            kr0_1 = raw_zero();
+                            vr0_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr0_2 = raw_zero();
+                            vr0_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr0_3 = raw_zero();
+                            vr0_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 1u;
+                            var row = run + 0u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr0_0 = load_k_raw(row, lane);
+                            vr0_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr0_1 = load_k_raw(row, lane + LPK);
+                                vr0_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr0_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr0_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr0_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr0_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    {
+                        let key = kb + 1u;
+                        kr1_0 = raw_zero();
+                        vr1_0 = raw_zero();
+                        if NO > 1u {
+                            kr1_1 = raw_zero();
+                            vr1_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr1_2 = raw_zero();
+                            vr1_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr1_3 = raw_zero();
+                            vr1_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 2u;
+                            var row = run + 1u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr1_0 = load_k_raw(row, lane);
+                            vr1_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr1_1 = load_k_raw(row, lane + LPK);
+                                vr1_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr1_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr1_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr1_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr1_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    {
+                        let key = kb + 2u;
+                        kr2_0 = raw_zero();
+                        vr2_0 = raw_zero();
+                        if NO > 1u {
+                            kr2_1 = raw_zero();
+                            vr2_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr2_2 = raw_zero();
+                            vr2_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr2_3 = raw_zero();
+                            vr2_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 4u;
+                            var row = run + 2u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr2_0 = load_k_raw(row, lane);
+                            vr2_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr2_1 = load_k_raw(row, lane + LPK);
+                                vr2_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr2_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr2_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr2_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr2_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    {
+                        let key = kb + 3u;
+                        kr3_0 = raw_zero();
+                        vr3_0 = raw_zero();
+                        if NO > 1u {
+                            kr3_1 = raw_zero();
+                            vr3_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr3_2 = raw_zero();
+                            vr3_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr3_3 = raw_zero();
+                            vr3_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 8u;
+                            var row = run + 3u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr3_0 = load_k_raw(row, lane);
+                            vr3_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr3_1 = load_k_raw(row, lane + LPK);
+                                vr3_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr3_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr3_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + 4u;
+                        kr4_0 = raw_zero();
+                        vr4_0 = raw_zero();
+                        if NO > 1u {
+                            kr4_1 = raw_zero();
+                            vr4_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr4_2 = raw_zero();
+                            vr4_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr4_3 = raw_zero();
+                            vr4_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 16u;
+                            var row = run + 4u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr4_0 = load_k_raw(row, lane);
+                            vr4_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr4_1 = load_k_raw(row, lane + LPK);
+                                vr4_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr4_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr4_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + 5u;
+                        kr5_0 = raw_zero();
+                        vr5_0 = raw_zero();
+                        if NO > 1u {
+                            kr5_1 = raw_zero();
+                            vr5_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr5_2 = raw_zero();
+                            vr5_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr5_3 = raw_zero();
+                            vr5_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 32u;
+                            var row = run + 5u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr5_0 = load_k_raw(row, lane);
+                            vr5_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr5_1 = load_k_raw(row, lane + LPK);
+                                vr5_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr5_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr5_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + 6u;
+                        kr6_0 = raw_zero();
+                        vr6_0 = raw_zero();
+                        if NO > 1u {
+                            kr6_1 = raw_zero();
+                            vr6_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr6_2 = raw_zero();
+                            vr6_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr6_3 = raw_zero();
+                            vr6_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 64u;
+                            var row = run + 6u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr6_0 = load_k_raw(row, lane);
+                            vr6_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr6_1 = load_k_raw(row, lane + LPK);
+                                vr6_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr6_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr6_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + 7u;
+                        kr7_0 = raw_zero();
+                        vr7_0 = raw_zero();
+                        if NO > 1u {
+                            kr7_1 = raw_zero();
+                            vr7_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr7_2 = raw_zero();
+                            vr7_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr7_3 = raw_zero();
+                            vr7_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 128u;
+                            var row = run + 7u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr7_0 = load_k_raw(row, lane);
+                            vr7_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr7_1 = load_k_raw(row, lane + LPK);
+                                vr7_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr7_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr7_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr7_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
                         }
                     }
                 }
@@ -918,307 +1170,431 @@ fn main(
             ok_n = 0u;
             {
                 let run = entry_row(entry, h, kb + STEP);
-                {
-                    let key = kb + STEP + 0u;
-                    kr0_0 = raw_zero();
-                    vr0_0 = raw_zero();
+                if !SKIPS && run != NONE && kb + STEP + KPI <= key_end {
+                    ok_n = (1u << KPI) - 1u;
+                    kr0_0 = load_k_raw(run + 0u, lane);
+                    vr0_0 = load_v_raw(run + 0u, lane);
                     if NO > 1u {
-                        kr0_1 = raw_zero();
-                        vr0_1 = raw_zero();
+                        kr0_1 = load_k_raw(run + 0u, lane + LPK);
+                        vr0_1 = load_v_raw(run + 0u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr0_2 = raw_zero();
-                        vr0_2 = raw_zero();
+                        kr0_2 = load_k_raw(run + 0u, lane + 2u * LPK);
+                        vr0_2 = load_v_raw(run + 0u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr0_3 = raw_zero();
-                        vr0_3 = raw_zero();
+                        kr0_3 = load_k_raw(run + 0u, lane + 3u * LPK);
+                        vr0_3 = load_v_raw(run + 0u, lane + 3u * LPK);
                     }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 1u;
-                        var row = run + 0u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr0_0 = load_k_raw(row, lane);
-                        vr0_0 = load_v_raw(row, lane);
-                        if NO > 1u {
-                            kr0_1 = load_k_raw(row, lane + LPK);
-                            vr0_1 = load_v_raw(row, lane + LPK);
-                        }
-                        if NO > 2u {
-                            kr0_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr0_2 = load_v_raw(row, lane + 2u * LPK);
-                        }
-                        if NO > 3u {
-                            kr0_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr0_3 = load_v_raw(row, lane + 3u * LPK);
-                        }
-                    }
-                }
-                {
-                    let key = kb + STEP + 1u;
-                    kr1_0 = raw_zero();
-                    vr1_0 = raw_zero();
+                    kr1_0 = load_k_raw(run + 1u, lane);
+                    vr1_0 = load_v_raw(run + 1u, lane);
                     if NO > 1u {
-                        kr1_1 = raw_zero();
-                        vr1_1 = raw_zero();
+                        kr1_1 = load_k_raw(run + 1u, lane + LPK);
+                        vr1_1 = load_v_raw(run + 1u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr1_2 = raw_zero();
-                        vr1_2 = raw_zero();
+                        kr1_2 = load_k_raw(run + 1u, lane + 2u * LPK);
+                        vr1_2 = load_v_raw(run + 1u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr1_3 = raw_zero();
-                        vr1_3 = raw_zero();
+                        kr1_3 = load_k_raw(run + 1u, lane + 3u * LPK);
+                        vr1_3 = load_v_raw(run + 1u, lane + 3u * LPK);
                     }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 2u;
-                        var row = run + 1u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr1_0 = load_k_raw(row, lane);
-                        vr1_0 = load_v_raw(row, lane);
-                        if NO > 1u {
-                            kr1_1 = load_k_raw(row, lane + LPK);
-                            vr1_1 = load_v_raw(row, lane + LPK);
-                        }
-                        if NO > 2u {
-                            kr1_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr1_2 = load_v_raw(row, lane + 2u * LPK);
-                        }
-                        if NO > 3u {
-                            kr1_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr1_3 = load_v_raw(row, lane + 3u * LPK);
-                        }
-                    }
-                }
-                {
-                    let key = kb + STEP + 2u;
-                    kr2_0 = raw_zero();
-                    vr2_0 = raw_zero();
+                    kr2_0 = load_k_raw(run + 2u, lane);
+                    vr2_0 = load_v_raw(run + 2u, lane);
                     if NO > 1u {
-                        kr2_1 = raw_zero();
-                        vr2_1 = raw_zero();
+                        kr2_1 = load_k_raw(run + 2u, lane + LPK);
+                        vr2_1 = load_v_raw(run + 2u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr2_2 = raw_zero();
-                        vr2_2 = raw_zero();
+                        kr2_2 = load_k_raw(run + 2u, lane + 2u * LPK);
+                        vr2_2 = load_v_raw(run + 2u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr2_3 = raw_zero();
-                        vr2_3 = raw_zero();
+                        kr2_3 = load_k_raw(run + 2u, lane + 3u * LPK);
+                        vr2_3 = load_v_raw(run + 2u, lane + 3u * LPK);
                     }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 4u;
-                        var row = run + 2u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr2_0 = load_k_raw(row, lane);
-                        vr2_0 = load_v_raw(row, lane);
-                        if NO > 1u {
-                            kr2_1 = load_k_raw(row, lane + LPK);
-                            vr2_1 = load_v_raw(row, lane + LPK);
-                        }
-                        if NO > 2u {
-                            kr2_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr2_2 = load_v_raw(row, lane + 2u * LPK);
-                        }
-                        if NO > 3u {
-                            kr2_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr2_3 = load_v_raw(row, lane + 3u * LPK);
-                        }
-                    }
-                }
-                {
-                    let key = kb + STEP + 3u;
-                    kr3_0 = raw_zero();
-                    vr3_0 = raw_zero();
+                    kr3_0 = load_k_raw(run + 3u, lane);
+                    vr3_0 = load_v_raw(run + 3u, lane);
                     if NO > 1u {
-                        kr3_1 = raw_zero();
-                        vr3_1 = raw_zero();
+                        kr3_1 = load_k_raw(run + 3u, lane + LPK);
+                        vr3_1 = load_v_raw(run + 3u, lane + LPK);
                     }
                     if NO > 2u {
-                        kr3_2 = raw_zero();
-                        vr3_2 = raw_zero();
+                        kr3_2 = load_k_raw(run + 3u, lane + 2u * LPK);
+                        vr3_2 = load_v_raw(run + 3u, lane + 2u * LPK);
                     }
                     if NO > 3u {
-                        kr3_3 = raw_zero();
-                        vr3_3 = raw_zero();
+                        kr3_3 = load_k_raw(run + 3u, lane + 3u * LPK);
+                        vr3_3 = load_v_raw(run + 3u, lane + 3u * LPK);
                     }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 8u;
-                        var row = run + 3u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr3_0 = load_k_raw(row, lane);
-                        vr3_0 = load_v_raw(row, lane);
+                    if KPI > 4u {
+                        kr4_0 = load_k_raw(run + 4u, lane);
+                        vr4_0 = load_v_raw(run + 4u, lane);
                         if NO > 1u {
-                            kr3_1 = load_k_raw(row, lane + LPK);
-                            vr3_1 = load_v_raw(row, lane + LPK);
+                            kr4_1 = load_k_raw(run + 4u, lane + LPK);
+                            vr4_1 = load_v_raw(run + 4u, lane + LPK);
                         }
                         if NO > 2u {
-                            kr3_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                            kr4_2 = load_k_raw(run + 4u, lane + 2u * LPK);
+                            vr4_2 = load_v_raw(run + 4u, lane + 2u * LPK);
                         }
                         if NO > 3u {
-                            kr3_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                            kr4_3 = load_k_raw(run + 4u, lane + 3u * LPK);
+                            vr4_3 = load_v_raw(run + 4u, lane + 3u * LPK);
                         }
                     }
-                }
-                if KPI > 4u {
-                    let key = kb + STEP + 4u;
-                    kr4_0 = raw_zero();
-                    vr4_0 = raw_zero();
-                    if NO > 1u {
-                        kr4_1 = raw_zero();
-                        vr4_1 = raw_zero();
-                    }
-                    if NO > 2u {
-                        kr4_2 = raw_zero();
-                        vr4_2 = raw_zero();
-                    }
-                    if NO > 3u {
-                        kr4_3 = raw_zero();
-                        vr4_3 = raw_zero();
-                    }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 16u;
-                        var row = run + 4u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr4_0 = load_k_raw(row, lane);
-                        vr4_0 = load_v_raw(row, lane);
+                    if KPI > 4u {
+                        kr5_0 = load_k_raw(run + 5u, lane);
+                        vr5_0 = load_v_raw(run + 5u, lane);
                         if NO > 1u {
-                            kr4_1 = load_k_raw(row, lane + LPK);
-                            vr4_1 = load_v_raw(row, lane + LPK);
+                            kr5_1 = load_k_raw(run + 5u, lane + LPK);
+                            vr5_1 = load_v_raw(run + 5u, lane + LPK);
                         }
                         if NO > 2u {
-                            kr4_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                            kr5_2 = load_k_raw(run + 5u, lane + 2u * LPK);
+                            vr5_2 = load_v_raw(run + 5u, lane + 2u * LPK);
                         }
                         if NO > 3u {
-                            kr4_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                            kr5_3 = load_k_raw(run + 5u, lane + 3u * LPK);
+                            vr5_3 = load_v_raw(run + 5u, lane + 3u * LPK);
                         }
                     }
-                }
-                if KPI > 4u {
-                    let key = kb + STEP + 5u;
-                    kr5_0 = raw_zero();
-                    vr5_0 = raw_zero();
-                    if NO > 1u {
-                        kr5_1 = raw_zero();
-                        vr5_1 = raw_zero();
-                    }
-                    if NO > 2u {
-                        kr5_2 = raw_zero();
-                        vr5_2 = raw_zero();
-                    }
-                    if NO > 3u {
-                        kr5_3 = raw_zero();
-                        vr5_3 = raw_zero();
-                    }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 32u;
-                        var row = run + 5u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr5_0 = load_k_raw(row, lane);
-                        vr5_0 = load_v_raw(row, lane);
+                    if KPI > 4u {
+                        kr6_0 = load_k_raw(run + 6u, lane);
+                        vr6_0 = load_v_raw(run + 6u, lane);
                         if NO > 1u {
-                            kr5_1 = load_k_raw(row, lane + LPK);
-                            vr5_1 = load_v_raw(row, lane + LPK);
+                            kr6_1 = load_k_raw(run + 6u, lane + LPK);
+                            vr6_1 = load_v_raw(run + 6u, lane + LPK);
                         }
                         if NO > 2u {
-                            kr5_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                            kr6_2 = load_k_raw(run + 6u, lane + 2u * LPK);
+                            vr6_2 = load_v_raw(run + 6u, lane + 2u * LPK);
                         }
                         if NO > 3u {
-                            kr5_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                            kr6_3 = load_k_raw(run + 6u, lane + 3u * LPK);
+                            vr6_3 = load_v_raw(run + 6u, lane + 3u * LPK);
                         }
                     }
-                }
-                if KPI > 4u {
-                    let key = kb + STEP + 6u;
-                    kr6_0 = raw_zero();
-                    vr6_0 = raw_zero();
-                    if NO > 1u {
-                        kr6_1 = raw_zero();
-                        vr6_1 = raw_zero();
-                    }
-                    if NO > 2u {
-                        kr6_2 = raw_zero();
-                        vr6_2 = raw_zero();
-                    }
-                    if NO > 3u {
-                        kr6_3 = raw_zero();
-                        vr6_3 = raw_zero();
-                    }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 64u;
-                        var row = run + 6u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr6_0 = load_k_raw(row, lane);
-                        vr6_0 = load_v_raw(row, lane);
+                    if KPI > 4u {
+                        kr7_0 = load_k_raw(run + 7u, lane);
+                        vr7_0 = load_v_raw(run + 7u, lane);
                         if NO > 1u {
-                            kr6_1 = load_k_raw(row, lane + LPK);
-                            vr6_1 = load_v_raw(row, lane + LPK);
+                            kr7_1 = load_k_raw(run + 7u, lane + LPK);
+                            vr7_1 = load_v_raw(run + 7u, lane + LPK);
                         }
                         if NO > 2u {
-                            kr6_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                            kr7_2 = load_k_raw(run + 7u, lane + 2u * LPK);
+                            vr7_2 = load_v_raw(run + 7u, lane + 2u * LPK);
                         }
                         if NO > 3u {
-                            kr6_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                            kr7_3 = load_k_raw(run + 7u, lane + 3u * LPK);
+                            vr7_3 = load_v_raw(run + 7u, lane + 3u * LPK);
                         }
                     }
-                }
-                if KPI > 4u {
-                    let key = kb + STEP + 7u;
-                    kr7_0 = raw_zero();
-                    vr7_0 = raw_zero();
-                    if NO > 1u {
-                        kr7_1 = raw_zero();
-                        vr7_1 = raw_zero();
-                    }
-                    if NO > 2u {
-                        kr7_2 = raw_zero();
-                        vr7_2 = raw_zero();
-                    }
-                    if NO > 3u {
-                        kr7_3 = raw_zero();
-                        vr7_3 = raw_zero();
-                    }
-                    if key < key_end && bound(b, key) {
-                        ok_n |= 128u;
-                        var row = run + 7u;
-                        if run == NONE {
-                            row = cache_row(b, h, key);
-                        }
-                        kr7_0 = load_k_raw(row, lane);
-                        vr7_0 = load_v_raw(row, lane);
+                } else {
+                    {
+                        let key = kb + STEP + 0u;
+                        kr0_0 = raw_zero();
+                        vr0_0 = raw_zero();
                         if NO > 1u {
-                            kr7_1 = load_k_raw(row, lane + LPK);
-                            vr7_1 = load_v_raw(row, lane + LPK);
+                            kr0_1 = raw_zero();
+                            vr0_1 = raw_zero();
                         }
                         if NO > 2u {
-                            kr7_2 = load_k_raw(row, lane + 2u * LPK);
-                            vr7_2 = load_v_raw(row, lane + 2u * LPK);
+                            kr0_2 = raw_zero();
+                            vr0_2 = raw_zero();
                         }
                         if NO > 3u {
-                            kr7_3 = load_k_raw(row, lane + 3u * LPK);
-                            vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                            kr0_3 = raw_zero();
+                            vr0_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 1u;
+                            var row = run + 0u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr0_0 = load_k_raw(row, lane);
+                            vr0_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr0_1 = load_k_raw(row, lane + LPK);
+                                vr0_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr0_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr0_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr0_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr0_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    {
+                        let key = kb + STEP + 1u;
+                        kr1_0 = raw_zero();
+                        vr1_0 = raw_zero();
+                        if NO > 1u {
+                            kr1_1 = raw_zero();
+                            vr1_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr1_2 = raw_zero();
+                            vr1_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr1_3 = raw_zero();
+                            vr1_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 2u;
+                            var row = run + 1u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr1_0 = load_k_raw(row, lane);
+                            vr1_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr1_1 = load_k_raw(row, lane + LPK);
+                                vr1_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr1_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr1_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr1_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr1_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    {
+                        let key = kb + STEP + 2u;
+                        kr2_0 = raw_zero();
+                        vr2_0 = raw_zero();
+                        if NO > 1u {
+                            kr2_1 = raw_zero();
+                            vr2_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr2_2 = raw_zero();
+                            vr2_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr2_3 = raw_zero();
+                            vr2_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 4u;
+                            var row = run + 2u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr2_0 = load_k_raw(row, lane);
+                            vr2_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr2_1 = load_k_raw(row, lane + LPK);
+                                vr2_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr2_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr2_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr2_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr2_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    {
+                        let key = kb + STEP + 3u;
+                        kr3_0 = raw_zero();
+                        vr3_0 = raw_zero();
+                        if NO > 1u {
+                            kr3_1 = raw_zero();
+                            vr3_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr3_2 = raw_zero();
+                            vr3_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr3_3 = raw_zero();
+                            vr3_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 8u;
+                            var row = run + 3u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr3_0 = load_k_raw(row, lane);
+                            vr3_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr3_1 = load_k_raw(row, lane + LPK);
+                                vr3_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr3_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr3_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr3_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr3_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + STEP + 4u;
+                        kr4_0 = raw_zero();
+                        vr4_0 = raw_zero();
+                        if NO > 1u {
+                            kr4_1 = raw_zero();
+                            vr4_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr4_2 = raw_zero();
+                            vr4_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr4_3 = raw_zero();
+                            vr4_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 16u;
+                            var row = run + 4u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr4_0 = load_k_raw(row, lane);
+                            vr4_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr4_1 = load_k_raw(row, lane + LPK);
+                                vr4_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr4_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr4_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr4_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr4_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + STEP + 5u;
+                        kr5_0 = raw_zero();
+                        vr5_0 = raw_zero();
+                        if NO > 1u {
+                            kr5_1 = raw_zero();
+                            vr5_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr5_2 = raw_zero();
+                            vr5_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr5_3 = raw_zero();
+                            vr5_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 32u;
+                            var row = run + 5u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr5_0 = load_k_raw(row, lane);
+                            vr5_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr5_1 = load_k_raw(row, lane + LPK);
+                                vr5_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr5_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr5_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr5_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr5_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + STEP + 6u;
+                        kr6_0 = raw_zero();
+                        vr6_0 = raw_zero();
+                        if NO > 1u {
+                            kr6_1 = raw_zero();
+                            vr6_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr6_2 = raw_zero();
+                            vr6_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr6_3 = raw_zero();
+                            vr6_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 64u;
+                            var row = run + 6u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr6_0 = load_k_raw(row, lane);
+                            vr6_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr6_1 = load_k_raw(row, lane + LPK);
+                                vr6_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr6_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr6_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr6_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr6_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
+                        }
+                    }
+                    if KPI > 4u {
+                        let key = kb + STEP + 7u;
+                        kr7_0 = raw_zero();
+                        vr7_0 = raw_zero();
+                        if NO > 1u {
+                            kr7_1 = raw_zero();
+                            vr7_1 = raw_zero();
+                        }
+                        if NO > 2u {
+                            kr7_2 = raw_zero();
+                            vr7_2 = raw_zero();
+                        }
+                        if NO > 3u {
+                            kr7_3 = raw_zero();
+                            vr7_3 = raw_zero();
+                        }
+                        if key < key_end && bound(b, key) {
+                            ok_n |= 128u;
+                            var row = run + 7u;
+                            if run == NONE {
+                                row = cache_row(b, h, key);
+                            }
+                            kr7_0 = load_k_raw(row, lane);
+                            vr7_0 = load_v_raw(row, lane);
+                            if NO > 1u {
+                                kr7_1 = load_k_raw(row, lane + LPK);
+                                vr7_1 = load_v_raw(row, lane + LPK);
+                            }
+                            if NO > 2u {
+                                kr7_2 = load_k_raw(row, lane + 2u * LPK);
+                                vr7_2 = load_v_raw(row, lane + 2u * LPK);
+                            }
+                            if NO > 3u {
+                                kr7_3 = load_k_raw(row, lane + 3u * LPK);
+                                vr7_3 = load_v_raw(row, lane + 3u * LPK);
+                            }
                         }
                     }
                 }

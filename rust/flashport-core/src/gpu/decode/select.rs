@@ -396,6 +396,8 @@ mod tests {
         assert_eq!((t.walkers(), t.step_keys()), (4, 16));
         assert_eq!((t.scatter_bits(), t.pairs_per_lane()), (4, 1));
         assert_eq!((t.vec4, t.pass_load_words(), t.prefetch), (true, 32, false));
+        // Every lane's quad lies within d and d_v: no load tests its quad.
+        assert_eq!((t.whole_k, t.whole_v), (true, true));
         // float16: the same layout, quads of halves (16 words a lane), the
         // next pass's loads in flight during this one.
         let half = subgroup_tiles(128, 128, 4, true, H100, SubgroupKnobs::default()).unwrap();
@@ -415,6 +417,16 @@ mod tests {
             (odd.vec4, odd.pass_load_words(), odd.prefetch),
             (false, 32, false)
         );
+        assert_eq!((odd.whole_k, odd.whole_v), (false, false));
+        // Rows shorter than the lanes' quads: the loads past d (96 of the
+        // 128 elements 32 lanes hold) or d_v (64) test their quad.
+        let short = subgroup_tiles(96, 128, 4, true, H100, SubgroupKnobs::default()).unwrap();
+        assert_eq!(
+            (short.lanes, short.whole_k, short.whole_v),
+            (32, false, true)
+        );
+        let narrow_v = subgroup_tiles(128, 64, 4, true, H100, SubgroupKnobs::default()).unwrap();
+        assert_eq!((narrow_v.whole_k, narrow_v.whole_v), (true, false));
         // Prefetching, or not, where forced.
         let on = SubgroupKnobs {
             prefetch: Some(true),

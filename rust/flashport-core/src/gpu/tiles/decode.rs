@@ -196,6 +196,11 @@ pub struct SubgroupTiles {
     /// Each pass issues the next pass's loads before its own arithmetic
     /// (registers for one more pass of loads, for bytes in flight).
     pub prefetch: bool,
+    /// Every quad the lanes hold of a key row lies within d (d = 4 ×
+    /// lanes × quads, read four at a time), so its loads need no test of
+    /// their quad; likewise d_v for a value row.
+    pub whole_k: bool,
+    pub whole_v: bool,
 }
 
 /// The widest walker the kernel's butterfly spans (offsets up to 16).
@@ -265,6 +270,8 @@ impl SubgroupTiles {
             ("STAT_ELEMS", self.stat_elems() as f64),
             ("PAGED", flag(paged)),
             ("PREFETCH", flag(self.prefetch)),
+            ("WHOLE_K", flag(self.whole_k)),
+            ("WHOLE_V", flag(self.whole_v)),
         ]
     }
 }
@@ -354,6 +361,8 @@ pub fn subgroup_tiles(
                 vec4,
                 f16,
                 prefetch: false,
+                whole_k: vec4 && d == 4 * (lanes * quads) as usize,
+                whole_v: vec4 && dv == 4 * (lanes * quads) as usize,
             };
             t.prefetch = knobs
                 .prefetch
