@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from flashport import DeviceArray, GpuError, InvalidArgumentError, _core, to_device
 
-# The most submissions a context keeps queued without a wait
-# (rust/flashport-core/src/gpu/context.rs, MAX_QUEUED).
+# The most submissions a context keeps queued without a wait, and the most
+# queued calls whose commands it holds back while the GPU is busy
+# (rust/flashport-core/src/gpu/context.rs, MAX_QUEUED and MAX_PENDING).
 MAX_QUEUED = 32
+MAX_PENDING = 8
 
 HEADS, KV_LEN, D = 2, 16, 8
 STEPS = 100
@@ -200,12 +202,108 @@ def test_the_queue_is_bounded(gpu):
     flashport.synchronize()
     assert _core._testing_queued_submissions() == 0
     depths = []
-    for _ in range(3 * MAX_QUEUED):
+    # Enough calls to fill the queue even where every submission carries
+    # MAX_PENDING of them (a busy GPU's calls are held back and submitted
+    # together).
+    for _ in range(2 * MAX_QUEUED * MAX_PENDING):
         x.copy()
         depths.append(_core._testing_queued_submissions())
-    assert max(depths) == MAX_QUEUED and depths[MAX_QUEUED - 1] == MAX_QUEUED
+    assert max(depths) == MAX_QUEUED
     flashport.synchronize()
     assert _core._testing_queued_submissions() == 0
+
+
+@pytest.fixture
+def unpoisoned(monkeypatch):
+    """Without the NaN poisoning of outputs (which the suite turns on): its
+    host writes hand the held calls to the queue first, so that with it on
+    no more than a call or two is ever held."""
+    monkeypatch.setenv("FLASHPORT_GPU_POISON", "0")
+
+
+def test_decode_calls_are_held_and_submitted_together(gpu, unpoisoned):
+    rng = np.random.default_rng(8)
+    rows = to_device(rng.standard_normal((1, HEADS, 1, D), dtype=np.float32))
+    cache = flashport.KVCache(64, 4, HEADS, D, device="gpu")
+    sid = cache.new_sequence()
+    x = to_device(np.arange(64, dtype=np.float32))
+    flashport.synchronize()
+    depths = []
+    for _ in range(2 * MAX_PENDING):
+        cache.append_batch([sid], rows, rows)
+        depths.append(_core._testing_queued_submissions())
+    # Nothing goes to the queue until MAX_PENDING calls are held, then all
+    # of them in one submission.
+    assert depths == [0] * (MAX_PENDING - 1) + [1] * MAX_PENDING + [2]
+    # A call that is not held takes the held ones with it.
+    cache.append_batch([sid], rows, rows)
+    assert _core._testing_queued_submissions() == 2
+    x.copy()
+    assert _core._testing_queued_submissions() == 3
+    # So does synchronize().
+    cache.append_batch([sid], rows, rows)
+    flashport.synchronize()
+    assert _core._testing_queued_submissions() == 0
+    table = cache.block_table([sid])[0]
+    n = 2 * MAX_PENDING + 2
+    assert cache.length(sid) == n
+    for pool in cache.read_layer():
+        written = pool[table].transpose(1, 0, 2, 3).reshape(HEADS, -1, D)[:, :n]
+        assert np.array_equal(written, np.repeat(rows.numpy()[0], n, axis=1))
+
+
+def run_decode_chain(arrays, *, device: bool):
+    """``STEPS`` rounds of decoding calls only (which the context may hold
+    back), each feeding the next: the cache's decode of the row, the
+    result appended to the cache as a key and a value, then decoded over a
+    contiguous cache. Returns every step's row as NumPy."""
+    a = {name: to_device(x) for name, x in arrays.items()} if device else dict(arrays)
+    cache = flashport.KVCache(STEPS // 4 + 8, 4, HEADS, D, dtype=arrays["x"].dtype, device="gpu")
+    sid = cache.new_sequence()
+    cache.append_batch([sid], a["k4"], a["v4"])
+    lens = np.array([KV_LEN], np.int32)
+    x, kept = a["x"], []
+    for _ in range(STEPS):
+        x = cache.attention(x, [sid], causal=False)
+        cache.append_batch([sid], x, x)
+        x = flashport.attention_with_kvcache(x, a["kc"], a["vc"], lens, device="gpu")
+        kept.append(x)
+    return [np.asarray(y) for y in kept]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_chain_of_held_calls_gives_the_bits_of_calls_that_wait(gpu, unpoisoned, dtype):
+    arrays = chain_inputs(dtype)
+    flashport.synchronize()
+    want = run_decode_chain(arrays, device=False)
+    got = run_decode_chain(arrays, device=True)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert w.dtype == dtype and np.isfinite(w).all(), step
+        assert g.tobytes() == w.tobytes(), f"step {step}"
+    assert not np.array_equal(want[0], want[-1])
+
+
+def test_del_of_inputs_while_their_call_is_held_is_safe(gpu, unpoisoned):
+    """As test_del_of_inputs_while_their_call_is_queued_is_safe, with the
+    call's commands still held when its caches go back to the pool: the
+    copies that take them go to the queue in the same submission, after
+    it."""
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 4, 1, 24), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 2, 93, 24), dtype=np.float32) for _ in range(2))
+    lens = np.array([93], np.int32)
+    want = flashport.attention_with_kvcache(q, k, v, lens, device="gpu")
+    fill = to_device(np.full_like(k, 7.0))
+    tq, tk, tv = (to_device(x) for x in (q, k, v))
+    flashport.synchronize()
+    out = flashport.attention_with_kvcache(tq, tk, tv, lens)
+    assert _core._testing_queued_submissions() == 0, "the call is held"
+    del tk, tv
+    gc.collect()
+    copies = [fill.copy() for _ in range(4)]
+    assert out.numpy().tobytes() == want.tobytes()
+    for c in copies:
+        assert np.array_equal(c.numpy(), np.full_like(k, 7.0))
 
 
 def test_synchronize_is_public_and_takes_a_device_name(gpu):

@@ -193,7 +193,10 @@ def synchronize(device: str | None = None) -> None:
     (:meth:`DeviceArray.numpy`) waits for it anyway. ``synchronize`` is
     for the rest: timing GPU work from the host (``time.perf_counter()``
     around a call measures only its queueing otherwise), and finding out
-    that queued work failed.
+    that queued work failed. Decoding's queued calls
+    (:func:`attention_with_kvcache`, a GPU :class:`KVCache`'s ``attention``
+    and writes) may be held in the host, up to 8, and handed to the GPU
+    together with the next call that is not one of them, a read, or this.
 
     Arguments
     ---------

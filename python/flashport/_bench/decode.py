@@ -64,9 +64,11 @@ the results are there, as for torch's (``torch.cuda.synchronize()``).
 Host time per queued call (GPU only): the host seconds of a float16 decode
 call on DeviceArrays that does not wait (batch 1, context 4096, the
 contiguous cache and a ``KVCache``), over 1,000 calls back to back and then
-one ``synchronize``; "submit" is the part spent handing the work to the
-driver (lavapipe runs the previous submission there, so on a software
-adapter this is the GPU's time), "waiting" the part spent waiting for the
+one ``synchronize``; "submit" is the part spent finishing the call's
+commands and handing them to the driver (the context holds decoding's
+calls back and submits several at once, so this is their mean; lavapipe
+runs the previous submission there, so on a software adapter this is
+the GPU's time), "waiting" the part spent waiting for the
 oldest queued call once the queue is full (the GPU's pace, not host work),
 and "own" the rest: flashport's and Python's host work. ``--section
 queued`` (or ``--queued-only``) measures just this. Speed is measured here,

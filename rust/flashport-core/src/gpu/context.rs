@@ -214,7 +214,31 @@ pub(crate) struct Context {
     pools: Pools,
     /// Submissions queued without a wait that may still be running.
     queued: Mutex<Queued>,
+    /// Queued calls' command buffers not yet handed to the queue.
+    pending: Mutex<Pending>,
 }
+
+/// The command buffers of queued decoding calls and KV cache writes held
+/// back, oldest first, and the upload staging buffers they copy from
+/// (recycled once they are submitted). wgpu's `Queue::submit` costs the
+/// host 20-30 µs however little it submits (H200: 25 of a queued decode
+/// call's 71 µs), and a decode step makes two such calls per layer; held
+/// ones go to the queue together, in one submission. The queue runs them
+/// in this order, after everything submitted before and before anything
+/// submitted after: every submission and every `Queue::write_buffer` of
+/// the context goes through [`Context::defer`], [`Context::submit`],
+/// [`Context::flush`] or [`Context::write_buffer`], which hand the held
+/// ones over first, under this lock.
+#[derive(Default)]
+struct Pending {
+    commands: Vec<wgpu::CommandBuffer>,
+    staged: Vec<wgpu::Buffer>,
+}
+
+/// The most queued calls whose command buffers are held back: they go to
+/// the GPU when this many are held, with the next call that is not held
+/// (any other queued call, one that waits, a read), or at `synchronize()`.
+pub(crate) const MAX_PENDING: usize = 8;
 
 /// The submissions of a context queued without a wait, oldest first, each
 /// numbered in the order it was queued.
@@ -493,6 +517,7 @@ impl Context {
             cache: PipelineCache::default(),
             pools: Pools::new(),
             queued: Default::default(),
+            pending: Default::default(),
         })
     }
 
@@ -525,6 +550,83 @@ impl Context {
     /// Keeps an unmapped readback buffer for later calls.
     pub fn return_readback_buffer(&self, buffer: wgpu::Buffer) {
         self.pools.return_readback_buffer(buffer);
+    }
+
+    /// Hands a queued call's `commands` (and its `staged` upload buffers)
+    /// to the queue after the held ones, or, where the call may be held
+    /// (`hold`) and fewer than `MAX_PENDING` calls are, holds them back too.
+    /// The submission's index where it was submitted.
+    pub(crate) fn defer(
+        &self,
+        commands: wgpu::CommandBuffer,
+        staged: Vec<wgpu::Buffer>,
+        hold: bool,
+    ) -> Option<wgpu::SubmissionIndex> {
+        let mut pending = lock(&self.pending);
+        pending.commands.push(commands);
+        pending.staged.extend(staged);
+        if hold && pending.commands.len() < MAX_PENDING {
+            return None;
+        }
+        Some(self.submit_pending(&mut pending))
+    }
+
+    /// Submits the calls held back, then `commands`, in one submission;
+    /// recycles the upload staging of both (`staged`: `commands`' own).
+    pub(crate) fn submit(
+        &self,
+        commands: wgpu::CommandBuffer,
+        staged: Vec<wgpu::Buffer>,
+    ) -> wgpu::SubmissionIndex {
+        let mut pending = lock(&self.pending);
+        pending.commands.push(commands);
+        pending.staged.extend(staged);
+        self.submit_pending(&mut pending)
+    }
+
+    /// Submits the calls held back, if any.
+    pub(crate) fn flush(&self) {
+        let mut pending = lock(&self.pending);
+        if !pending.commands.is_empty() {
+            let index = self.submit_pending(&mut pending);
+            self.count_queued(index);
+        }
+    }
+
+    /// `Queue::write_buffer`, after the calls held back: wgpu runs such a
+    /// write before the commands of the next submission, so one made while
+    /// calls are held back would otherwise run before them.
+    pub(crate) fn write_buffer(&self, buffer: &wgpu::Buffer, offset: u64, data: &[u8]) {
+        let mut pending = lock(&self.pending);
+        if !pending.commands.is_empty() {
+            let index = self.submit_pending(&mut pending);
+            self.count_queued(index);
+        }
+        self.queue.write_buffer(buffer, offset, data);
+    }
+
+    /// Submits `pending`'s command buffers in one submission and recycles
+    /// their upload staging.
+    fn submit_pending(&self, pending: &mut Pending) -> wgpu::SubmissionIndex {
+        let index = self.queue.submit(pending.commands.drain(..));
+        for staging in pending.staged.drain(..) {
+            self.recycle_upload_staging(staging);
+        }
+        index
+    }
+
+    /// Counts a submission made by [`Context::flush`] or
+    /// [`Context::write_buffer`] as queued without a wait, waiting for the
+    /// oldest where `MAX_QUEUED` are in flight (as a queued call does). A
+    /// failure of that wait is the device's, which the next call that
+    /// waits or uses the context reports.
+    fn count_queued(&self, index: wgpu::SubmissionIndex) {
+        if let Some(oldest) = self.queued(index) {
+            let _ = self.device.poll(wgpu::PollType::Wait {
+                submission_index: Some(oldest),
+                timeout: None,
+            });
+        }
     }
 
     /// Counts `index` as queued without a wait; the oldest queued
@@ -607,6 +709,7 @@ impl Context {
     /// reported an error outside any call, on the way: what
     /// `flashport.synchronize()` raises.
     pub(crate) fn synchronize(&self) -> Result<()> {
+        self.flush();
         let count = self.queued_count();
         let waited = self.wait(None);
         if self.is_lost() {

@@ -166,7 +166,7 @@ impl DeviceArray {
                     let encoder = ctx.device.create_command_encoder(&Default::default());
                     let words = self.nbytes().div_ceil(4);
                     let reads = [(self.buffer.buffer(), words)];
-                    let mut r = submit_and_read(ctx, encoder, &reads, || {})?;
+                    let mut r = submit_and_read(ctx, encoder, &reads, Vec::new())?;
                     let words = r.pop().unwrap_or_default();
                     Ok(match self.dtype {
                         DType::F16 => {

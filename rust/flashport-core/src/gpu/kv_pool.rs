@@ -519,6 +519,7 @@ impl GpuStorage {
         self.on_device("writing to a KV cache", &[("k", k), ("v", v)], |ctx| {
             ctx.scoped("writing to a KV cache", || {
                 let mut sub = Submission::new(ctx);
+                sub.may_hold();
                 for &copy in copies {
                     for (k, v) in self.keys.iter().zip(&self.values) {
                         self.copy_block(&mut sub, k, s.head_dim, copy)?;
@@ -591,8 +592,7 @@ fn poison(ctx: &Context, buffer: &wgpu::Buffer, bytes: u64) {
     let mut at = 0;
     while at < bytes {
         let n = PIECE.min(bytes - at);
-        ctx.queue
-            .write_buffer(buffer, at, bytemuck::cast_slice(&words[..(n / 4) as usize]));
+        ctx.write_buffer(buffer, at, bytemuck::cast_slice(&words[..(n / 4) as usize]));
         at += n;
     }
 }

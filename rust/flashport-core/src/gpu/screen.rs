@@ -67,8 +67,7 @@ pub(crate) fn reset_flag(ctx: &Context, sub: &mut Submission<'_>, buffer: &Poole
     let at = buffer.bytes() - 4;
     if raised {
         // Written before the submission's commands run.
-        ctx.queue
-            .write_buffer(buffer.buffer(), at, &1u32.to_le_bytes());
+        ctx.write_buffer(buffer.buffer(), at, &1u32.to_le_bytes());
     } else {
         sub.encoder().clear_buffer(buffer.buffer(), at, Some(4));
     }

@@ -48,6 +48,9 @@ pub(crate) struct Submission<'c> {
     /// first output only: the environment lookup per output showed in a
     /// queued decode call's profile (three outputs a call).
     poison: Option<bool>,
+    /// Whether the context may hold the work back if it is queued
+    /// ([`Self::may_hold`]).
+    hold: bool,
 }
 
 impl<'c> Submission<'c> {
@@ -62,6 +65,7 @@ impl<'c> Submission<'c> {
             timer: timing::enabled().then(|| Timer::new(ctx)).flatten(),
             uploading: None,
             poison: None,
+            hold: false,
         }
     }
 
@@ -74,6 +78,17 @@ impl<'c> Submission<'c> {
     pub fn encoder(&mut self) -> &mut wgpu::CommandEncoder {
         self.pass = None;
         &mut self.encoder
+    }
+
+    /// Lets the context hold this work back, where it is queued, until more
+    /// work goes to the GPU (`Context::defer`): for the calls of a decode
+    /// step (decoding over a cache, a KV cache's writes), which come in
+    /// runs and whose host time is mostly their submission. Other queued
+    /// calls (a forward, a backward: kernels of milliseconds, where a
+    /// caller may overlap its own work with the GPU's) go to the GPU as
+    /// they are made, taking the held ones with them.
+    pub fn may_hold(&mut self) {
+        self.hold = true;
     }
 
     /// Keeps `buffer` out of the pool until the submission is done.
@@ -104,7 +119,6 @@ impl<'c> Submission<'c> {
         if *self.poison.get_or_insert_with(poison_outputs) && bytes > 0 {
             let nan = vec![POISON; (bytes / 4) as usize];
             self.ctx
-                .queue
                 .write_buffer(buffer.buffer(), 0, bytemuck::cast_slice(&nan));
         }
         buffer
@@ -261,11 +275,12 @@ impl<'c> Submission<'c> {
         self.seal()?;
         let t_submit = Instant::now();
         self.pass = None;
-        let index = self.ctx.queue.submit([self.encoder.finish()]);
-        for staging in std::mem::take(&mut self.staged) {
-            self.ctx.recycle_upload_staging(staging);
-        }
-        let oldest = self.ctx.queued(index);
+        let commands = self.encoder.finish();
+        let staged = std::mem::take(&mut self.staged);
+        let oldest = self
+            .ctx
+            .defer(commands, staged, self.hold)
+            .and_then(|index| self.ctx.queued(index));
         record_host("submit", t_submit);
         if let Some(oldest) = oldest {
             let t_wait = Instant::now();
@@ -310,11 +325,7 @@ impl<'c> Submission<'c> {
             reads.push((&t.resolve, t.resolve(&mut self.encoder)));
         }
         let staged = std::mem::take(&mut self.staged);
-        let mut results = submit_and_read(self.ctx, self.encoder, &reads, || {
-            for staging in staged {
-                self.ctx.recycle_upload_staging(staging);
-            }
-        })?;
+        let mut results = submit_and_read(self.ctx, self.encoder, &reads, staged)?;
         if let Some(t) = &timer {
             let words = results.pop().unwrap_or_default();
             t.record(self.ctx, &words);
@@ -392,14 +403,15 @@ pub(crate) fn poison_outputs() -> bool {
     cfg!(debug_assertions) || crate::env::switch_on(crate::env::GPU_POISON)
 }
 
-/// Submits `encoder` (then calls `submitted`), waits until the GPU is done
-/// and returns the float32 words of each of `reads` (buffer, words),
-/// copied through one mappable buffer.
+/// Submits `encoder` after the queued calls held back (then recycles
+/// `staged`, its upload staging), waits until the GPU is done and returns
+/// the float32 words of each of `reads` (buffer, words), copied through
+/// one mappable buffer.
 pub(crate) fn submit_and_read(
     ctx: &Context,
     mut encoder: wgpu::CommandEncoder,
     reads: &[(&wgpu::Buffer, usize)],
-    submitted: impl FnOnce(),
+    staged: Vec<wgpu::Buffer>,
 ) -> Result<Vec<Vec<f32>>> {
     let mut offsets = Vec::with_capacity(reads.len());
     let mut total = 0u64;
@@ -418,8 +430,7 @@ pub(crate) fn submit_and_read(
     let t_submit = Instant::now();
     // Every queued submission before this one is done once it is.
     let before = ctx.queued_count();
-    let index = ctx.queue.submit([encoder.finish()]);
-    submitted();
+    let index = ctx.submit(encoder.finish(), staged);
     record_host("submit", t_submit);
     let t_wait = Instant::now();
     let (tx, rx) = mpsc::channel();

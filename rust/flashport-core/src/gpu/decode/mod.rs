@@ -416,6 +416,7 @@ fn decode_on(
         let last = i + 1 == dispatches.len();
         let reads = ctx.scoped("decoding over a KV cache", || {
             let mut sub = Submission::new(ctx);
+            sub.may_hold();
             let runs: Vec<Option<(usize, std::ops::Range<usize>)>> = match caches {
                 Caches::Arrays(..) => vec![None],
                 Caches::Pools { per_buffer, .. } => runs_of(view, dispatch, per_buffer, true)
