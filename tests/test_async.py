@@ -2,7 +2,8 @@
 once its work is queued on the GPU. Queue order must keep every result
 exact (the same bits as calls that wait), a GPU failure under queued work
 must surface as GpuError and never as stale values, inputs may be dropped
-while their calls are queued, and the queue is bounded."""
+while their calls are queued, and the queue is bounded. Decoding's calls,
+held back in the host and submitted together, keep every one of those."""
 
 from __future__ import annotations
 
@@ -228,22 +229,31 @@ def test_decode_calls_are_held_and_submitted_together(gpu, unpoisoned):
     sid = cache.new_sequence()
     x = to_device(np.arange(64, dtype=np.float32))
     flashport.synchronize()
-    depths = []
+    depths, held = [], []
     for _ in range(2 * MAX_PENDING):
         cache.append_batch([sid], rows, rows)
         depths.append(_core._testing_queued_submissions())
+        held.append(_core._testing_held_calls())
     # Nothing goes to the queue until MAX_PENDING calls are held, then all
     # of them in one submission.
+    steps = [*range(1, MAX_PENDING), 0]
+    assert held == 2 * steps, (
+        "a debug build poisons every output whatever FLASHPORT_GPU_POISON says, "
+        "and each poisoning hands the held calls over: build with --release"
+    )
     assert depths == [0] * (MAX_PENDING - 1) + [1] * MAX_PENDING + [2]
     # A call that is not held takes the held ones with it.
     cache.append_batch([sid], rows, rows)
     assert _core._testing_queued_submissions() == 2
     x.copy()
     assert _core._testing_queued_submissions() == 3
+    assert _core._testing_held_calls() == 0
     # So does synchronize().
     cache.append_batch([sid], rows, rows)
+    assert _core._testing_held_calls() == 1
     flashport.synchronize()
     assert _core._testing_queued_submissions() == 0
+    assert _core._testing_held_calls() == 0
     table = cache.block_table([sid])[0]
     n = 2 * MAX_PENDING + 2
     assert cache.length(sid) == n
@@ -283,27 +293,203 @@ def test_a_chain_of_held_calls_gives_the_bits_of_calls_that_wait(gpu, unpoisoned
     assert not np.array_equal(want[0], want[-1])
 
 
-def test_del_of_inputs_while_their_call_is_held_is_safe(gpu, unpoisoned):
+# Cache lengths of buffer sizes no other test uses, one each.
+@pytest.mark.parametrize(("poison", "n"), [("0", 77), ("1", 93)])
+def test_del_of_inputs_while_their_call_is_held_is_safe(gpu, monkeypatch, poison, n):
     """As test_del_of_inputs_while_their_call_is_queued_is_safe, with the
     call's commands still held when its caches go back to the pool: the
-    copies that take them go to the queue in the same submission, after
-    it."""
+    calls that take them go to the queue in the same submission, after
+    it. Poisoned, the next attention's output (the size of a cache, so
+    one of them) is first filled with NaN by a queue write, which must
+    hand the held call over before it."""
+    monkeypatch.setenv("FLASHPORT_GPU_POISON", poison)
     rng = np.random.default_rng(6)
     q = rng.standard_normal((1, 4, 1, 24), dtype=np.float32)
-    k, v = (rng.standard_normal((1, 2, 93, 24), dtype=np.float32) for _ in range(2))
-    lens = np.array([93], np.int32)
+    k, v = (rng.standard_normal((1, 2, n, 24), dtype=np.float32) for _ in range(2))
+    lens = np.array([n], np.int32)
     want = flashport.attention_with_kvcache(q, k, v, lens, device="gpu")
-    fill = to_device(np.full_like(k, 7.0))
+    filled = np.full_like(k, 7.0)
+    want_filled = flashport.attention(filled, filled, filled, device="gpu")
+    # Every free buffer of the caches' size taken (by arrays of that size
+    # kept to the end), so that the caches' are the only ones once freed.
+    fills = [to_device(filled) for _ in range(64)]
     tq, tk, tv = (to_device(x) for x in (q, k, v))
     flashport.synchronize()
     out = flashport.attention_with_kvcache(tq, tk, tv, lens)
-    assert _core._testing_queued_submissions() == 0, "the call is held"
+    assert _core._testing_held_calls() == 1, "the call is held"
     del tk, tv
     gc.collect()
-    copies = [fill.copy() for _ in range(4)]
+    attended = [flashport.attention(f, f, f) for f in fills[:2]]
+    copies = [f.copy() for f in fills[:4]]
     assert out.numpy().tobytes() == want.tobytes()
+    for a in attended:
+        assert a.numpy().tobytes() == want_filled.tobytes()
     for c in copies:
-        assert np.array_equal(c.numpy(), np.full_like(k, 7.0))
+        assert np.array_equal(c.numpy(), filled)
+
+
+def test_held_calls_from_two_threads_give_the_bits_of_calls_that_wait(gpu, unpoisoned):
+    """Two threads' held calls share the context's held list: each thread's
+    chain still runs in its own order, whichever thread's call hands the
+    other's over."""
+    arrays = chain_inputs()
+    want = run_decode_chain(arrays, device=False)
+    got: list = [None, None]
+    failures: list = []
+
+    def work(i):
+        try:
+            got[i] = run_decode_chain(arrays, device=True)
+        except BaseException as e:  # surfaced by the assertion below
+            failures.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures, failures
+    for chain in got:
+        assert chain is not None and len(chain) == STEPS
+        for step, (g, w) in enumerate(zip(chain, want, strict=True)):
+            assert g.tobytes() == w.tobytes(), f"step {step}"
+
+
+def held_appends(cache, sid, rows):
+    """Appends each of ``rows`` to ``sid`` as a key and a value; checks that
+    the calls were held (nothing submitted since the last synchronize)."""
+    for r in rows:
+        cache.append_batch([sid], r, r)
+    assert _core._testing_held_calls() == len(rows), "the appends are held"
+
+
+def test_a_numpy_call_after_held_calls_sees_their_work(gpu, unpoisoned):
+    """A call with a NumPy argument waits for its own work, so for the held
+    calls before it: they go to the GPU first, in one submission with it."""
+    rng = np.random.default_rng(11)
+    rows = [to_device(rng.standard_normal((1, HEADS, 1, D), dtype=np.float32)) for _ in range(5)]
+    q = rng.standard_normal((1, 2 * HEADS, 1, D), dtype=np.float32)
+
+    def decoded(hold: bool):
+        cache = flashport.KVCache(8, 4, HEADS, D, device="gpu")
+        sid = cache.new_sequence()
+        flashport.synchronize()
+        if hold:
+            held_appends(cache, sid, rows)
+        else:
+            for r in rows:
+                cache.append_batch([sid], r, r)
+                flashport.synchronize()
+        out = cache.attention(q, [sid])
+        assert isinstance(out, np.ndarray) and waited()
+        assert _core._testing_queued_submissions() == 0
+        return out
+
+    want = decoded(hold=False)
+    assert np.isfinite(want).all()
+    assert decoded(hold=True).tobytes() == want.tobytes()
+    # A NumPy key and value of an append are uploaded and the append held;
+    # a read of the pools (a wait) hands it over.
+    cache = flashport.KVCache(8, 4, HEADS, D, device="gpu")
+    sid = cache.new_sequence()
+    flashport.synchronize()
+    held_appends(cache, sid, rows[:2])
+    host = rng.standard_normal((HEADS, 1, D), dtype=np.float32)
+    cache.append(sid, host, host)
+    assert _core._testing_held_calls() == 3, "the NumPy append is held too"
+    keys, values = cache.read_layer(0)
+    block = cache.block_table([sid])[0, 0]
+    for pool in (keys, values):
+        assert np.array_equal(pool[block][:, 2], host[:, 0])
+        assert np.array_equal(
+            pool[block][:, :2], np.concatenate([r.numpy()[0] for r in rows[:2]], 1)
+        )
+
+
+def cache_story(device: str, rows, host_rows, *, sync_each: bool = False):
+    """Writes into a cache's pools by every path while appends may be held
+    on the GPU: appends of DeviceArrays or NumPy rows, a fork's
+    copy-on-write copy, a swap-out (a read) and a swap-in (a write that is
+    not held); with ``sync_each`` a synchronize after each (nothing held).
+    Returns the pools, the block tables, the lengths and a decode."""
+    cache = flashport.KVCache(16, 4, HEADS, D, device=device, swap_blocks=8)
+    a = cache.new_sequence()
+    flashport.synchronize()
+    on = (lambda r: r) if device == "gpu" else (lambda r: r.numpy())
+    steps = [lambda r=r: cache.append_batch([a], on(r), on(r)) for r in rows[:6]]
+    b = []
+    steps += [
+        lambda: b.append(cache.fork(a)),
+        # Sequence b's last block is shared: the append copies it first.
+        lambda: cache.append_batch([b[0]], on(rows[6]), on(rows[6])),
+        lambda: cache.append(a, host_rows[0], host_rows[0]),
+        lambda: cache.swap_out(b[0]),
+        lambda: cache.append_batch([a], on(rows[7]), on(rows[7])),
+        lambda: cache.swap_in(b[0]),
+        lambda: cache.append_batch([b[0]], on(rows[8]), on(rows[8])),
+        lambda: cache.append(b[0], host_rows[1], host_rows[1]),
+    ]
+    for step in steps:
+        step()
+        if sync_each:
+            flashport.synchronize()
+    ids = [a, b[0]]
+    out = cache.attention(np.ones((2, 2 * HEADS, 1, D), np.float32), ids)
+    return cache.read_layer(0), cache.block_table(ids), [cache.length(s) for s in ids], out
+
+
+def test_writes_into_a_cache_by_other_paths_while_appends_are_held(gpu, unpoisoned):
+    """Copy-on-write copies, swaps and NumPy appends between held appends:
+    each sees the writes of the held calls before it and none after, as on
+    the CPU and as with nothing held."""
+    rng = np.random.default_rng(12)
+    rows = [to_device(rng.standard_normal((1, HEADS, 1, D), dtype=np.float32)) for _ in range(9)]
+    host_rows = [rng.standard_normal((HEADS, 1, D), dtype=np.float32) for _ in range(2)]
+    (gk, gv), tables, lengths, held = cache_story("gpu", rows, host_rows)
+    (ck, cv), cpu_tables, cpu_lengths, _ = cache_story("cpu", rows, host_rows)
+    synced = cache_story("gpu", rows, host_rows, sync_each=True)
+    assert lengths == cpu_lengths == [8, 9]
+    assert np.array_equal(tables, cpu_tables)
+    for b, length in enumerate(lengths):
+        table = tables[b][: -(-length // 4)]
+        for got, want in ((gk, ck), (gv, cv)):
+            g = got[table].transpose(1, 0, 2, 3).reshape(HEADS, -1, D)[:, :length]
+            w = want[table].transpose(1, 0, 2, 3).reshape(HEADS, -1, D)[:, :length]
+            assert g.tobytes() == w.tobytes(), b
+    for g, w in zip((gk, gv), synced[0], strict=True):
+        assert g.tobytes() == w.tobytes()
+    assert np.isfinite(held).all() and held.tobytes() == synced[3].tobytes()
+
+
+def test_a_held_call_that_fails_raises_and_drops_the_calls_held_with_it(gpu, unpoisoned):
+    """A held call whose commands wgpu refuses raises GpuError itself, as a
+    call that is submitted at once does; its device is dropped, so the
+    calls held before it never run and their results raise when read
+    (never stale values). The next call opens a fresh device."""
+    arrays = chain_inputs()
+    lens = np.array([KV_LEN], np.int32)
+    want = flashport.attention_with_kvcache(
+        arrays["x"], arrays["kc"], arrays["vc"], lens, device="gpu"
+    )
+    a = {name: to_device(x) for name, x in arrays.items()}
+    cache = flashport.KVCache(8, 4, HEADS, D, device="gpu")
+    sid = cache.new_sequence()
+    flashport.synchronize()
+    cache.append_batch([sid], a["k4"], a["v4"])
+    out = flashport.attention_with_kvcache(a["x"], a["kc"], a["vc"], lens)
+    assert _core._testing_held_calls() == 2, "the calls are held"
+    with pytest.raises(GpuError, match="held call that fails"):
+        _core._testing_held_call_that_fails()
+    with pytest.raises(GpuError, match="lost"):
+        out.numpy()
+    with pytest.raises(GpuError, match="gone"):
+        cache.attention(arrays["x"], [sid])
+    flashport.synchronize()
+    again = flashport.attention_with_kvcache(
+        arrays["x"], arrays["kc"], arrays["vc"], lens, device="gpu"
+    )
+    assert again.tobytes() == want.tobytes()
+    flashport.synchronize()
 
 
 def test_synchronize_is_public_and_takes_a_device_name(gpu):
@@ -370,6 +556,27 @@ def test_a_device_lost_under_queued_calls_raises_when_a_result_is_read(gpu):
     with pytest.raises(GpuError, match="lost"):
         flashport.synchronize()
     # Once raised, the failed device is gone: nothing is left to wait for.
+    flashport.synchronize()
+
+
+def test_a_device_lost_under_held_calls_raises(gpu, unpoisoned):
+    """Held calls whose device is lost before they are handed over: the
+    hand-over at synchronize() fails quietly and synchronize raises, and
+    their results and cache raise when used."""
+    arrays = chain_inputs()
+    a = {name: to_device(x) for name, x in arrays.items()}
+    cache = flashport.KVCache(8, 4, HEADS, D, device="gpu")
+    sid = cache.new_sequence()
+    lens = np.array([KV_LEN], np.int32)
+    flashport.synchronize()
+    cache.append_batch([sid], a["k4"], a["v4"])
+    x = cache.attention(a["x"], [sid])
+    out = flashport.attention_with_kvcache(x, a["kc"], a["vc"], lens)
+    assert _core._testing_held_calls() == 3, "the calls are held"
+    _core._testing_lose_device()
+    with pytest.raises(GpuError, match="lost"):
+        flashport.synchronize()
+    assert_lost_everywhere(a, cache, sid, [x, out])
     flashport.synchronize()
 
 

@@ -157,6 +157,7 @@ def _gpu_kernel_timing(enabled: bool) -> None: ...
 
 # The development build (cargo feature `testing`) also has the test hooks
 # `_testing_set_overrides`, `_testing_lose_device`,
-# `_testing_queued_submissions` and `_testing_open_gpus`; the wheel does
-# not, so they have no stubs
+# `_testing_held_call_that_fails`, `_testing_queued_submissions`,
+# `_testing_held_calls` and `_testing_open_gpus`; the wheel does not, so
+# they have no stubs
 # here (stubtest runs with --ignore-missing-stub).

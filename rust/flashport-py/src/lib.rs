@@ -41,7 +41,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     {
         m.add_function(wrap_pyfunction!(testing::_testing_set_overrides, m)?)?;
         m.add_function(wrap_pyfunction!(testing::_testing_lose_device, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_testing_held_call_that_fails, m)?)?;
         m.add_function(wrap_pyfunction!(testing::_testing_queued_submissions, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_testing_held_calls, m)?)?;
         m.add_function(wrap_pyfunction!(testing::_testing_open_gpus, m)?)?;
     }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

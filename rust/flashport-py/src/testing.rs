@@ -11,6 +11,8 @@ use flashport_core::overrides::{self, Overrides};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
+use crate::detach::run_detached;
+
 /// _testing_set_overrides(**knobs): the calling thread's overrides
 /// (flashport_core::overrides::Overrides), all off when none is given.
 #[pyfunction]
@@ -92,6 +94,14 @@ pub fn _testing_lose_device(py: Python<'_>, index: usize) {
     });
 }
 
+/// _testing_held_call_that_fails(): a queued call on the default GPU that
+/// the context may hold back and whose commands wgpu refuses: GpuError,
+/// and its device dropped (the error-path tests of held calls).
+#[pyfunction]
+pub fn _testing_held_call_that_fails(py: Python<'_>) -> PyResult<()> {
+    run_detached(py, core::gpu::testing::held_call_that_fails)
+}
+
 /// _testing_queued_submissions(index=0) -> int: the GPU submissions queued
 /// without a wait that gpu:index's context has not yet seen finish (the
 /// bound on them is what the tests check).
@@ -99,6 +109,14 @@ pub fn _testing_lose_device(py: Python<'_>, index: usize) {
 #[pyo3(signature = (index=0))]
 pub fn _testing_queued_submissions(index: usize) -> usize {
     core::gpu::testing::queued_submissions(index)
+}
+
+/// _testing_held_calls(index=0) -> int: the queued calls whose commands
+/// gpu:index's context holds back, not yet submitted.
+#[pyfunction]
+#[pyo3(signature = (index=0))]
+pub fn _testing_held_calls(index: usize) -> usize {
+    core::gpu::testing::held_calls(index)
 }
 
 /// _testing_open_gpus() -> list[int]: the indices of the GPUs with a

@@ -654,6 +654,12 @@ impl Context {
         lock(&self.queued).in_flight.len()
     }
 
+    /// The queued calls whose commands are held back now.
+    #[cfg(feature = "testing")]
+    pub(crate) fn held_len(&self) -> usize {
+        lock(&self.pending).commands.len()
+    }
+
     /// Forgets the queued submissions numbered below `count`, done.
     pub(crate) fn done_before(&self, count: u64) {
         let mut queued = lock(&self.queued);

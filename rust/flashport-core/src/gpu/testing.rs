@@ -7,7 +7,7 @@ use super::adapters::Gpu;
 use super::context;
 use super::decode::select::DecodeKernel;
 use super::device_array::{to_device, Resident};
-use super::guard::{guarded, run_on};
+use super::guard::{guarded, run_on, with_context};
 use super::select::{select_backward, select_forward, AdapterCaps, BackwardPlan, ForwardPlan};
 use super::transfer::Submission;
 use crate::array::{Buffer, Slice};
@@ -58,10 +58,35 @@ pub fn lose_device(index: usize) {
     }
 }
 
+/// A queued call on the default GPU that the context may hold back (as it
+/// holds decoding's) and whose commands wgpu refuses when they are
+/// finished (a copy of 2 bytes, not a multiple of 4): a held call that
+/// fails. It
+/// raises, as any call whose work wgpu refuses, and its context is dropped
+/// with the calls held before it, whose arrays then raise when used.
+pub fn held_call_that_fails() -> Result<()> {
+    with_context(Gpu::Best, "a held call that fails", |ctx| {
+        ctx.scoped("a held call that fails", || {
+            let mut sub = Submission::new(ctx);
+            sub.may_hold();
+            let (from, to) = (sub.scratch(16), sub.scratch(16));
+            sub.encoder()
+                .copy_buffer_to_buffer(from.buffer(), 0, to.buffer(), 0, 2);
+            sub.submit_queued()
+        })
+    })
+}
+
 /// The submissions queued without a wait on `gpu:index` that are not yet
 /// known to be done (at most `MAX_QUEUED`); 0 without a context.
 pub fn queued_submissions(index: usize) -> usize {
     context::current(index).map_or(0, |ctx| ctx.queued_len())
+}
+
+/// The queued calls whose commands `gpu:index`'s context holds back, not
+/// yet submitted (at most `MAX_PENDING`); 0 without a context.
+pub fn held_calls(index: usize) -> usize {
+    context::current(index).map_or(0, |ctx| ctx.held_len())
 }
 
 /// The indices of the GPUs with a context open in this process, lost

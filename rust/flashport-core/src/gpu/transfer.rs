@@ -6,14 +6,17 @@
 //! a call records goes to the GPU in one submission.
 //!
 //! A submission that reads nothing back, uploads no host array and is not
-//! timed is queued without waiting (CUDA's asynchronous launches): the
-//! queue runs submissions in order, so a later call, a readback or
-//! [`synchronize`] sees its results. Its buffers go back to the pool as it
-//! is submitted, which is safe for the same reason: a pooled buffer handed
-//! out again is used only by later submissions, and no host write reaches
-//! a device buffer except through the queue (`Queue::write_buffer`, run
-//! before the next submission's commands and after every earlier one's) or
-//! through staging buffers mapped again only once their copies are done.
+//! timed is queued without waiting (CUDA's asynchronous launches), and a
+//! decoding call's may be held back by the context to go to the queue with
+//! later work (`Context::defer`): the queue runs submissions in order, so
+//! a later call, a readback or [`synchronize`] sees its results. Its
+//! buffers go back to the pool as it is submitted or held, which is safe
+//! for the same reason: a pooled buffer handed out again is used only by
+//! later work, and no host write reaches a device buffer except through
+//! the queue (`Queue::write_buffer`, run before the next submission's
+//! commands and after every earlier one's, held ones handed over first:
+//! `Context::write_buffer`) or through staging buffers mapped again only
+//! once their copies are done.
 //! At most `MAX_QUEUED` (context.rs) queued submissions are in flight per
 //! context.
 
@@ -260,14 +263,16 @@ impl<'c> Submission<'c> {
         pass.dispatch_workgroups(x, y, 1);
     }
 
-    /// Submits the work and returns without waiting for the GPU, whose
-    /// results only later work on this queue reads (a KV cache's appends,
-    /// read by the next attention; a call's device outputs). The queue runs
-    /// submissions in order and wgpu keeps every buffer the work uses alive
-    /// until it is done, so the buffers it kept go back to the pool now (see
-    /// the module's comment). Where `MAX_QUEUED` submissions are already
-    /// in flight, waits for the oldest first. A device lost under the work
-    /// surfaces at the next call that waits, or that uses the context.
+    /// Submits the work (or has the context hold it, where
+    /// [`Self::may_hold`] allows) and returns without waiting for the GPU,
+    /// whose results only later work on this queue reads (a KV cache's
+    /// appends, read by the next attention; a call's device outputs). The
+    /// queue runs submissions in order and wgpu keeps every buffer the work
+    /// uses alive until it is done (a held command buffer holds them too),
+    /// so the buffers it kept go back to the pool now (see the module's
+    /// comment). Where `MAX_QUEUED` submissions are already in flight,
+    /// waits for the oldest first. A device lost under the work surfaces at
+    /// the next call that waits, or that uses the context.
     pub fn submit_queued(mut self) -> Result<()> {
         if let Some(uploading) = self.uploading {
             record_host_seconds("upload", uploading.as_secs_f64());
