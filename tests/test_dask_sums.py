@@ -19,7 +19,7 @@ pytest.importorskip("dask.array")
 
 import ml_dtypes
 from conftest import overrides
-from flashport import DTypeError, ShapeError, _core
+from flashport import DTypeError, ProblemTooLargeError, ShapeError, _core
 from flashport.dask import _tasks
 from hypothesis import given
 from hypothesis import strategies as st
@@ -227,6 +227,10 @@ def test_bad_parts_are_refused_by_name():
         _core.sum_widened([a, a], "float64")
     with pytest.raises(TypeError, match=r"parts\[1\] must be a numpy.ndarray, got list"):
         _core.sum_widened([a, [[1.0] * 3] * 2], "float16")
+    # A broadcast view larger than memory: refused before any copy.
+    huge = np.broadcast_to(np.ones(1, F16), (1 << 40, 1 << 20))
+    with pytest.raises(ProblemTooLargeError, match=r"parts\[0\] is not contiguous"):
+        _core.sum_widened([huge, huge], "float16")
     # Through add: shapes that NumPy would broadcast are not a sum of parts.
     with pytest.raises(ShapeError, match=r"parts\[1\] has shape \(3,\)"):
         _tasks.add(a, np.ones(3, F16), dtype=F16)

@@ -8,7 +8,7 @@ use flashport_core::{ArrayInfo, DType, Slice, SumOut};
 
 use crate::arrays::{ArgMeta, Contiguous, Held};
 use crate::detach::run_detached;
-use crate::errors::validated;
+use crate::errors::{to_py_err, validated};
 use numpy::{Element, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -57,21 +57,36 @@ pub(crate) fn sum_widened<'py>(
 
 /// A new C-contiguous NumPy array of `shape` whose elements `write` writes,
 /// every one, before the array reaches Python (on an error it never does).
-/// Made by NumPy's allocator, which asks the kernel for huge pages: a sum
-/// of 16M float32 into a Rust vector took 16,385 page faults and 20 ms of
-/// its 28, where NumPy's own array of that size took 544.
+/// Made by `numpy.empty`: NumPy's allocator asks the kernel for huge
+/// pages (into a Rust vector, a sum of 16M float32 took 16,385 page faults
+/// and 20 ms of its 28; NumPy's array of that size 544), and a failed
+/// allocation is NumPy's MemoryError, not a panic.
 fn new_array<'py, T: Element>(
     py: Python<'py>,
     shape: &[usize],
     write: impl FnOnce(&mut [MaybeUninit<T>]) -> PyResult<()>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    // SAFETY: the elements are plain numbers (no objects to drop), and
-    // the array is handed out only once `write` has written them all.
-    let array = unsafe { PyArrayDyn::<T>::new(py, shape, false) };
+    // Validation has checked that the element count fits in memory's
+    // address range.
+    let bytes = shape.iter().product::<usize>() as u128 * std::mem::size_of::<T>() as u128;
+    if !core::host_memory::admits(bytes) {
+        return Err(to_py_err(
+            py,
+            core::Error::TooLarge(format!(
+                "the sum needs {bytes} bytes of host memory, which could not be allocated{}",
+                core::host_memory::why()
+            )),
+        ));
+    }
+    let array = py
+        .import("numpy")?
+        .call_method1("empty", (shape.to_vec(), T::get_dtype(py)))?
+        .cast_into::<PyArrayDyn<T>>()?;
     let data: &mut [MaybeUninit<T>] = match array.len() {
         0 => &mut [],
         // SAFETY: the array was just made, C-contiguous with `len`
-        // elements, and nothing else holds it while `data` lives.
+        // elements of `T`, and nothing else holds it while `data` lives;
+        // its elements are plain numbers, written before they are read.
         len => unsafe { std::slice::from_raw_parts_mut(array.data().cast(), len) },
     };
     write(data)?;
