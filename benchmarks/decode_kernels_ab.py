@@ -1,6 +1,6 @@
 """A/B of decoding's two GPU kernels in one process: attention_with_kvcache
-on DeviceArrays (32 query heads over 8 key/value heads, d = 128, one query
-row per sequence, full caches), the workgroup kernel (overrides
+on DeviceArrays (by default 32 query heads over 8 key/value heads, d = 128;
+one query row per sequence, full caches), the workgroup kernel (overrides
 no_subgroups=True) against the subgroup kernel in the layouts and split
 counts given, interleaved round by round after a warm-up (an H100's clocks
 ramp up over its first calls). Prints, per case and configuration, the
@@ -19,6 +19,7 @@ script in two processes on the same machine, alternately.
 
 Usage: python benchmarks/decode_kernels_ab.py [--rounds 6] [--calls 15]
        [--shapes 1x131072,8x32768,32x4096] [--paged 16] [--torch]
+       [--heads 32/8] [--dim 128]
        [--configs subgroup,...] [--json out.json]
 
 BENCHMARKS.md ("The subgroup decode kernel (H100)") quotes runs of it.
@@ -69,7 +70,13 @@ def main() -> None:
     ap.add_argument("--paged", type=int, default=0, help="block size (0: contiguous caches)")
     ap.add_argument("--torch", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument(
+        "--heads", default=f"{HEADS_Q}/{HEADS_KV}", help="query/key-value heads (default 32/8)"
+    )
+    ap.add_argument("--dim", type=int, default=D, help="head dimension d = d_v (default 128)")
     args = ap.parse_args()
+    heads_q, heads_kv = (int(x) for x in args.heads.split("/"))
+    d = args.dim
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     configs = {name: CONFIGS[name] for name in args.configs.split(",")}
     base = np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32)
@@ -95,10 +102,10 @@ def main() -> None:
     torch_ms = {}
     for dtype in ("float32", "float16"):
         for b, n in shapes:
-            qh = arr((b, HEADS_Q, 1, D), dtype) * 0.3
-            kh = arr((b, HEADS_KV, n, D), dtype)
-            vh = arr((b, HEADS_KV, n, D), dtype)[:, :, ::-1].copy()
-            kv_bytes = 2 * b * HEADS_KV * n * D * np.dtype(dtype).itemsize
+            qh = arr((b, heads_q, 1, d), dtype) * 0.3
+            kh = arr((b, heads_kv, n, d), dtype)
+            vh = arr((b, heads_kv, n, d), dtype)[:, :, ::-1].copy()
+            kv_bytes = 2 * b * heads_kv * n * d * np.dtype(dtype).itemsize
             if torch is not None:
                 tq, tk, tv = (torch.from_numpy(a).cuda() for a in (qh, kh, vh))
 

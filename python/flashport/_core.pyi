@@ -61,6 +61,7 @@ def merge_states(
     lses: list[_Tensor] | _Tensor,
     device: object,
 ) -> tuple[_Tensor, _Tensor]: ...
+def sum_widened(parts: list[_Float], dtype: str) -> _Float: ...
 def attention_varlen(
     q: _Tensor,
     k: _Tensor,

@@ -64,6 +64,7 @@ pub mod varlen;
 
 pub use array::{Array, Buffer, Input, Placement, Slice};
 pub use attention::{attention, attention_arrays, attention_backward, attention_backward_arrays};
+pub use cpu::sum::{sum_widened, sum_widened_into, SumOut};
 pub use decode::attention_with_kvcache_arrays;
 pub use device::{Device, DEVICE_ENV};
 pub use error::{Error, Result};
@@ -72,9 +73,10 @@ pub use half::{bf16, f16};
 pub use kvcache::KvCache;
 pub use merge::{merge_states, merge_states_arrays};
 pub use output::{BackendGradients, ForwardOutput, Gradients};
+pub use problem::validate_sum;
 pub use problem::{
     validate_backward, validate_forward, validate_merge, ArrayInfo, DType, MergeProblem, Options,
-    Parts, Problem, VariantOptions,
+    Parts, Problem, SumProblem, VariantOptions,
 };
 pub use problem::{validate_kvcache, CacheLayout, IntArray, KvCacheOptions, KvCacheProblem};
 pub use problem::{validate_varlen_backward, validate_varlen_forward, Segments, SeqLens};

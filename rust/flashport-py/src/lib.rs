@@ -13,6 +13,7 @@ mod kvcache;
 mod merge;
 mod numpy_out;
 mod scalars;
+mod sum;
 /// The core's test hooks (cargo feature `testing`: the development build,
 /// never the wheel).
 #[cfg(feature = "testing")]
@@ -30,6 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(merge::merge_states, m)?)?;
+    m.add_function(wrap_pyfunction!(sum::sum_widened, m)?)?;
     m.add_function(wrap_pyfunction!(varlen::attention_varlen, m)?)?;
     m.add_function(wrap_pyfunction!(varlen::attention_varlen_backward, m)?)?;
     m.add_function(wrap_pyfunction!(decode::attention_with_kvcache, m)?)?;

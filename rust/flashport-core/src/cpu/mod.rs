@@ -16,6 +16,7 @@ pub mod scores;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 pub mod softmax;
+pub mod sum;
 pub mod tiles;
 
 mod backward;

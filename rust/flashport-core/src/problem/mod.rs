@@ -643,11 +643,13 @@ pub fn validate_backward(
 
 mod kvcache;
 mod merge;
+mod sum;
 mod variants;
 mod varlen;
 
 pub use kvcache::*;
 pub use merge::*;
+pub use sum::*;
 pub use variants::*;
 pub use varlen::*;
 

@@ -719,3 +719,39 @@ fn merge_errors_name_the_part() {
     );
     assert!(e.contains("outs[0] has dtype int32"), "{e}");
 }
+
+#[test]
+fn sums_take_parts_of_one_shape_in_dtypes_float32_holds() {
+    let (a, b) = ([2, 3], [3, 2]);
+    let mixed = [
+        ArrayInfo::new(&a, "float16"),
+        ArrayInfo::new(&a, "float32"),
+        ArrayInfo::new(&a, "bfloat16"),
+    ];
+    let p = validate_sum(&mixed, "float16").unwrap();
+    assert_eq!(
+        (p.parts, p.len, p.shape, p.dtype),
+        (3, 6, vec![2, 3], DType::F16)
+    );
+    let err = |parts: &[ArrayInfo<'_>], dtype| validate_sum(parts, dtype).unwrap_err();
+    let wrong_shape = [ArrayInfo::new(&a, "float16"), ArrayInfo::new(&b, "float16")];
+    assert_eq!(
+        err(&wrong_shape, "float16").to_string(),
+        "parts[1] has shape (3, 2) but parts[0] has shape (2, 3); every part has the sum's shape"
+    );
+    let wide = [ArrayInfo::new(&a, "float16"), ArrayInfo::new(&a, "float64")];
+    assert!(matches!(
+        err(&wide, "float16"),
+        Error::DType { argument, dtype, .. } if argument == "parts[1]" && dtype == "float64"
+    ));
+    assert!(matches!(
+        err(&mixed, "int8"),
+        Error::DType { argument, .. } if argument == "dtype"
+    ));
+    assert!(matches!(err(&[], "float32"), Error::Shape(_)));
+    let huge = [usize::MAX, 2];
+    assert!(matches!(
+        err(&[ArrayInfo::new(&huge, "float32")], "float32"),
+        Error::TooLarge(_)
+    ));
+}

@@ -12,8 +12,7 @@ use crate::splits::split_keys;
 // The layouts live with the other tiers' tiles; the choice is here.
 pub use crate::gpu::tiles::decode::{
     decode_tiles, subgroup_tiles, AdapterKind, DecodeCaps, DecodeTiles, SubgroupKnobs,
-    SubgroupTiles, MAX_HEAD_DIM, PREFETCH_WORDS, SUBGROUP_KEYS, SUBGROUP_MAX_LANES,
-    SUBGROUP_MAX_QUADS,
+    SubgroupTiles, HALVES_PASS_WORDS, MAX_HEAD_DIM, SUBGROUP_MAX_LANES, SUBGROUP_MAX_QUADS,
 };
 
 /// Which decode kernel runs, with its layout.
@@ -398,18 +397,29 @@ mod tests {
         assert_eq!((t.vec4, t.pass_load_words(), t.prefetch), (true, 32, false));
         // Every lane's quad lies within d and d_v: no load tests its quad.
         assert_eq!((t.whole_k, t.whole_v), (true, true));
-        // float16: the same layout, quads of halves (16 words a lane), the
-        // next pass's loads in flight during this one.
+        // float16: the same walkers, quads of halves, 8 keys a pass (32
+        // words a lane), the next pass's loads in flight during this one.
         let half = subgroup_tiles(128, 128, 4, true, H100, SubgroupKnobs::default()).unwrap();
         assert_eq!(
             half,
             SubgroupTiles {
                 f16: true,
+                keys: 8,
                 prefetch: true,
                 ..t
             }
         );
-        assert_eq!(half.pass_load_words(), 16);
+        assert_eq!(half.pass_load_words(), 32);
+        // Two quads a lane: 8 keys are 64 words, as many as a pass of
+        // halves takes; four quads: 4 keys. float32 stays at 4 keys
+        // without the prefetch.
+        let wide = |d: usize, f16: bool| {
+            let t = subgroup_tiles(d, d, 4, f16, H100, SubgroupKnobs::default()).unwrap();
+            (t.quads, t.keys, t.pass_load_words(), t.prefetch)
+        };
+        assert_eq!(wide(256, true), (2, 8, HALVES_PASS_WORDS, true));
+        assert_eq!(wide(512, true), (4, 4, HALVES_PASS_WORDS, true));
+        assert_eq!(wide(256, false), (2, 4, 64, false));
         // Rows of a multiple of 4 elements, read element by element
         // otherwise: widened as they load, four words a quad.
         let odd = subgroup_tiles(66, 66, 4, true, H100, SubgroupKnobs::default()).unwrap();

@@ -276,14 +276,17 @@ impl SubgroupTiles {
     }
 }
 
-/// The most registers per lane the next pass's loads may take for the
-/// subgroup kernel to prefetch them. Measured on an H200 (32 query / 8 KV
-/// heads, d = 128, paged block 16, decode kernel timestamps): float16
-/// quads (16 words) prefetched took 0.343 ms against 0.384 at 1 x 131072,
-/// 0.665 against 0.750 at 8 x 32768; float32 quads (32 words) 0.623
-/// against 0.401 and 1.217 against 0.783 (148 registers a lane against
-/// fewer: half the workgroups an SM holds).
-pub const PREFETCH_WORDS: u32 = 16;
+/// The most registers per lane one pass's loads of keys and values may
+/// take where the subgroup kernel keeps float16 quads as halves (two words
+/// a quad): such a walker takes 8 keys a pass and prefetches the next
+/// pass's loads while they fit, 4 keys otherwise. Every other layout
+/// (float32, rows read element by element) takes 4 keys and no prefetch.
+/// Measured on an H200 with the whole-pass fetch (session 25, decode
+/// kernel timestamps; BENCHMARKS.md, "The subgroup decode kernel,
+/// reduce-scatter", and docs/gpu.md): for float16 the fastest of four
+/// layouts or close to it across head counts and head dimensions up to
+/// 256 (64 words a pass); float32 lost with 8 keys a pass.
+pub const HALVES_PASS_WORDS: u32 = 64;
 
 /// Choices the subgroup kernel's layout otherwise makes itself (the test
 /// and benchmark overrides `decode_workgroup`, `decode_keys`,
@@ -300,9 +303,6 @@ pub struct SubgroupKnobs {
     pub prefetch: Option<bool>,
 }
 
-/// Keys a walker loads per pass by default.
-pub const SUBGROUP_KEYS: u32 = 4;
-
 /// The subgroup kernel's layout for head dimensions `d`, `d_v` and
 /// `group_rows` query rows per (sequence, key/value head), float16 caches
 /// or not, on an adapter whose subgroups have a known size: best first,
@@ -310,10 +310,8 @@ pub const SUBGROUP_KEYS: u32 = 4;
 /// lanes as the wider head dimension has quads (a power of two, at least
 /// the rows and 4, at most the subgroup, [`SUBGROUP_MAX_LANES`] and
 /// `knobs.lanes`), each lane holding the rest of a row in up to
-/// [`SUBGROUP_MAX_QUADS`] quads; [`SUBGROUP_KEYS`] keys per pass, the next
-/// pass's loads prefetched where they take at most [`PREFETCH_WORDS`]
-/// registers; the
-/// largest workgroup of whole subgroups up to 128 invocations whose
+/// [`SUBGROUP_MAX_QUADS`] quads; keys per pass and the prefetch as
+/// [`HALVES_PASS_WORDS`] says; the largest workgroup of whole subgroups up to 128 invocations whose
 /// walkers' states fit the workgroup memory. `None` without subgroups of
 /// a known size (of 4 lanes or more), past the widest row the named
 /// registers hold, or when nothing fits (with the knobs given): the host
@@ -334,10 +332,11 @@ pub fn subgroup_tiles(
     let widest = subgroup
         .min(SUBGROUP_MAX_LANES)
         .min(knobs.lanes.map_or(u32::MAX, |l| 1 << l.max(1).ilog2()));
-    let keys = knobs.keys.unwrap_or(SUBGROUP_KEYS);
-    if keys != 4 && keys != 8 {
+    if knobs.keys.is_some_and(|k| k != 4 && k != 8) {
         return None;
     }
+    // float16 quads kept as halves, as loaded (`pass_load_words`).
+    let halves = vec4 && f16;
     let most_rows = group_rows.clamp(1, 8).next_power_of_two() as u32;
     let (workgroup, largest) = (knobs.workgroup, knobs.workgroup.unwrap_or(128));
     for rows in [8u32, 4, 2, 1].into_iter().filter(|&r| r <= most_rows) {
@@ -356,7 +355,7 @@ pub fn subgroup_tiles(
                 workgroup: wg,
                 lanes,
                 quads,
-                keys,
+                keys: 8,
                 rows,
                 vec4,
                 f16,
@@ -364,9 +363,13 @@ pub fn subgroup_tiles(
                 whole_k: vec4 && d == 4 * (lanes * quads) as usize,
                 whole_v: vec4 && dv == 4 * (lanes * quads) as usize,
             };
+            if !(halves && t.pass_load_words() <= HALVES_PASS_WORDS) {
+                t.keys = 4;
+            }
+            t.keys = knobs.keys.unwrap_or(t.keys);
             t.prefetch = knobs
                 .prefetch
-                .unwrap_or(t.pass_load_words() <= PREFETCH_WORDS);
+                .unwrap_or(halves && t.pass_load_words() <= HALVES_PASS_WORDS);
             if wg % subgroup == 0
                 && wg <= caps.max_invocations
                 && t.workgroup_bytes() + SPARE_BYTES <= caps.workgroup_storage_bytes as u64
