@@ -121,3 +121,39 @@ def test_gpu_kvcache_larger_than_the_gpu_is_refused_at_once(gpu):
     # The GPU keeps working.
     cache = flashport.KVCache(4, 16, 2, 8, device="gpu")
     assert cache.num_free_blocks == 4
+
+
+def _vm_flags(address: int) -> list[str] | None:
+    """The VmFlags of the mapping that holds `address` (Linux), else None."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    inside = start <= address < end
+                elif inside and head == "VmFlags:":
+                    return line.split()[1:]
+    except OSError:
+        return None
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_large_outputs_ask_for_huge_pages_as_numpy_arrays_do():
+    # NumPy advises its arrays of 4 MiB or more MADV_HUGEPAGE ("hg"); the
+    # extension's allocator does the same for the outputs it hands over
+    # (rust/flashport-py/src/alloc.rs), which were 4 KiB page faults.
+    reference = np.empty(2 << 20, dtype=np.float32)
+    flags = _vm_flags(reference.ctypes.data + reference.nbytes // 2)
+    if flags is None or "hg" not in flags:
+        pytest.skip("NumPy's own arrays get no huge-page advice here")
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 16384, 64), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 16, 64), dtype=np.float32)
+    o = flashport.attention(q, k, k, device="cpu")
+    merged, _ = flashport.merge_states(np.stack([o, o]), np.zeros((2, 1, 2, 16384), np.float32))
+    for out in (o, merged):
+        assert out.nbytes >= 4 << 20
+        assert "hg" in (_vm_flags(out.ctypes.data + out.nbytes // 2) or [])

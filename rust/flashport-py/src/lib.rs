@@ -3,6 +3,7 @@
 //! Python exceptions. No attention logic lives here. One file a concept;
 //! this one only registers them.
 
+mod alloc;
 mod arrays;
 mod attention;
 mod decode;
@@ -22,6 +23,10 @@ mod variants;
 mod varlen;
 
 use pyo3::prelude::*;
+
+/// Huge pages for large blocks, as NumPy asks for its arrays (see alloc.rs).
+#[global_allocator]
+static ALLOCATOR: alloc::HugePagesForLarge = alloc::HugePagesForLarge;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
