@@ -110,28 +110,34 @@ def test_a_chain_of_queued_calls_gives_the_bits_of_calls_that_wait(gpu, dtype):
     assert not np.array_equal(numpy[0][1], numpy[-1][1])
 
 
+def in_two_threads(work):
+    """``work()``'s results from two threads started together; an exception
+    in either fails the test."""
+    got: list = [None, None]
+    failures: list = []
+
+    def run(i):
+        try:
+            got[i] = work()
+        except BaseException as e:  # surfaced by the assertion below
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures, failures
+    return got
+
+
 def test_queued_calls_from_two_threads_give_the_bits_of_calls_that_wait(gpu):
     """Two threads queue dependent chains at once: the context's submitter
     takes both threads' calls as they come, and each chain still runs in
     its own order, with the bits of calls that wait."""
     arrays = chain_inputs()
     want = run_chain(arrays, device=False)
-    got: list = [None, None]
-    failures: list = []
-
-    def work(i):
-        try:
-            got[i] = run_chain(arrays, device=True)
-        except BaseException as e:  # surfaced by the assertion below
-            failures.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not failures, failures
-    for chain in got:
+    for chain in in_two_threads(lambda: run_chain(arrays, device=True)):
         assert chain is not None and len(chain) == STEPS
         for step, (a, b) in enumerate(zip(chain, want, strict=True)):
             for g, w, name in zip(a, b, ("t", "x"), strict=True):
@@ -334,22 +340,7 @@ def test_held_calls_from_two_threads_give_the_bits_of_calls_that_wait(gpu, unpoi
     other's over."""
     arrays = chain_inputs()
     want = run_decode_chain(arrays, device=False)
-    got: list = [None, None]
-    failures: list = []
-
-    def work(i):
-        try:
-            got[i] = run_decode_chain(arrays, device=True)
-        except BaseException as e:  # surfaced by the assertion below
-            failures.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not failures, failures
-    for chain in got:
+    for chain in in_two_threads(lambda: run_decode_chain(arrays, device=True)):
         assert chain is not None and len(chain) == STEPS
         for step, (g, w) in enumerate(zip(chain, want, strict=True)):
             assert g.tobytes() == w.tobytes(), f"step {step}"
