@@ -91,6 +91,21 @@ def raw_regs():
     return "\n".join(out)
 
 
+def loads(j, row):
+    """Key j's quads of its key and value rows, cache row `row`."""
+    out = []
+    for n in UNITS:
+        out += guarded(
+            "",
+            unit_guard(n),
+            [
+                f"kr{j}_{n} = load_k_raw({row}, {unit_of(n)});",
+                f"vr{j}_{n} = load_v_raw({row}, {unit_of(n)});",
+            ],
+        )
+    return out
+
+
 def fetch(pad, kb, entry=None):
     """The loads of the pass whose walker starts at key `kb`: zeros past
     key_end and for blocks not bound, each key tested only where the pass
@@ -108,17 +123,7 @@ def fetch(pad, kb, entry=None):
     # "The subgroup decode kernel"); the others test each key.
     whole = []
     for j in range(8):
-        body = []
-        for n in UNITS:
-            body += guarded(
-                "",
-                unit_guard(n),
-                [
-                    f"kr{j}_{n} = load_k_raw(run + {j}u, {unit_of(n)});",
-                    f"vr{j}_{n} = load_v_raw(run + {j}u, {unit_of(n)});",
-                ],
-            )
-        whole += guarded("", key_guard(j), body)
+        whole += guarded("", key_guard(j), loads(j, f"run + {j}u"))
     out.append(pad + f"if !SKIPS && run != NONE && {kb} + KPI <= key_end {{")
     out.append(pad + "    ok_n = (1u << KPI) - 1u;")
     out += [pad + "    " + x for x in whole]
@@ -136,14 +141,7 @@ def fetch(pad, kb, entry=None):
             zero += guarded(
                 "", unit_guard(n), [f"kr{j}_{n} = raw_zero();", f"vr{j}_{n} = raw_zero();"]
             )
-            inner += guarded(
-                "",
-                unit_guard(n),
-                [
-                    f"kr{j}_{n} = load_k_raw(row, {unit_of(n)});",
-                    f"vr{j}_{n} = load_v_raw(row, {unit_of(n)});",
-                ],
-            )
+        inner += loads(j, "row")
         body = [f"let key = {kb} + {j}u;", *zero, "if key < key_end && bound(b, key) {"]
         body += ["    " + x for x in inner] + ["}"]
         out += block(pad + "    ", key_guard(j), body)
